@@ -1,0 +1,89 @@
+"""create_app(config): the FastAPI application, its lifespan, and the one error -> HTTP map.
+
+Imports: api.*, service.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from posttrain.api.routes import (
+    model_resources,
+    operations,
+    payloads,
+    sessions,
+    supported_models,
+)
+from posttrain.config import ServerConfig
+from posttrain.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+    Unsupported,
+    posttrainError,
+)
+from posttrain.service import build_services
+
+log = logging.getLogger("posttrain.api")
+
+# (HTTP status, ErrorData.type) per error class (api.md 6.1, 6.2).
+STATUS = {
+    InvalidRequest: (400, "invalid_request_error"),
+    Unsupported: (400, "invalid_request_error"),
+    Unauthorized: (401, "authentication_error"),
+    NotFound: (404, "not_found_error"),
+    Conflict: (422, "conflict_error"),
+}
+
+
+def error_response(status: int, kind: str, message: str, param: str | None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(status_code=status, content=body)
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.services = build_services(config)
+        try:
+            yield
+        finally:
+            app.state.services.close()
+
+    app = FastAPI(title="posttrain", lifespan=lifespan)
+
+    @app.exception_handler(posttrainError)
+    async def handle_posttrain_error(request: Request, exc: posttrainError) -> JSONResponse:
+        for cls, (status, kind) in STATUS.items():
+            if isinstance(exc, cls):
+                return error_response(status, kind, exc.message, exc.param)
+        log.exception("unexpected %s", type(exc).__name__, exc_info=exc)
+        return error_response(500, "server_error", exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def handle_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        location = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "header"))
+        return error_response(400, "invalid_request_error", f"{location}: {first['msg']}", location)
+
+    for router in (
+        supported_models.router,
+        model_resources.router,
+        sessions.router,
+        operations.router,
+        payloads.router,
+    ):
+        app.include_router(router)
+
+    @app.get("/healthz")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,76 @@
+"""FastAPI dependencies: the caller's identity, strict JSON bodies, and the services.
+
+Imports: service, errors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from posttrain.errors import InvalidRequest, Unauthorized
+from posttrain.service import Services
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services
+
+
+def current_user(request: Request) -> str:
+    """Single-user mode accepts any non-empty bearer key; with keys configured, only those."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise Unauthorized("missing bearer API key", param="Authorization")
+    config = services(request).config
+    if config.api_keys and key.strip() not in config.api_keys:
+        raise Unauthorized("unknown API key", param="Authorization")
+    return config.user_id
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"non-standard JSON number {name} is not allowed", param="body")
+
+
+def loads_strict(raw: bytes) -> dict[str, Any]:
+    """JSON object from a request body; empty means {} (the SDK POSTs some routes bodiless);
+    NaN and Infinity are rejected."""
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", param="body") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("request body must be a JSON object", param="body")
+    return value
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    return loads_strict(await request.body())
+
+
+def parse(model: type[M], body: dict[str, Any]) -> M:
+    """Validate a body against a wire model; the first error names its field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        location = ""
+        for part in first["loc"]:
+            location += f"[{part}]" if isinstance(part, int) else (f".{part}" if location else part)
+        message = first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = "unknown field"
+        raise InvalidRequest(f"{location or 'body'}: {message}", param=location or None) from None
+
+
+# Annotated dependencies, so route signatures stay short and free of call defaults.
+ServicesDep = Annotated[Services, Depends(services)]
+UserDep = Annotated[str, Depends(current_user)]
+BodyDep = Annotated[dict, Depends(json_body)]

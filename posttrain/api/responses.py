@@ -1,0 +1,161 @@
+"""Domain records -> response JSON in the SDK 3.1.1 shapes, every required field written out.
+
+Zero values are always emitted (api.md 0.3): `step: 0`, `pending_publish: false`, `[]`, `{}`.
+Imports: types, engine.interface types via service (ModelInfo is a plain value).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from posttrain.types import (
+    CheckpointRef,
+    ErrorInfo,
+    OperationKind,
+    OperationRecord,
+    ResourceRecord,
+    SessionRecord,
+)
+
+
+def timestamp(epoch_s: float) -> str:
+    """RFC 3339 in UTC with a Z suffix."""
+    moment = datetime.fromtimestamp(epoch_s, tz=UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _error(error: ErrorInfo) -> dict[str, Any]:
+    return {
+        "code": error.code,
+        "message": error.message,
+        "occurred_at": timestamp(error.occurred_at),
+    }
+
+
+def resource_json(r: ResourceRecord) -> dict[str, Any]:
+    optimizer: dict[str, Any] = (
+        {"adam": {}} if r.muon_scaling is None else {"muon": {"scaling_strategy": r.muon_scaling}}
+    )
+    out: dict[str, Any] = {
+        "id": r.id,
+        "base_model": r.base_model,
+        "compute_config": {
+            "num_generator_replicas": r.num_generator_replicas,
+            "gpu_type": r.gpu_type,
+        },
+        "created_at": timestamp(r.created_at),
+        "created_by": r.created_by,
+        "inactive_timeout": r.inactive_timeout,
+        "lora_enabled": r.lora_enabled,
+        "optimizer_config": optimizer,
+        "status": r.status.value,
+        "status_details": {},
+        "updated_at": timestamp(r.updated_at),
+    }
+    if r.expires_at is not None:
+        out["expires_at"] = timestamp(r.expires_at)
+    if r.error is not None:
+        out["error"] = _error(r.error)
+    return out
+
+
+def _checkpoint_ref(c: CheckpointRef) -> dict[str, Any]:
+    return {"id": c.id, "created_at": timestamp(c.created_at), "step": c.step}
+
+
+def session_json(s: SessionRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": s.id,
+        "base_model": s.base_model,
+        "created_at": timestamp(s.created_at),
+        "updated_at": timestamp(s.updated_at),
+        "created_by": s.created_by,
+        "inference_checkpoints": [_checkpoint_ref(c) for c in s.inference_checkpoints],
+        "training_checkpoints": [_checkpoint_ref(c) for c in s.training_checkpoints],
+        "metadata": s.metadata,
+        "model_resources_id": s.resource_id,
+        "policy_state": {
+            "trainer_step": s.policy_state.trainer_step,
+            "target_weights_version": s.policy_state.target_weights_version,
+            "applied_weights_version": s.policy_state.applied_weights_version,
+            "pending_publish": s.policy_state.pending_publish,
+        },
+        "status": s.status.value,
+        "step": s.step,
+    }
+    if s.display_name is not None:
+        out["display_name"] = s.display_name
+    if s.lora_config is not None:
+        out["lora_config"] = {
+            "rank": s.lora_config.rank,
+            "alpha": s.lora_config.alpha,
+            "dropout": s.lora_config.dropout,
+            "seed": s.lora_config.seed,
+            "train_unembed": s.lora_config.train_unembed,
+        }
+    if s.resume_from_checkpoint_id is not None:
+        out["resume_from_checkpoint_id"] = s.resume_from_checkpoint_id
+    if s.error is not None:
+        out["error"] = _error(s.error)
+    return out
+
+
+def _forward_backward_output(output: dict[str, Any]) -> dict[str, Any]:
+    outputs = output.get("loss_fn_outputs") or []
+    return {
+        "loss": output["loss"],
+        "metrics": output["metrics"],
+        "loss_fn_outputs": [
+            {"tensors": {"logprobs": {"data": values, "dtype": "float32"}}} for values in outputs
+        ],
+    }
+
+
+def _sample_output(output: dict[str, Any]) -> dict[str, Any]:
+    results = []
+    for result in output["results"]:
+        item: dict[str, Any] = {
+            "policy_segments": result["policy_segments"],
+            "sequences": result["sequences"],
+        }
+        if result.get("prompt_logprobs") is not None:
+            item["prompt_logprobs"] = result["prompt_logprobs"]
+        if result.get("topk_prompt_logprobs") is not None:
+            item["topk_prompt_logprobs"] = result["topk_prompt_logprobs"]
+        results.append(item)
+    return {"results": results}
+
+
+OUTPUT_SHAPES = {
+    OperationKind.FORWARD_BACKWARD: _forward_backward_output,
+    OperationKind.SAMPLE: _sample_output,
+}
+
+
+def operation_json(op: OperationRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": op.id, "status": op.status.value}
+    if op.output is not None:
+        shape = OUTPUT_SHAPES.get(op.kind)
+        out["output"] = shape(op.output) if shape else op.output
+    if op.error_code is not None:
+        out["error"] = {"code": op.error_code.value, "message": op.error_message or ""}
+    return out
+
+
+def page(items: list[dict[str, Any]], *, limit: int, after: str | None) -> dict[str, Any]:
+    """Cursor pagination over newest-first items: `after` is the id of the previous page's last."""
+    start = 0
+    if after:
+        ids = [item["id"] for item in items]
+        start = ids.index(after) + 1 if after in ids else len(items)
+    chunk = items[start : start + limit]
+    has_more = start + limit < len(items)
+    return {
+        "data": chunk,
+        "meta": {
+            "has_more": has_more,
+            "limit": limit,
+            "next_cursor": chunk[-1]["id"] if has_more and chunk else "",
+        },
+    }

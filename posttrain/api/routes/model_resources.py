@@ -1,0 +1,102 @@
+"""Model-resource routes: create, list, retrieve, estimate-cost, extend-expiry, stop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+
+from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
+from posttrain.api.responses import page, resource_json
+from posttrain.api.schemas import ExtendExpiryIn, ResourceCreateIn
+
+router = APIRouter(prefix="/v1/rl/model-resources")
+
+DEFAULT_INACTIVE_TIMEOUT_S = 3600
+
+
+def split_statuses(status: str | None) -> set[str] | None:
+    """Comma format (api.md 0.4)."""
+    return None if not status else {s for s in status.split(",") if s}
+
+
+@router.post("")
+def create(
+    *,
+    body: BodyDep,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    request = parse(ResourceCreateIn, body)
+    compute = request.compute_config
+    replicas = (
+        1
+        if compute is None or compute.num_generator_replicas is None
+        else (compute.num_generator_replicas)
+    )
+    record = svc.resources.create(
+        user,
+        base_model=request.base_model,
+        lora_enabled=True if request.lora_enabled is None else request.lora_enabled,
+        num_generator_replicas=replicas,
+        inactive_timeout=request.inactive_timeout or DEFAULT_INACTIVE_TIMEOUT_S,
+        muon_scaling=request.muon_scaling(),
+    )
+    return resource_json(record)
+
+
+@router.post("/estimate-cost")
+def estimate_cost(
+    *,
+    body: BodyDep,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    parse(ResourceCreateIn, body)
+    # Self-hosted: the hardware is already paid for.
+    return {"currency": "USD", "price_per_hour": 0.0}
+
+
+@router.get("")
+def list_resources(
+    *,
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
+    status: str | None = None,
+    created_by: str | None = None,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    records = svc.resources.list(user, split_statuses(status))
+    if created_by not in (None, "me", user):
+        records = []
+    return page([resource_json(r) for r in records], limit=limit, after=after)
+
+
+@router.get("/{resource_id}")
+def retrieve(*, resource_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
+    return resource_json(svc.resources.get(user, resource_id))
+
+
+@router.post("/{resource_id}/extend-expiry")
+def extend_expiry(
+    *,
+    resource_id: str,
+    body: BodyDep,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    request = parse(ExtendExpiryIn, body)
+    return resource_json(svc.resources.extend_expiry(user, resource_id, request.seconds))
+
+
+@router.post("/{resource_id}/stop")
+def stop(
+    *,
+    resource_id: str,
+    force: bool = False,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    record = svc.resources.stop(user, resource_id, force=force, stop_session=svc.sessions.stop)
+    return resource_json(record)

@@ -1,0 +1,58 @@
+"""Large-payload offload routes (api.md 1.6): upload-url and download-url for the SDK, and the
+signed PUT/GET URLs they hand out, which the SDK calls without an Authorization header."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+
+from posttrain.api.deps import ServicesDep, UserDep
+
+router = APIRouter(prefix="/v1/rl")
+
+
+@router.post("/training-sessions/{session_id}/payloads/upload-url")
+def upload_url(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
+    payload_id, url = svc.payloads.create_upload(user, session_id)
+    return {"payload_id": payload_id, "upload_url": url}
+
+
+@router.post("/training-sessions/{session_id}/payloads/{payload_id}/download-url")
+def download_url(
+    *,
+    session_id: str,
+    payload_id: str,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    return {"download_url": svc.payloads.download_url(user, session_id, payload_id)}
+
+
+@router.put("/payloads/{payload_id}")
+async def put_payload(
+    *,
+    payload_id: str,
+    request: Request,
+    expires: str | None = None,
+    sig: str | None = None,
+    svc: ServicesDep,
+) -> dict[str, Any]:
+    path = svc.payloads.authorize("PUT", payload_id, expires, sig)
+    body = await request.body()
+    await run_in_threadpool(svc.payloads.write, path, body)
+    return {"payload_id": payload_id, "size": len(body)}
+
+
+@router.get("/payloads/{payload_id}")
+def get_payload(
+    *,
+    payload_id: str,
+    expires: str | None = None,
+    sig: str | None = None,
+    svc: ServicesDep,
+) -> FileResponse:
+    path = svc.payloads.authorize("GET", payload_id, expires, sig)
+    return FileResponse(path, media_type="application/json")

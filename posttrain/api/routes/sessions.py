@@ -1,0 +1,87 @@
+"""Training-session routes: create, list, retrieve, update, stop."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from fastapi import APIRouter, Query
+
+from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
+from posttrain.api.responses import page, session_json
+from posttrain.api.routes.model_resources import split_statuses
+from posttrain.api.schemas import SessionCreateIn, SessionUpdateIn
+from posttrain.errors import InvalidRequest
+
+router = APIRouter(prefix="/v1/rl/training-sessions")
+
+
+@router.post("")
+def create(
+    *,
+    body: BodyDep,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    request = parse(SessionCreateIn, body)
+    if request.load_optimizer is not None and request.resume_from_checkpoint_id is None:
+        raise InvalidRequest(
+            "load_optimizer only applies with resume_from_checkpoint_id", param="load_optimizer"
+        )
+    lora = request.lora_config.to_domain(secrets.randbelow(2**31)) if request.lora_config else None
+    record = svc.sessions.create(
+        user,
+        resource_id=request.model_resources_id,
+        lora=lora,
+        display_name=request.display_name,
+        metadata=request.metadata.to_domain() if request.metadata else {},
+        resume_from_checkpoint_id=request.resume_from_checkpoint_id,
+    )
+    return session_json(record)
+
+
+@router.get("")
+def list_sessions(
+    *,
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
+    status: str | None = None,
+    model_resources_id: str | None = None,
+    created_by: str | None = None,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    records = svc.sessions.list(
+        user, resource_id=model_resources_id, statuses=split_statuses(status)
+    )
+    if created_by not in (None, "me", user):
+        records = []
+    return page([session_json(s) for s in records], limit=limit, after=after)
+
+
+@router.get("/{session_id}")
+def retrieve(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
+    return session_json(svc.sessions.get(user, session_id))
+
+
+@router.patch("/{session_id}")
+def update(
+    *,
+    session_id: str,
+    body: BodyDep,
+    svc: ServicesDep,
+    user: UserDep,
+) -> dict[str, Any]:
+    request = parse(SessionUpdateIn, body)
+    metadata = None
+    if request.metadata is not None and request.metadata.wandb is not None:
+        metadata = {"wandb": request.metadata.wandb.model_dump(exclude_none=True)}
+    record = svc.sessions.update(
+        user, session_id, display_name=request.display_name, metadata=metadata
+    )
+    return session_json(record)
+
+
+@router.post("/{session_id}/stop")
+def stop(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
+    return session_json(svc.sessions.stop(user, session_id))

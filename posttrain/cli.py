@@ -1,0 +1,70 @@
+"""The `posttrain` command: flags and env -> ServerConfig, then serve create_app(config).
+
+Imports: config, api.app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from posttrain.config import (
+    BUILTIN_MODEL_DIR,
+    BUILTIN_MODEL_ID,
+    ModelSpec,
+    build_config,
+    model_spec_from_path,
+)
+from posttrain.errors import InvalidRequest
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="posttrain", description=__doc__)
+    commands = root.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the /v1/rl API")
+    serve.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="TCP port (8000)")
+    serve.add_argument("--data-dir", type=Path, default=None, help="store directory")
+    serve.add_argument("--api-key", default=None, help="accept only this bearer key")
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="add a local Hugging Face causal-LM directory (repeatable)",
+    )
+    serve.add_argument("--device", default=None, help="auto, cpu or cuda")
+    serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
+    return root
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from posttrain.api.app import create_app
+    from posttrain.config import EngineConfig
+
+    models = [ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR)]
+    models += [model_spec_from_path(path) for path in args.model]
+    config = build_config(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        api_keys=(args.api_key,) if args.api_key else None,
+        models=tuple(models),
+        engine=EngineConfig(device=args.device) if args.device else None,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            serve(args)
+    except InvalidRequest as exc:
+        print(f"posttrain: {exc.message}", file=sys.stderr)
+        sys.exit(2)

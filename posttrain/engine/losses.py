@@ -1,0 +1,539 @@
+"""Built-in losses: a table of pure functions from per-token logprobs to a scalar and metrics.
+
+The math is ../shared/reference/losses.md (section numbers below refer to it). Every loss sees
+the whole request padded to [S, T] and returns the exact scalar that is back-propagated, plus
+the inclusion mask that decides which logprobs are reported (others are reported as 0.0).
+
+Reduction (losses.md 1.4): plain sums for every loss but GRPO, which normalises per agg_type.
+
+Safe masking (losses.md 1.3): every input, the current logprobs included, is selected to 0 at
+excluded positions *before* any arithmetic. Each per-token value and gradient coefficient there is
+then exactly 0, so a NaN/inf at an excluded position (placeholder logprobs, padding) reaches
+neither the loss nor the gradient; multiplying by the mask afterwards would not be enough, since
+the backward of an overflowed exp is NaN even where its output is discarded.
+
+This module also owns the validation of a loss config against its inputs (losses.md 1.2, 1.5)
+that needs no model: `validate_loss_inputs` and `REQUIRED_INPUTS`. Lengths, dtypes and the
+target_tokens range are checked by the api layer; non-finite results by the engine.
+
+Legend: S = samples in the request, T = longest sample (padded positions have valid_ST False).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from posttrain.errors import InvalidRequest
+from posttrain.types import (
+    CispoParams,
+    DppoParams,
+    DroParams,
+    GrpoAggregation,
+    GrpoParams,
+    GrpoRatioType,
+    LossConfig,
+    LossParams,
+    LossType,
+    PpoParams,
+)
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """Per-position inputs of one request, padded to [S, T] (float32; padding is 0).
+
+    Optional tensors are None when the request did not send that loss_fn_inputs key."""
+
+    valid_ST: Tensor  # bool: position t exists in sample s (t < N_s)
+    weights_ST: Tensor | None = None
+    mask_ST: Tensor | None = None
+    sampler_logprobs_ST: Tensor | None = None  # wire key `logprobs`
+    advantages_ST: Tensor | None = None
+    reference_logprobs_ST: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    loss: Tensor  # scalar; exactly what is back-propagated and reported
+    metrics: dict[str, float]
+    included_ST: Tensor  # bool: positions whose logprobs are reported (others report 0.0)
+
+
+LossFn = Callable[[Tensor, LossBatch, LossParams], LossOutput]
+
+_ParamsT = TypeVar("_ParamsT", PpoParams, CispoParams, DppoParams, GrpoParams)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def policy_inclusion(batch: LossBatch) -> Tensor:
+    """m of losses.md 1.3 for policy losses: weights or mask binarised, else every position."""
+    if batch.weights_ST is not None:
+        return batch.valid_ST & (batch.weights_ST != 0)
+    if batch.mask_ST is not None:
+        return batch.valid_ST & (batch.mask_ST != 0)
+    return batch.valid_ST
+
+
+def _require(tensor: Tensor | None, key: str) -> Tensor:
+    assert tensor is not None, f"loss_fn_inputs[{key!r}] must be validated before the loss runs"
+    return tensor
+
+
+def _params(params: LossParams, params_type: type[_ParamsT]) -> _ParamsT:
+    """The loss's params, or its defaults when the request sent none (DRO has no defaults)."""
+    if params is None:
+        return params_type()
+    assert isinstance(params, params_type), f"expected {params_type.__name__}, got {params!r}"
+    return params
+
+
+def _select(included_ST: Tensor, values_ST: Tensor) -> Tensor:
+    return torch.where(included_ST, values_ST, 0.0)
+
+
+def _policy_inputs(logprobs_ST: Tensor, batch: LossBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(m, x, q, A) with x, q, A selected to 0 wherever m is 0 (see module docstring)."""
+    included_ST = policy_inclusion(batch)
+    sampler_ST = _require(batch.sampler_logprobs_ST, "logprobs")
+    advantages_ST = _require(batch.advantages_ST, "advantages")
+    return (
+        included_ST,
+        _select(included_ST, logprobs_ST),
+        _select(included_ST, sampler_ST),
+        _select(included_ST, advantages_ST),
+    )
+
+
+def _token_mean(values_ST: Tensor, included_ST: Tensor) -> float:
+    """Mean over the included positions of the whole request; 0.0 when none is included."""
+    count = int(included_ST.sum())
+    if count == 0:
+        return 0.0
+    return float(_select(included_ST, values_ST.detach().to(torch.float64)).sum() / count)
+
+
+def ratio_metrics(log_ratio_ST: Tensor, included_ST: Tensor) -> dict[str, float]:
+    """losses.md 10: token means over included positions of the ratio and of -log ratio."""
+    return {
+        "loss/ratio/mean": _token_mean(torch.exp(log_ratio_ST), included_ST),
+        "loss/kl_policy/mean": _token_mean(-log_ratio_ST, included_ST),
+    }
+
+
+def _policy_metrics(
+    loss: Tensor, log_ratio_ST: Tensor, x_ST: Tensor, q_ST: Tensor, included_ST: Tensor
+) -> dict[str, float]:
+    """Metrics every policy loss reports (losses.md 10), plus the mean |x - q| mismatch between
+    the trainer's and the sampler's logprobs, which exposes sampler/trainer numerics drift."""
+    return {
+        "loss:sum": float(loss.detach()),
+        "valid_tokens:sum": float(included_ST.sum()),
+        **ratio_metrics(log_ratio_ST.detach(), included_ST),
+        "loss/sampler_mismatch/mean": _token_mean((x_ST - q_ST).abs(), included_ST),
+    }
+
+
+def _clipped_surrogate(
+    ratio_ST: Tensor, advantages_ST: Tensor, low: float, high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-min(rho A, clip(rho, lo, hi) A) of losses.md 4 and 9.2, plus where each side clipped.
+
+    Written as a selection between -rho A and the constant -clip(rho) A: the same values as the
+    min, but the clipped branch carries exactly zero gradient and a tie carries the full one.
+    Returns (per-token loss, clipped high = A > 0 and rho > hi, clipped low = A < 0 and rho < lo).
+    """
+    ratio_d_ST = ratio_ST.detach()
+    clipped_high_ST = (advantages_ST > 0) & (ratio_d_ST > high)
+    clipped_low_ST = (advantages_ST < 0) & (ratio_d_ST < low)
+    per_token_ST = torch.where(
+        clipped_high_ST | clipped_low_ST,
+        -ratio_d_ST.clamp(low, high) * advantages_ST,
+        -ratio_ST * advantages_ST,
+    )
+    return per_token_ST, clipped_high_ST, clipped_low_ST
+
+
+# ---------------------------------------------------------------- losses
+
+
+def cross_entropy(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """losses.md 2: L = -sum_i sum_t w_it x_it, summed over all samples; dL/dx = -w.
+
+    Fractional weights are honoured; inclusion (reported logprobs, valid_tokens:sum) is w != 0.
+    logprobs_ST, weights_ST: [S, T]. Returns a scalar loss.
+    """
+    weights_ST = _require(batch.weights_ST, "weights")
+    included_ST = batch.valid_ST & (weights_ST != 0)
+    per_token_ST = -_select(included_ST, weights_ST) * _select(included_ST, logprobs_ST)
+    loss = per_token_ST.sum()
+    metrics = {"loss:sum": float(loss.detach()), "valid_tokens:sum": float(included_ST.sum())}
+    return LossOutput(loss, metrics, included_ST)
+
+
+def importance_sampling(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """losses.md 3: per included token -r A with r = exp(x - q), not clipped, not detached.
+
+    dl/dx = -r A. Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
+    """
+    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    log_ratio_ST = x_ST - q_ST
+    loss = (-torch.exp(log_ratio_ST) * advantages_ST).sum()
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    return LossOutput(loss, metrics, included_ST)
+
+
+def ppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """losses.md 4: per included token -min(r A, clip(r, lo, hi) A), r = exp(x - q).
+
+    lo, hi are absolute ratio bounds (default 0.8, 1.2). dl/dx = -r A, except 0 where the clip
+    bites (A > 0 and r > hi, or A < 0 and r < lo); no dual clip, so A < 0 and r > hi keeps the
+    full gradient. Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
+    """
+    ppo_params = _params(params, PpoParams)
+    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    log_ratio_ST = x_ST - q_ST
+    per_token_ST, clipped_high_ST, clipped_low_ST = _clipped_surrogate(
+        torch.exp(log_ratio_ST),
+        advantages_ST,
+        ppo_params.clip_low_threshold,
+        ppo_params.clip_high_threshold,
+    )
+    loss = per_token_ST.sum()
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, included_ST)
+    metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, included_ST)
+    return LossOutput(loss, metrics, included_ST)
+
+
+def cispo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """losses.md 5: per included token -sg(clip(r, lo, hi)) A x, r = exp(x - q).
+
+    The clipped ratio is detached, so dl/dx = -clip(r, lo, hi) A: every token keeps a gradient.
+    lo, hi default 0.0, 4.0. The clip fractions are not gated by the sign of A.
+    Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
+    """
+    cispo_params = _params(params, CispoParams)
+    low, high = cispo_params.clip_low_threshold, cispo_params.clip_high_threshold
+    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    log_ratio_ST = x_ST - q_ST
+    ratio_d_ST = torch.exp(log_ratio_ST).detach()
+    loss = (-ratio_d_ST.clamp(low, high) * advantages_ST * x_ST).sum()
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics["loss/clip/high_fraction"] = _token_mean(ratio_d_ST > high, included_ST)
+    metrics["loss/clip/low_fraction"] = _token_mean(ratio_d_ST < low, included_ST)
+    return LossOutput(loss, metrics, included_ST)
+
+
+def dro(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """losses.md 6: per included token -(A x - beta/2 (x - q)^2); no ratio, nothing detached.
+
+    dl/dx = -A + beta (x - q). beta is required (no default). The quadratic term does not vanish
+    where A = 0. Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
+    """
+    assert isinstance(params, DroParams), f"DRO needs validated DroParams, got {params!r}"
+    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    log_ratio_ST = x_ST - q_ST
+    loss = (-(advantages_ST * x_ST - 0.5 * params.beta * log_ratio_ST.square())).sum()
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    return LossOutput(loss, metrics, included_ST)
+
+
+def dppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """losses.md 7: per included token -A sg(r) keep x, r = exp(x - q) (Binary-TV DPPO).
+
+    keep (detached) = [exp(x) - exp(q) <= delta_high] if A > 0, else [exp(x) - exp(q) >=
+    -delta_low]: a token stops being pushed once its probability moved past the trust region in
+    the direction of its advantage. dl/dx = -A r keep. No ratio truncation. The gate is applied
+    by selection, so a token outside the region contributes exactly 0 whatever its ratio.
+    Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
+    """
+    dppo_params = _params(params, DppoParams)
+    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    log_ratio_ST = x_ST - q_ST
+    prob_change_ST = (torch.exp(x_ST) - torch.exp(q_ST)).detach()
+    is_positive_ST = advantages_ST > 0
+    keep_ST = torch.where(
+        is_positive_ST,
+        prob_change_ST <= dppo_params.delta_high,
+        prob_change_ST >= -dppo_params.delta_low,
+    )
+    ratio_d_ST = torch.exp(log_ratio_ST).detach()
+    loss = torch.where(keep_ST, -advantages_ST * ratio_d_ST * x_ST, 0.0).sum()
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics["loss/clip/high_fraction"] = _token_mean(
+        is_positive_ST & (prob_change_ST > dppo_params.delta_high), included_ST
+    )
+    metrics["loss/clip/low_fraction"] = _token_mean(
+        (advantages_ST < 0) & (prob_change_ST < -dppo_params.delta_low), included_ST
+    )
+    return LossOutput(loss, metrics, included_ST)
+
+
+def _grpo_log_ratio(
+    x_ST: Tensor, q_ST: Tensor, included_ST: Tensor, ratio_type: GrpoRatioType
+) -> Tensor:
+    """log rho of losses.md 9.3 (x and q already 0 at excluded positions).
+
+    TOKEN: x - q. SEQUENCE (GSPO-token): value lambda_i, the sample's mean of x - q over its
+    included tokens, at each included token; written x - sg(x) + sg(lambda_i) so that
+    d rho_it / d x_it = s_i = exp(lambda_i) and nothing flows to the sample's other tokens.
+    """
+    log_ratio_ST = x_ST - q_ST
+    if ratio_type == GrpoRatioType.TOKEN:
+        return log_ratio_ST
+    num_included_S = included_ST.sum(dim=1).clamp(min=1)
+    mean_log_ratio_S = log_ratio_ST.detach().sum(dim=1) / num_included_S
+    return _select(included_ST, x_ST - x_ST.detach() + mean_log_ratio_S[:, None])
+
+
+def _k3_kl(reference_ST: Tensor, x_ST: Tensor) -> Tensor:
+    """k3 estimate of KL(pi || ref) per token (losses.md 9.2): exp(u) - u - 1, u = ref - x.
+
+    u is clamped to [-10, 10] (XORL) so a token the reference finds far likelier cannot
+    overflow exp; where the clamp is active the term has no gradient."""
+    u_ST = (reference_ST - x_ST).clamp(-10.0, 10.0)
+    return torch.exp(u_ST) - u_ST - 1.0
+
+
+def _fixed_horizon(per_token_ST: Tensor, included_ST: Tensor, valid_ST: Tensor) -> Tensor:
+    """sum / (S * H), H = the request's longest sample (all its positions counted)."""
+    num_samples, horizon = valid_ST.shape[0], int(valid_ST.sum(dim=1).max())
+    return per_token_ST.sum() / max(num_samples * horizon, 1)
+
+
+def _token_mean_aggregate(per_token_ST: Tensor, included_ST: Tensor, valid_ST: Tensor) -> Tensor:
+    """sum / max(M, 1), M = included tokens of the request."""
+    return per_token_ST.sum() / max(int(included_ST.sum()), 1)
+
+
+def _sequence_mean(per_token_ST: Tensor, included_ST: Tensor, valid_ST: Tensor) -> Tensor:
+    """Mean over samples with n_i > 0 of each sample's mean over its included tokens."""
+    num_included_S = included_ST.sum(dim=1)
+    per_sample_S = per_token_ST.sum(dim=1) / num_included_S.clamp(min=1)
+    return per_sample_S.sum() / max(int((num_included_S > 0).sum()), 1)
+
+
+# losses.md 9.4; per_token_ST is already 0 at excluded positions.
+_GRPO_AGGREGATIONS: dict[GrpoAggregation, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    GrpoAggregation.FIXED_HORIZON: _fixed_horizon,
+    GrpoAggregation.TOKEN_MEAN: _token_mean_aggregate,
+    GrpoAggregation.SEQUENCE_MEAN: _sequence_mean,
+}
+
+
+def grpo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """losses.md 9: per included token l = -min(rho A, clip(rho, lo, hi) A) + beta k3, then
+    normalised within the request by agg_type.
+
+    rho is the token ratio exp(x - q) or, for ratio_type SEQUENCE, the GSPO sequence ratio
+    (9.3). k3 = exp(u) - u - 1, u = clamp(ref - x, -10, 10), needs reference_logprobs when
+    beta > 0. dL/dx_it = c_it (-A rho [not clipped] + beta (1 - exp(u)) [not clamped]), with
+    c_it = 1/(S H) (FIXED_HORIZON, default), 1/M (TOKEN_MEAN) or 1/(S+ n_i) (SEQUENCE_MEAN).
+    Defaults lo 0.8, hi 1.28, beta 0. [S, T] -> scalar.
+    """
+    grpo_params = _params(params, GrpoParams)
+    low, high = grpo_params.clip_low_threshold, grpo_params.clip_high_threshold
+    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    log_ratio_ST = _grpo_log_ratio(x_ST, q_ST, included_ST, grpo_params.ratio_type)
+    ratio_ST = torch.exp(log_ratio_ST)
+    per_token_ST, clipped_high_ST, clipped_low_ST = _clipped_surrogate(
+        ratio_ST, advantages_ST, low, high
+    )
+    kl_ST = None
+    if batch.reference_logprobs_ST is not None:
+        kl_ST = _k3_kl(_select(included_ST, batch.reference_logprobs_ST), x_ST)
+    if grpo_params.beta > 0:
+        per_token_ST = per_token_ST + grpo_params.beta * _require(kl_ST, "reference_logprobs")
+    aggregate = _GRPO_AGGREGATIONS[grpo_params.agg_type]
+    loss = aggregate(per_token_ST, included_ST, batch.valid_ST)
+
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics["loss/clip/clipped_ratio/mean"] = _token_mean(
+        ratio_ST.detach().clamp(low, high), included_ST
+    )
+    metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, included_ST)
+    metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, included_ST)
+    if kl_ST is not None:
+        metrics["loss/kl_ref/mean"] = _token_mean(kl_ST, included_ST)
+    return LossOutput(loss, metrics, included_ST)
+
+
+LOSSES: dict[LossType, LossFn] = {
+    LossType.CROSS_ENTROPY: cross_entropy,
+    LossType.IMPORTANCE_SAMPLING: importance_sampling,
+    LossType.PPO: ppo,
+    LossType.CISPO: cispo,
+    LossType.DRO: dro,
+    LossType.DPPO: dppo,
+    LossType.GRPO: grpo,
+}
+
+
+# ---------------------------------------------------------------- validation (losses.md 1.2, 1.5)
+
+_POLICY_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
+
+# Wire keys every sample must send, per loss (losses.md 1.2). GRPO also needs
+# reference_logprobs when beta > 0, which depends on params: validate_loss_inputs checks it.
+REQUIRED_INPUTS: dict[LossType, frozenset[str]] = {
+    LossType.CROSS_ENTROPY: frozenset({"target_tokens", "weights"}),
+    LossType.IMPORTANCE_SAMPLING: _POLICY_INPUTS,
+    LossType.PPO: _POLICY_INPUTS,
+    LossType.CISPO: _POLICY_INPUTS,
+    LossType.DRO: _POLICY_INPUTS,
+    LossType.DPPO: _POLICY_INPUTS,
+    LossType.GRPO: _POLICY_INPUTS,
+}
+
+# The order in which missing inputs are reported.
+_INPUT_ORDER = ("weights", "logprobs", "advantages", "reference_logprobs", "mask")
+
+
+def validate_loss_inputs(config: LossConfig, batch: LossBatch) -> None:
+    """Raise InvalidRequest, naming the field, if `config` or `batch` breaks losses.md 1.2-1.5
+    or the loss's parameter rules. Pure; the loss functions assume it passed.
+
+    Non-finite logprobs, advantages and reference_logprobs are errors only at included
+    positions and only for a loss that reads them (elsewhere safe masking ignores them);
+    weights and mask must be finite and non-negative at every position of a sample."""
+    _validate_params(config)
+    _validate_presence(config, batch)
+    _validate_values(config, batch)
+
+
+def _validate_presence(config: LossConfig, batch: LossBatch) -> None:
+    inputs = _inputs_by_key(batch)
+    for key in _INPUT_ORDER:
+        if key in REQUIRED_INPUTS[config.type] and inputs[key] is None:
+            raise InvalidRequest(
+                f"{config.type.value} requires loss_fn_inputs.{key}", param=_input_param(0, key)
+            )
+    params = config.params
+    if isinstance(params, GrpoParams) and params.beta > 0 and inputs["reference_logprobs"] is None:
+        raise InvalidRequest(
+            "LOSS_TYPE_GRPO with beta > 0 requires loss_fn_inputs.reference_logprobs",
+            param=_input_param(0, "reference_logprobs"),
+        )
+    if inputs["weights"] is not None and inputs["mask"] is not None:
+        raise InvalidRequest(
+            "loss_fn_inputs may hold weights or mask, not both", param=_input_param(0, "mask")
+        )
+
+
+def _validate_values(config: LossConfig, batch: LossBatch) -> None:
+    inputs = _inputs_by_key(batch)
+    for key in ("weights", "mask"):
+        values_ST = inputs[key]
+        if values_ST is not None:
+            _raise_at_first(batch.valid_ST & ~torch.isfinite(values_ST), key, "is not finite")
+            _raise_at_first(batch.valid_ST & (values_ST < 0), key, "is negative")
+    if config.type == LossType.CROSS_ENTROPY:
+        return
+    included_ST = policy_inclusion(batch)
+    read_keys = ["logprobs", "advantages"]
+    if config.type == LossType.GRPO:
+        read_keys.append("reference_logprobs")
+    for key in read_keys:
+        values_ST = inputs[key]
+        if values_ST is not None:
+            _raise_at_first(included_ST & ~torch.isfinite(values_ST), key, "is not finite")
+
+
+def _inputs_by_key(batch: LossBatch) -> dict[str, Tensor | None]:
+    return {
+        "weights": batch.weights_ST,
+        "mask": batch.mask_ST,
+        "logprobs": batch.sampler_logprobs_ST,
+        "advantages": batch.advantages_ST,
+        "reference_logprobs": batch.reference_logprobs_ST,
+    }
+
+
+def _input_param(sample: int, key: str) -> str:
+    return f"samples[{sample}].loss_fn_inputs.{key}"
+
+
+def _raise_at_first(bad_ST: Tensor, key: str, problem: str) -> None:
+    """Raise naming the first sample with a bad position, if any."""
+    if bool(bad_ST.any()):
+        sample = int(bad_ST.any(dim=1).nonzero()[0])
+        raise InvalidRequest(
+            f"loss_fn_inputs.{key} of sample {sample} {problem}", param=_input_param(sample, key)
+        )
+
+
+def _validate_params(config: LossConfig) -> None:
+    spec = _PARAMS_SPECS.get(config.type)
+    if spec is None:
+        if config.params is not None:
+            raise InvalidRequest(f"{config.type.value} takes no params", param="loss")
+        return
+    field, params_type, check = spec
+    if config.params is None:
+        if params_type is DroParams:
+            raise InvalidRequest(
+                "LOSS_TYPE_DRO requires dro_params.beta (it has no default)",
+                param="loss.dro_params.beta",
+            )
+        return
+    if not isinstance(config.params, params_type):
+        raise InvalidRequest(
+            f"{config.type.value} takes {field}, not {type(config.params).__name__}",
+            param=f"loss.{field}",
+        )
+    check(config.params, f"loss.{field}")
+
+
+def _check_range(value: float, low: float, high: float, param: str) -> None:
+    """Raise unless value is finite and low <= value <= high (NaN fails too)."""
+    if not (math.isfinite(value) and low <= value <= high):
+        bound = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+        raise InvalidRequest(f"{param} must be finite and {bound}, got {value}", param=param)
+
+
+def _check_ratio_bounds(params: LossParams, field: str) -> None:
+    assert isinstance(params, PpoParams | GrpoParams)
+    _check_range(params.clip_low_threshold, 0.0, 1.0, f"{field}.clip_low_threshold")
+    _check_range(params.clip_high_threshold, 1.0, math.inf, f"{field}.clip_high_threshold")
+
+
+def _check_cispo_params(params: LossParams, field: str) -> None:
+    assert isinstance(params, CispoParams)
+    low = params.clip_low_threshold
+    _check_range(low, 0.0, math.inf, f"{field}.clip_low_threshold")
+    _check_range(params.clip_high_threshold, low, math.inf, f"{field}.clip_high_threshold")
+
+
+def _check_dro_params(params: LossParams, field: str) -> None:
+    assert isinstance(params, DroParams)
+    _check_range(params.beta, 0.0, math.inf, f"{field}.beta")
+
+
+def _check_dppo_params(params: LossParams, field: str) -> None:
+    assert isinstance(params, DppoParams)
+    _check_range(params.delta_low, 0.0, 1.0, f"{field}.delta_low")
+    _check_range(params.delta_high, 0.0, 1.0, f"{field}.delta_high")
+
+
+def _check_grpo_params(params: LossParams, field: str) -> None:
+    assert isinstance(params, GrpoParams)
+    _check_ratio_bounds(params, field)
+    _check_range(params.beta, 0.0, math.inf, f"{field}.beta")
+
+
+# Per loss: the wire name of its params object, its domain type and its range checks.
+_PARAMS_SPECS: dict[LossType, tuple[str, type, Callable[[LossParams, str], None]]] = {
+    LossType.PPO: ("ppo_params", PpoParams, _check_ratio_bounds),
+    LossType.CISPO: ("cispo_params", CispoParams, _check_cispo_params),
+    LossType.DRO: ("dro_params", DroParams, _check_dro_params),
+    LossType.DPPO: ("dppo_params", DppoParams, _check_dppo_params),
+    LossType.GRPO: ("grpo_params", GrpoParams, _check_grpo_params),
+}

@@ -1,0 +1,110 @@
+"""Muon math (losses.md 12.3): which parameters Muon owns, Newton-Schulz orthogonalisation, the
+learning-rate scale of each scaling strategy, and the in-place update of one parameter.
+
+Stateless functions only: the momentum buffers, clipping and the nested AdamW group live in
+optim.SessionOptimizer. Nothing here reads request types other than MuonScaling.
+
+Shape legend: B = matrices in a batch (the leading dims of a 3-D or larger tensor, flattened;
+1 for a plain matrix), R = rows (out_features of a Linear weight), C = columns (in_features).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from posttrain.types import MuonScaling
+
+# Quintic coefficients and eps "from Keller Jordan's Muon post", as in torch.optim.Muon.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+
+# Substrings of a parameter name that send a >= 2-D tensor to AdamW instead (losses.md 12.3,
+# after XORL's classifier). "gate.weight" is the MoE router (`mlp.gate.weight`, also
+# `shared_expert_gate.weight`); the dense `mlp.gate_proj.weight` does not contain it.
+ADAM_NAME_PATTERNS = (
+    "embed_tokens",
+    "embeddings",
+    "lm_head",
+    "norm",
+    "gate.weight",
+    "mixer.conv1d",
+)
+
+_LORA_FACTORS = frozenset({"lora_A", "lora_B"})
+
+
+def _base_weight_name(name: str) -> str:
+    """The name of the weight a parameter trains: a LoRA factor `<module>.lora_A.<adapter>`
+    maps to `<module>.weight`, so it follows its base module (losses.md 12.3, LoRA under Muon),
+    and an adapter's own name can never match a pattern."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _LORA_FACTORS:
+            return ".".join([*parts[:i], "weight"])
+    return name
+
+
+def is_muon_param(name: str, ndim: int) -> bool:
+    """True if Muon updates this trainable tensor, False if the nested AdamW does (12.3)."""
+    if ndim < 2:
+        return False
+    base_name = _base_weight_name(name)
+    return not any(pattern in base_name for pattern in ADAM_NAME_PATTERNS)
+
+
+def lr_scale(num_rows: int, num_cols: int, scaling: MuonScaling) -> float:
+    """s(R, C) of losses.md 12.3: ORIGINAL sqrt(max(1, R/C)), MATCH_ADAM 0.2 sqrt(max(R, C))."""
+    if scaling is MuonScaling.ORIGINAL:
+        return math.sqrt(max(1.0, num_rows / num_cols))
+    return 0.2 * math.sqrt(max(num_rows, num_cols))
+
+
+def newton_schulz(update_BRC: Tensor, num_steps: int) -> Tensor:
+    """NS_k of losses.md 12.3, applied to each matrix of the batch; returns float32.
+
+    Runs in float32 rather than the references' bfloat16 so results do not depend on the
+    parameters' dtype and tests can compare against a plain reference. A zero matrix stays zero
+    (the norm is clamped to NS_EPS).
+    """
+    a, b, c = NS_COEFFICIENTS
+    x_BRC = update_BRC.float()
+    # Iterate on the wide orientation: X X^T is then the smaller (min(R, C))^2 Gram matrix.
+    is_tall = x_BRC.shape[-2] > x_BRC.shape[-1]
+    if is_tall:
+        x_BRC = x_BRC.mT
+    norm_B11 = torch.linalg.vector_norm(x_BRC, dim=(-2, -1), keepdim=True)
+    x_BRC = x_BRC / norm_B11.clamp(min=NS_EPS)
+    for _ in range(num_steps):
+        gram_BRR = x_BRC @ x_BRC.mT
+        x_BRC = a * x_BRC + (b * gram_BRR + c * gram_BRR @ gram_BRR) @ x_BRC
+    return x_BRC.mT if is_tall else x_BRC
+
+
+@torch.no_grad()
+def muon_update_(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    learning_rate: float,
+    momentum: float,
+    weight_decay: float,
+    num_ns_steps: int,
+    scaling: MuonScaling,
+) -> None:
+    """One Muon step of one tensor, in place on `param` and `momentum_buffer` (losses.md 12.3).
+
+    EMA momentum with nesterov (TORCH-MUON's lerp form), NS of each trailing R x C matrix,
+    decoupled decay W (1 - lr lambda) with the unscaled lr, then W - lr s(R, C) O. A tensor with
+    more than two dims is a batch of R x C matrices (stacked MoE experts), each with its own scale.
+    """
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    nesterov_update = grad.lerp(momentum_buffer, momentum)
+    num_rows, num_cols = param.shape[-2:]
+    ortho_BRC = newton_schulz(nesterov_update.reshape(-1, num_rows, num_cols), num_ns_steps)
+    param.mul_(1 - learning_rate * weight_decay)
+    step_size = learning_rate * lr_scale(num_rows, num_cols, scaling)
+    param.add_(ortho_BRC.reshape(param.shape).to(param.dtype), alpha=-step_size)

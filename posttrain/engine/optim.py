@@ -1,0 +1,264 @@
+"""Optimizer of one session: global-norm clipping, then AdamW or Muon (losses.md 11.3, 12).
+
+One SessionOptimizer owns the optimizer state of one session's trainable parameters. Its family
+is fixed when it is built: AdamW (12.2) for an Adam model resource, or Muon (12.3) with a nested
+AdamW group for the parameters Muon does not own. Step hyperparameters come with each
+optim-step; omitted fields take their defaults every step, never the previous step's values
+(12.2, 13.18). The gradients are whatever forward-backward calls accumulated in `.grad` since the
+last step (11.3).
+
+It does not own the parameters (the model does), does not count steps (the session does: an
+optim-step without gradients still increments it, 11.3) and never publishes weights
+(weights-sync does). The Newton-Schulz and Muon update math lives in engine/muon.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from posttrain.engine.muon import is_muon_param, muon_update_
+from posttrain.errors import InvalidRequest, NonFiniteLoss
+from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
+
+# Added to the global norm before dividing, as torch.nn.utils.clip_grad_norm_ does (12.1).
+CLIP_EPS = 1e-6
+
+# state_dict() layout. Keyed by parameter name, so a checkpoint does not depend on the order
+# of named_params; only tensors and numbers inside, so torch.save/torch.load(weights_only=True)
+# round-trip it.
+ADAM_STATE = "adam"  # {name: {"step": Tensor, "exp_avg": Tensor, "exp_avg_sq": Tensor}}
+MUON_STATE = "muon"  # {name: {"momentum_buffer": Tensor}}
+OptimizerState = dict[str, dict[str, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The hyperparameters one optim-step runs with, after defaults and the lr rule."""
+
+    adam: AdamParams
+    muon: MuonParams | None
+    grad_clip_norm: float
+
+
+def resolve_step_settings(
+    request: OptimStepRequest, muon_scaling: MuonScaling | None
+) -> StepSettings:
+    """Fill the defaults of one optim-step for an AdamW (`muon_scaling` None) or Muon optimizer.
+
+    Raises InvalidRequest if the request carries the other family's parameters.
+    """
+    if muon_scaling is None:
+        if request.muon is not None:
+            raise InvalidRequest(
+                "muon_params given, but this model resource uses AdamW; send adam_params",
+                param="muon_params",
+            )
+        adam = request.adam or AdamParams()
+        return StepSettings(adam=adam, muon=None, grad_clip_norm=adam.grad_clip_norm)
+    if request.adam is not None:
+        raise InvalidRequest(
+            "adam_params given, but this model resource uses Muon; send muon_params "
+            "(with muon_params.adam for the parameters Muon does not own)",
+            param="adam_params",
+        )
+    muon = request.muon or MuonParams()
+    adam = muon.adam
+    if adam is None:
+        # 12.3: an absent adam.learning_rate is the Muon lr under MATCH_ADAM (whose Muon lr is
+        # AdamW-sized by design), and 1e-4 (AdamParams' default) under ORIGINAL.
+        if muon_scaling is MuonScaling.MATCH_ADAM:
+            adam = AdamParams(learning_rate=muon.learning_rate)
+        else:
+            adam = AdamParams()
+    # 12.3: muon_params.grad_clip_norm, else muon_params.adam.grad_clip_norm, else 1.0 (which
+    # is also AdamParams' default when muon_params.adam is absent).
+    clip = muon.grad_clip_norm if muon.grad_clip_norm is not None else adam.grad_clip_norm
+    return StepSettings(adam=adam, muon=muon, grad_clip_norm=clip)
+
+
+def global_grad_norm(grads: list[Tensor]) -> Tensor:
+    """G of losses.md 12.1: the 2-norm over all gradients together, as a float32 scalar.
+
+    Norms are taken in float32 so bfloat16 gradients do not lose the sum of squares.
+    """
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_grads_(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
+    """Scale every gradient in place by min(1, max_norm / (G + 1e-6)) (losses.md 12.1)."""
+    coef = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))
+
+
+class SessionOptimizer:
+    """Clipping plus AdamW, or plus Muon and a nested AdamW, over named parameters.
+
+    Args:
+        named_params: the session's trainable parameters, as (name, parameter) pairs.
+        muon_scaling: None for an AdamW model resource; a scaling strategy for a Muon one.
+            Under Muon, parameters are split by muon.is_muon_param (12.3).
+
+    Under AdamW, tensors with ndim >= 2 are decayed and 1-D ones are not (12.2). Parameters
+    whose `.grad` is None at a step are untouched: no decay, no moment or momentum update.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        *,
+        muon_scaling: MuonScaling | None = None,
+    ) -> None:
+        self.named_params = named_params
+        self.muon_scaling = muon_scaling
+        is_muon = [
+            muon_scaling is not None and is_muon_param(name, p.ndim) for name, p in named_params
+        ]
+        self._muon_named = [pair for pair, m in zip(named_params, is_muon, strict=True) if m]
+        self._adam_named = [pair for pair, m in zip(named_params, is_muon, strict=True) if not m]
+        self._momentum_buffers: dict[str, Tensor] = {}
+        # torch.optim.AdamW is exactly 12.2's update; it refuses an empty parameter list, which a
+        # Muon session training only LoRA factors of hidden layers has.
+        self._adamw: torch.optim.AdamW | None = None
+        decayed = [p for _, p in self._adam_named if p.ndim >= 2]
+        undecayed = [p for _, p in self._adam_named if p.ndim < 2]
+        groups = [{"params": decayed, "decay": True}, {"params": undecayed, "decay": False}]
+        groups = [g for g in groups if g["params"]]
+        if groups:
+            # foreach=False: the single-tensor path on every device, the one the tests compare with.
+            self._adamw = torch.optim.AdamW(groups, foreach=False)
+
+    @property
+    def muon_param_names(self) -> list[str]:
+        """Names of the parameters Muon updates (empty under AdamW)."""
+        return [name for name, _ in self._muon_named]
+
+    def has_gradients(self) -> bool:
+        """True if any parameter has an accumulated gradient since the last step."""
+        return any(p.grad is not None for _, p in self.named_params)
+
+    def step(self, request: OptimStepRequest) -> None:
+        """Clip, update and zero the gradients (losses.md 11.3, 12).
+
+        Without any accumulated gradient this is a no-op on parameters and state.
+
+        Raises:
+            InvalidRequest: the request carries the other optimizer family's parameters.
+            NonFiniteLoss: the global gradient norm is NaN or infinite. Nothing is touched:
+                parameters, optimizer state and the gradients stay as they were, so the caller
+                decides whether to discard the accumulated gradients (zero_grad) or not.
+        """
+        settings = resolve_step_settings(request, self.muon_scaling)
+        grads = [p.grad for _, p in self.named_params if p.grad is not None]
+        if not grads:
+            return
+        total_norm = global_grad_norm(grads)
+        if not math.isfinite(float(total_norm)):
+            raise NonFiniteLoss("gradient norm is not finite; optim-step discarded")
+        if settings.grad_clip_norm > 0:
+            clip_grads_(grads, settings.grad_clip_norm, total_norm)
+        if settings.muon is not None:
+            self._muon_step(settings.muon)
+        if self._adamw is not None:
+            self._adam_step(settings.adam)
+        self.zero_grad()
+
+    def _muon_step(self, muon: MuonParams) -> None:
+        assert self.muon_scaling is not None, "Muon step on an AdamW optimizer"
+        for name, p in self._muon_named:
+            if p.grad is None:
+                continue
+            buffer = self._momentum_buffers.get(name)
+            if buffer is None:
+                # In the gradient's dtype, like AdamW's moments and torch.optim.Muon's buffer.
+                buffer = self._momentum_buffers[name] = torch.zeros_like(p.grad)
+            muon_update_(
+                p,
+                p.grad,
+                buffer,
+                learning_rate=muon.learning_rate,
+                momentum=muon.momentum,
+                weight_decay=muon.weight_decay,
+                num_ns_steps=muon.newton_schulz_steps,
+                scaling=self.muon_scaling,
+            )
+
+    def _adam_step(self, adam: AdamParams) -> None:
+        assert self._adamw is not None, "AdamW step without AdamW parameters"
+        # Set every field every step: torch keeps group values, we want them non-sticky (12.2).
+        for group in self._adamw.param_groups:
+            group["lr"] = adam.learning_rate
+            group["betas"] = (adam.beta1, adam.beta2)
+            group["eps"] = adam.eps
+            group["weight_decay"] = adam.weight_decay if group["decay"] else 0.0
+        self._adamw.step()
+
+    def zero_grad(self) -> None:
+        for _, p in self.named_params:
+            p.grad = None
+
+    def state_dict(self) -> OptimizerState:
+        """A copy of the optimizer state, keyed by parameter name (layout: ADAM_STATE,
+        MUON_STATE). Parameters that never had a gradient have no entry."""
+        adam_state: dict[str, dict[str, Tensor]] = {}
+        if self._adamw is not None:
+            for name, p in self._adam_named:
+                if self._adamw.state.get(p):
+                    adam_state[name] = {k: v.clone() for k, v in self._adamw.state[p].items()}
+        muon_state = {
+            name: {"momentum_buffer": buffer.clone()}
+            for name, buffer in self._momentum_buffers.items()
+        }
+        return {ADAM_STATE: adam_state, MUON_STATE: muon_state}
+
+    def load_state_dict(self, state: OptimizerState) -> None:
+        """Replace the optimizer state with a copy of `state` (from state_dict()).
+
+        Tensors keep their saved dtype so a resumed session continues bit-exactly; they move to
+        their parameter's device, except AdamW's `step`, which torch keeps on the CPU.
+
+        Raises:
+            InvalidRequest: the state names a parameter this optimizer does not hold in that
+                group, or a tensor's shape differs from its parameter's.
+        """
+        adam_params = dict(self._adam_named)
+        muon_params = dict(self._muon_named)
+        _check_state(state[ADAM_STATE], adam_params, "AdamW", ("exp_avg", "exp_avg_sq"))
+        _check_state(state[MUON_STATE], muon_params, "Muon", ("momentum_buffer",))
+        if self._adamw is not None:
+            self._adamw.state = defaultdict(dict)
+            for name, entry in state[ADAM_STATE].items():
+                p = adam_params[name]
+                self._adamw.state[p] = {
+                    k: v.to("cpu", copy=True) if k == "step" else v.to(p.device, copy=True)
+                    for k, v in entry.items()
+                }
+        self._momentum_buffers = {
+            name: entry["momentum_buffer"].to(muon_params[name].device, copy=True)
+            for name, entry in state[MUON_STATE].items()
+        }
+
+
+def _check_state(
+    group_state: dict[str, dict[str, Tensor]],
+    params: dict[str, nn.Parameter],
+    group: str,
+    shaped_keys: tuple[str, ...],
+) -> None:
+    """Reject optimizer state saved for other parameters (another model, LoRA rank or family)."""
+    for name, entry in group_state.items():
+        if name not in params:
+            raise InvalidRequest(f"optimizer state has {group} state for unknown parameter {name}")
+        for key in shaped_keys:
+            if entry[key].shape != params[name].shape:
+                raise InvalidRequest(
+                    f"optimizer state {key} of {name} has shape {tuple(entry[key].shape)}, "
+                    f"the parameter has {tuple(params[name].shape)}"
+                )

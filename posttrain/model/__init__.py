@@ -1,0 +1,1 @@
+"""Model layer: Hugging Face models, LoRA adapters. Imports nothing above it."""

@@ -1,0 +1,61 @@
+"""Load a Hugging Face causal LM and its tokenizer from a local directory, offline.
+
+Owns device and dtype choice. Does not own adapters (lora.py) or anything about sessions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    vocab_size: int
+    context_length: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; asking for CUDA without it is an error, not a fallback."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def load_model(path: Path, device: torch.device) -> LoadedModel:
+    """Weights stay in float32 on CPU (bit-reproducible tests); bfloat16 on CUDA to fit memory.
+
+    Loss and logprob math is float32 regardless (engine/logprobs.py)."""
+    # Never reach for a hub: every model is a local directory.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = model.config
+    eos = config.eos_token_id
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        vocab_size=int(config.vocab_size),
+        context_length=int(getattr(config, "max_position_embeddings", 2048)),
+        eos_token_ids=frozenset(eos_ids),
+    )

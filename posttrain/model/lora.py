@@ -1,0 +1,166 @@
+"""LoRA adapters with per-row adapter selection, so one forward pass can serve many sessions.
+
+Every linear layer of attention and MLP (and the output head, for adapters with
+train_unembed) is wrapped in a LoraLinear that holds any number of named adapters. Before a
+forward pass the caller routes rows of the batch to adapters with `LoraModel.route`: each
+adapter's low-rank delta is added only to its rows. Base weights are shared and frozen.
+
+    y = base(x) + (alpha / rank) * dropout(x) @ A^T @ B^T      A: [r, in], B: [out, r]
+
+B starts at zero, so a fresh adapter equals the base model (step 0 = base policy).
+Adapter tensors are float32 whatever the base dtype: they are what the optimizer updates.
+
+Legend: B = batch rows, T = tokens, R = rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+# Linear layers inside decoder blocks (attention and MLP projections) get adapters; the output
+# head gets one only when the adapter asks for train_unembed.
+HEAD_NAME = "lm_head"
+
+
+@dataclass
+class AdapterWeights:
+    lora_A: nn.Parameter  # [R, in]
+    lora_B: nn.Parameter  # [out, R]
+    scale: float
+    dropout: float
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    rank: int
+    alpha: float
+    dropout: float
+    seed: int
+    train_unembed: bool
+
+
+class LoraLinear(nn.Module):
+    """A frozen nn.Linear plus named adapters applied to the rows routed to each."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.adapters: dict[str, AdapterWeights] = {}
+        # (adapter key, row indices or None for every row); set only inside LoraModel.route.
+        self.routing: list[tuple[str, Tensor | None]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base(x)
+        for key, rows in self.routing:
+            adapter = self.adapters.get(key)
+            if adapter is None:  # e.g. the head of an adapter without train_unembed
+                continue
+            x_rows = x if rows is None else x.index_select(0, rows)
+            x_rows = x_rows.to(adapter.lora_A.dtype)
+            # Dropout only in passes that build a graph (forward-backward), so forward_only
+            # scoring and sampling see the deterministic adapter.
+            if adapter.dropout > 0 and torch.is_grad_enabled():
+                x_rows = F.dropout(x_rows, adapter.dropout)
+            delta = (x_rows @ adapter.lora_A.t()) @ adapter.lora_B.t() * adapter.scale
+            delta = delta.to(out.dtype)
+            out = out + delta if rows is None else out.index_add(0, rows, delta)
+        return out
+
+
+class LoraModel:
+    """Owns the LoraLinear wrappers of one base model and the adapters inside them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers: dict[str, LoraLinear] = {}
+        targets = [
+            (name, module)
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == HEAD_NAME)
+        ]
+        for name, module in targets:
+            wrapper = LoraLinear(module)
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, wrapper)
+            self.layers[name] = wrapper
+
+    def add_adapter(self, key: str, spec: AdapterSpec) -> list[tuple[str, nn.Parameter]]:
+        """Create adapter `key` on every target layer; returns its named trainable parameters."""
+        assert key not in self.adapter_keys(), f"adapter {key} already exists"
+        generator = torch.Generator().manual_seed(spec.seed)
+        named: list[tuple[str, nn.Parameter]] = []
+        for name, layer in self.layers.items():
+            if name == HEAD_NAME and not spec.train_unembed:
+                continue
+            base = layer.base
+            lora_A = torch.empty(spec.rank, base.in_features)
+            # Kaiming-uniform A as in PEFT; drawn on CPU from the seed so results do not depend
+            # on the device.
+            bound = 1.0 / math.sqrt(base.in_features)
+            lora_A.uniform_(-bound, bound, generator=generator)
+            lora_B = torch.zeros(base.out_features, spec.rank)
+            device = base.weight.device
+            weights = AdapterWeights(
+                lora_A=nn.Parameter(lora_A.to(device)),
+                lora_B=nn.Parameter(lora_B.to(device)),
+                scale=spec.alpha / spec.rank,
+                dropout=spec.dropout,
+            )
+            layer.adapters[key] = weights
+            named.append((f"{name}.lora_A", weights.lora_A))
+            named.append((f"{name}.lora_B", weights.lora_B))
+        return named
+
+    def remove_adapter(self, key: str) -> None:
+        for layer in self.layers.values():
+            layer.adapters.pop(key, None)
+
+    def adapter_keys(self) -> set[str]:
+        return {key for layer in self.layers.values() for key in layer.adapters}
+
+    def adapter_parameters(self, key: str) -> list[tuple[str, nn.Parameter]]:
+        named: list[tuple[str, nn.Parameter]] = []
+        for name, layer in self.layers.items():
+            if (adapter := layer.adapters.get(key)) is not None:
+                named.append((f"{name}.lora_A", adapter.lora_A))
+                named.append((f"{name}.lora_B", adapter.lora_B))
+        return named
+
+    def adapter_state(self, key: str) -> dict[str, Tensor]:
+        """Detached copies of adapter `key`, named `<layer>.lora_A` / `<layer>.lora_B`."""
+        return {name: p.detach().clone() for name, p in self.adapter_parameters(key)}
+
+    def copy_adapter(self, source: str, target: str) -> None:
+        """Make `target` an exact, independent copy of `source` (publishing to a generator)."""
+        self.remove_adapter(target)
+        for layer in self.layers.values():
+            if (adapter := layer.adapters.get(source)) is None:
+                continue
+            layer.adapters[target] = AdapterWeights(
+                lora_A=nn.Parameter(adapter.lora_A.detach().clone(), requires_grad=False),
+                lora_B=nn.Parameter(adapter.lora_B.detach().clone(), requires_grad=False),
+                scale=adapter.scale,
+                dropout=0.0,
+            )
+
+    @contextmanager
+    def route(self, assignments: list[tuple[str, Tensor | None]]) -> Iterator[None]:
+        """Route rows to adapters for the forward (and backward) passes inside the block.
+
+        `assignments` pairs an adapter key with the row indices it applies to (None: all rows).
+        Rows not listed run the base model."""
+        for layer in self.layers.values():
+            layer.routing = assignments
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.routing = []

@@ -1,0 +1,60 @@
+"""Service layer: business rules between the HTTP api and the engine.
+
+build_services(config) wires the store, the engine and the scheduler. Imports: store, engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from posttrain.config import ServerConfig
+from posttrain.engine.local import LocalEngine
+from posttrain.service.operations import OperationService
+from posttrain.service.payloads import PayloadService
+from posttrain.service.resources import ResourceService
+from posttrain.service.scheduler import Scheduler
+from posttrain.service.sessions import SessionService
+from posttrain.service.signing import UrlSigner
+from posttrain.store.db import connect
+from posttrain.store.repo import Repo
+
+log = logging.getLogger("posttrain")
+
+RESTART_MESSAGE = "the server restarted while this operation was pending or running"
+
+
+@dataclass
+class Services:
+    config: ServerConfig
+    repo: Repo
+    engine: LocalEngine
+    scheduler: Scheduler
+    resources: ResourceService
+    sessions: SessionService
+    operations: OperationService
+    payloads: PayloadService
+    signer: UrlSigner
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+def build_services(config: ServerConfig) -> Services:
+    repo = Repo(connect(config.data_dir))
+    engine = LocalEngine(config.engine, {spec.id: spec.path for spec in config.models})
+    scheduler = Scheduler(repo, engine)
+    signer = UrlSigner(config.signing_key, config.url_ttl_s)
+    resources = ResourceService(config, repo, engine, scheduler)
+    sessions = SessionService(repo, engine, scheduler, resources)
+    operations = OperationService(repo, scheduler, sessions, resources)
+    payloads = PayloadService(config.data_dir, repo, sessions, signer)
+    failed = repo.fail_unfinished_operations(RESTART_MESSAGE, time.time())
+    if failed:
+        log.warning("marked %d unfinished operations FAILED after a restart", failed)
+    sessions.recover_after_restart()
+    resources.recover_after_restart()
+    return Services(
+        config, repo, engine, scheduler, resources, sessions, operations, payloads, signer
+    )

@@ -1,0 +1,144 @@
+"""Submitting operations (idempotent on their Idempotency-Key) and reading their state.
+
+A key is scoped to (session, kind, key). The first submission registers the operation
+atomically in the store before any work is queued; a replay with the same request fingerprint
+gets the original operation back and never runs it twice; a different fingerprint is a
+Conflict. Operations on a session that is not RUNNING are recorded FAILED at once.
+
+Imports: store, engine.interface.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from posttrain.errors import Conflict, InvalidRequest, NotFound
+from posttrain.service.ids import new_id
+from posttrain.service.resources import ResourceService
+from posttrain.service.scheduler import Scheduler
+from posttrain.service.sessions import SessionService
+from posttrain.store.repo import Repo
+from posttrain.types import (
+    OperationErrorCode,
+    OperationKind,
+    OperationRecord,
+    OperationStatus,
+    SampleRequest,
+    SessionStatus,
+    TrainingSample,
+)
+
+
+class OperationService:
+    def __init__(
+        self,
+        repo: Repo,
+        scheduler: Scheduler,
+        sessions: SessionService,
+        resources: ResourceService,
+    ) -> None:
+        self.repo = repo
+        self.scheduler = scheduler
+        self.sessions = sessions
+        self.resources = resources
+
+    def submit(
+        self,
+        user: str,
+        session_id: str,
+        kind: OperationKind,
+        *,
+        idempotency_key: str,
+        fingerprint: str,
+        request: Any,
+    ) -> OperationRecord:
+        session = self.sessions.get(user, session_id)
+        if not idempotency_key:
+            raise InvalidRequest(
+                "the Idempotency-Key header is required on operation POSTs",
+                param="Idempotency-Key",
+            )
+        if kind == OperationKind.SAMPLE:
+            resource = self.resources.get(user, session.resource_id)
+            if resource.num_generator_replicas == 0:
+                raise InvalidRequest(
+                    "this model resource has no generator (num_generator_replicas = 0)",
+                    param="compute_config.num_generator_replicas",
+                )
+            self._check_sample(session.base_model, request)
+        if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
+            self._check_samples(session.base_model, request.samples)
+        if kind == OperationKind.FORWARD_BACKWARD:
+            self.resources.engine.validate_forward_backward(request)
+        now = time.time()
+        active = session.status == SessionStatus.RUNNING
+        op = OperationRecord(
+            id=new_id("op"),
+            session_id=session_id,
+            kind=kind,
+            status=OperationStatus.PENDING if active else OperationStatus.FAILED,
+            created_at=now,
+            updated_at=now,
+            idempotency_key=idempotency_key,
+            fingerprint=fingerprint,
+            created_by=user,
+            error_code=None if active else OperationErrorCode.SESSION_NOT_ACTIVE,
+            error_message=None if active else f"session {session_id} is {session.status}",
+        )
+        stored = self.repo.insert_operation(op)
+        if stored.id != op.id:
+            if stored.fingerprint != fingerprint:
+                raise Conflict(
+                    f"Idempotency-Key {idempotency_key!r} was used for a different"
+                    f" {kind} request (operation {stored.id}); use a new key for a new request",
+                    param="Idempotency-Key",
+                )
+            return stored
+        if active:
+            self.resources.touch(session.resource_id)
+            self.scheduler.enqueue(session.resource_id, op.id, request)
+        return op
+
+    def _check_samples(self, base_model: str, samples: tuple[TrainingSample, ...]) -> None:
+        """Limits that need the model: batch size, sequence length, vocabulary."""
+        engine = self.resources.engine
+        info = engine.model_info(base_model)
+        if len(samples) > info.max_batch_size:
+            raise InvalidRequest(
+                f"samples has {len(samples)} entries; the maximum is {info.max_batch_size}",
+                param="samples",
+            )
+        for index, sample in enumerate(samples):
+            if len(sample.tokens) + 1 > info.max_seq_length:
+                raise InvalidRequest(
+                    f"samples[{index}] has {len(sample.tokens) + 1} tokens; the maximum is"
+                    f" {info.max_seq_length}",
+                    param=f"samples[{index}].model_input",
+                )
+            engine.check_tokens(base_model, sample.tokens, f"samples[{index}].model_input")
+            targets = tuple(int(t) for t in sample.loss_fn_inputs["target_tokens"])
+            engine.check_tokens(
+                base_model, targets, f"samples[{index}].loss_fn_inputs.target_tokens"
+            )
+
+    def _check_sample(self, base_model: str, request: SampleRequest) -> None:
+        engine = self.resources.engine
+        info = engine.model_info(base_model)
+        for index, prompt in enumerate(request.prompts):
+            engine.check_tokens(base_model, prompt, f"model_inputs[{index}]")
+            total = len(prompt) + request.sampling_params.max_tokens
+            if total > info.context_length:
+                raise InvalidRequest(
+                    f"model_inputs[{index}] has {len(prompt)} tokens; with max_tokens"
+                    f" {request.sampling_params.max_tokens} that exceeds the context length"
+                    f" {info.context_length}",
+                    param="sampling_params.max_tokens",
+                )
+
+    def get(self, user: str, session_id: str, kind: OperationKind, op_id: str) -> OperationRecord:
+        self.sessions.get(user, session_id)
+        op = self.repo.get_operation(op_id)
+        if op is None or op.session_id != session_id or op.kind != kind:
+            raise NotFound(f"{kind} operation {op_id} not found", param="operation_id")
+        return op

@@ -1,0 +1,222 @@
+"""Model resources: provisioning on the engine, status, expiry, stop.
+
+A resource is READY once its base model is loaded. Loading runs as the first job on the
+resource's worker; create waits a little for it so that small models come back READY at once
+(the SDK's first poll then succeeds without a 10 s sleep), and larger ones report CREATING.
+
+Imports: store, engine.interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from posttrain.config import ServerConfig
+from posttrain.engine.interface import Engine, ModelInfo
+from posttrain.errors import InvalidRequest, NotFound
+from posttrain.service.ids import new_id
+from posttrain.service.scheduler import Scheduler
+from posttrain.store.repo import Repo
+from posttrain.types import (
+    SESSION_TERMINAL,
+    ErrorInfo,
+    MuonScaling,
+    ResourceRecord,
+    ResourceStatus,
+)
+
+log = logging.getLogger("posttrain.resources")
+
+# How long create waits for the model to load before answering CREATING.
+READY_WAIT_S = 30.0
+GPU_TYPE_CPU = "CPU"
+
+
+class ResourceService:
+    def __init__(
+        self, config: ServerConfig, repo: Repo, engine: Engine, scheduler: Scheduler
+    ) -> None:
+        self.config = config
+        self.repo = repo
+        self.engine = engine
+        self.scheduler = scheduler
+        self.base_models = {spec.id for spec in config.models}
+
+    def supported_models(self) -> list[tuple[str, ModelInfo]]:
+        return [(spec.id, self.engine.model_info(spec.id)) for spec in self.config.models]
+
+    def gpu_type(self) -> str:
+        device = self.config.engine.device
+        return GPU_TYPE_CPU if device == "cpu" else "auto" if device == "auto" else device.upper()
+
+    def create(
+        self,
+        user: str,
+        *,
+        base_model: str,
+        lora_enabled: bool,
+        num_generator_replicas: int,
+        inactive_timeout: int,
+        muon_scaling: MuonScaling | None,
+    ) -> ResourceRecord:
+        if base_model not in self.base_models:
+            known = ", ".join(sorted(self.base_models))
+            raise InvalidRequest(
+                f"base_model {base_model!r} is not supported; supported: {known}",
+                param="base_model",
+            )
+        if not lora_enabled:
+            raise InvalidRequest(
+                "lora_enabled: false (full-weight resources) is not supported yet",
+                param="lora_enabled",
+            )
+        now = time.time()
+        record = ResourceRecord(
+            id=new_id("mr"),
+            base_model=base_model,
+            created_by=user,
+            created_at=now,
+            updated_at=now,
+            status=ResourceStatus.CREATING,
+            lora_enabled=lora_enabled,
+            num_generator_replicas=num_generator_replicas,
+            gpu_type=self.gpu_type(),
+            inactive_timeout=inactive_timeout,
+            muon_scaling=muon_scaling,
+        )
+        self.repo.put_resource(record)
+        loading = self.scheduler.run_job(record.id, lambda: self._provision(record.id))
+        try:
+            loading.result(timeout=READY_WAIT_S)
+        except FutureTimeout:
+            pass
+        except Exception:  # noqa: BLE001 - recorded on the resource by _provision
+            pass
+        return self.get(user, record.id)
+
+    def _provision(self, resource_id: str) -> None:
+        record = self.repo.get_resource(resource_id)
+        assert record is not None, f"resource {resource_id} vanished before provisioning"
+        try:
+            self.ensure_loaded(record)
+        except Exception as exc:
+            log.exception("provisioning %s failed", resource_id)
+            error = ErrorInfo(
+                "MODEL_RESOURCES_ERROR_CODE_PROVISIONING_FAILED", str(exc), time.time()
+            )
+            self.repo.update_resource(
+                resource_id,
+                lambda r: dataclasses.replace(r, status=ResourceStatus.ERROR, error=error),
+            )
+            raise
+        now = time.time()
+        self.repo.update_resource(
+            resource_id,
+            lambda r: dataclasses.replace(
+                r,
+                status=ResourceStatus.READY,
+                updated_at=now,
+                expires_at=now + r.inactive_timeout,
+            ),
+        )
+
+    def ensure_loaded(self, record: ResourceRecord) -> None:
+        """Load the base model if this process has not yet (after a restart). Worker thread."""
+        self.engine.load_resource(record.id, record.base_model, muon_scaling=record.muon_scaling)
+
+    def get(self, user: str, resource_id: str) -> ResourceRecord:
+        record = self.repo.get_resource(resource_id)
+        if record is None or record.created_by != user:
+            raise NotFound(f"model resource {resource_id} not found", param="model_resources_id")
+        return record
+
+    def list(self, user: str, statuses: set[str] | None) -> list[ResourceRecord]:
+        records = self.repo.list_resources(user)
+        return [r for r in records if statuses is None or r.status.value in statuses]
+
+    def touch(self, resource_id: str) -> None:
+        """Activity: an operation was submitted; expiry moves to now + inactive_timeout."""
+        now = time.time()
+        self.repo.update_resource(
+            resource_id,
+            lambda r: dataclasses.replace(
+                r, expires_at=max(r.expires_at or 0.0, now + r.inactive_timeout)
+            ),
+        )
+
+    def extend_expiry(self, user: str, resource_id: str, seconds: int) -> ResourceRecord:
+        record = self.get(user, resource_id)
+        if record.status != ResourceStatus.READY:
+            raise InvalidRequest(
+                f"model resource {resource_id} is {record.status}, not READY", param="seconds"
+            )
+        target = time.time() + seconds
+        return self.repo.update_resource(
+            resource_id,
+            lambda r: dataclasses.replace(
+                r, expires_at=max(r.expires_at or 0.0, target), updated_at=time.time()
+            ),
+        )
+
+    def stop(self, user: str, resource_id: str, *, force: bool, stop_session) -> ResourceRecord:
+        """Stop the resource; with force, stop its active sessions first (`stop_session`)."""
+        record = self.get(user, resource_id)
+        if record.status in (ResourceStatus.STOPPED, ResourceStatus.STOPPING, ResourceStatus.ERROR):
+            raise InvalidRequest(
+                f"model resource {resource_id} is already {record.status}",
+                param="model_resources_id",
+            )
+        active = [
+            s
+            for s in self.repo.sessions_of_resource(resource_id)
+            if s.status not in SESSION_TERMINAL
+        ]
+        if active and not force:
+            names = ", ".join(s.id for s in active)
+            raise InvalidRequest(
+                f"model resource {resource_id} has active sessions ({names}); stop them or"
+                " pass force=true",
+                param="force",
+            )
+        for session in active:
+            stop_session(user, session.id)
+        self.repo.update_resource(
+            resource_id,
+            lambda r: dataclasses.replace(
+                r, status=ResourceStatus.STOPPING, updated_at=time.time()
+            ),
+        )
+
+        def teardown() -> None:
+            self.engine.unload_resource(resource_id)
+            self.repo.update_resource(
+                resource_id,
+                lambda r: dataclasses.replace(
+                    r, status=ResourceStatus.STOPPED, updated_at=time.time(), expires_at=None
+                ),
+            )
+
+        done = self.scheduler.run_job(resource_id, teardown)
+        try:
+            done.result(timeout=5.0)
+        except FutureTimeout:
+            pass
+        return self.get(user, resource_id)
+
+    def recover_after_restart(self) -> None:
+        """READY resources stay READY and load lazily; a half-provisioned one is provisioned
+        again; one that was stopping is stopped."""
+        for record in self.repo.all_resources():
+            if record.status == ResourceStatus.STOPPING:
+                self.repo.update_resource(
+                    record.id,
+                    lambda r: dataclasses.replace(
+                        r, status=ResourceStatus.STOPPED, expires_at=None
+                    ),
+                )
+            elif record.status in (ResourceStatus.CREATING, ResourceStatus.PENDING):
+                rid = record.id
+                self.scheduler.run_job(rid, lambda rid=rid: self._provision(rid))

@@ -1,0 +1,213 @@
+"""The worker loop: one thread per model resource runs that resource's jobs in arrival order.
+
+Operations of a session therefore execute in submission order, and barriers (optim-step,
+weights-sync) hold trivially. Compute never runs on the asyncio loop: handlers enqueue and
+return, and polls read the store. This is the one place with a broad `except`: an operation
+that fails is recorded FAILED with a code and the worker moves on.
+
+Imports: store, engine.interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from posttrain.engine.interface import Engine
+from posttrain.errors import InvalidRequest, NonFiniteLoss, SessionNotActive
+from posttrain.store.repo import Repo
+from posttrain.types import (
+    CustomForwardBackwardRequest,
+    ForwardBackwardRequest,
+    OperationErrorCode,
+    OperationKind,
+    OperationRecord,
+    OperationStatus,
+    OptimStepRequest,
+    PolicyState,
+    SampleRequest,
+    SessionRecord,
+    SessionStatus,
+    WeightsSyncRequest,
+)
+
+log = logging.getLogger("posttrain.scheduler")
+
+Job = Callable[[], Any]
+
+
+class ResourceWorker:
+    """A thread that runs one resource's jobs one at a time, first in, first out."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.Queue[tuple[Job, Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        future: Future = Future()
+        self._queue.put((job, future))
+        return future
+
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            job, future = item
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the job
+                future.set_exception(exc)
+
+
+def _error_code(exc: BaseException) -> OperationErrorCode:
+    if isinstance(exc, NonFiniteLoss):
+        return OperationErrorCode.NON_FINITE_LOSS
+    if isinstance(exc, InvalidRequest):
+        return OperationErrorCode.INVALID_INPUT
+    if isinstance(exc, SessionNotActive):
+        return OperationErrorCode.SESSION_NOT_ACTIVE
+    if isinstance(exc, MemoryError):
+        return OperationErrorCode.RESOURCE_EXHAUSTED
+    return OperationErrorCode.INTERNAL_ERROR
+
+
+class Scheduler:
+    def __init__(self, repo: Repo, engine: Engine) -> None:
+        self.repo = repo
+        self.engine = engine
+        self._workers: dict[str, ResourceWorker] = {}
+        self._lock = threading.Lock()
+        self._runners: dict[OperationKind, Callable[[SessionRecord, Any], dict]] = {
+            OperationKind.FORWARD_BACKWARD: self._forward_backward,
+            OperationKind.CUSTOM_FORWARD_BACKWARD: self._custom_forward_backward,
+            OperationKind.OPTIM_STEP: self._optim_step,
+            OperationKind.WEIGHTS_SYNC: self._weights_sync,
+            OperationKind.SAMPLE: self._sample,
+        }
+
+    def worker(self, resource_id: str) -> ResourceWorker:
+        with self._lock:
+            if resource_id not in self._workers:
+                self._workers[resource_id] = ResourceWorker(f"worker-{resource_id}")
+            return self._workers[resource_id]
+
+    def run_job(self, resource_id: str, job: Job) -> Future:
+        """Run a non-operation job (load, session setup, teardown) in the resource's order."""
+        return self.worker(resource_id).submit(job)
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return sum(worker.depth() for worker in self._workers.values())
+
+    def enqueue(self, resource_id: str, operation_id: str, request: Any) -> None:
+        self.worker(resource_id).submit(lambda: self._execute(operation_id, request))
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._workers.values():
+                worker.close()
+
+    # ------------------------------------------------------------ the operation boundary
+
+    def _execute(self, operation_id: str, request: Any) -> None:
+        op = self.repo.get_operation(operation_id)
+        assert op is not None, f"queued operation {operation_id} vanished from the store"
+        if op.status != OperationStatus.PENDING:
+            return
+        session = self.repo.get_session(op.session_id)
+        assert session is not None, f"operation {operation_id} has no session"
+        if session.status != SessionStatus.RUNNING:
+            self._finish(op, error=SessionNotActive(f"session {session.id} is {session.status}"))
+            return
+        op = self._set(op, status=OperationStatus.RUNNING)
+        started = time.monotonic()
+        try:
+            output = self._runners[op.kind](session, request)
+        except Exception as exc:  # noqa: BLE001 - the one operation boundary (STYLE.md 6)
+            if _error_code(exc) == OperationErrorCode.INTERNAL_ERROR:
+                log.exception("operation %s (%s) failed", op.id, op.kind)
+            self._finish(op, error=exc)
+            return
+        log.info("operation %s (%s) done in %.3fs", op.id, op.kind, time.monotonic() - started)
+        self._finish(op, output=output)
+
+    def _set(self, op: OperationRecord, **changes: Any) -> OperationRecord:
+        updated = dataclasses.replace(op, updated_at=time.time(), **changes)
+        self.repo.put_operation(updated)
+        return updated
+
+    def _finish(
+        self, op: OperationRecord, *, output: dict | None = None, error: BaseException | None = None
+    ) -> None:
+        if error is None:
+            self._set(op, status=OperationStatus.COMPLETED, output=output)
+        else:
+            message = getattr(error, "message", None) or f"{type(error).__name__}: {error}"
+            self._set(
+                op,
+                status=OperationStatus.FAILED,
+                error_code=_error_code(error),
+                error_message=message,
+            )
+
+    # ------------------------------------------------------------ one runner per kind
+
+    def _forward_backward(self, session: SessionRecord, request: ForwardBackwardRequest) -> dict:
+        result = self.engine.forward_backward(session.resource_id, session.id, request)
+        return dataclasses.asdict(result)
+
+    def _custom_forward_backward(
+        self, session: SessionRecord, request: CustomForwardBackwardRequest
+    ) -> dict:
+        self.engine.custom_forward_backward(session.resource_id, session.id, request)
+        return {}
+
+    def _optim_step(self, session: SessionRecord, request: OptimStepRequest) -> dict:
+        self.engine.optim_step(session.resource_id, session.id, request)
+
+        def advance(s: SessionRecord) -> SessionRecord:
+            policy = dataclasses.replace(
+                s.policy_state, trainer_step=s.policy_state.trainer_step + 1
+            )
+            return dataclasses.replace(
+                s, step=s.step + 1, policy_state=policy, updated_at=time.time()
+            )
+
+        updated = self.repo.update_session(session.id, advance)
+        return {"step": updated.step}
+
+    def _weights_sync(self, session: SessionRecord, request: WeightsSyncRequest) -> dict:
+        # Every mode publishes here, in the session's order: a sample submitted after this
+        # operation runs after it and sees the new version (api.md 1.4.5, 7.6). BACKGROUND and
+        # PIPELINE therefore behave like SYNCHRONOUS until the generator runs apart (issue 5).
+        self.engine.publish(session.resource_id, session.id)
+
+        def publish(s: SessionRecord) -> SessionRecord:
+            version = s.policy_state.trainer_step
+            policy = PolicyState(
+                trainer_step=version,
+                target_weights_version=version,
+                applied_weights_version=version,
+                pending_publish=False,
+            )
+            return dataclasses.replace(s, policy_state=policy, updated_at=time.time())
+
+        updated = self.repo.update_session(session.id, publish)
+        return {"weights_version": updated.policy_state.applied_weights_version}
+
+    def _sample(self, session: SessionRecord, request: SampleRequest) -> dict:
+        current = self.repo.get_session(session.id) or session
+        version = current.policy_state.applied_weights_version
+        results = self.engine.sample(session.resource_id, session.id, request, version=version)
+        return {"results": [dataclasses.asdict(r) for r in results]}

@@ -1,0 +1,47 @@
+"""SQLite connection and schema. One file under the data directory, WAL mode, so readers (the
+HTTP handlers) never block on the writer (the worker thread) and a crash loses nothing that
+was committed.
+
+Imports: config.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS resources (
+    id TEXT PRIMARY KEY, created_by TEXT NOT NULL, created_at REAL NOT NULL,
+    status TEXT NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, resource_id TEXT NOT NULL, created_by TEXT NOT NULL,
+    created_at REAL NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS operations (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, session_id TEXT NOT NULL,
+    kind TEXT NOT NULL, idempotency_key TEXT NOT NULL, status TEXT NOT NULL,
+    data TEXT NOT NULL, UNIQUE (session_id, kind, idempotency_key));
+CREATE TABLE IF NOT EXISTS checkpoints (
+    id TEXT PRIMARY KEY, session_id TEXT NOT NULL, created_by TEXT NOT NULL,
+    created_at REAL NOT NULL, type TEXT NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS payloads (
+    id TEXT PRIMARY KEY, session_id TEXT NOT NULL, created_at REAL NOT NULL,
+    path TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS sessions_by_resource ON sessions (resource_id);
+CREATE INDEX IF NOT EXISTS operations_by_session ON operations (session_id);
+"""
+
+
+def connect(data_dir: Path) -> sqlite3.Connection:
+    """Open (creating if needed) the store under data_dir.
+
+    One connection is shared by all threads behind the repo's lock; sqlite3 serialises its own
+    use, and check_same_thread is off because the worker threads write through it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    connection = sqlite3.connect(
+        data_dir / "posttrain.sqlite3", check_same_thread=False, isolation_level=None
+    )
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=NORMAL")
+    connection.executescript(SCHEMA)
+    return connection

@@ -1,0 +1,259 @@
+"""Typed reads and writes of the store. Rows convert to and from domain records here only.
+
+Each table keeps the columns that queries filter on plus the whole record as JSON, so adding a
+record field needs no migration. Imports: types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import threading
+import types
+import typing
+from collections.abc import Callable
+from enum import Enum
+from typing import Any, TypeVar
+
+from posttrain.types import (
+    CheckpointRecord,
+    OperationErrorCode,
+    OperationRecord,
+    OperationStatus,
+    ResourceRecord,
+    SessionRecord,
+)
+
+T = TypeVar("T")
+
+
+def to_json(record: object) -> str:
+    return json.dumps(dataclasses.asdict(record), separators=(",", ":"))  # type: ignore[arg-type]
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    """Rebuild a value of type `hint` from its JSON form (dataclasses, enums, tuples, unions)."""
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        for option in options:
+            if dataclasses.is_dataclass(option) and isinstance(value, dict):
+                return _convert(option, value)
+            if isinstance(option, type) and issubclass(option, Enum):
+                try:
+                    return option(value)
+                except ValueError:
+                    continue
+        return value
+    if origin is tuple:
+        (item,) = typing.get_args(hint)[:1]
+        return tuple(_convert(item, v) for v in value)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return hint(value)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value)  # type: ignore[arg-type]
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        f.name: _convert(hints[f.name], data[f.name])
+        for f in dataclasses.fields(cls)
+        if f.name in data
+    }  # type: ignore[arg-type]
+    return cls(**kwargs)
+
+
+class Repo:
+    """All store access. Thread-safe: one lock around the shared connection."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self._db = connection
+        self._lock = threading.Lock()
+
+    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _execute(self, sql: str, args: tuple = ()) -> None:
+        with self._lock:
+            self._db.execute(sql, args)
+
+    # ------------------------------------------------------------ resources
+
+    def put_resource(self, r: ResourceRecord) -> None:
+        self._execute(
+            "INSERT OR REPLACE INTO resources (id, created_by, created_at, status, data)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (r.id, r.created_by, r.created_at, r.status.value, to_json(r)),
+        )
+
+    def get_resource(self, resource_id: str) -> ResourceRecord | None:
+        rows = self._query("SELECT data FROM resources WHERE id = ?", (resource_id,))
+        return from_dict(ResourceRecord, json.loads(rows[0][0])) if rows else None
+
+    def list_resources(self, created_by: str) -> list[ResourceRecord]:
+        rows = self._query(
+            "SELECT data FROM resources WHERE created_by = ? ORDER BY created_at DESC, id DESC",
+            (created_by,),
+        )
+        return [from_dict(ResourceRecord, json.loads(row[0])) for row in rows]
+
+    # ------------------------------------------------------------ sessions
+
+    def put_session(self, s: SessionRecord) -> None:
+        self._execute(
+            "INSERT OR REPLACE INTO sessions"
+            " (id, resource_id, created_by, created_at, status, data) VALUES (?, ?, ?, ?, ?, ?)",
+            (s.id, s.resource_id, s.created_by, s.created_at, s.status.value, to_json(s)),
+        )
+
+    def update_session(
+        self, session_id: str, change: Callable[[SessionRecord], SessionRecord]
+    ) -> SessionRecord:
+        """Read-modify-write one session atomically (the worker and handlers both write)."""
+        with self._lock:
+            rows = self._db.execute("SELECT data FROM sessions WHERE id = ?", (session_id,))
+            current = from_dict(SessionRecord, json.loads(rows.fetchall()[0][0]))
+            updated = change(current)
+            self._db.execute(
+                "UPDATE sessions SET status = ?, data = ? WHERE id = ?",
+                (updated.status.value, to_json(updated), session_id),
+            )
+        return updated
+
+    def update_resource(
+        self, resource_id: str, change: Callable[[ResourceRecord], ResourceRecord]
+    ) -> ResourceRecord:
+        with self._lock:
+            rows = self._db.execute("SELECT data FROM resources WHERE id = ?", (resource_id,))
+            current = from_dict(ResourceRecord, json.loads(rows.fetchall()[0][0]))
+            updated = change(current)
+            self._db.execute(
+                "UPDATE resources SET status = ?, data = ? WHERE id = ?",
+                (updated.status.value, to_json(updated), resource_id),
+            )
+        return updated
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        rows = self._query("SELECT data FROM sessions WHERE id = ?", (session_id,))
+        return from_dict(SessionRecord, json.loads(rows[0][0])) if rows else None
+
+    def list_sessions(self, created_by: str) -> list[SessionRecord]:
+        rows = self._query(
+            "SELECT data FROM sessions WHERE created_by = ? ORDER BY created_at DESC, id DESC",
+            (created_by,),
+        )
+        return [from_dict(SessionRecord, json.loads(row[0])) for row in rows]
+
+    def all_sessions(self) -> list[SessionRecord]:
+        rows = self._query("SELECT data FROM sessions")
+        return [from_dict(SessionRecord, json.loads(row[0])) for row in rows]
+
+    def all_resources(self) -> list[ResourceRecord]:
+        rows = self._query("SELECT data FROM resources")
+        return [from_dict(ResourceRecord, json.loads(row[0])) for row in rows]
+
+    def sessions_of_resource(self, resource_id: str) -> list[SessionRecord]:
+        rows = self._query("SELECT data FROM sessions WHERE resource_id = ?", (resource_id,))
+        return [from_dict(SessionRecord, json.loads(row[0])) for row in rows]
+
+    # ------------------------------------------------------------ operations
+
+    def insert_operation(self, op: OperationRecord) -> OperationRecord:
+        """Register an operation under its Idempotency-Key atomically.
+
+        Returns the stored record: `op` itself, or the one that already holds the key."""
+        with self._lock:
+            try:
+                self._db.execute(
+                    "INSERT INTO operations (id, session_id, kind, idempotency_key, status, data)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        op.id,
+                        op.session_id,
+                        op.kind.value,
+                        op.idempotency_key,
+                        op.status.value,
+                        to_json(op),
+                    ),
+                )
+                return op
+            except sqlite3.IntegrityError:
+                rows = self._db.execute(
+                    "SELECT data FROM operations WHERE session_id = ? AND kind = ?"
+                    " AND idempotency_key = ?",
+                    (op.session_id, op.kind.value, op.idempotency_key),
+                ).fetchall()
+        return from_dict(OperationRecord, json.loads(rows[0][0]))
+
+    def put_operation(self, op: OperationRecord) -> None:
+        self._execute(
+            "UPDATE operations SET status = ?, data = ? WHERE id = ?",
+            (op.status.value, to_json(op), op.id),
+        )
+
+    def get_operation(self, operation_id: str) -> OperationRecord | None:
+        rows = self._query("SELECT data FROM operations WHERE id = ?", (operation_id,))
+        return from_dict(OperationRecord, json.loads(rows[0][0])) if rows else None
+
+    def unfinished_operations(self, session_id: str | None = None) -> list[OperationRecord]:
+        sql = "SELECT data FROM operations WHERE status IN (?, ?)"
+        args: tuple = (OperationStatus.PENDING.value, OperationStatus.RUNNING.value)
+        if session_id is not None:
+            sql += " AND session_id = ?"
+            args += (session_id,)
+        rows = self._query(sql + " ORDER BY seq", args)
+        return [from_dict(OperationRecord, json.loads(row[0])) for row in rows]
+
+    def fail_unfinished_operations(self, message: str, now: float) -> int:
+        """Mark every PENDING/RUNNING operation FAILED (INTERNAL_ERROR); returns how many."""
+        unfinished = self.unfinished_operations()
+        for op in unfinished:
+            self.put_operation(
+                dataclasses.replace(
+                    op,
+                    status=OperationStatus.FAILED,
+                    updated_at=now,
+                    error_code=OperationErrorCode.INTERNAL_ERROR,
+                    error_message=message,
+                )
+            )
+        return len(unfinished)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def put_checkpoint(self, c: CheckpointRecord) -> None:
+        self._execute(
+            "INSERT OR REPLACE INTO checkpoints (id, session_id, created_by, created_at, type,"
+            " data) VALUES (?, ?, ?, ?, ?, ?)",
+            (c.id, c.session_id, c.created_by, c.created_at, c.type.value, to_json(c)),
+        )
+
+    def get_checkpoint(self, checkpoint_id: str) -> CheckpointRecord | None:
+        rows = self._query("SELECT data FROM checkpoints WHERE id = ?", (checkpoint_id,))
+        return from_dict(CheckpointRecord, json.loads(rows[0][0])) if rows else None
+
+    def list_checkpoints(self, created_by: str) -> list[CheckpointRecord]:
+        rows = self._query(
+            "SELECT data FROM checkpoints WHERE created_by = ? ORDER BY created_at DESC, id DESC",
+            (created_by,),
+        )
+        return [from_dict(CheckpointRecord, json.loads(row[0])) for row in rows]
+
+    # ------------------------------------------------------------ payloads
+
+    def put_payload(self, payload_id: str, session_id: str, created_at: float, path: str) -> None:
+        self._execute(
+            "INSERT OR REPLACE INTO payloads (id, session_id, created_at, path) VALUES (?,?,?,?)",
+            (payload_id, session_id, created_at, path),
+        )
+
+    def get_payload(self, payload_id: str) -> tuple[str, str] | None:
+        """(session_id, path) of a payload, or None."""
+        rows = self._query("SELECT session_id, path FROM payloads WHERE id = ?", (payload_id,))
+        return (rows[0][0], rows[0][1]) if rows else None

@@ -1,0 +1,388 @@
+"""Domain types shared by the service and the engine: plain frozen dataclasses and enums.
+
+Names follow the API's vocabulary (api.md). Enum values are the wire spellings, so a domain value
+serialises to the wire unchanged. Wire-only details (seed-era aliases, string token ids, dtype
+names) are gone by the time a value becomes one of these types: api/schemas.py converts once.
+
+Imports: errors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class LossType(StrEnum):
+    CROSS_ENTROPY = "LOSS_TYPE_CROSS_ENTROPY"
+    IMPORTANCE_SAMPLING = "LOSS_TYPE_IMPORTANCE_SAMPLING"
+    PPO = "LOSS_TYPE_PPO"
+    CISPO = "LOSS_TYPE_CISPO"
+    DRO = "LOSS_TYPE_DRO"
+    DPPO = "LOSS_TYPE_DPPO"
+    GRPO = "LOSS_TYPE_GRPO"
+
+
+class GrpoAggregation(StrEnum):
+    FIXED_HORIZON = "GRPO_LOSS_AGGREGATION_TYPE_FIXED_HORIZON"
+    TOKEN_MEAN = "GRPO_LOSS_AGGREGATION_TYPE_TOKEN_MEAN"
+    SEQUENCE_MEAN = "GRPO_LOSS_AGGREGATION_TYPE_SEQUENCE_MEAN"
+
+
+class GrpoRatioType(StrEnum):
+    TOKEN = "GRPO_LOSS_RATIO_TYPE_TOKEN"
+    SEQUENCE = "GRPO_LOSS_RATIO_TYPE_SEQUENCE"
+
+
+class OperationKind(StrEnum):
+    FORWARD_BACKWARD = "forward-backward"
+    CUSTOM_FORWARD_BACKWARD = "custom-forward-backward"
+    OPTIM_STEP = "optim-step"
+    WEIGHTS_SYNC = "weights-sync"
+    SAMPLE = "sample"
+    TRAINING_CHECKPOINT = "training-checkpoint"
+    INFERENCE_CHECKPOINT = "inference-checkpoint"
+
+
+class OperationStatus(StrEnum):
+    PENDING = "TRAINING_OPERATION_STATUS_PENDING"
+    RUNNING = "TRAINING_OPERATION_STATUS_RUNNING"
+    COMPLETED = "TRAINING_OPERATION_STATUS_COMPLETED"
+    FAILED = "TRAINING_OPERATION_STATUS_FAILED"
+
+
+class OperationErrorCode(StrEnum):
+    RESOURCE_EXHAUSTED = "TRAINING_OPERATION_ERROR_CODE_RESOURCE_EXHAUSTED"
+    TIMEOUT = "TRAINING_OPERATION_ERROR_CODE_TIMEOUT"
+    INTERNAL_ERROR = "TRAINING_OPERATION_ERROR_CODE_INTERNAL_ERROR"
+    SESSION_NOT_ACTIVE = "TRAINING_OPERATION_ERROR_CODE_SESSION_NOT_ACTIVE"
+    INVALID_INPUT = "TRAINING_OPERATION_ERROR_CODE_INVALID_INPUT"
+    NON_FINITE_LOSS = "TRAINING_OPERATION_ERROR_CODE_NON_FINITE_LOSS"
+
+
+class ResourceStatus(StrEnum):
+    PENDING = "MODEL_RESOURCES_STATUS_PENDING"
+    CREATING = "MODEL_RESOURCES_STATUS_CREATING"
+    READY = "MODEL_RESOURCES_STATUS_READY"
+    ERROR = "MODEL_RESOURCES_STATUS_ERROR"
+    STOPPED = "MODEL_RESOURCES_STATUS_STOPPED"
+    STOPPING = "MODEL_RESOURCES_STATUS_STOPPING"
+
+
+class SessionStatus(StrEnum):
+    CREATING = "TRAINING_SESSION_STATUS_CREATING"
+    RUNNING = "TRAINING_SESSION_STATUS_RUNNING"
+    STOPPED = "TRAINING_SESSION_STATUS_STOPPED"
+    STOPPING = "TRAINING_SESSION_STATUS_STOPPING"
+    ERROR = "TRAINING_SESSION_STATUS_ERROR"
+    EXPIRED = "TRAINING_SESSION_STATUS_EXPIRED"
+
+
+SESSION_TERMINAL = frozenset({SessionStatus.STOPPED, SessionStatus.ERROR, SessionStatus.EXPIRED})
+
+
+class SessionErrorCode(StrEnum):
+    RESOURCE_UNAVAILABLE = "TRAINING_SESSION_ERROR_CODE_RESOURCE_UNAVAILABLE"
+    RESOURCE_AT_CAPACITY = "TRAINING_SESSION_ERROR_CODE_RESOURCE_AT_CAPACITY"
+    TIMED_OUT = "TRAINING_SESSION_ERROR_CODE_TIMED_OUT"
+    SESSION_FAILED = "TRAINING_SESSION_ERROR_CODE_SESSION_FAILED"
+
+
+class WeightSyncType(StrEnum):
+    SYNCHRONOUS = "WEIGHT_SYNC_TYPE_SYNCHRONOUS"
+    BACKGROUND_PUBLISH = "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"
+    PIPELINE = "WEIGHT_SYNC_TYPE_PIPELINE"
+
+
+class StopReason(StrEnum):
+    STOP = "STOP_REASON_STOP"
+    LENGTH = "STOP_REASON_LENGTH"
+
+
+class CheckpointType(StrEnum):
+    TRAINING = "CHECKPOINT_TYPE_TRAINING"
+    INFERENCE = "CHECKPOINT_TYPE_INFERENCE"
+
+
+class MuonScaling(StrEnum):
+    MATCH_ADAM = "MUON_SCALING_STRATEGY_MATCH_ADAM"
+    ORIGINAL = "MUON_SCALING_STRATEGY_ORIGINAL"
+
+
+# ---------------------------------------------------------------- losses (losses.md)
+
+
+@dataclass(frozen=True)
+class PpoParams:
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+
+
+@dataclass(frozen=True)
+class CispoParams:
+    clip_low_threshold: float = 0.0
+    clip_high_threshold: float = 4.0
+
+
+@dataclass(frozen=True)
+class DroParams:
+    beta: float
+
+
+@dataclass(frozen=True)
+class DppoParams:
+    delta_low: float = 0.15
+    delta_high: float = 0.15
+
+
+@dataclass(frozen=True)
+class GrpoParams:
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.28
+    beta: float = 0.0
+    agg_type: GrpoAggregation = GrpoAggregation.FIXED_HORIZON
+    ratio_type: GrpoRatioType = GrpoRatioType.TOKEN
+
+
+LossParams = PpoParams | CispoParams | DroParams | DppoParams | GrpoParams | None
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """A loss type and its parameters; `params` is None for CE and IS."""
+
+    type: LossType
+    params: LossParams = None
+
+
+# ---------------------------------------------------------------- training requests
+
+# loss_fn_inputs keys the server understands (api.md 1.7.2).
+LOSS_FN_INPUT_KEYS = frozenset(
+    {"target_tokens", "weights", "mask", "logprobs", "advantages", "reference_logprobs"}
+)
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    """One sample: `tokens` is the model input ((prompt + completion)[:-1]); every
+    `loss_fn_inputs` value has exactly len(tokens) entries (checked by the api layer)."""
+
+    tokens: tuple[int, ...]
+    loss_fn_inputs: dict[str, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class ForwardBackwardRequest:
+    samples: tuple[TrainingSample, ...]
+    loss: LossConfig
+    forward_only: bool = False
+    return_loss_fn_outputs: bool = False
+
+
+@dataclass(frozen=True)
+class CustomForwardBackwardRequest:
+    samples: tuple[TrainingSample, ...]
+    gradients: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Per-step AdamW settings; omitted fields take these defaults every step (losses.md 12.2)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class MuonParams:
+    """Per-step Muon settings (losses.md 12.3). `adam` holds the values for the parameters Muon
+    does not own; None means AdamParams defaults with the lr rule of losses.md 12.3."""
+
+    learning_rate: float = 0.02
+    momentum: float = 0.95
+    newton_schulz_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip_norm: float | None = None
+    adam: AdamParams | None = None
+
+
+@dataclass(frozen=True)
+class OptimStepRequest:
+    adam: AdamParams | None = None
+    muon: MuonParams | None = None
+
+
+@dataclass(frozen=True)
+class WeightsSyncRequest:
+    weight_sync_type: WeightSyncType = WeightSyncType.SYNCHRONOUS
+
+
+# ---------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 100
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompts: tuple[tuple[int, ...], ...]
+    num_samples: int = 1
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+# ---------------------------------------------------------------- sessions and resources
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    seed: int = 0
+    train_unembed: bool = True
+
+
+# ---------------------------------------------------------------- results (wire field names)
+
+
+@dataclass(frozen=True)
+class ForwardBackwardResult:
+    loss: float
+    metrics: dict[str, float]
+    # One list of per-token logprobs per sample when return_loss_fn_outputs was set.
+    loss_fn_outputs: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class PolicySegment:
+    start_token: int
+    version: int
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    prompt_cache_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TopkPromptLogprobs:
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    sequences: list[SampledSequence]
+    policy_segments: list[PolicySegment]
+    prompt_logprobs: list[float] | None = None
+    topk_prompt_logprobs: list[TopkPromptLogprobs] | None = None
+
+
+# ---------------------------------------------------------------- stored records
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    code: str
+    message: str
+    occurred_at: float
+
+
+@dataclass(frozen=True)
+class ResourceRecord:
+    id: str
+    base_model: str
+    created_by: str
+    created_at: float
+    updated_at: float
+    status: ResourceStatus
+    lora_enabled: bool = True
+    num_generator_replicas: int = 1
+    gpu_type: str = ""
+    inactive_timeout: int = 3600
+    # None: Adam; otherwise the Muon scaling strategy.
+    muon_scaling: MuonScaling | None = None
+    expires_at: float | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    trainer_step: int = 0
+    target_weights_version: int = 0
+    applied_weights_version: int = 0
+    pending_publish: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    id: str
+    created_at: float
+    step: int
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    id: str
+    resource_id: str
+    base_model: str
+    created_by: str
+    created_at: float
+    updated_at: float
+    status: SessionStatus
+    step: int = 0
+    policy_state: PolicyState = field(default_factory=PolicyState)
+    display_name: str | None = None
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    lora_config: LoraConfig | None = None
+    resume_from_checkpoint_id: str | None = None
+    training_checkpoints: tuple[CheckpointRef, ...] = ()
+    inference_checkpoints: tuple[CheckpointRef, ...] = ()
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class OperationRecord:
+    id: str
+    session_id: str
+    kind: OperationKind
+    status: OperationStatus
+    created_at: float
+    updated_at: float
+    idempotency_key: str
+    fingerprint: str
+    created_by: str
+    # The result in wire shape (JSON-ready) once COMPLETED; {} is a valid empty output.
+    output: dict | None = None
+    error_code: OperationErrorCode | None = None
+    error_message: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    id: str
+    session_id: str
+    base_model: str
+    created_by: str
+    created_at: float
+    type: CheckpointType
+    step: int
+    path: str
+    lora_rank: int | None = None

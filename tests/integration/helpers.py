@@ -1,0 +1,36 @@
+"""Helpers shared by the integration tests: SDK clients pointed at a test server."""
+
+from __future__ import annotations
+
+from together import Together
+from together.post_training import ModelResourcesClient, SessionClient
+
+API_KEY = "test-key"
+BASE_MODEL = "posttrain/tiny-qwen3"
+
+
+def open_session(
+    base_url: str, **session_args: object
+) -> tuple[ModelResourcesClient, SessionClient]:
+    resources = ModelResourcesClient.create(
+        base_url=base_url, api_key=API_KEY, base_model=BASE_MODEL, interval=0.2
+    )
+    session = resources.create_session(interval=0.2, **session_args)
+    return resources, session
+
+
+def low_level(base_url: str) -> Together:
+    return Together(base_url=base_url, api_key=API_KEY, max_retries=0)
+
+
+def sft_sample(tokens: list[int], prompt_len: int) -> dict:
+    """A cross-entropy sample: predict tokens[1:] from tokens[:-1], weights 0 on the prompt."""
+    n = len(tokens) - 1
+    weights = [0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1)
+    return {
+        "model_input": {"chunks": [{"encoded_text": {"tokens": tokens[:-1]}}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": tokens[1:], "dtype": "int64"},
+            "weights": {"data": weights, "dtype": "float32"},
+        },
+    }

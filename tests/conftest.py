@@ -96,6 +96,16 @@ def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerPro
         print(f"\n----- server log -----\n{proc.log()[-20000:]}")
 
 
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for a whole test module (tests that restart or need isolation use `server`)."""
+    directory = tmp_path_factory.mktemp("shared")
+    proc = ServerProcess(directory / "data", directory / "server.log")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield

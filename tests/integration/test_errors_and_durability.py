@@ -24,9 +24,9 @@ def probe_loss(session) -> float:
     return result.loss
 
 
-def test_unknown_and_malformed_ids_answer_404(server):
-    resources, session = open_session(server.base_url)
-    client = low_level(server.base_url).post_training
+def test_unknown_and_malformed_ids_answer_404(shared_server):
+    resources, session = open_session(shared_server.base_url)
+    client = low_level(shared_server.base_url).post_training
     with pytest.raises(NotFoundError):
         client.model_resources.retrieve("mr-doesnotexist")
     with pytest.raises(NotFoundError):
@@ -110,12 +110,12 @@ BAD_BODIES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_BODIES))
-def test_bad_forward_backward_body_is_400_naming_the_field_and_changes_nothing(server, case):
-    resources, session = open_session(server.base_url, lora_config={"rank": 4, "seed": 5})
+def test_bad_forward_backward_body_is_400_naming_the_field_and_changes_nothing(shared_server, case):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 4, "seed": 5})
     session.trainer.forward_backward(samples=[GOOD], loss=CE)  # accumulated gradient exists
     before_loss = probe_loss(session)
     body, param = BAD_BODIES[case]
-    response = post_fb(server, session.session_id, body)
+    response = post_fb(shared_server, session.session_id, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -127,22 +127,22 @@ def test_bad_forward_backward_body_is_400_naming_the_field_and_changes_nothing(s
     resources.stop()
 
 
-def test_non_finite_numbers_and_missing_idempotency_key_are_400(server):
-    resources, session = open_session(server.base_url)
+def test_non_finite_numbers_and_missing_idempotency_key_are_400(shared_server):
+    resources, session = open_session(shared_server.base_url)
     nan_body = json.dumps({"loss": CE, "samples": [GOOD]}).replace('"data": [0.0', '"data": [NaN')
     assert "NaN" in nan_body
-    assert post_fb(server, session.session_id, nan_body).status_code == 400
-    response = post_fb(server, session.session_id, {"loss": CE, "samples": [GOOD]}, key=None)
+    assert post_fb(shared_server, session.session_id, nan_body).status_code == 400
+    response = post_fb(shared_server, session.session_id, {"loss": CE, "samples": [GOOD]}, key=None)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "Idempotency-Key"
-    assert post_fb(server, session.session_id, b"{not json").status_code == 400
+    assert post_fb(shared_server, session.session_id, b"{not json").status_code == 400
     session.stop()
     resources.stop()
 
 
-def test_bad_sampling_and_resource_requests_are_400(server):
-    resources, session = open_session(server.base_url)
-    client = low_level(server.base_url).post_training
+def test_bad_sampling_and_resource_requests_are_400(shared_server):
+    resources, session = open_session(shared_server.base_url)
+    client = low_level(shared_server.base_url).post_training
     prompt = [{"chunks": [{"encoded_text": {"tokens": [5, 6]}}]}]
     for params, field in (
         ({"top_p": 0.0}, "sampling_params.top_p"),
@@ -214,8 +214,8 @@ def test_records_survive_a_restart_and_unfinished_operations_fail_internal(serve
     assert fresh.trainer.forward(samples=[GOOD], loss=CE).loss > 0
 
 
-def test_a_batch_over_half_a_mebibyte_goes_through_the_payload_offload(server):
-    resources, session = open_session(server.base_url, lora_config={"rank": 4, "seed": 9})
+def test_a_batch_over_half_a_mebibyte_goes_through_the_payload_offload(shared_server):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 4, "seed": 9})
     samples = []
     for i in range(64):
         sample = sft_sample([(5 + i + j) % 90 + 3 for j in range(400)], 10)
@@ -231,7 +231,7 @@ def test_a_batch_over_half_a_mebibyte_goes_through_the_payload_offload(server):
     assert whole.loss == pytest.approx(sum(p.loss for p in parts), rel=1e-5)
     assert len(whole.loss_fn_outputs) == 64
     assert len(whole.loss_fn_outputs[0].tensors["logprobs"].data) == 399
-    payload_files = list((server.data_dir / "payloads").glob("*.json"))
+    payload_files = list((shared_server.data_dir / "payloads").glob("*.json"))
     assert payload_files
     session.stop()
     resources.stop()

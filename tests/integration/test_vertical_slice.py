@@ -28,8 +28,8 @@ def sft_batch() -> list[dict]:
     return samples
 
 
-def test_sft_cross_entropy_halves_the_loss_in_20_steps(server):
-    resources, session = open_session(server.base_url, lora_config={"rank": 8, "seed": 1})
+def test_sft_cross_entropy_halves_the_loss_in_20_steps(shared_server):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 8, "seed": 1})
     trainer = session.trainer
     losses = []
     for _ in range(20):
@@ -63,8 +63,8 @@ def rl_sample(prompt: list[int], tokens: list[int], logprobs: list[float], advan
     }
 
 
-def test_rl_step_sample_score_train_sync_sample(server):
-    resources, session = open_session(server.base_url, lora_config={"rank": 8, "seed": 2})
+def test_rl_step_sample_score_train_sync_sample(shared_server):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 8, "seed": 2})
     prompt = encode("<|im_start|>12+34=")
     generator, trainer = session.generator, session.trainer
     result = generator.sample(
@@ -117,8 +117,8 @@ def test_rl_step_sample_score_train_sync_sample(server):
     resources.stop()
 
 
-def test_greedy_sampling_is_deterministic_and_prompt_logprobs_match_scoring(server):
-    resources, session = open_session(server.base_url, lora_config={"rank": 4, "seed": 3})
+def test_greedy_sampling_is_deterministic_and_prompt_logprobs_match_scoring(shared_server):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 4, "seed": 3})
     prompt = encode("<|im_start|>reverse abc:")
     model_input = {"chunks": [{"encoded_text": {"tokens": prompt}}]}
     first = session.generator.sample(
@@ -140,8 +140,8 @@ def test_greedy_sampling_is_deterministic_and_prompt_logprobs_match_scoring(serv
     resources.stop()
 
 
-def test_stop_string_ends_generation_with_stop_reason(server):
-    resources, session = open_session(server.base_url, lora_config={"rank": 4, "seed": 3})
+def test_stop_string_ends_generation_with_stop_reason(shared_server):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 4, "seed": 3})
     prompt = encode("<|im_start|>1 2 3 4 5 6")
     result = session.generator.sample(
         {"chunks": [{"encoded_text": {"tokens": prompt}}]},
@@ -158,9 +158,9 @@ def test_stop_string_ends_generation_with_stop_reason(server):
     resources.stop()
 
 
-def test_replayed_idempotency_key_returns_the_same_operation_and_steps_once(server):
-    resources, session = open_session(server.base_url, lora_config={"rank": 4})
-    client = low_level(server.base_url)
+def test_replayed_idempotency_key_returns_the_same_operation_and_steps_once(shared_server):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 4})
+    client = low_level(shared_server.base_url)
     ops = client.post_training.operations
     sid = session.session_id
     fb_key = str(uuid.uuid4())
@@ -193,11 +193,11 @@ def test_replayed_idempotency_key_returns_the_same_operation_and_steps_once(serv
     resources.stop()
 
 
-def test_an_operation_on_a_stopped_session_fails_session_not_active(server):
-    resources, session = open_session(server.base_url)
+def test_an_operation_on_a_stopped_session_fails_session_not_active(shared_server):
+    resources, session = open_session(shared_server.base_url)
     sid = session.session_id
     session.stop()
-    op = low_level(server.base_url).post_training.operations.optim_step(
+    op = low_level(shared_server.base_url).post_training.operations.optim_step(
         sid, idempotency_key=str(uuid.uuid4())
     )
     assert op.status == "TRAINING_OPERATION_STATUS_FAILED"
@@ -205,11 +205,11 @@ def test_an_operation_on_a_stopped_session_fails_session_not_active(server):
     resources.stop()
 
 
-def test_headers_auth_and_supported_models(server):
+def test_headers_auth_and_supported_models(shared_server):
     import httpx
 
-    assert httpx.get(f"{server.base_url}/v1/rl/supported-models").status_code == 401
-    models = low_level(server.base_url).post_training.supported_models.get()
+    assert httpx.get(f"{shared_server.base_url}/v1/rl/supported-models").status_code == 401
+    models = low_level(shared_server.base_url).post_training.supported_models.get()
     ids = [m.base_model for m in models.data]
     assert "posttrain/tiny-qwen3" in ids
     limits = models.data[0].compute_configs[0]

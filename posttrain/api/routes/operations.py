@@ -56,7 +56,7 @@ def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> Any:
 
 
 def submit(
-    *, svc: Services, user: str, session_id: str, kind: OperationKind, body: dict, key: str | None
+    svc: Services, user: str, session_id: str, kind: OperationKind, body: dict, key: str | None
 ) -> dict[str, Any]:
     if not key:
         raise InvalidRequest(

@@ -10,56 +10,8 @@ The reward here is a toy: the completion should start with the right digit of 12
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import httpx
+from _common import API_KEY, BASE_MODEL, TOKENIZER, parser, server
 from together.post_training import ModelResourcesClient
-from transformers import AutoTokenizer
-
-from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
-
-API_KEY = os.environ.get("TOGETHER_API_KEY", "local-key")
-
-
-@contextmanager
-def local_server() -> Iterator[str]:
-    """`posttrain serve` on a free port, stopped on exit."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "posttrain",
-            "serve",
-            "--port",
-            str(port),
-            "--data-dir",
-            "posttrain-data",
-            "--log-level",
-            "warning",
-        ],
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                httpx.get(f"{base_url}/healthz", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        yield base_url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def reward(text: str) -> float:
@@ -67,12 +19,12 @@ def reward(text: str) -> float:
 
 
 def run(base_url: str) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
+    tokenizer = TOKENIZER
     prompt = tokenizer.encode("<|im_start|>12+34=", add_special_tokens=False)
     model_input = {"chunks": [{"encoded_text": {"tokens": prompt}}]}
     with (
         ModelResourcesClient.create(
-            base_url=base_url, api_key=API_KEY, base_model=BUILTIN_MODEL_ID, interval=0.5
+            base_url=base_url, api_key=API_KEY, base_model=BASE_MODEL, interval=0.5
         ) as resources,
         resources.create_session(lora_config={"rank": 8}, interval=0.5) as session,
     ):
@@ -121,13 +73,8 @@ def run(base_url: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--base-url", help="a running server; omitted: start one")
-    args = parser.parse_args()
-    if args.base_url:
-        run(args.base_url)
-        return
-    with local_server() as base_url:
+    args = parser(__doc__).parse_args()
+    with server(args.base_url) as base_url:
         run(base_url)
 
 

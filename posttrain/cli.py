@@ -1,6 +1,7 @@
-"""The `posttrain` command: flags and env -> ServerConfig, then serve create_app(config).
+"""The `posttrain` command: flags and env -> ServerConfig, then serve create_app(config);
+`posttrain demo` runs the demo client (posttrain/demo/).
 
-Imports: config, api.app.
+Imports: config, api.app, demo.command.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from posttrain.config import (
     build_config,
     model_spec_from_path,
 )
+from posttrain.demo.command import add_demo_arguments, run_demo_command
 from posttrain.errors import InvalidRequest
 
 
@@ -27,7 +29,22 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="TCP port (8000)")
     serve.add_argument("--data-dir", type=Path, default=None, help="store directory")
-    serve.add_argument("--api-key", default=None, help="accept only this bearer key")
+    serve.add_argument(
+        "--api-key", default=None, help="accept this bearer key, for user user_local"
+    )
+    serve.add_argument(
+        "--keys-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="accept the keys in PATH, one `KEY USER_ID` pair per line (# comments)",
+    )
+    # Development and test knobs, hidden from --help: a test server expires resources after
+    # seconds instead of api.md's 300 s minimum.
+    serve.add_argument("--min-inactive-timeout-s", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument(
+        "--expiry-check-interval-s", type=float, default=None, help=argparse.SUPPRESS
+    )
     serve.add_argument(
         "--model",
         action="append",
@@ -37,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", default=None, help="auto, cpu or cuda")
     serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
+    demo = commands.add_parser(
+        "demo", help="warm up then GRPO-train the built-in model on addition; plot the reward"
+    )
+    add_demo_arguments(demo)
     return root
 
 
@@ -52,7 +73,10 @@ def serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,
-        api_keys=(args.api_key,) if args.api_key else None,
+        api_key=args.api_key,
+        keys_file=args.keys_file,
+        min_inactive_timeout_s=args.min_inactive_timeout_s,
+        expiry_check_interval_s=args.expiry_check_interval_s,
         models=tuple(models),
         engine=EngineConfig(device=args.device) if args.device else None,
     )
@@ -65,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "serve":
             serve(args)
+        elif args.command == "demo":
+            run_demo_command(args)
     except InvalidRequest as exc:
         print(f"posttrain: {exc.message}", file=sys.stderr)
         sys.exit(2)

@@ -38,6 +38,12 @@ class EngineConfig(BaseModel):
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="tokens per chunk of the float32 log-softmax (bounds memory)"
     )
+    prefix_cache_mib: int = Field(
+        512,
+        ge=0,
+        description="memory budget (MiB) per model resource for the sampler's cache of prompt"
+        " prefix KV, evicted least recently used first; 0 disables the prefix cache",
+    )
 
 
 class SamplerConfig(BaseModel):
@@ -52,16 +58,27 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
     data_dir: Path = Field(Path("posttrain-data"), description="SQLite store and large files")
-    api_keys: tuple[str, ...] = Field(
-        (), description="accepted bearer keys; empty accepts any non-empty key (single user)"
+    api_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="bearer API key -> user id (created_by of that caller's objects); empty"
+        " accepts any non-empty key as `user_id` (single user)",
     )
-    user_id: str = Field("user_local", description="created_by of every object (single user)")
+    user_id: str = Field("user_local", description="the user of single-user mode and of --api-key")
     models: tuple[ModelSpec, ...] = Field(
         (ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR),),
         description="base models this server can train",
     )
     signing_key: str = Field("", description="HMAC key for signed URLs; empty = random per run")
     url_ttl_s: int = Field(3600, ge=1, description="lifetime of signed download/upload URLs")
+    min_inactive_timeout_s: int = Field(
+        300,
+        ge=1,
+        description="smallest inactive_timeout a resource may ask for (api.md 1.2: 300); lower"
+        " only for tests",
+    )
+    expiry_check_interval_s: float = Field(
+        30.0, gt=0, description="how often idle model resources are checked for expiry"
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="engine settings")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="sample defaults")
 
@@ -74,18 +91,76 @@ def model_spec_from_path(path: str | Path) -> ModelSpec:
     return ModelSpec(id=directory.name, path=directory)
 
 
-def build_config(**overrides: object) -> ServerConfig:
-    """ServerConfig from POSTTRAIN_* env (HOST, PORT, DATA_DIR, API_KEY) and explicit overrides.
+def load_keys_file(path: str | Path) -> dict[str, str]:
+    """API key -> user id from a keys file: one `KEY USER_ID` pair per line, separated by
+    whitespace; blank lines and lines starting with `#` are skipped.
 
-    Overrides win; an invalid value raises InvalidRequest naming the field."""
+    A malformed line, a repeated key or a file without keys raises InvalidRequest naming the
+    line: an empty map would silently mean single-user mode, which accepts any key."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise InvalidRequest(f"--keys-file {path}: {exc.strerror}", param="api_keys") from None
+    keys: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) != 2:
+            raise InvalidRequest(
+                f"--keys-file {path}:{number}: expected `KEY USER_ID`, got {len(fields)} fields",
+                param="api_keys",
+            )
+        key, user = fields
+        if key in keys:
+            raise InvalidRequest(
+                f"--keys-file {path}:{number}: this key already appears above", param="api_keys"
+            )
+        keys[key] = user
+    if not keys:
+        raise InvalidRequest(f"--keys-file {path}: the file holds no keys", param="api_keys")
+    return keys
+
+
+def api_keys_from(
+    api_key: str | None, keys_file: str | Path | None, user_id: str
+) -> dict[str, str]:
+    """The key -> user map of `--keys-file` plus `--api-key` (which belongs to `user_id`)."""
+    keys = load_keys_file(keys_file) if keys_file else {}
+    if api_key:
+        if keys.get(api_key, user_id) != user_id:
+            raise InvalidRequest(
+                f"--api-key is also in --keys-file for user {keys[api_key]!r}", param="api_keys"
+            )
+        keys[api_key] = user_id
+    return keys
+
+
+def build_config(
+    *, api_key: str | None = None, keys_file: str | Path | None = None, **overrides: object
+) -> ServerConfig:
+    """ServerConfig from POSTTRAIN_* env (HOST, PORT, DATA_DIR, API_KEY, KEYS_FILE,
+    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S) and explicit arguments.
+
+    Explicit arguments win; an invalid value raises InvalidRequest naming the field."""
     values: dict[str, object] = {}
-    env_fields = {"HOST": "host", "PORT": "port", "DATA_DIR": "data_dir"}
+    env_fields = {
+        "HOST": "host",
+        "PORT": "port",
+        "DATA_DIR": "data_dir",
+        "MIN_INACTIVE_TIMEOUT_S": "min_inactive_timeout_s",
+        "EXPIRY_CHECK_INTERVAL_S": "expiry_check_interval_s",
+    }
     for env_name, field_name in env_fields.items():
         if (value := os.environ.get(ENV_PREFIX + env_name)) is not None:
             values[field_name] = value
-    if api_key := os.environ.get(ENV_PREFIX + "API_KEY"):
-        values["api_keys"] = (api_key,)
     values.update({k: v for k, v in overrides.items() if v is not None})
+    api_key = api_key or os.environ.get(ENV_PREFIX + "API_KEY") or None
+    keys_file = keys_file or os.environ.get(ENV_PREFIX + "KEYS_FILE") or None
+    if api_key or keys_file:
+        user_id = str(values.get("user_id") or ServerConfig.model_fields["user_id"].default)
+        values["api_keys"] = api_keys_from(api_key, keys_file, user_id)
     try:
         return ServerConfig(**values)
     except ValidationError as exc:

@@ -386,3 +386,6 @@ class CheckpointRecord:
     step: int
     path: str
     lora_rank: int | None = None
+    # The producing session's effective LoRA config (None for full-weight checkpoints): a
+    # resumed session takes the fields its request leaves out from here.
+    lora_config: LoraConfig | None = None

@@ -14,6 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from posttrain.api.routes import (
+    checkpoints,
+    dashboard,
+    metrics,
     model_resources,
     operations,
     payloads,
@@ -79,6 +82,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         sessions.router,
         operations.router,
         payloads.router,
+        checkpoints.router,
+        dashboard.router,
+        metrics.router,
     ):
         app.include_router(router)
 

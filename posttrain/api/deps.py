@@ -22,15 +22,19 @@ def services(request: Request) -> Services:
 
 
 def current_user(request: Request) -> str:
-    """Single-user mode accepts any non-empty bearer key; with keys configured, only those."""
+    """The user id of the caller's bearer key. Single-user mode (no keys configured) accepts
+    any non-empty key as config.user_id; otherwise only configured keys, each as its user."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise Unauthorized("missing bearer API key", param="Authorization")
     config = services(request).config
-    if config.api_keys and key.strip() not in config.api_keys:
+    if not config.api_keys:
+        return config.user_id
+    user = config.api_keys.get(key.strip())
+    if user is None:
         raise Unauthorized("unknown API key", param="Authorization")
-    return config.user_id
+    return user
 
 
 def _reject_constant(name: str) -> Any:

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from posttrain.types import (
+    CheckpointRecord,
     CheckpointRef,
     ErrorInfo,
     OperationKind,
@@ -62,6 +63,21 @@ def resource_json(r: ResourceRecord) -> dict[str, Any]:
 
 def _checkpoint_ref(c: CheckpointRef) -> dict[str, Any]:
     return {"id": c.id, "created_at": timestamp(c.created_at), "step": c.step}
+
+
+def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
+    """The Checkpoint object (api.md 1.5); lora_rank for every LoRA checkpoint (tinker reads it)."""
+    out: dict[str, Any] = {
+        "id": c.id,
+        "base_model": c.base_model,
+        "created_at": timestamp(c.created_at),
+        "session_id": c.session_id,
+        "step": c.step,
+        "type": c.type.value,
+    }
+    if c.lora_rank is not None:
+        out["lora_rank"] = c.lora_rank
+    return out
 
 
 def session_json(s: SessionRecord) -> dict[str, Any]:
@@ -127,9 +143,17 @@ def _sample_output(output: dict[str, Any]) -> dict[str, Any]:
     return {"results": results}
 
 
+def _checkpoint_output(output: dict[str, Any]) -> dict[str, Any]:
+    checkpoint = output["checkpoint"]
+    created = timestamp(checkpoint["created_at"])
+    return {"checkpoint": {**checkpoint, "created_at": created}}
+
+
 OUTPUT_SHAPES = {
     OperationKind.FORWARD_BACKWARD: _forward_backward_output,
     OperationKind.SAMPLE: _sample_output,
+    OperationKind.TRAINING_CHECKPOINT: _checkpoint_output,
+    OperationKind.INFERENCE_CHECKPOINT: _checkpoint_output,
 }
 
 

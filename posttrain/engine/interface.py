@@ -6,7 +6,9 @@ protocol later. Imports: types.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from posttrain.types import (
@@ -41,7 +43,10 @@ class Engine(Protocol):
 
     def is_loaded(self, resource_id: str) -> bool: ...
 
-    def create_session(self, resource_id: str, session_id: str, lora: LoraConfig) -> None: ...
+    # `lora` None: the resource's one full-weight session (it trains every base weight).
+    def create_session(
+        self, resource_id: str, session_id: str, lora: LoraConfig | None
+    ) -> None: ...
 
     def drop_session(self, resource_id: str, session_id: str) -> None: ...
 
@@ -57,10 +62,54 @@ class Engine(Protocol):
 
     def optim_step(self, resource_id: str, session_id: str, request: OptimStepRequest) -> None: ...
 
-    def publish(self, resource_id: str, session_id: str) -> None: ...
+    # The generator serves a copy of the trainer's weights, which are policy version `version`.
+    # May be called from inside `between_tokens` of a running sample (PIPELINE weights-sync).
+    def publish(self, resource_id: str, session_id: str, *, version: int) -> None: ...
 
+    # policy_segments come from the engine, which knows what each generator serves; rows of a
+    # session whose generator is republished during `between_tokens` switch at that boundary.
     def sample(
-        self, resource_id: str, session_id: str, request: SampleRequest, *, version: int
+        self,
+        resource_id: str,
+        session_id: str,
+        request: SampleRequest,
+        *,
+        between_tokens: Callable[[], None] | None = None,
     ) -> list[SampleResult]: ...
 
+    # Several sample operations (any sessions of the resource) in one generation: one result
+    # list per item, in order.
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        between_tokens: Callable[[], None] | None = None,
+    ) -> list[list[SampleResult]]: ...
+
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
+
+    # Checkpoints: files go into a directory the service chose (engine/weights.py formats).
+    def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None: ...
+
+    def save_adapter(
+        self,
+        resource_id: str,
+        session_id: str,
+        directory: Path,
+        *,
+        lora: LoraConfig,
+        base_model: str,
+    ) -> None: ...
+
+    def load_training_state(
+        self, resource_id: str, session_id: str, directory: Path, *, load_optimizer: bool
+    ) -> None: ...
+
+    def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None: ...
+
+    def save_full_model(
+        self, resource_id: str, session_id: str, directory: Path, *, base_model: str
+    ) -> None: ...
+
+    def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None: ...

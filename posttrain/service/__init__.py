@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
+from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.dashboard import DashboardService
+from posttrain.service.expiry import ExpiryReaper
+from posttrain.service.metrics import MetricsService
 from posttrain.service.operations import OperationService
 from posttrain.service.payloads import PayloadService
 from posttrain.service.resources import ResourceService
@@ -36,16 +40,22 @@ class Services:
     operations: OperationService
     payloads: PayloadService
     signer: UrlSigner
+    checkpoints: CheckpointService
+    expiry: ExpiryReaper
+    dashboard: DashboardService
+    metrics: MetricsService
 
     def close(self) -> None:
+        self.expiry.close()
         self.scheduler.close()
 
 
 def build_services(config: ServerConfig) -> Services:
     repo = Repo(connect(config.data_dir))
     engine = LocalEngine(config.engine, {spec.id: spec.path for spec in config.models})
-    scheduler = Scheduler(repo, engine)
     signer = UrlSigner(config.signing_key, config.url_ttl_s)
+    checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
+    scheduler = Scheduler(repo, engine, checkpoints=checkpoints)
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
     operations = OperationService(repo, scheduler, sessions, resources)
@@ -54,7 +64,24 @@ def build_services(config: ServerConfig) -> Services:
     if failed:
         log.warning("marked %d unfinished operations FAILED after a restart", failed)
     sessions.recover_after_restart()
+    checkpoints.remove_partial()
     resources.recover_after_restart()
+    expiry = ExpiryReaper(
+        repo, engine, scheduler, resources, interval_s=config.expiry_check_interval_s
+    )
+    expiry.start()
     return Services(
-        config, repo, engine, scheduler, resources, sessions, operations, payloads, signer
+        config,
+        repo,
+        engine,
+        scheduler,
+        resources,
+        sessions,
+        operations,
+        payloads,
+        signer,
+        checkpoints,
+        expiry,
+        dashboard=DashboardService(repo, scheduler.queue_depth),
+        metrics=MetricsService(repo, scheduler.metrics, scheduler.queue_depth),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from posttrain.engine.optim import resolve_step_settings
 from posttrain.errors import Conflict, InvalidRequest, NotFound
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
@@ -71,6 +72,11 @@ class OperationService:
             self._check_samples(session.base_model, request.samples)
         if kind == OperationKind.FORWARD_BACKWARD:
             self.resources.engine.validate_forward_backward(request)
+        if kind == OperationKind.OPTIM_STEP:
+            # muon_params on an Adam resource (or adam_params on a Muon one) is a 400 here,
+            # before anything is recorded (api.md 1.4.4).
+            resource = self.resources.get(user, session.resource_id)
+            resolve_step_settings(request, resource.muon_scaling)
         now = time.time()
         active = session.status == SessionStatus.RUNNING
         op = OperationRecord(
@@ -98,6 +104,8 @@ class OperationService:
         if active:
             self.resources.touch(session.resource_id)
             self.scheduler.enqueue(session.resource_id, op.id, request)
+            # A deferred weights-sync may have completed inside enqueue (service/publishing.py).
+            return self.repo.get_operation(op.id) or op
         return op
 
     def _check_samples(self, base_model: str, samples: tuple[TrainingSample, ...]) -> None:

@@ -32,6 +32,7 @@ log = logging.getLogger("posttrain.resources")
 
 # How long create waits for the model to load before answering CREATING.
 READY_WAIT_S = 30.0
+MAX_INACTIVE_TIMEOUT_S = 86400
 GPU_TYPE_CPU = "CPU"
 
 
@@ -68,11 +69,7 @@ class ResourceService:
                 f"base_model {base_model!r} is not supported; supported: {known}",
                 param="base_model",
             )
-        if not lora_enabled:
-            raise InvalidRequest(
-                "lora_enabled: false (full-weight resources) is not supported yet",
-                param="lora_enabled",
-            )
+        self.check_inactive_timeout(inactive_timeout)
         now = time.time()
         record = ResourceRecord(
             id=new_id("mr"),
@@ -123,6 +120,19 @@ class ResourceService:
             ),
         )
 
+    def check_inactive_timeout(self, seconds: int) -> None:
+        """api.md 1.2: 300-86400 s; the lower bound is config.min_inactive_timeout_s."""
+        low = self.config.min_inactive_timeout_s
+        if not low <= seconds <= MAX_INACTIVE_TIMEOUT_S:
+            raise InvalidRequest(
+                f"inactive_timeout {seconds} is outside [{low}, {MAX_INACTIVE_TIMEOUT_S}] seconds",
+                param="inactive_timeout",
+            )
+
+    def session_capacity(self, record: ResourceRecord) -> int:
+        """Sessions the resource hosts at once: one on a full-weight resource (api.md 1.2)."""
+        return self.config.engine.max_sessions_per_resource if record.lora_enabled else 1
+
     def ensure_loaded(self, record: ResourceRecord) -> None:
         """Load the base model if this process has not yet (after a restart). Worker thread."""
         self.engine.load_resource(record.id, record.base_model, muon_scaling=record.muon_scaling)
@@ -138,14 +148,19 @@ class ResourceService:
         return [r for r in records if statuses is None or r.status.value in statuses]
 
     def touch(self, resource_id: str) -> None:
-        """Activity: an operation was submitted; expiry moves to now + inactive_timeout."""
+        """Activity: an operation was submitted; expiry moves to now + inactive_timeout.
+
+        Only a READY resource has an expiry (a stopped one keeps expires_at None)."""
         now = time.time()
-        self.repo.update_resource(
-            resource_id,
-            lambda r: dataclasses.replace(
+
+        def extend(r: ResourceRecord) -> ResourceRecord:
+            if r.status != ResourceStatus.READY:
+                return r
+            return dataclasses.replace(
                 r, expires_at=max(r.expires_at or 0.0, now + r.inactive_timeout)
-            ),
-        )
+            )
+
+        self.repo.update_resource(resource_id, extend)
 
     def extend_expiry(self, user: str, resource_id: str, seconds: int) -> ResourceRecord:
         record = self.get(user, resource_id)

@@ -20,9 +20,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from posttrain.engine.interface import Engine
-from posttrain.errors import InvalidRequest, NonFiniteLoss, SessionNotActive
+from posttrain.errors import InvalidRequest, NonFiniteLoss, SessionNotActive, posttrainError
+from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.metrics import OperationMetrics
+from posttrain.service.publishing import PublishMailbox, is_deferred
 from posttrain.store.repo import Repo
 from posttrain.types import (
+    CheckpointType,
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
     OperationErrorCode,
@@ -83,17 +87,28 @@ def _error_code(exc: BaseException) -> OperationErrorCode:
 
 
 class Scheduler:
-    def __init__(self, repo: Repo, engine: Engine) -> None:
+    def __init__(
+        self, repo: Repo, engine: Engine, *, checkpoints: CheckpointService | None = None
+    ) -> None:
         self.repo = repo
         self.engine = engine
+        # None only where no checkpoint operation is ever submitted (tests with a fake engine).
+        self.checkpoints = checkpoints
         self._workers: dict[str, ResourceWorker] = {}
         self._lock = threading.Lock()
+        self.metrics = OperationMetrics()  # what /metrics reports (service/metrics.py)
+        # Deferred weights-syncs (service/publishing.py); the enqueue lock keeps the mailbox's
+        # ticket order equal to the FIFO order.
+        self.mailbox = PublishMailbox(repo, engine)
+        self._enqueue_lock = threading.Lock()
         self._runners: dict[OperationKind, Callable[[SessionRecord, Any], dict]] = {
             OperationKind.FORWARD_BACKWARD: self._forward_backward,
             OperationKind.CUSTOM_FORWARD_BACKWARD: self._custom_forward_backward,
             OperationKind.OPTIM_STEP: self._optim_step,
             OperationKind.WEIGHTS_SYNC: self._weights_sync,
             OperationKind.SAMPLE: self._sample,
+            OperationKind.TRAINING_CHECKPOINT: self._training_checkpoint,
+            OperationKind.INFERENCE_CHECKPOINT: self._inference_checkpoint,
         }
 
     def worker(self, resource_id: str) -> ResourceWorker:
@@ -111,7 +126,24 @@ class Scheduler:
             return sum(worker.depth() for worker in self._workers.values())
 
     def enqueue(self, resource_id: str, operation_id: str, request: Any) -> None:
-        self.worker(resource_id).submit(lambda: self._execute(operation_id, request))
+        op = self.repo.get_operation(operation_id)
+        assert op is not None, f"operation {operation_id} was not recorded before enqueue"
+        worker = self.worker(resource_id)
+        with self._enqueue_lock:
+            if is_deferred(op.kind, request):
+                self.mailbox.post(resource_id, op, request.weight_sync_type)
+                worker.submit(lambda: self._deferred_weights_sync(resource_id, operation_id))
+                return
+            ticket = self.mailbox.admit(op)
+
+            def job() -> None:
+                try:
+                    self._execute(operation_id, request)
+                finally:
+                    if ticket is not None:
+                        self.mailbox.release(resource_id, ticket)
+
+            worker.submit(job)
 
     def close(self) -> None:
         with self._lock:
@@ -140,6 +172,7 @@ class Scheduler:
             self._finish(op, error=exc)
             return
         log.info("operation %s (%s) done in %.3fs", op.id, op.kind, time.monotonic() - started)
+        self.metrics.count_tokens(op.kind, request, output)
         self._finish(op, output=output)
 
     def _set(self, op: OperationRecord, **changes: Any) -> OperationRecord:
@@ -153,13 +186,18 @@ class Scheduler:
         if error is None:
             self._set(op, status=OperationStatus.COMPLETED, output=output)
         else:
-            message = getattr(error, "message", None) or f"{type(error).__name__}: {error}"
+            message = (
+                error.message
+                if isinstance(error, posttrainError)
+                else f"{type(error).__name__}: {error}"
+            )
             self._set(
                 op,
                 status=OperationStatus.FAILED,
                 error_code=_error_code(error),
                 error_message=message,
             )
+        self.metrics.operation_finished(op, is_failed=error is not None)
 
     # ------------------------------------------------------------ one runner per kind
 
@@ -188,10 +226,11 @@ class Scheduler:
         return {"step": updated.step}
 
     def _weights_sync(self, session: SessionRecord, request: WeightsSyncRequest) -> dict:
-        # Every mode publishes here, in the session's order: a sample submitted after this
-        # operation runs after it and sees the new version (api.md 1.4.5, 7.6). BACKGROUND and
-        # PIPELINE therefore behave like SYNCHRONOUS until the generator runs apart (issue 5).
-        self.engine.publish(session.resource_id, session.id)
+        # SYNCHRONOUS: publish at this operation's place in the FIFO, and complete once the
+        # generator serves it. The deferred modes never get here (_deferred_weights_sync).
+        self.engine.publish(
+            session.resource_id, session.id, version=session.policy_state.trainer_step
+        )
 
         def publish(s: SessionRecord) -> SessionRecord:
             version = s.policy_state.trainer_step
@@ -206,8 +245,43 @@ class Scheduler:
         updated = self.repo.update_session(session.id, publish)
         return {"weights_version": updated.policy_state.applied_weights_version}
 
+    def _training_checkpoint(self, session: SessionRecord, request: None) -> dict:
+        assert self.checkpoints is not None, "scheduler built without a CheckpointService"
+        return self.checkpoints.save(session, CheckpointType.TRAINING)
+
+    def _inference_checkpoint(self, session: SessionRecord, request: None) -> dict:
+        assert self.checkpoints is not None, "scheduler built without a CheckpointService"
+        return self.checkpoints.save(session, CheckpointType.INFERENCE)
+
     def _sample(self, session: SessionRecord, request: SampleRequest) -> dict:
-        current = self.repo.get_session(session.id) or session
-        version = current.policy_state.applied_weights_version
-        results = self.engine.sample(session.resource_id, session.id, request, version=version)
+        # Between tokens, PIPELINE weights-syncs submitted meanwhile publish in flight.
+        resource_id = session.resource_id
+        results = self.engine.sample(
+            resource_id,
+            session.id,
+            request,
+            between_tokens=lambda: self.mailbox.publish_in_flight(resource_id),
+        )
         return {"results": [dataclasses.asdict(r) for r in results]}
+
+    def _deferred_weights_sync(self, resource_id: str, operation_id: str) -> None:
+        """A BACKGROUND_PUBLISH or PIPELINE weights-sync at its FIFO place: publish now unless a
+        decode loop already did (service/publishing.py)."""
+        op = self.repo.get_operation(operation_id)
+        assert op is not None, f"queued operation {operation_id} vanished from the store"
+        session = self.repo.get_session(op.session_id)
+        assert session is not None, f"operation {operation_id} has no session"
+        if session.status != SessionStatus.RUNNING:
+            self.mailbox.discard(resource_id, operation_id)
+            if op.status == OperationStatus.PENDING:
+                stopped = SessionNotActive(f"session {session.id} is {session.status}")
+                self._finish(op, error=stopped)
+            return
+        try:
+            self.mailbox.publish_in_order(resource_id, operation_id)
+        except Exception as exc:  # noqa: BLE001 - the operation boundary (STYLE.md 6)
+            log.exception("weights-sync %s failed to publish", operation_id)
+            self.mailbox.discard(resource_id, operation_id)
+            op = self.repo.get_operation(operation_id)
+            if op is not None and op.status == OperationStatus.PENDING:
+                self._finish(op, error=exc)

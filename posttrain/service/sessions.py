@@ -1,9 +1,11 @@
 """Training sessions: create, ownership checks, update, stop.
 
-Creating a session claims a LoRA adapter on the resource's model; that runs as a job on the
-resource's worker so it never races a running step, and create waits for it so the session is
-RUNNING by the SDK's first poll. Stopping fails the session's queued operations
-(SESSION_NOT_ACTIVE, by the scheduler's status check) and releases the adapter.
+Creating a session claims a slot on the resource (max_sessions_per_resource LoRA adapters, or
+the one full-weight session) and creates its adapter or full-weight state; that runs as a job
+on the resource's worker so it never races a running step, and create waits for it so the
+session is RUNNING (or ERROR with RESOURCE_AT_CAPACITY) by the SDK's first poll. Stopping fails
+the session's queued operations (SESSION_NOT_ACTIVE, by the scheduler's status check) and
+releases the slot.
 
 Imports: store, engine.interface.
 """
@@ -15,17 +17,21 @@ import logging
 import secrets
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 
 from posttrain.engine.interface import Engine
 from posttrain.errors import InvalidRequest, NotFound
+from posttrain.service.checkpoints import ResumePlan, plan_resume
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
 from posttrain.store.repo import Repo
 from posttrain.types import (
     SESSION_TERMINAL,
+    CheckpointType,
     ErrorInfo,
     LoraConfig,
+    ResourceRecord,
     ResourceStatus,
     SessionErrorCode,
     SessionRecord,
@@ -72,24 +78,46 @@ class SessionService:
         display_name: str | None,
         metadata: dict[str, dict[str, str]],
         resume_from_checkpoint_id: str | None,
+        load_optimizer: bool | None = None,
+        lora_given: frozenset[str] = frozenset(),
     ) -> SessionRecord:
+        """`lora_given` names the lora_config fields the request set; a resumed session takes
+        the others from its checkpoint (service/checkpoints.plan_resume)."""
         resource = self.resources.get(user, resource_id)
         if resource.status != ResourceStatus.READY:
             raise InvalidRequest(
                 f"model resource {resource_id} is {resource.status}, not READY",
                 param="model_resources_id",
             )
+        if not resource.lora_enabled and lora_given:
+            raise InvalidRequest(
+                f"model resource {resource_id} trains full weights (lora_enabled false);"
+                " lora_config applies only to LoRA resources",
+                param="lora_config",
+            )
+        resume: ResumePlan | None = None
         if resume_from_checkpoint_id is not None:
-            raise InvalidRequest(
-                "resume_from_checkpoint_id is not supported yet", param="resume_from_checkpoint_id"
+            resume = plan_resume(
+                self.repo,
+                user,
+                resume_from_checkpoint_id,
+                resource=resource,
+                load_optimizer=load_optimizer,
+                lora=lora,
+                lora_given=lora_given,
             )
+            lora = resume.lora
         info = self.engine.model_info(resource.base_model)
-        lora = lora or LoraConfig(seed=secrets.randbelow(2**31))
-        if lora.rank > info.max_lora_rank:
-            raise InvalidRequest(
-                f"lora_config.rank {lora.rank} exceeds this server's maximum {info.max_lora_rank}",
-                param="lora_config.rank",
-            )
+        if resource.lora_enabled:
+            lora = lora or LoraConfig(seed=secrets.randbelow(2**31))
+            if lora.rank > info.max_lora_rank:
+                raise InvalidRequest(
+                    f"lora_config.rank {lora.rank} exceeds this server's maximum"
+                    f" {info.max_lora_rank}",
+                    param="lora_config.rank",
+                )
+        else:
+            lora = None  # a full-weight session trains every weight of the model
         now = time.time()
         record = SessionRecord(
             id=new_id("ts"),
@@ -102,9 +130,12 @@ class SessionService:
             display_name=display_name,
             metadata=metadata,
             lora_config=lora,
+            step=resume.step if resume is not None else 0,
+            resume_from_checkpoint_id=resume_from_checkpoint_id,
         )
         self.repo.put_session(record)
-        setup = self.scheduler.run_job(resource_id, lambda: self._setup(record.id))
+        self.resources.touch(resource_id)  # activity: the resource's expiry moves on
+        setup = self.scheduler.run_job(resource_id, lambda: self._setup(record.id, resume))
         try:
             setup.result(timeout=SETUP_WAIT_S)
         except FutureTimeout:
@@ -113,19 +144,27 @@ class SessionService:
             pass
         return self.get(user, record.id)
 
-    def _setup(self, session_id: str) -> None:
-        """Worker thread: load the base model if needed and create the session's adapter."""
+    def _setup(self, session_id: str, resume: ResumePlan | None = None) -> None:
+        """Worker thread: claim a slot on the resource, load the base model if needed and
+        create the session's adapter (or full-weight state), then load the checkpoint it
+        resumes from, if any. Without a free slot the session ends in ERROR with
+        RESOURCE_AT_CAPACITY (api.md 7.13)."""
         session = self.repo.get_session(session_id)
-        assert session is not None and session.lora_config is not None
+        assert session is not None
         if session.status != SessionStatus.CREATING:
             return  # stopped before it was set up
         resource = self.repo.get_resource(session.resource_id)
         assert resource is not None
+        if not self._claim_slot(resource, session_id):
+            return
         try:
             self.resources.ensure_loaded(resource)
             self.engine.create_session(resource.id, session_id, session.lora_config)
+            if resume is not None:
+                self._load_checkpoint(resource.id, session_id, resume)
         except Exception as exc:
             log.exception("session %s setup failed", session_id)
+            self.engine.drop_session(resource.id, session_id)
             error = ErrorInfo(SessionErrorCode.SESSION_FAILED.value, str(exc), time.time())
             self.repo.update_session(
                 session_id,
@@ -136,6 +175,43 @@ class SessionService:
             session_id,
             lambda s: dataclasses.replace(s, status=SessionStatus.RUNNING, updated_at=time.time()),
         )
+
+    def _claim_slot(self, resource: ResourceRecord, session_id: str) -> bool:
+        """True if the resource has room for one more session; otherwise mark it ERROR.
+
+        Runs on the resource's worker, where every slot change (setup, stop teardown, expiry)
+        also happens, so counting the store here cannot race. RUNNING and STOPPING sessions
+        hold a slot (api.md 2.2); CREATING ones claim theirs in this same order."""
+        capacity = self.resources.session_capacity(resource)
+        holders = [
+            s.id
+            for s in self.repo.sessions_of_resource(resource.id)
+            if s.id != session_id and s.status in (SessionStatus.RUNNING, SessionStatus.STOPPING)
+        ]
+        if len(holders) < capacity:
+            return True
+        kind = "LoRA" if resource.lora_enabled else "full-weight"
+        message = (
+            f"{kind} model resource {resource.id} is at capacity: it hosts {len(holders)} of"
+            f" {capacity} sessions ({', '.join(holders)}); stop one or use another resource"
+        )
+        error = ErrorInfo(SessionErrorCode.RESOURCE_AT_CAPACITY.value, message, time.time())
+        self.repo.update_session(
+            session_id,
+            lambda s: dataclasses.replace(
+                s, status=SessionStatus.ERROR, error=error, updated_at=time.time()
+            ),
+        )
+        return False
+
+    def _load_checkpoint(self, resource_id: str, session_id: str, resume: ResumePlan) -> None:
+        directory = Path(resume.checkpoint.path)
+        if resume.checkpoint.type == CheckpointType.TRAINING:
+            self.engine.load_training_state(
+                resource_id, session_id, directory, load_optimizer=resume.load_optimizer
+            )
+        else:
+            self.engine.load_adapter(resource_id, session_id, directory)
 
     def update(
         self,

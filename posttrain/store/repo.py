@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from posttrain.types import (
     CheckpointRecord,
     OperationErrorCode,
+    OperationKind,
     OperationRecord,
     OperationStatus,
     ResourceRecord,
@@ -245,6 +246,10 @@ class Repo:
         )
         return [from_dict(CheckpointRecord, json.loads(row[0])) for row in rows]
 
+    def all_checkpoints(self) -> list[CheckpointRecord]:
+        rows = self._query("SELECT data FROM checkpoints")
+        return [from_dict(CheckpointRecord, json.loads(row[0])) for row in rows]
+
     # ------------------------------------------------------------ payloads
 
     def put_payload(self, payload_id: str, session_id: str, created_at: float, path: str) -> None:
@@ -257,3 +262,89 @@ class Repo:
         """(session_id, path) of a payload, or None."""
         rows = self._query("SELECT session_id, path FROM payloads WHERE id = ?", (payload_id,))
         return (rows[0][0], rows[0][1]) if rows else None
+
+    # ------------------------------------------------------------ read-only digests
+    # For the dashboard and /metrics: counts, and operations without their (possibly large)
+    # outputs, extracted inside SQLite so sample results are never parsed.
+
+    def count_operations(self) -> list[tuple[str, str, int]]:
+        """(kind, status, count) over every stored operation."""
+        rows = self._query(
+            "SELECT kind, status, COUNT(*) FROM operations GROUP BY kind, status"
+            " ORDER BY kind, status"
+        )
+        return [(row[0], row[1], row[2]) for row in rows]
+
+    def count_sessions(self) -> list[tuple[str, str, int]]:
+        """(resource_id, status, count) over every stored session."""
+        rows = self._query(
+            "SELECT resource_id, status, COUNT(*) FROM sessions GROUP BY resource_id, status"
+            " ORDER BY resource_id, status"
+        )
+        return [(row[0], row[1], row[2]) for row in rows]
+
+    def count_resources(self) -> list[tuple[str, int]]:
+        """(status, count) over every stored model resource."""
+        rows = self._query("SELECT status, COUNT(*) FROM resources GROUP BY status ORDER BY status")
+        return [(row[0], row[1]) for row in rows]
+
+    def recent_operations(self, created_by: str, limit: int) -> list[OperationDigest]:
+        """The newest `limit` operations of `created_by`'s sessions, newest first."""
+        rows = self._query(
+            f"SELECT {_DIGEST_COLUMNS} FROM operations o JOIN sessions s ON o.session_id = s.id"
+            " WHERE s.created_by = ? ORDER BY o.seq DESC LIMIT ?",
+            (created_by, limit),
+        )
+        return [_digest(row) for row in rows]
+
+    def session_operations(
+        self, session_id: str, kinds: tuple[OperationKind, ...], limit: int
+    ) -> list[OperationDigest]:
+        """The last `limit` operations of these kinds in one session, in submission order."""
+        marks = ",".join("?" * len(kinds))
+        rows = self._query(
+            f"SELECT * FROM (SELECT {_DIGEST_COLUMNS}, o.seq FROM operations o"
+            f" WHERE o.session_id = ? AND o.kind IN ({marks}) ORDER BY o.seq DESC LIMIT ?)"
+            " ORDER BY seq",
+            (session_id, *(k.value for k in kinds), limit),
+        )
+        return [_digest(row) for row in rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class OperationDigest:
+    """An operation without its output, plus the loss and metrics a forward-backward stored."""
+
+    id: str
+    session_id: str
+    kind: OperationKind
+    status: OperationStatus
+    created_at: float
+    updated_at: float
+    error_code: str | None
+    error_message: str | None
+    loss: float | None
+    metrics: dict[str, float]
+
+
+_DIGEST_COLUMNS = (
+    "o.id, o.session_id, o.kind, o.status, json_extract(o.data, '$.created_at'),"
+    " json_extract(o.data, '$.updated_at'), json_extract(o.data, '$.error_code'),"
+    " json_extract(o.data, '$.error_message'), json_extract(o.data, '$.output.loss'),"
+    " json_extract(o.data, '$.output.metrics')"
+)
+
+
+def _digest(row: sqlite3.Row) -> OperationDigest:
+    return OperationDigest(
+        id=row[0],
+        session_id=row[1],
+        kind=OperationKind(row[2]),
+        status=OperationStatus(row[3]),
+        created_at=row[4],
+        updated_at=row[5],
+        error_code=row[6],
+        error_message=row[7],
+        loss=row[8],
+        metrics=json.loads(row[9]) if row[9] else {},
+    )

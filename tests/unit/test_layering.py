@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "posttrain"
@@ -50,5 +52,18 @@ def test_foundation_modules_import_nothing_above_them():
 
 def test_the_server_never_imports_the_together_sdk():
     for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "demo":
+            continue  # `posttrain demo` is a client of the API, not part of the server
         assert "import together" not in path.read_text(), path
         assert "from together" not in path.read_text(), path
+
+
+def test_the_cli_loads_neither_the_sdk_nor_torch():
+    """`posttrain serve` imports the CLI, which registers `posttrain demo`: the demo's client
+    imports (together, transformers, torch) must wait until the demo runs."""
+    code = (
+        "import sys, posttrain.cli; "
+        "print(sorted(m for m in ('together', 'torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out

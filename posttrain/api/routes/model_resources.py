@@ -39,7 +39,11 @@ def create(
         base_model=request.base_model,
         lora_enabled=True if request.lora_enabled is None else request.lora_enabled,
         num_generator_replicas=replicas,
-        inactive_timeout=request.inactive_timeout or DEFAULT_INACTIVE_TIMEOUT_S,
+        inactive_timeout=(
+            DEFAULT_INACTIVE_TIMEOUT_S
+            if request.inactive_timeout is None
+            else request.inactive_timeout
+        ),
         muon_scaling=request.muon_scaling(),
     )
     return resource_json(record)
@@ -52,7 +56,9 @@ def estimate_cost(
     svc: ServicesDep,
     user: UserDep,
 ) -> dict[str, Any]:
-    parse(ResourceCreateIn, body)
+    request = parse(ResourceCreateIn, body)
+    if request.inactive_timeout is not None:
+        svc.resources.check_inactive_timeout(request.inactive_timeout)
     # Self-hosted: the hardware is already paid for.
     return {"currency": "USD", "price_per_hour": 0.0}
 

@@ -52,6 +52,11 @@ def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> Any:
             temperature=sampler.temperature,
             num_samples=sampler.num_samples,
         )
+    if kind in (OperationKind.TRAINING_CHECKPOINT, OperationKind.INFERENCE_CHECKPOINT):
+        if body:  # these operations take no body (api.md 1.4.7, 1.4.8)
+            field = next(iter(body))
+            raise InvalidRequest(f"{field}: unknown field; {kind} takes no body", param=field)
+        return None
     raise Unsupported(f"{kind} operations are not supported yet", param="kind")
 
 

@@ -29,6 +29,9 @@ def create(
             "load_optimizer only applies with resume_from_checkpoint_id", param="load_optimizer"
         )
     lora = request.lora_config.to_domain(secrets.randbelow(2**31)) if request.lora_config else None
+    lora_given = frozenset(
+        request.lora_config.model_dump(exclude_none=True) if request.lora_config else ()
+    )
     record = svc.sessions.create(
         user,
         resource_id=request.model_resources_id,
@@ -36,6 +39,8 @@ def create(
         display_name=request.display_name,
         metadata=request.metadata.to_domain() if request.metadata else {},
         resume_from_checkpoint_id=request.resume_from_checkpoint_id,
+        load_optimizer=request.load_optimizer,
+        lora_given=lora_given,
     )
     return session_json(record)
 

@@ -141,9 +141,9 @@ def test_greedy_kv_cache_generation_equals_full_recompute_and_batching(engine):
     model = engine._resource("r").loaded.model
     prompts = ((5, 6, 7), (20, 21, 22, 23, 24))
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    batched = engine.sample("r", "s", SampleRequest(prompts, 1, params), version=0)
+    batched = engine.sample("r", "s", SampleRequest(prompts, 1, params))
     for prompt, result in zip(prompts, batched, strict=True):
-        alone = engine.sample("r", "s", SampleRequest((prompt,), 1, params), version=0)[0]
+        alone = engine.sample("r", "s", SampleRequest((prompt,), 1, params))[0]
         tokens = result.sequences[0].tokens
         assert tokens == alone.sequences[0].tokens
         expected = greedy_without_cache(model, list(prompt), len(tokens))
@@ -153,8 +153,8 @@ def test_greedy_kv_cache_generation_equals_full_recompute_and_batching(engine):
 def test_sampler_logprobs_equal_forward_logprobs_and_seeds_reproduce(engine):
     prompt = (5, 6, 7, 8)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=123)
-    result = engine.sample("r", "s", SampleRequest((prompt,), 3, params), version=0)[0]
-    again = engine.sample("r", "s", SampleRequest((prompt, (9, 9)), 3, params), version=0)[0]
+    result = engine.sample("r", "s", SampleRequest((prompt,), 3, params))[0]
+    again = engine.sample("r", "s", SampleRequest((prompt, (9, 9)), 3, params))[0]
     assert [s.tokens for s in result.sequences] == [s.tokens for s in again.sequences]
     for sequence in result.sequences:
         full = list(prompt) + sequence.tokens

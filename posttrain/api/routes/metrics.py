@@ -1,0 +1,21 @@
+"""GET /metrics: Prometheus text exposition (service/metrics.py).
+
+Unauthenticated, as Prometheus scrapers expect: it carries counts, durations and resource ids,
+never keys, prompts or outputs. Bind the server to a private address if that is too much.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from posttrain.api.deps import ServicesDep
+
+router = APIRouter()
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(*, svc: ServicesDep) -> PlainTextResponse:
+    return PlainTextResponse(svc.metrics.render(), media_type=PROMETHEUS_TEXT)

@@ -1,0 +1,241 @@
+// posttrain dashboard: polls the read-only /v1/dashboard/ JSON and draws tables and SVG charts.
+// No framework and no CDN: the page must work offline, served by `posttrain serve` itself.
+"use strict";
+
+const REFRESH_MS = 2000;
+const KEY_STORAGE = "posttrain.apiKey";
+const MAX_CHARTS = 9;
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+// A server without --api-key/--keys-file accepts any non-empty bearer key, so start with a
+// placeholder and ask for a real key only when the server answers 401.
+let apiKey = localStorage.getItem(KEY_STORAGE) || "local";
+let selected = new URLSearchParams(location.search).get("session");
+
+class AuthError extends Error {}
+
+async function getJson(path) {
+  const response = await fetch(path, { headers: { Authorization: `Bearer ${apiKey}` } });
+  if (response.status === 401) {
+    document.getElementById("key-form").hidden = false;
+    throw new AuthError("the server wants an API key");
+  }
+  if (!response.ok) {
+    throw new Error(`${path}: HTTP ${response.status}`);
+  }
+  return response.json();
+}
+
+function shortStatus(status) {
+  const parts = (status || "").split("_STATUS_");
+  return parts[parts.length - 1];
+}
+
+function statusClass(status) {
+  const s = shortStatus(status);
+  if (["READY", "RUNNING", "COMPLETED"].includes(s)) return "status status-ok";
+  if (["PENDING", "CREATING", "STOPPING"].includes(s)) return "status status-busy";
+  if (["FAILED", "ERROR"].includes(s)) return "status status-bad";
+  return "status status-idle";
+}
+
+function time(seconds) {
+  return seconds ? new Date(seconds * 1000).toLocaleTimeString() : "";
+}
+
+function cell(text, className) {
+  const td = document.createElement("td");
+  td.textContent = text === null || text === undefined ? "" : String(text);
+  if (className) td.className = className;
+  return td;
+}
+
+function codeCell(text) {
+  const td = document.createElement("td");
+  const code = document.createElement("code");
+  code.textContent = text;
+  td.appendChild(code);
+  return td;
+}
+
+function fillTable(id, rows) {
+  const body = document.querySelector(`#${id} tbody`);
+  body.replaceChildren(...rows);
+}
+
+function renderResources(resources) {
+  fillTable("resources", resources.map((r) => {
+    const tr = document.createElement("tr");
+    tr.append(codeCell(r.id), cell(r.base_model), cell(shortStatus(r.status), statusClass(r.status)),
+      cell(time(r.created_at)), cell(time(r.expires_at)));
+    return tr;
+  }));
+}
+
+function renderSessions(sessions) {
+  fillTable("sessions", sessions.map((s) => {
+    const tr = document.createElement("tr");
+    tr.className = "selectable" + (s.id === selected ? " selected" : "");
+    tr.dataset.session = s.id;
+    tr.append(codeCell(s.id), cell(s.display_name), codeCell(s.model_resources_id),
+      cell(shortStatus(s.status), statusClass(s.status)), cell(s.step), cell(s.weights_version),
+      cell(s.lora_rank), cell(time(s.updated_at)));
+    tr.addEventListener("click", () => {
+      selected = s.id;
+      history.replaceState(null, "", `?session=${encodeURIComponent(s.id)}`);
+      refresh();
+    });
+    return tr;
+  }));
+}
+
+function renderOperations(operations) {
+  fillTable("operations", operations.map((op) => {
+    const tr = document.createElement("tr");
+    const finished = ["COMPLETED", "FAILED"].includes(shortStatus(op.status));
+    const took = finished ? `${(op.updated_at - op.created_at).toFixed(2)}s` : "";
+    const loss = op.loss === null || op.loss === undefined ? "" : op.loss.toPrecision(4);
+    const code = (op.error_code || "").split("_ERROR_CODE_").pop();
+    const error = op.error_code ? `${code}: ${op.error_message || ""}` : "";
+    tr.append(cell(time(op.created_at)), codeCell(op.session_id), cell(op.kind),
+      cell(shortStatus(op.status), statusClass(op.status)), cell(took), cell(loss),
+      cell(error, "error"));
+    return tr;
+  }));
+}
+
+// ---------------------------------------------------------------- charts
+
+function niceStep(span) {
+  const raw = span / 4;
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  for (const m of [1, 2, 5, 10]) {
+    if (m * power >= raw * 0.999) return m * power;
+  }
+  return 10 * power;
+}
+
+function ticks(low, high) {
+  const step = niceStep(high - low);
+  const values = [];
+  for (let k = Math.ceil(low / step - 1e-9); k <= Math.floor(high / step + 1e-9); k++) {
+    values.push(k * step);
+  }
+  const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  return values.map((v) => [v, Math.abs(v) < Math.pow(10, -(decimals + 1)) ? "0" : v.toFixed(decimals)]);
+}
+
+function svg(tag, attrs, text) {
+  const el = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+// One chart of y over optimizer step; points at one step (gradient accumulation) are averaged.
+function chart(title, points) {
+  const byStep = new Map();
+  for (const [x, y] of points) {
+    if (!Number.isFinite(y)) continue;
+    const entry = byStep.get(x) || [0, 0];
+    byStep.set(x, [entry[0] + y, entry[1] + 1]);
+  }
+  const series = [...byStep.entries()].sort((a, b) => a[0] - b[0]).map(([x, [sum, n]]) => [x, sum / n]);
+  const box = document.createElement("div");
+  box.className = "chart";
+  box.dataset.metric = title;
+  box.dataset.points = String(series.length);
+  const heading = document.createElement("h3");
+  heading.textContent = title;
+  box.appendChild(heading);
+  const W = 400, H = 180, left = 52, right = 10, top = 8, bottom = 22;
+  const plot = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title });
+  box.appendChild(plot);
+  if (series.length === 0) return box;
+  let xLow = series[0][0], xHigh = series[series.length - 1][0];
+  if (xLow === xHigh) { xLow -= 1; xHigh += 1; }
+  let yLow = Math.min(...series.map((p) => p[1])), yHigh = Math.max(...series.map((p) => p[1]));
+  if (yLow === yHigh) { yLow -= 0.5; yHigh += 0.5; }
+  const pad = 0.05 * (yHigh - yLow);
+  yLow -= pad; yHigh += pad;
+  const px = (x) => left + ((x - xLow) / (xHigh - xLow)) * (W - left - right);
+  const py = (y) => H - bottom - ((y - yLow) / (yHigh - yLow)) * (H - top - bottom);
+  for (const [v, label] of ticks(yLow, yHigh)) {
+    plot.appendChild(svg("line", { class: "grid", x1: left, x2: W - right, y1: py(v), y2: py(v) }));
+    plot.appendChild(svg("text", { class: "tick", x: left - 4, y: py(v) + 3, "text-anchor": "end" }, label));
+  }
+  for (const [v, label] of ticks(xLow, xHigh)) {
+    if (!Number.isInteger(v)) continue;
+    plot.appendChild(svg("text", { class: "tick", x: px(v), y: H - 6, "text-anchor": "middle" }, label));
+  }
+  plot.appendChild(svg("line", { class: "axis", x1: left, x2: left, y1: top, y2: H - bottom }));
+  plot.appendChild(svg("line", { class: "axis", x1: left, x2: W - right, y1: H - bottom, y2: H - bottom }));
+  const coords = series.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" ");
+  plot.appendChild(svg("polyline", { class: "series", points: coords }));
+  if (series.length < 40) {
+    for (const [x, y] of series) plot.appendChild(svg("circle", { class: "dot", cx: px(x), cy: py(y), r: 2.5 }));
+  }
+  return box;
+}
+
+function renderSeries(data) {
+  const title = document.getElementById("session-title");
+  title.textContent = `Session ${data.session.id}` +
+    (data.session.display_name ? ` (${data.session.display_name})` : "") +
+    ` - step ${data.session.step}, ${data.points.length} forward-backward results`;
+  document.getElementById("session-hint").hidden = data.points.length > 0;
+  if (data.points.length === 0) {
+    document.getElementById("session-hint").textContent = "No forward-backward results yet.";
+  }
+  const keys = new Set();
+  for (const p of data.points) for (const k of Object.keys(p.metrics || {})) keys.add(k);
+  keys.delete("loss:sum");  // the same number as the loss
+  const charts = [chart("loss", data.points.map((p) => [p.step, p.loss]))];
+  for (const key of [...keys].sort().slice(0, MAX_CHARTS - 1)) {
+    charts.push(chart(key, data.points.map((p) => [p.step, p.metrics[key]])));
+  }
+  document.getElementById("charts").replaceChildren(...charts);
+}
+
+// ---------------------------------------------------------------- refresh loop
+
+async function refresh() {
+  const status = document.getElementById("status");
+  try {
+    const view = await getJson("/v1/dashboard/overview");
+    if (!selected || !view.sessions.some((s) => s.id === selected)) {
+      // Default to the running session furthest along (else any session furthest along).
+      const running = view.sessions.filter((s) => shortStatus(s.status) === "RUNNING");
+      const pool = running.length ? running : view.sessions;
+      const best = pool.reduce((a, b) => (b.step > a.step ? b : a), pool[0] || {});
+      selected = best.id || null;
+    }
+    renderResources(view.model_resources);
+    renderSessions(view.sessions);
+    renderOperations(view.operations);
+    if (selected) {
+      renderSeries(await getJson(`/v1/dashboard/sessions/${encodeURIComponent(selected)}/series`));
+    }
+    status.textContent = `${view.sessions.length} sessions, queue depth ${view.queue_depth}, ` +
+      `refreshed ${new Date().toLocaleTimeString()}`;
+    status.className = "muted";
+  } catch (error) {
+    status.textContent = error.message;
+    status.className = "status status-bad";
+  }
+}
+
+document.getElementById("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  apiKey = document.getElementById("key-input").value.trim() || "local";
+  localStorage.setItem(KEY_STORAGE, apiKey);
+  document.getElementById("key-form").hidden = true;
+  refresh();
+});
+
+async function loop() {
+  await refresh();
+  setTimeout(loop, REFRESH_MS);
+}
+
+loop();

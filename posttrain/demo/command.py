@@ -1,0 +1,98 @@
+"""`posttrain demo`: flags, the local server, the progress bar and the closing report.
+
+Importing this module is cheap (no SDK, no torch, no transformers): the CLI imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+
+from posttrain.demo.loop import QUICK, DemoConfig, StepRecord, require_sdk, run_demo
+
+DEFAULT_OUT = Path("posttrain-demo")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-url", default=None, help="a running server (omitted: start one on a free port)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"GRPO steps (default {DemoConfig().rl_steps}, --quick {QUICK.rl_steps})",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="where the plot and logs go (%(default)s)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a shortened run (fewer steps, smaller eval)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of data, LoRA and sampling")
+
+
+class ProgressBar:
+    """One tqdm bar over both phases; the postfix carries the step's numbers."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True)
+
+    def __call__(self, record: StepRecord, total: int) -> None:
+        if record.phase == "warmup":
+            self.bar.set_description("warm-up (cross-entropy)")
+            postfix = f"loss/token={record.loss:.3f} tok/s={record.tokens_per_s:.0f}"
+        else:
+            self.bar.set_description("GRPO")
+            kl = f"{record.kl:.3f}" if record.kl is not None else "-"
+            postfix = (
+                f"reward={record.reward:.3f} loss={record.loss:+.4f} kl={kl} "
+                f"tok/s={record.tokens_per_s:.0f}"
+            )
+        self.bar.set_postfix_str(postfix, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_demo_command(args: argparse.Namespace) -> None:
+    require_sdk()
+    from posttrain.demo.report import closing_text, write_outputs
+    from posttrain.demo.server import local_server
+
+    config = QUICK if args.quick else DemoConfig()
+    config = replace(config, seed=args.seed)
+    if args.steps is not None:
+        if args.steps < 1:
+            sys.exit("posttrain demo: --steps must be at least 1")
+        config = replace(config, rl_steps=args.steps)
+    out_dir: Path = args.out.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    api_key = os.environ.get("TOGETHER_API_KEY", "local-key")
+    with ExitStack() as stack:
+        base_url = args.base_url
+        if base_url is None:
+            print("starting posttrain serve with the built-in model ...", file=sys.stderr)
+            base_url = stack.enter_context(local_server(log_path=out_dir / "server.log"))
+        print(
+            f"server {base_url} (dashboard: {base_url}/)\n"
+            f"task: two-digit addition, reward 1 for the exact answer\n"
+            f"warm-up: {config.warmup_steps} cross-entropy steps x {config.warmup_batch_size} "
+            f"problems; GRPO: {config.rl_steps} steps x {config.prompts_per_step} prompts x "
+            f"{config.group_size} samples; LoRA rank {config.lora_rank}",
+            file=sys.stderr,
+        )
+        progress = ProgressBar(config.warmup_steps + config.rl_steps)
+        try:
+            result = run_demo(base_url, api_key, config, out_dir, on_step=progress)
+        finally:
+            progress.close()
+    paths = write_outputs(result, out_dir)
+    print(closing_text(result, paths))

@@ -1,0 +1,417 @@
+"""The demo's training loop, a client of the API written with the official `together` SDK.
+
+Supervised warm-up (cross-entropy on correct answers), then GRPO with an exact-match reward
+(task.py): each step samples `group_size` completions for each of `prompts_per_step` training
+prompts, scores them, turns rewards into group-relative advantages and takes one
+`LOSS_TYPE_GRPO` forward-backward + optim-step + weights-sync.
+
+Between the phases the warm-up session saves a training checkpoint, and RL runs in two new
+sessions resumed from it: the policy, with a fresh optimizer, and the reference, never trained.
+The reference's logprobs of the sampled tokens feed `reference_logprobs`, so every step reports
+the KL of the policy from the warm-up policy (k3 estimator, as the GRPO loss computes it) at
+the cost of one forward pass.
+
+Greedy (temperature 0) accuracy on held-out problems is measured before the warm-up, after
+it, and after RL. Nothing here runs on the server's side of the API: this module may import
+`together`, the server packages never do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
+from posttrain.demo.task import Problem, group_advantages, reward, split_problems
+
+if TYPE_CHECKING:
+    from together.post_training import SessionClient
+    from transformers import PreTrainedTokenizerBase
+
+# Seconds between operation polls: steps take a fraction of a second on the tiny model, and the
+# SDK's 0.5 s default would spend most of the demo waiting.
+POLL_INTERVAL_S = 0.02
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Every knob of the demo. The defaults are the tuned full run (README, "Demo")."""
+
+    seed: int = 0
+    lora_rank: int = 64
+    lora_alpha: int = 64
+    num_heldout: int = 200
+    warmup_steps: int = 200
+    warmup_batch_size: int = 64
+    warmup_learning_rate: float = 3e-3
+    rl_steps: int = 60
+    prompts_per_step: int = 32
+    group_size: int = 8
+    rl_learning_rate: float = 1e-4
+    max_tokens: int = 5
+    temperature: float = 1.0
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.28
+    beta: float = 0.0
+    rl_loss: str = "grpo"
+    updates_per_batch: int = 1
+    warmup_token_mean: bool = False
+    normalize_advantages: bool = False
+    use_reference: bool = True
+
+
+QUICK = DemoConfig(rl_steps=20)
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step of either phase, as written to steps.jsonl."""
+
+    phase: str
+    step: int
+    loss: float
+    seconds: float
+    num_tokens: int
+    tokens_per_s: float
+    reward: float | None = None
+    kl: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class DemoResult:
+    config: DemoConfig
+    accuracy_base: float
+    accuracy_warmup: float
+    accuracy_rl: float
+    steps: list[StepRecord]
+    seconds: float
+    examples: list[dict[str, str]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "heldout_accuracy": {
+                "base": self.accuracy_base,
+                "after_warmup": self.accuracy_warmup,
+                "after_rl": self.accuracy_rl,
+            },
+            "rl_gain_points": round(100 * (self.accuracy_rl - self.accuracy_warmup), 2),
+            "seconds": round(self.seconds, 2),
+            "examples": self.examples,
+        }
+
+
+def require_sdk() -> None:
+    """Fail with the install line when the client SDK (the `examples` extra) is missing."""
+    try:
+        import together.post_training  # noqa: F401
+    except ImportError:
+        sys.exit(
+            "posttrain demo needs the together SDK: pip install -e '.[examples]' "
+            "(or pip install together==3.1.1)"
+        )
+
+
+class Tokens:
+    """The built-in model's character-level tokenizer, loaded once on the client."""
+
+    def __init__(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
+        self.eos = int(self.tokenizer.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def model_input(tokens: list[int]) -> dict[str, Any]:
+    return {"chunks": [{"encoded_text": {"tokens": tokens}}]}
+
+
+def sft_sample(prompt: list[int], completion: list[int], weight: float = 1.0) -> dict[str, Any]:
+    """Cross-entropy sample: predict (prompt + completion)[1:], `weight` on the completion."""
+    full = prompt + completion
+    weights = [0.0] * (len(prompt) - 1) + [weight] * len(completion)
+    return {
+        "model_input": model_input(full[:-1]),
+        "loss_fn_inputs": {"target_tokens": full[1:], "weights": weights},
+    }
+
+
+def policy_sample(
+    prompt: list[int], completion: list[int], logprobs: list[float], advantage: float
+) -> dict[str, Any]:
+    """GRPO sample: the sampler's logprobs and one advantage on every completion token; the
+    prompt positions are masked out (their logprobs and advantages are placeholders)."""
+    full = prompt + completion
+    pad = len(prompt) - 1
+    return {
+        "model_input": model_input(full[:-1]),
+        "loss_fn_inputs": {
+            "target_tokens": full[1:],
+            "logprobs": [0.0] * pad + logprobs,
+            "advantages": [0.0] * pad + [advantage] * len(completion),
+            "mask": [0] * pad + [1] * len(completion),
+        },
+    }
+
+
+def heldout_accuracy(
+    session: SessionClient, tokens: Tokens, problems: list[Problem], config: DemoConfig
+) -> tuple[float, list[dict[str, str]]]:
+    """Greedy accuracy of the session's published policy, plus a few (prompt, answer) pairs."""
+    results = session.generator.sample_batch(
+        [model_input(tokens.encode(p.prompt)) for p in problems],
+        num_samples=1,
+        sampling_params={"max_tokens": config.max_tokens, "temperature": 0.0},
+        interval=POLL_INTERVAL_S,
+    )
+    correct, examples = 0, []
+    for problem, result in zip(problems, results, strict=True):
+        sequence = result.sequences[0]
+        text = tokens.decode([int(t) for t in sequence.tokens])
+        correct += reward(problem, text, stopped=sequence.stop_reason == "STOP_REASON_STOP") > 0
+        if len(examples) < 8:
+            examples.append({"prompt": f"{problem.a}+{problem.b}=", "completion": text.strip()})
+    return correct / len(problems), examples
+
+
+class StepLog:
+    """Appends every step to steps.jsonl as it happens and keeps the records."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[StepRecord] = []
+        path.write_text("")
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(asdict(record)) + "\n")
+
+
+def warmup_step(
+    policy: SessionClient, tokens: Tokens, batch: list[Problem], config: DemoConfig
+) -> StepRecord:
+    """One cross-entropy step on correct answers; the reported loss is per answer token."""
+    started = time.monotonic()
+    num_targets = sum(len(p.answer) + 1 for p in batch)
+    weight = 1.0 / num_targets if config.warmup_token_mean else 1.0
+    samples = [
+        sft_sample(tokens.encode(p.prompt), tokens.encode(p.answer) + [tokens.eos], weight)
+        for p in batch
+    ]
+    result = policy.trainer.forward_backward(
+        samples=samples, loss={"type": "cross_entropy"}, interval=POLL_INTERVAL_S
+    )
+    policy.trainer.optim_step(
+        adam_params={"learning_rate": config.warmup_learning_rate, "weight_decay": 0.0},
+        interval=POLL_INTERVAL_S,
+    )
+    seconds = time.monotonic() - started
+    num_tokens = sum(len(s["loss_fn_inputs"]["target_tokens"]) for s in samples)
+    return StepRecord(
+        phase="warmup",
+        step=0,
+        loss=result.loss if config.warmup_token_mean else result.loss / num_targets,
+        seconds=seconds,
+        num_tokens=num_tokens,
+        tokens_per_s=num_tokens / seconds,
+        metrics=dict(result.metrics or {}),
+    )
+
+
+def k3_kl(reference_logprob: float, logprob: float) -> float:
+    """Schulman's k3 estimate of KL(policy || reference) from one sampled token: exp(u) - u - 1
+    with u = reference - policy logprob, clamped like the server's GRPO loss (losses.md 9.2)."""
+    u = max(-10.0, min(10.0, reference_logprob - logprob))
+    return math.exp(u) - u - 1.0
+
+
+def rl_loss_config(config: DemoConfig) -> dict[str, Any]:
+    if config.rl_loss == "grpo":
+        return {
+            "type": "grpo",
+            "grpo_params": {
+                "clip_low_threshold": config.clip_low_threshold,
+                "clip_high_threshold": config.clip_high_threshold,
+                "beta": config.beta,
+            },
+        }
+    if config.rl_loss == "ppo":
+        return {
+            "type": "ppo",
+            "ppo_params": {
+                "clip_low_threshold": config.clip_low_threshold,
+                "clip_high_threshold": config.clip_high_threshold,
+            },
+        }
+    return {"type": config.rl_loss}
+
+
+def rl_step(
+    policy: SessionClient,
+    reference: SessionClient | None,
+    tokens: Tokens,
+    batch: list[Problem],
+    config: DemoConfig,
+    sample_seed: int,
+) -> StepRecord:
+    """Sample groups, reward, group-relative advantages, one GRPO update, weights-sync."""
+    started = time.monotonic()
+    prompts = [tokens.encode(p.prompt) for p in batch]
+    results = policy.generator.sample_batch(
+        [model_input(p) for p in prompts],
+        num_samples=config.group_size,
+        sampling_params={
+            "max_tokens": config.max_tokens,
+            "temperature": config.temperature,
+            "seed": sample_seed,
+        },
+        interval=POLL_INTERVAL_S,
+    )
+    num_tokens, rewards, samples = 0, [], []
+    for problem, prompt, result in zip(batch, prompts, results, strict=True):
+        completions = [[int(t) for t in s.tokens] for s in result.sequences]
+        rewards_G = [
+            reward(problem, tokens.decode(c), stopped=s.stop_reason == "STOP_REASON_STOP")
+            for c, s in zip(completions, result.sequences, strict=True)
+        ]
+        rewards += rewards_G
+        num_tokens += sum(len(prompt) + len(c) for c in completions)
+        advantages_G = group_advantages(rewards_G, normalize=config.normalize_advantages)
+        for completion, sequence, advantage in zip(
+            completions, result.sequences, advantages_G, strict=True
+        ):
+            # A zero advantage contributes exactly zero gradient: skip the compute.
+            if advantage != 0.0:
+                samples.append(
+                    policy_sample(prompt, completion, list(sequence.logprobs or []), advantage)
+                )
+    loss, metrics, kl = 0.0, {}, None
+    if samples:
+        if reference is not None:
+            scored = reference.trainer.forward(
+                samples=samples, loss={"type": "importance_sampling"}, interval=POLL_INTERVAL_S
+            )
+            kl_sum, kl_count = 0.0, 0
+            for sample, output in zip(samples, scored.loss_fn_outputs or [], strict=True):
+                inputs = sample["loss_fn_inputs"]
+                inputs["reference_logprobs"] = list(output.tensors["logprobs"].data)
+                for ref, own, is_in in zip(
+                    inputs["reference_logprobs"], inputs["logprobs"], inputs["mask"], strict=True
+                ):
+                    if is_in:
+                        kl_sum += k3_kl(ref, own)
+                        kl_count += 1
+            kl = kl_sum / max(kl_count, 1)
+        # Several updates on one batch (PPO-style epochs): the ratio to the sampler's logprobs
+        # moves away from 1 after the first, and the GRPO clip bounds how far.
+        for _ in range(config.updates_per_batch):
+            result = policy.trainer.forward_backward(
+                samples=samples, loss=rl_loss_config(config), interval=POLL_INTERVAL_S
+            )
+            policy.trainer.optim_step(
+                adam_params={"learning_rate": config.rl_learning_rate, "weight_decay": 0.0},
+                interval=POLL_INTERVAL_S,
+            )
+        policy.trainer.weights_sync(interval=POLL_INTERVAL_S)
+        trained = sum(len(s["loss_fn_inputs"]["target_tokens"]) for s in samples)
+        num_tokens += trained * (config.updates_per_batch + (reference is not None))
+        loss, metrics = result.loss, dict(result.metrics or {})
+    seconds = time.monotonic() - started
+    return StepRecord(
+        phase="rl",
+        step=0,
+        loss=loss,
+        seconds=seconds,
+        num_tokens=num_tokens,
+        tokens_per_s=num_tokens / seconds,
+        reward=sum(rewards) / len(rewards),
+        kl=kl,
+        metrics=metrics,
+    )
+
+
+def run_demo(
+    base_url: str,
+    api_key: str,
+    config: DemoConfig,
+    out_dir: Path,
+    *,
+    on_step: Callable[[StepRecord, int], None] | None = None,
+) -> DemoResult:
+    """Warm-up then GRPO against the server at base_url; steps stream to out_dir/steps.jsonl.
+
+    `on_step(record, total_steps)` is called after every step (the progress bar)."""
+    from together.post_training import ModelResourcesClient
+
+    started = time.monotonic()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = StepLog(out_dir / "steps.jsonl")
+    tokens = Tokens()
+    train, heldout = split_problems(config.seed, config.num_heldout)
+    rng = random.Random(config.seed + 1)
+    total = config.warmup_steps + config.rl_steps
+
+    def report(record: StepRecord) -> None:
+        log.add(record)
+        if on_step:
+            on_step(record, total)
+
+    lora = {"rank": config.lora_rank, "alpha": config.lora_alpha, "seed": config.seed}
+    with ModelResourcesClient.create(
+        base_url=base_url, api_key=api_key, base_model=BUILTIN_MODEL_ID, interval=0.2
+    ) as resources:
+        with resources.create_session(lora_config=lora, interval=0.2) as warm:
+            accuracy_base, _ = heldout_accuracy(warm, tokens, heldout, config)
+            for index in range(config.warmup_steps):
+                batch = rng.sample(train, config.warmup_batch_size)
+                report(replace(warmup_step(warm, tokens, batch, config), step=index + 1))
+            warm.trainer.weights_sync(interval=POLL_INTERVAL_S)
+            accuracy_warmup, _ = heldout_accuracy(warm, tokens, heldout, config)
+            checkpoint = warm.create_training_checkpoint(interval=POLL_INTERVAL_S)
+        # Two sessions from the warm-up's checkpoint. The policy starts a fresh optimizer:
+        # the cross-entropy phase's Adam moments are scaled for its gradients, not for the
+        # policy gradient's. The reference is never trained: the KL is measured from it.
+        policy = resources.create_session(
+            resume_from_checkpoint_id=checkpoint.id, load_optimizer=False, interval=0.2
+        )
+        reference = (
+            resources.create_session(
+                resume_from_checkpoint_id=checkpoint.id, load_optimizer=False, interval=0.2
+            )
+            if config.use_reference
+            else None
+        )
+        with policy:
+            policy.trainer.weights_sync(interval=POLL_INTERVAL_S)
+            for index in range(config.rl_steps):
+                batch = rng.sample(train, config.prompts_per_step)
+                seed = config.seed * 1_000_003 + index * 10_007
+                record = rl_step(policy, reference, tokens, batch, config, seed)
+                report(replace(record, step=config.warmup_steps + index + 1))
+            accuracy_rl, examples = heldout_accuracy(policy, tokens, heldout, config)
+            if reference is not None:
+                reference.stop()
+    return DemoResult(
+        config=config,
+        accuracy_base=accuracy_base,
+        accuracy_warmup=accuracy_warmup,
+        accuracy_rl=accuracy_rl,
+        steps=log.records,
+        seconds=time.monotonic() - started,
+        examples=examples,
+    )

@@ -1,0 +1,215 @@
+"""A preallocated key/value cache for batched generation, rows of different lengths side by side.
+
+Layout: one tensor `kv` of shape [N, 2, B, H, T, D]:
+N = decoder layers, 2 = keys then values, B = rows (allocated), H = KV heads, T = positions
+(allocated capacity), D = head dim. Row b holds the keys and values of its tokens at positions
+0 .. lengths_B[b] - 1 in columns 0 .. lengths_B[b] - 1: a token's column is its position id, so
+rows of different lengths need no padding offset and RoPE positions are just column indices.
+Columns at or past a row's length hold zeros or stale values that every attention mask built
+here hides (they are always finite, so a masked softmax weight of 0 never meets a NaN).
+
+A forward pass appends per-row chunks: `begin(num_new_B)` takes how many of the Q query
+positions of each row are real (shorter rows are right-padded), returns their position ids and
+remembers where to write; each attention layer then calls `update` (the Hugging Face Cache
+protocol), which stores the real positions only and returns the keys and values of the visible
+columns; `commit()` advances the lengths. `attention_masks` gives the boolean masks to pass as
+the model's `attention_mask` mapping, so the model never builds its own.
+
+Rows come and go without reallocation: `keep` moves the live rows to the front (finished rows
+free their slot). `grow` makes room for more positions as rows get long (a new tensor, live
+rows only). `copy_rows` fills rows from another cache (a prompt's prefill fanned out to its
+samples); `write_span` / `span` move a row's positions in and out (the prefix cache).
+
+Legend: N = layers, B = rows, H = KV heads, T = capacity, D = head dim, Q = new positions per
+row in one pass, K = visible columns, P = positions of a span.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+
+
+class KVCache:
+    """Keys and values of `num_rows` sequences of up to `capacity` positions each."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_rows: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        # Zeros, not empty: masked columns are multiplied by a 0 attention weight, and 0 * NaN
+        # from uninitialised memory would poison the row.
+        self.kv = torch.zeros(
+            num_layers, 2, num_rows, num_kv_heads, capacity, head_dim, dtype=dtype, device=device
+        )
+        self.lengths_B = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.num_rows = num_rows
+        self._rows_W: Tensor | None = None  # row of each position written by the current pass
+        self._cols_W: Tensor | None = None  # its column
+        self._valid_BQ: Tensor | None = None  # None: every query position of the pass is real
+        self._num_new_B: Tensor | None = None
+        self._visible = 0
+
+    @classmethod
+    def for_model(
+        cls,
+        config: PretrainedConfig,
+        *,
+        num_rows: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_rows=num_rows,
+            capacity=capacity,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    # ------------------------------------------------------------ one forward pass
+
+    def begin(self, num_new_B: Tensor) -> Tensor:
+        """Prepare a pass that appends num_new_B[b] positions to row b; returns position ids
+        [B, Q] (Q = max num_new_B; positions past a row's num_new are padding)."""
+        assert num_new_B.shape == (self.num_rows,), "one count per row"
+        lengths_B = self.lengths_B[: self.num_rows]
+        width = int(num_new_B.max())
+        assert int((lengths_B + num_new_B).max()) <= self.capacity, "KV cache capacity exceeded"
+        offsets_Q = torch.arange(width, device=lengths_B.device)
+        positions_BQ = lengths_B[:, None] + offsets_Q[None, :]
+        if bool((num_new_B == width).all()):
+            self._valid_BQ = None
+            rows_B = torch.arange(self.num_rows, device=lengths_B.device)
+            self._rows_W = rows_B.repeat_interleave(width)
+            self._cols_W = positions_BQ.reshape(-1)
+        else:
+            valid_BQ = offsets_Q[None, :] < num_new_B[:, None]
+            rows_BQ = torch.arange(self.num_rows, device=lengths_B.device)[:, None].expand_as(
+                positions_BQ
+            )
+            self._valid_BQ = valid_BQ
+            self._rows_W = rows_BQ[valid_BQ]
+            self._cols_W = positions_BQ[valid_BQ]
+        self._num_new_B = num_new_B
+        # Padding positions may lie past the capacity; they are never stored, so the visible
+        # columns end at the last real position.
+        self._visible = int((lengths_B + num_new_B).max())
+        return positions_BQ
+
+    def attention_masks(
+        self, positions_BQ: Tensor, layer_types: list[str], sliding_window: int | None
+    ) -> dict[str, Tensor]:
+        """Boolean [B, 1, Q, K] masks per layer type: query at position p sees columns <= p
+        (and > p - window for sliding-attention layers). True = attend."""
+        columns_K = torch.arange(self._visible, device=positions_BQ.device)
+        causal_BQK = columns_K[None, None, :] <= positions_BQ[:, :, None]
+        masks = {"full_attention": causal_BQK[:, None]}
+        if "sliding_attention" in layer_types:
+            assert sliding_window is not None, "sliding-attention layers need a window"
+            recent_BQK = columns_K[None, None, :] > positions_BQ[:, :, None] - sliding_window
+            masks["sliding_attention"] = (causal_BQK & recent_BQK)[:, None]
+        return masks
+
+    def update(
+        self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[Tensor, Tensor]:
+        """Called by each attention layer: store this pass's real positions, return the keys
+        and values of the visible columns ([B, H, K, D] views)."""
+        assert self._rows_W is not None, "update() outside begin()/commit()"
+        for slot, new_BHQD in ((0, key_BHQD), (1, value_BHQD)):
+            new_BQHD = new_BHQD.transpose(1, 2)
+            if self._valid_BQ is None:
+                new_WHD = new_BQHD.reshape(-1, *new_BQHD.shape[2:])
+            else:
+                new_WHD = new_BQHD[self._valid_BQ]
+            self.kv[layer_idx, slot, self._rows_W, :, self._cols_W] = new_WHD.to(self.kv.dtype)
+        visible = self.kv[layer_idx, :, : self.num_rows, :, : self._visible]
+        return visible[0], visible[1]
+
+    def commit(self) -> None:
+        assert self._num_new_B is not None, "commit() without begin()"
+        self.lengths_B[: self.num_rows] += self._num_new_B
+        self._rows_W = self._cols_W = self._valid_BQ = self._num_new_B = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Hugging Face Cache protocol; models only ask when no position ids are given."""
+        return int(self.lengths_B[: self.num_rows].max()) if self.num_rows else 0
+
+    # ------------------------------------------------------------ rows
+
+    def keep(self, rows_R: Tensor) -> None:
+        """Row i becomes old row rows_R[i]; rows past len(rows_R) are freed. Only rows that
+        change place are copied, so filling the holes of finished rows with rows from the end
+        costs one row copy per finished row, not a copy of the whole batch."""
+        count = len(rows_R)
+        targets_R = torch.arange(count, device=rows_R.device)
+        moved_R = rows_R != targets_R
+        if bool(moved_R.any()):
+            sources, destinations = rows_R[moved_R], targets_R[moved_R]
+            used = int(self.lengths_B[sources].max())
+            # The right side is gathered into a new tensor before any write: overlap is safe.
+            self.kv[:, :, destinations, :, :used] = self.kv[:, :, sources, :, :used]
+            self.lengths_B[destinations] = self.lengths_B[sources]
+        self.num_rows = count
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` positions per row: a new tensor holding the live rows only, so
+        the memory of freed rows is returned too."""
+        assert capacity >= self.capacity, "a cache never shrinks its positions"
+        num_layers, _, _, heads, _, head_dim = self.kv.shape
+        kv = torch.zeros(
+            num_layers,
+            2,
+            self.num_rows,
+            heads,
+            capacity,
+            head_dim,
+            dtype=self.kv.dtype,
+            device=self.kv.device,
+        )
+        if self.num_rows:
+            used = int(self.lengths_B[: self.num_rows].max())
+            kv[:, :, :, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
+        self.kv = kv
+        self.lengths_B = self.lengths_B[: self.num_rows].clone()
+
+    def copy_rows(self, source: KVCache, source_rows_R: Tensor, target_rows_R: Tensor) -> None:
+        """Row target_rows_R[i] becomes a copy of source row source_rows_R[i]."""
+        if len(source_rows_R) == 0:
+            return
+        used = int(source.lengths_B[source_rows_R].max())
+        assert used <= self.capacity, "KV cache capacity exceeded"
+        self.kv[:, :, target_rows_R, :, :used] = source.kv[:, :, source_rows_R, :, :used].to(
+            self.kv.dtype
+        )
+        self.lengths_B[target_rows_R] = source.lengths_B[source_rows_R]
+
+    def write_span(self, row: int, start: int, span_N2HPD: Tensor) -> None:
+        """Store a span of positions start .. start + P - 1 into `row`; its length becomes the
+        span's end."""
+        end = start + span_N2HPD.shape[3]
+        self.kv[:, :, row, :, start:end] = span_N2HPD
+        self.lengths_B[row] = end
+
+    def span(self, row: int, start: int, end: int) -> Tensor:
+        """A view [N, 2, H, P, D] of positions start .. end - 1 of `row`."""
+        return self.kv[:, :, row, :, start:end]

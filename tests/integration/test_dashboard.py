@@ -1,0 +1,205 @@
+"""The dashboard page, its JSON, and /metrics, against a real server driven by the SDK.
+
+The browser test runs Debian's headless `chromium` over the live page: after a few training
+steps the rendered DOM must list the session and hold a loss chart with one point per step.
+It skips, saying why, only where no chromium binary exists (.ci/run installs it).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import API_KEY, open_session, sft_sample
+from transformers import AutoTokenizer
+
+from posttrain.config import BUILTIN_MODEL_DIR
+
+TOKENIZER = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
+NUM_STEPS = 3
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+
+
+def batch() -> list[dict]:
+    samples = []
+    for prompt, answer in [("<|im_start|>12+34=", "46\n"), ("<|im_start|>7+8=", "15\n")]:
+        prompt_ids = TOKENIZER.encode(prompt, add_special_tokens=False)
+        answer_ids = TOKENIZER.encode(answer, add_special_tokens=False)
+        samples.append(sft_sample(prompt_ids + answer_ids + [0], len(prompt_ids)))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def trained(shared_server) -> Iterator[tuple[str, str, list[float]]]:
+    """(base_url, session_id, losses) after NUM_STEPS cross-entropy steps and one sample."""
+    resources, session = open_session(
+        shared_server.base_url, lora_config={"rank": 4, "seed": 3}, display_name="dash<b>test"
+    )
+    losses = []
+    for _ in range(NUM_STEPS):
+        result = session.trainer.forward_backward(samples=batch(), loss={"type": "cross_entropy"})
+        losses.append(result.loss)
+        session.trainer.optim_step(adam_params={"learning_rate": 1e-2})
+    prompt = TOKENIZER.encode("<|im_start|>1+1=", add_special_tokens=False)
+    session.generator.sample(
+        {"chunks": [{"encoded_text": {"tokens": prompt}}]},
+        num_samples=2,
+        sampling_params={"max_tokens": 3, "seed": 1},
+    )
+    yield shared_server.base_url, session.session_id, losses
+    session.stop()
+    resources.stop()
+
+
+def get(base_url: str, path: str, key: str = API_KEY) -> httpx.Response:
+    return httpx.get(f"{base_url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+
+def test_page_and_assets_are_served_from_the_package(shared_server):
+    page = httpx.get(f"{shared_server.base_url}/", timeout=10)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "/dashboard/dashboard.js" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN
+    script = httpx.get(f"{shared_server.base_url}/dashboard/dashboard.js", timeout=10)
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    assert "/v1/dashboard/overview" in script.text
+    assert httpx.get(f"{shared_server.base_url}/dashboard/secret.py").status_code == 404
+
+
+def test_overview_lists_resource_session_and_operations(trained):
+    base_url, session_id, _ = trained
+    body = get(base_url, "/v1/dashboard/overview").json()
+    session = next(s for s in body["sessions"] if s["id"] == session_id)
+    assert session["step"] == NUM_STEPS
+    assert session["status"] == "TRAINING_SESSION_STATUS_RUNNING"
+    assert session["lora_rank"] == 4
+    assert any(r["id"] == session["model_resources_id"] for r in body["model_resources"])
+    mine = [op for op in body["operations"] if op["session_id"] == session_id]
+    kinds = [op["kind"] for op in mine]
+    # Newest first: the sample came last; 3 forward-backwards and 3 optim-steps before it.
+    assert kinds[0] == "sample"
+    assert kinds.count("forward-backward") == NUM_STEPS
+    assert kinds.count("optim-step") == NUM_STEPS
+    assert all(op["status"] == "TRAINING_OPERATION_STATUS_COMPLETED" for op in mine)
+
+
+def test_series_has_one_point_per_step_with_the_reported_losses(trained):
+    base_url, session_id, losses = trained
+    body = get(base_url, f"/v1/dashboard/sessions/{session_id}/series").json()
+    points = body["points"]
+    assert [p["step"] for p in points] == list(range(NUM_STEPS))
+    assert [p["loss"] for p in points] == pytest.approx(losses)
+    assert points[0]["metrics"]["loss:sum"] == pytest.approx(losses[0])
+
+
+def test_dashboard_json_needs_a_key_and_hides_unknown_sessions(trained):
+    base_url, _, _ = trained
+    assert httpx.get(f"{base_url}/v1/dashboard/overview").status_code == 401
+    missing = get(base_url, "/v1/dashboard/sessions/ts-nope/series")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["param"] == "session_id"
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}{{{re.escape(wanted)}}} (\S+)$" if labels else rf"^{name} (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_metrics_count_operations_tokens_and_sessions(shared_server):
+    base_url = shared_server.base_url
+    before = httpx.get(f"{base_url}/metrics").text
+    resources, session = open_session(base_url, lora_config={"rank": 2})
+    samples = batch()
+    session.trainer.forward_backward(samples=samples, loss={"type": "cross_entropy"})
+    session.trainer.forward_backward(samples=samples, loss={"type": "cross_entropy"})
+    session.trainer.optim_step()
+    response = httpx.get(f"{base_url}/metrics")
+    after = response.text
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    fb = {"kind": "forward-backward", "status": "completed"}
+    assert metric_value(after, "posttrain_operations", **fb) == (
+        metric_value(before, "posttrain_operations", **fb) + 2
+    )
+    assert metric_value(after, "posttrain_operations_finished_total", **fb) == (
+        metric_value(before, "posttrain_operations_finished_total", **fb) + 2
+    )
+    opt = {"kind": "optim-step"}
+    assert metric_value(after, "posttrain_operation_duration_seconds_count", **opt) == (
+        metric_value(before, "posttrain_operation_duration_seconds_count", **opt) + 1
+    )
+    # Tokens of a forward-backward are its samples' input tokens.
+    num_tokens = sum(len(s["model_input"]["chunks"][0]["encoded_text"]["tokens"]) for s in samples)
+    tokens = {"kind": "forward-backward"}
+    assert metric_value(after, "posttrain_tokens_total", **tokens) == (
+        metric_value(before, "posttrain_tokens_total", **tokens) + 2 * num_tokens
+    )
+    assert metric_value(after, "posttrain_tokens_per_second", **tokens) > 0
+    resource_id = resources.model_resources_id
+    running = {"model_resource": resource_id, "status": "running"}
+    assert metric_value(after, "posttrain_sessions", **running) == 1
+    assert metric_value(after, "posttrain_queue_depth") == 0
+    session.stop()
+    resources.stop()
+    final = httpx.get(f"{base_url}/metrics").text
+    assert metric_value(final, "posttrain_sessions", **running) == 0
+    assert (
+        metric_value(final, "posttrain_sessions", model_resource=resource_id, status="stopped") == 1
+    )
+
+
+@pytest.fixture
+def browser_profile(tmp_path: Path) -> Path:
+    return tmp_path / "chromium-profile"
+
+
+def run_chromium(profile: Path, *args: str) -> subprocess.CompletedProcess:
+    assert CHROMIUM is not None
+    return subprocess.run(
+        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+def test_headless_chromium_renders_session_and_loss_chart(trained, browser_profile, tmp_path):
+    base_url, session_id, _ = trained
+    # The virtual-time budget lets the page's fetches and first refreshes finish before the
+    # DOM is dumped.
+    dom = run_chromium(
+        browser_profile, "--virtual-time-budget=8000", "--dump-dom", f"{base_url}/"
+    ).stdout
+    assert f'data-session="{session_id}"' in dom
+    assert "dash&lt;b&gt;test" in dom  # the display name is text, not markup
+    assert f"Session {session_id}" in dom
+    match = re.search(r'class="chart" data-metric="loss" data-points="(\d+)"', dom)
+    assert match and int(match.group(1)) == NUM_STEPS, dom[-3000:]
+    assert "<polyline" in dom
+    shot = tmp_path / "dashboard.png"
+    run_chromium(
+        browser_profile,
+        "--virtual-time-budget=8000",
+        "--window-size=1280,1400",
+        f"--screenshot={shot}",
+        f"{base_url}/?session={session_id}",
+    )
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -56,6 +56,10 @@ class Engine(Protocol):
         self, resource_id: str, session_id: str, request: ForwardBackwardRequest
     ) -> ForwardBackwardResult: ...
 
+    def forward_backward_batch(
+        self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
+    ) -> list[ForwardBackwardResult | Exception]: ...
+
     def custom_forward_backward(
         self, resource_id: str, session_id: str, request: CustomForwardBackwardRequest
     ) -> None: ...

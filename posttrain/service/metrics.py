@@ -74,6 +74,14 @@ class OperationMetrics:
         self._durations: dict[str, Histogram] = {}
         self._tokens: Counter[str] = Counter()
         self._recent_tokens: deque[tuple[float, str, int]] = deque()
+        # Shared passes: engine passes that served several sessions' operations at once.
+        self.shared_passes = 0
+        self.shared_pass_operations = 0
+
+    def shared_pass(self, num_operations: int) -> None:
+        with self._lock:
+            self.shared_passes += 1
+            self.shared_pass_operations += num_operations
 
     def operation_finished(self, op: OperationRecord, *, is_failed: bool) -> None:
         """Count `op` as COMPLETED or FAILED. An op that ran (status RUNNING, whose updated_at
@@ -193,6 +201,18 @@ class MetricsService:
                 f"posttrain_tokens_per_second{_labels(kind=k)} {rate}"
                 for k, rate in self.operations.tokens_per_second().items()
             ),
+        )
+        lines += _family(
+            "posttrain_shared_passes_total",
+            "counter",
+            "Engine passes that ran several sessions' forward-backward operations together.",
+            [f"posttrain_shared_passes_total {self.operations.shared_passes}"],
+        )
+        lines += _family(
+            "posttrain_shared_pass_operations_total",
+            "counter",
+            "Operations that ran inside shared passes.",
+            [f"posttrain_shared_pass_operations_total {self.operations.shared_pass_operations}"],
         )
         lines += _family(
             "posttrain_queue_depth",

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from posttrain.engine.interface import Engine
@@ -46,32 +47,103 @@ log = logging.getLogger("posttrain.scheduler")
 Job = Callable[[], Any]
 
 
-class ResourceWorker:
-    """A thread that runs one resource's jobs one at a time, first in, first out."""
+@dataclass(frozen=True)
+class Batchable:
+    """A queued operation that may share one engine pass with other sessions' operations."""
 
-    def __init__(self, name: str) -> None:
-        self._queue: queue.Queue[tuple[Job, Future] | None] = queue.Queue()
+    kind: OperationKind
+    session_id: str
+    operation_id: str
+    request: Any
+    done: Callable[[], None]  # runs after the operation finished, batched or not
+
+
+@dataclass
+class _Item:
+    job: Job
+    future: Future
+    batchable: Batchable | None = None
+
+
+class ResourceWorker:
+    """A thread that runs one resource's jobs one at a time, first in, first out.
+
+    When the job at the head is a batchable operation, the worker also takes the next queued
+    operations of the same kind from *other* sessions, provided nothing of their session is
+    queued before them (each session's order holds) and no plain job (a barrier such as a
+    session setup or teardown) stands in between, and runs them together with `run_batch`."""
+
+    def __init__(
+        self,
+        name: str,
+        run_batch: Callable[[list[Batchable]], None] | None = None,
+        *,
+        max_batch: int = 8,
+    ) -> None:
+        self._items: deque[_Item | None] = deque()
+        self._ready = threading.Condition()
+        self._run_batch = run_batch
+        self._max_batch = max_batch
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> Future:
+    def submit(self, job: Job, batchable: Batchable | None = None) -> Future:
         future: Future = Future()
-        self._queue.put((job, future))
+        with self._ready:
+            self._items.append(_Item(job, future, batchable))
+            self._ready.notify()
         return future
 
     def depth(self) -> int:
-        return self._queue.qsize()
+        with self._ready:
+            return len(self._items)
 
     def close(self) -> None:
-        self._queue.put(None)
+        with self._ready:
+            self._items.append(None)
+            self._ready.notify()
+
+    def _take_batch_mates(self, head: Batchable) -> list[_Item]:
+        """Caller holds the lock. Removes and returns the head's batch mates from the queue."""
+        mates: list[_Item] = []
+        blocked = {head.session_id}
+        for item in list(self._items):
+            if item is None or item.batchable is None or len(mates) + 1 >= self._max_batch:
+                break
+            candidate = item.batchable
+            if candidate.session_id not in blocked and candidate.kind == head.kind:
+                mates.append(item)
+                self._items.remove(item)
+            blocked.add(candidate.session_id)
+        return mates
 
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            job, future = item
+        while True:
+            with self._ready:
+                while not self._items:
+                    self._ready.wait()
+                head = self._items.popleft()
+                if head is None:
+                    return
+                mates = []
+                if head.batchable is not None and self._run_batch is not None:
+                    mates = self._take_batch_mates(head.batchable)
+            if not mates:
+                try:
+                    head.future.set_result(head.job())
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                    head.future.set_exception(exc)
+                continue
+            group = [head, *mates]
+            assert self._run_batch is not None
             try:
-                future.set_result(job())
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the job
-                future.set_exception(exc)
+                self._run_batch([item.batchable for item in group])  # type: ignore[misc]
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                for item in group:
+                    item.future.set_exception(exc)
+            else:
+                for item in group:
+                    item.future.set_result(None)
 
 
 def _error_code(exc: BaseException) -> OperationErrorCode:
@@ -114,7 +186,10 @@ class Scheduler:
     def worker(self, resource_id: str) -> ResourceWorker:
         with self._lock:
             if resource_id not in self._workers:
-                self._workers[resource_id] = ResourceWorker(f"worker-{resource_id}")
+                self._workers[resource_id] = ResourceWorker(
+                    f"worker-{resource_id}",
+                    lambda group, rid=resource_id: self._execute_batch(rid, group),
+                )
             return self._workers[resource_id]
 
     def run_job(self, resource_id: str, job: Job) -> Future:
@@ -136,14 +211,20 @@ class Scheduler:
                 return
             ticket = self.mailbox.admit(op)
 
+            def done() -> None:
+                if ticket is not None:
+                    self.mailbox.release(resource_id, ticket)
+
             def job() -> None:
                 try:
                     self._execute(operation_id, request)
                 finally:
-                    if ticket is not None:
-                        self.mailbox.release(resource_id, ticket)
+                    done()
 
-            worker.submit(job)
+            batchable = None
+            if op.kind == OperationKind.FORWARD_BACKWARD:
+                batchable = Batchable(op.kind, op.session_id, operation_id, request, done)
+            worker.submit(job, batchable)
 
     def close(self) -> None:
         with self._lock:
@@ -174,6 +255,53 @@ class Scheduler:
         log.info("operation %s (%s) done in %.3fs", op.id, op.kind, time.monotonic() - started)
         self.metrics.count_tokens(op.kind, request, output)
         self._finish(op, output=output)
+
+    def _execute_batch(self, resource_id: str, group: list[Batchable]) -> None:
+        """Forward-backward operations of several sessions in one shared engine pass
+        (LocalEngine.forward_backward_batch); each operation completes or fails on its own."""
+        try:
+            ready: list[tuple[OperationRecord, Batchable]] = []
+            for item in group:
+                op = self.repo.get_operation(item.operation_id)
+                assert op is not None, f"queued operation {item.operation_id} vanished"
+                if op.status != OperationStatus.PENDING:
+                    continue
+                session = self.repo.get_session(op.session_id)
+                assert session is not None, f"operation {op.id} has no session"
+                if session.status != SessionStatus.RUNNING:
+                    error = SessionNotActive(f"session {session.id} is {session.status}")
+                    self._finish(op, error=error)
+                    continue
+                ready.append((self._set(op, status=OperationStatus.RUNNING), item))
+            if not ready:
+                return
+            started = time.monotonic()
+            try:
+                outcomes = self.engine.forward_backward_batch(
+                    resource_id, [(item.session_id, item.request) for _, item in ready]
+                )
+            except Exception as exc:  # noqa: BLE001 - the operation boundary, for the group
+                log.exception("shared forward-backward pass failed")
+                for op, _ in ready:
+                    self._finish(op, error=exc)
+                return
+            if len(ready) > 1:
+                self.metrics.shared_pass(len(ready))
+            log.info(
+                "%d forward-backward operations in one pass, %.3fs",
+                len(ready),
+                time.monotonic() - started,
+            )
+            for (op, item), outcome in zip(ready, outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    self._finish(op, error=outcome)
+                    continue
+                output = dataclasses.asdict(outcome)
+                self.metrics.count_tokens(op.kind, item.request, output)
+                self._finish(op, output=output)
+        finally:
+            for item in group:
+                item.done()
 
     def _set(self, op: OperationRecord, **changes: Any) -> OperationRecord:
         updated = dataclasses.replace(op, updated_at=time.time(), **changes)

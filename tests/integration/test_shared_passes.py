@@ -1,0 +1,73 @@
+"""Forward-backward operations of different sessions queued together run in one shared pass,
+and each session's results equal those of the same session run alone."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+from helpers import API_KEY, BASE_MODEL, low_level, sft_sample
+from together.post_training import ModelResourcesClient
+
+CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
+DATA = {
+    f"task{i}": [sft_sample([(7 * i + j) % 90 + 3 for j in range(6 + 2 * i)], 3)] for i in range(4)
+}
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def sessions(base_url: str) -> tuple[ModelResourcesClient, dict]:
+    resources = ModelResourcesClient.create(
+        base_url=base_url, api_key=API_KEY, base_model=BASE_MODEL, interval=0.2
+    )
+    by_task = {
+        task: resources.create_session(lora_config={"rank": 4 + i, "seed": i}, interval=0.2)
+        for i, task in enumerate(DATA)
+    }
+    return resources, by_task
+
+
+def test_queued_sessions_share_a_pass_and_match_running_alone(shared_server):
+    base_url = shared_server.base_url
+    resources, alone = sessions(base_url)
+    expected = {}
+    for task, session in alone.items():
+        session.trainer.forward_backward(samples=DATA[task], loss=CE)
+        session.trainer.optim_step(adam_params={"learning_rate": 1e-2})
+        expected[task] = session.trainer.forward(samples=DATA[task], loss=CE)
+    resources.stop(force=True)
+
+    resources, shared = sessions(base_url)
+    ops = low_level(base_url).post_training.operations
+    before = metric(base_url, "posttrain_shared_pass_operations_total")
+    # A long sample occupies the worker, so the four forward-backwards queue up behind it.
+    first = next(iter(shared.values())).session_id
+    ops.sample(
+        first,
+        idempotency_key=str(uuid.uuid4()),
+        model_inputs=[{"chunks": [{"encoded_text": {"tokens": [1, 5]}}]}],
+        num_samples=16,
+        sampling_params={"max_tokens": 200, "stop": []},
+    )
+    submitted = {
+        task: ops.forward_backward(
+            session.session_id, idempotency_key=str(uuid.uuid4()), loss=CE, samples=DATA[task]
+        )
+        for task, session in shared.items()
+    }
+    for task, session in shared.items():
+        session.trainer.optim_step(adam_params={"learning_rate": 1e-2})
+        got = session.trainer.forward(samples=DATA[task], loss=CE)
+        assert got.loss == pytest.approx(expected[task].loss, rel=1e-5, abs=1e-6), task
+        result = ops.retrieve_forward_backward(submitted[task].id, session_id=session.session_id)
+        assert result.status == "TRAINING_OPERATION_STATUS_COMPLETED"
+    assert metric(base_url, "posttrain_shared_pass_operations_total") >= before + 2
+    resources.stop(force=True)

@@ -222,7 +222,7 @@ class Scheduler:
                     done()
 
             batchable = None
-            if op.kind == OperationKind.FORWARD_BACKWARD:
+            if op.kind in (OperationKind.FORWARD_BACKWARD, OperationKind.SAMPLE):
                 batchable = Batchable(op.kind, op.session_id, operation_id, request, done)
             worker.submit(job, batchable)
 
@@ -257,8 +257,8 @@ class Scheduler:
         self._finish(op, output=output)
 
     def _execute_batch(self, resource_id: str, group: list[Batchable]) -> None:
-        """Forward-backward operations of several sessions in one shared engine pass
-        (LocalEngine.forward_backward_batch); each operation completes or fails on its own."""
+        """Operations of one kind from several sessions in one shared engine pass
+        (forward-backward or sample); each operation completes or fails on its own."""
         try:
             ready: list[tuple[OperationRecord, Batchable]] = []
             for item in group:
@@ -276,32 +276,47 @@ class Scheduler:
             if not ready:
                 return
             started = time.monotonic()
+            kind = group[0].kind
             try:
-                outcomes = self.engine.forward_backward_batch(
-                    resource_id, [(item.session_id, item.request) for _, item in ready]
-                )
+                outcomes = self._shared_pass(resource_id, kind, [item for _, item in ready])
             except Exception as exc:  # noqa: BLE001 - the operation boundary, for the group
-                log.exception("shared forward-backward pass failed")
+                log.exception("shared %s pass failed", kind)
                 for op, _ in ready:
                     self._finish(op, error=exc)
                 return
             if len(ready) > 1:
                 self.metrics.shared_pass(len(ready))
             log.info(
-                "%d forward-backward operations in one pass, %.3fs",
-                len(ready),
-                time.monotonic() - started,
+                "%d %s operations in one pass, %.3fs", len(ready), kind, time.monotonic() - started
             )
             for (op, item), outcome in zip(ready, outcomes, strict=True):
                 if isinstance(outcome, Exception):
                     self._finish(op, error=outcome)
                     continue
-                output = dataclasses.asdict(outcome)
+                output = outcome
                 self.metrics.count_tokens(op.kind, item.request, output)
                 self._finish(op, output=output)
         finally:
             for item in group:
                 item.done()
+
+    def _shared_pass(
+        self, resource_id: str, kind: OperationKind, items: list[Batchable]
+    ) -> list[dict | Exception]:
+        """One engine pass over several sessions' operations; per item an output or an error."""
+        pairs = [(item.session_id, item.request) for item in items]
+        if kind == OperationKind.FORWARD_BACKWARD:
+            return [
+                outcome if isinstance(outcome, Exception) else dataclasses.asdict(outcome)
+                for outcome in self.engine.forward_backward_batch(resource_id, pairs)
+            ]
+        assert kind == OperationKind.SAMPLE, f"{kind} operations are not batched"
+        results = self.engine.sample_batch(
+            resource_id,
+            pairs,
+            between_tokens=lambda: self.mailbox.publish_in_flight(resource_id),
+        )
+        return [{"results": [dataclasses.asdict(r) for r in per_op]} for per_op in results]
 
     def _set(self, op: OperationRecord, **changes: Any) -> OperationRecord:
         updated = dataclasses.replace(op, updated_at=time.time(), **changes)

@@ -3,6 +3,7 @@ and each session's results equal those of the same session run alone."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -69,5 +70,52 @@ def test_queued_sessions_share_a_pass_and_match_running_alone(shared_server):
         assert got.loss == pytest.approx(expected[task].loss, rel=1e-5, abs=1e-6), task
         result = ops.retrieve_forward_backward(submitted[task].id, session_id=session.session_id)
         assert result.status == "TRAINING_OPERATION_STATUS_COMPLETED"
+    assert metric(base_url, "posttrain_shared_pass_operations_total") >= before + 2
+    resources.stop(force=True)
+
+
+def test_queued_samples_of_several_sessions_share_a_pass_with_the_same_tokens(shared_server):
+    base_url = shared_server.base_url
+    resources, by_task = sessions(base_url)
+    ops = low_level(base_url).post_training.operations
+    prompts = {task: [1, 5 + i, 6 + i] for i, task in enumerate(by_task)}
+    params = {"max_tokens": 12, "temperature": 1.0, "seed": 11, "stop": []}
+
+    def model_input(task: str) -> dict:
+        return {"chunks": [{"encoded_text": {"tokens": prompts[task]}}]}
+
+    alone = {
+        task: session.generator.sample(model_input(task), num_samples=2, sampling_params=params)
+        for task, session in by_task.items()
+    }
+    before = metric(base_url, "posttrain_shared_pass_operations_total")
+    first = next(iter(by_task.values())).session_id
+    ops.forward_backward(  # occupies the worker while the samples queue up
+        first,
+        idempotency_key=str(uuid.uuid4()),
+        loss=CE,
+        samples=[sft_sample([(3 + j) % 90 + 3 for j in range(400)], 3)] * 16,
+    )
+    submitted = {
+        task: ops.sample(
+            session.session_id,
+            idempotency_key=str(uuid.uuid4()),
+            model_inputs=[model_input(task)],
+            num_samples=2,
+            sampling_params=params,
+        )
+        for task, session in by_task.items()
+    }
+    for task, session in by_task.items():
+        op = submitted[task]
+        while op.status not in (
+            "TRAINING_OPERATION_STATUS_COMPLETED",
+            "TRAINING_OPERATION_STATUS_FAILED",
+        ):
+            time.sleep(0.05)
+            op = ops.retrieve_sample(op.id, session_id=session.session_id)
+        assert op.status == "TRAINING_OPERATION_STATUS_COMPLETED", op.error
+        got = [s.tokens for s in op.output.results[0].sequences]
+        assert got == [s.tokens for s in alone[task].sequences], task
     assert metric(base_url, "posttrain_shared_pass_operations_total") >= before + 2
     resources.stop(force=True)

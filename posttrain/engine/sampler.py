@@ -474,7 +474,9 @@ def _generate(
     if not batch.live:
         return _results(requests, groups, group_of_request, rows, segments)
     longest_prompt = max(len(groups[rows[r].group].prompt) for r in batch.live)
-    cache = _new_cache(gm, len(batch.live), longest_prompt + DECODE_POSITIONS_PER_GROWTH)
+    longest_completion = max(rows[r].params.max_tokens for r in batch.live)
+    positions = longest_prompt + min(longest_completion, DECODE_POSITIONS_PER_GROWTH)
+    cache = _new_cache(gm, len(batch.live), positions)
     sources = torch.tensor([rows[r].group for r in batch.live], device=device)
     cache.copy_rows(prefill_cache, sources, torch.arange(len(batch.live), device=device))
     del prefill_cache

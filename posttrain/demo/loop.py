@@ -18,12 +18,14 @@ it, and after RL. Nothing here runs on the server's side of the API: this module
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,10 +50,10 @@ class DemoConfig:
     lora_rank: int = 64
     lora_alpha: int = 64
     num_heldout: int = 200
-    warmup_steps: int = 200
+    warmup_steps: int = 210
     warmup_batch_size: int = 64
     warmup_learning_rate: float = 3e-3
-    rl_steps: int = 60
+    rl_steps: int = 90
     prompts_per_step: int = 32
     group_size: int = 8
     rl_learning_rate: float = 1e-4
@@ -134,6 +136,15 @@ class Tokens:
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@contextlib.contextmanager
+def sdk_quiet() -> Iterator[None]:
+    """Swallow what the SDK prints while it waits for a resource or session to be ready
+    ("[session:...] ready in 0.0s"): the demo's progress bar says the same. Exceptions still
+    propagate. The SDK prints from its own event-loop thread, hence a process-wide redirect."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 def model_input(tokens: list[int]) -> dict[str, Any]:
@@ -372,10 +383,14 @@ def run_demo(
             on_step(record, total)
 
     lora = {"rank": config.lora_rank, "alpha": config.lora_alpha, "seed": config.seed}
-    with ModelResourcesClient.create(
-        base_url=base_url, api_key=api_key, base_model=BUILTIN_MODEL_ID, interval=0.2
-    ) as resources:
-        with resources.create_session(lora_config=lora, interval=0.2) as warm:
+    with sdk_quiet():
+        resources = ModelResourcesClient.create(
+            base_url=base_url, api_key=api_key, base_model=BUILTIN_MODEL_ID, interval=0.2
+        )
+    with resources:
+        with sdk_quiet():
+            warm = resources.create_session(lora_config=lora, interval=0.2)
+        with warm:
             accuracy_base, _ = heldout_accuracy(warm, tokens, heldout, config)
             for index in range(config.warmup_steps):
                 batch = rng.sample(train, config.warmup_batch_size)
@@ -386,16 +401,17 @@ def run_demo(
         # Two sessions from the warm-up's checkpoint. The policy starts a fresh optimizer:
         # the cross-entropy phase's Adam moments are scaled for its gradients, not for the
         # policy gradient's. The reference is never trained: the KL is measured from it.
-        policy = resources.create_session(
-            resume_from_checkpoint_id=checkpoint.id, load_optimizer=False, interval=0.2
-        )
-        reference = (
-            resources.create_session(
+        with sdk_quiet():
+            policy = resources.create_session(
                 resume_from_checkpoint_id=checkpoint.id, load_optimizer=False, interval=0.2
             )
-            if config.use_reference
-            else None
-        )
+            reference = (
+                resources.create_session(
+                    resume_from_checkpoint_id=checkpoint.id, load_optimizer=False, interval=0.2
+                )
+                if config.use_reference
+                else None
+            )
         with policy:
             policy.trainer.weights_sync(interval=POLL_INTERVAL_S)
             for index in range(config.rl_steps):

@@ -162,9 +162,9 @@ def nice_step(span: float, num_ticks: int = 4) -> float:
     return next(m * power for m in (1, 2, 5, 10) if m * power >= raw * 0.999)
 
 
-def ticks(low: float, high: float) -> tuple[list[float], int]:
+def ticks(low: float, high: float, num_ticks: int = 4) -> tuple[list[float], int]:
     """Round tick values covering [low, high] and the decimals their labels need."""
-    step = nice_step(high - low)
+    step = nice_step(high - low, num_ticks)
     first = math.ceil(low / step - 1e-9)
     values = [k * step for k in range(first, math.floor(high / step + 1e-9) + 1)]
     decimals = max(0, -math.floor(math.log10(step) + 1e-9))
@@ -219,14 +219,16 @@ def line_chart(
         py = plot_bottom - (y - y_low) / (y_high - y_low) * (plot_bottom - plot_top)
         return px, py
 
-    y_ticks, decimals = ticks(y_low, y_high)
+    y_ticks, decimals = ticks(y_low, y_high, num_ticks=5)
     for value in y_ticks:
         _, py = to_px(x_low, value)
         canvas.line(plot_left, py, plot_right, py, GRID)
         label = format_tick(value, decimals)
         canvas.text(plot_left - 8 - text_width(label), round(py) - 3, label, AXIS)
-    x_ticks, _ = ticks(x_low, x_high)
+    x_ticks, _ = ticks(x_low, x_high, num_ticks=6)
     for value in x_ticks:
+        if not math.isclose(value, round(value)):
+            continue  # x is a step number: label whole steps only
         px, _ = to_px(value, y_low)
         label = format_tick(value, 0)
         canvas.text(round(px) - text_width(label) // 2, plot_bottom + 8, label, AXIS)

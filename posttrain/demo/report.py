@@ -54,7 +54,7 @@ def render_plot(result: DemoResult) -> bytes:
         canvas,
         (half_w + 10, top, PLOT_WIDTH - 10, top + half_h - 10),
         "GRPO loss per RL step",
-        [Series("loss", rl_x, [r.loss for r in rl], RED)],
+        [Series("loss (about 0 on-policy: advantages sum to 0)", rl_x, [r.loss for r in rl], RED)],
     )
     line_chart(
         canvas,

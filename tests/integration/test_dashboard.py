@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import ServerProcess
 from helpers import API_KEY, open_session, sft_sample
 from transformers import AutoTokenizer
 
@@ -203,3 +204,18 @@ def test_headless_chromium_renders_session_and_loss_chart(trained, browser_profi
         f"{base_url}/?session={session_id}",
     )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+def test_with_keys_configured_the_page_asks_for_a_key(tmp_path, browser_profile):
+    locked = ServerProcess(tmp_path / "data", tmp_path / "server.log", ("--api-key", "s3cret"))
+    locked.start()
+    try:
+        assert get(locked.base_url, "/v1/dashboard/overview", key="s3cret").status_code == 200
+        dom = run_chromium(
+            browser_profile, "--virtual-time-budget=5000", "--dump-dom", f"{locked.base_url}/"
+        ).stdout
+    finally:
+        locked.stop()
+    assert '<form id="key-form">' in dom, dom[:2000]  # `hidden` removed after the 401
+    assert "the server wants an API key" in dom

@@ -314,7 +314,12 @@ def test_four_sessions_trained_concurrently_equal_each_trained_alone(server):
         expected = train(alone, task["tokens"])
         alone.stop()
         alone_resources.stop()
-        assert together[index] == expected, index
+        # Sessions that share a pass compute their rows inside larger matrix products, whose
+        # float32 summation order differs from running alone: equal to rounding, not bit-exact
+        # (after several Adam steps the drift is ~1e-4 on logprobs of ~-4).
+        losses_together, probe_together = together[index]
+        assert losses_together == pytest.approx(expected[0], rel=1e-3, abs=1e-3), index
+        assert probe_together == pytest.approx(expected[1], rel=1e-3, abs=1e-3), index
         losses = expected[0]
         assert losses[-1] < losses[0], losses
 

@@ -2,7 +2,7 @@
 
 Names follow the API's vocabulary (api.md). Enum values are the wire spellings, so a domain value
 serialises to the wire unchanged. Wire-only details (seed-era aliases, string token ids, dtype
-names) are gone by the time a value becomes one of these types: api/schemas.py converts once.
+names) are gone by the time a value becomes one of these types: api/schemas/ converts once.
 
 Imports: errors only.
 """

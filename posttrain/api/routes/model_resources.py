@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import page, resource_json
-from posttrain.api.schemas import ExtendExpiryIn, ResourceCreateIn
+from posttrain.api.schemas.sessions import ExtendExpiryIn, ResourceCreateIn
 
 router = APIRouter(prefix="/v1/rl/model-resources")
 

@@ -15,13 +15,8 @@ from fastapi import APIRouter, Header
 
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import operation_json
-from posttrain.api.schemas import (
-    CustomForwardBackwardIn,
-    ForwardBackwardIn,
-    OptimStepIn,
-    SampleIn,
-    WeightsSyncIn,
-)
+from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
+from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
 from posttrain.errors import InvalidRequest, NotFound, Unsupported
 from posttrain.service import Services
 from posttrain.types import OperationKind

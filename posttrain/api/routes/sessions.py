@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import page, session_json
 from posttrain.api.routes.model_resources import split_statuses
-from posttrain.api.schemas import SessionCreateIn, SessionUpdateIn
+from posttrain.api.schemas.sessions import SessionCreateIn, SessionUpdateIn
 from posttrain.errors import InvalidRequest
 
 router = APIRouter(prefix="/v1/rl/training-sessions")

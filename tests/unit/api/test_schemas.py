@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from posttrain.api.deps import parse
-from posttrain.api.schemas import REQUIRED_INPUTS, CustomForwardBackwardIn, ForwardBackwardIn
+from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
+from posttrain.api.schemas.samples import REQUIRED_INPUTS
 from posttrain.engine import losses
 from posttrain.errors import InvalidRequest
 from posttrain.types import (

@@ -1,0 +1,47 @@
+"""What every wire model shares: strict and lenient bases, int64 as integer or numeric string,
+and the fields a client actually sent.
+
+Imports: nothing from posttrain.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+
+def _int64(value: Any) -> Any:
+    """int64 arrives as a JSON integer or a numeric string."""
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.lstrip("-").isdigit():
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(text)
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(value)
+    return value
+
+
+Int64 = Annotated[int, BeforeValidator(_int64)]
+
+
+class Wire(BaseModel):
+    """Request objects reject unknown fields, so a typo is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Lenient(BaseModel):
+    """Objects whose unknown fields are ignored (api.md 5.5 for optim-step)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+def given_fields(model: BaseModel | None) -> dict[str, Any]:
+    """The fields the client set (nulls mean absent, api.md 0.3); {} for a missing object."""
+    return {} if model is None else model.model_dump(exclude_none=True)

@@ -92,13 +92,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="base weights"
+    )
     args = parser.parse_args()
-    report: dict[str, object] = {"device": args.device}
+    report: dict[str, object] = {"device": args.device, "dtype": args.dtype}
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name(0)
     directory = Path(tempfile.mkdtemp()) / "bench-qwen3"
     build_model(directory, small=args.small)
-    engine = LocalEngine(EngineConfig(device=args.device), {"bench": directory})
+    engine = LocalEngine(EngineConfig(device=args.device, dtype=args.dtype), {"bench": directory})
     engine.load_resource("r", "bench", muon_scaling=None)
     vocab = engine.model_info("bench").vocab_size
     names = [f"s{i}" for i in range(4)]

@@ -14,6 +14,7 @@ from pathlib import Path
 from posttrain.config import (
     BUILTIN_MODEL_DIR,
     BUILTIN_MODEL_ID,
+    EngineConfig,
     ModelSpec,
     build_config,
     model_spec_from_path,
@@ -53,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
         help="add a local Hugging Face causal-LM directory (repeatable)",
     )
     serve.add_argument("--device", default=None, help="auto, cpu or cuda")
+    serve.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=None,
+        help="base weights' dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
     serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
     demo = commands.add_parser(
         "demo", help="warm up then GRPO-train the built-in model on addition; plot the reward"
@@ -61,11 +68,17 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig | None:
+    """The engine flags given, or None for the engine defaults."""
+    given = {"device": args.device, "dtype": args.dtype}
+    given = {key: value for key, value in given.items() if value is not None}
+    return EngineConfig(**given) if given else None
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from posttrain.api.app import create_app
-    from posttrain.config import EngineConfig
 
     models = [ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR)]
     models += [model_spec_from_path(path) for path in args.model]
@@ -78,7 +91,7 @@ def serve(args: argparse.Namespace) -> None:
         min_inactive_timeout_s=args.min_inactive_timeout_s,
         expiry_check_interval_s=args.expiry_check_interval_s,
         models=tuple(models),
-        engine=EngineConfig(device=args.device) if args.device else None,
+        engine=engine_config(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level)

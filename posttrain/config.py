@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -27,6 +28,11 @@ class ModelSpec(BaseModel):
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     device: str = Field("auto", description="torch device: auto (cuda if present), cpu, cuda")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="base weights' dtype: auto = bfloat16 on CUDA, float32 on CPU; float32 on"
+        " CUDA makes sampler and trainer logprobs agree to float32 rounding",
+    )
     max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank a client may request")
     max_batch_size: int = Field(256, ge=1, description="most samples in one forward-backward")
     max_seq_length: int = Field(

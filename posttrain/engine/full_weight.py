@@ -69,7 +69,8 @@ def publish(trainer: nn.Module, generator: nn.Module) -> None:
 @torch.no_grad()
 def restore_base(lora: LoraModel, model_path: Path, device: torch.device) -> None:
     """Put the base weights from `model_path` back into the model and freeze it again."""
-    fresh = dict(load_model(model_path, device).model.named_parameters())
+    dtype = next(lora.model.parameters()).dtype
+    fresh = dict(load_model(model_path, device, dtype).model.named_parameters())
     for name, parameter in lora.model.named_parameters():
         parameter.copy_(fresh[hf_parameter_name(lora, name)])
         parameter.requires_grad_(False)

@@ -37,7 +37,7 @@ from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import GenerationRequest, GeneratorModel, WeightsVersion, generate
 from posttrain.errors import InvalidRequest, NonFiniteLoss, NotFound
-from posttrain.model.loader import LoadedModel, load_model, resolve_device
+from posttrain.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     CustomForwardBackwardRequest,
@@ -85,6 +85,7 @@ class LocalEngine:
         self.config = config
         self.model_paths = model_paths
         self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self._resources: dict[str, ResourceState] = {}
         self._lock = threading.Lock()
         self._info: dict[str, ModelInfo] = {}
@@ -111,7 +112,7 @@ class LocalEngine:
         with self._lock:
             if resource_id in self._resources:
                 return
-        loaded = load_model(self.model_paths[base_model], self.device)
+        loaded = load_model(self.model_paths[base_model], self.device, self.dtype)
         state = ResourceState(
             loaded,
             LoraModel(loaded.model),

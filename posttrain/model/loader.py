@@ -34,13 +34,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_model(path: Path, device: torch.device) -> LoadedModel:
-    """Weights stay in float32 on CPU (bit-reproducible tests); bfloat16 on CUDA to fit memory.
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on CPU (bit-reproducible tests), bfloat16 on CUDA (memory, tensor cores).
 
-    Loss and logprob math is float32 regardless (engine/logprobs.py)."""
+    float32 on CUDA trades both for sampler logprobs that equal the trainer's to float32
+    rounding; bfloat16 kernels round differently in the KV-cache decode and the full forward."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """The base weights in `dtype` on `device`, frozen. Loss and logprob math is float32
+    whatever the weights' dtype (engine/logprobs.py), and so are LoRA adapters (model/lora.py)."""
     # Never reach for a hub: every model is a local directory.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()
     for parameter in model.parameters():

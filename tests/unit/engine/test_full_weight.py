@@ -37,7 +37,7 @@ def make_engine(muon_scaling: MuonScaling | None = None) -> LocalEngine:
 
 @pytest.fixture(scope="module")
 def base_weights() -> dict[str, torch.Tensor]:
-    model = load_model(BUILTIN_MODEL_DIR, torch.device("cpu")).model
+    model = load_model(BUILTIN_MODEL_DIR, torch.device("cpu"), torch.float32).model
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 

@@ -166,3 +166,25 @@ def test_sampler_logprobs_equal_forward_logprobs_and_seeds_reproduce(engine):
         )
         forward = scored.loss_fn_outputs[0][len(prompt) - 1 :]
         assert max(abs(a - b) for a, b in zip(forward, sequence.logprobs, strict=True)) <= 1e-4
+
+
+def test_bfloat16_base_weights_keep_float32_adapters_and_logprobs_near_float32(engine):
+    """`--dtype bfloat16` (the CUDA default) on CPU: the frozen base is bf16, the adapters the
+    optimizer updates stay float32, and the logprobs stay within bf16 rounding of float32's."""
+    half = LocalEngine(
+        EngineConfig(device="cpu", dtype="bfloat16"), {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
+    )
+    half.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    half.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
+    resource = half._resource("r")
+    base = {p.dtype for p in resource.loaded.model.parameters()}
+    keys = resource.lora.adapter_keys()  # the trainer's and the generator's copies
+    adapters = {p.dtype for key in keys for _, p in resource.lora.adapter_parameters(key)}
+    assert (base, adapters) == ({torch.bfloat16}, {torch.float32})
+
+    sample = ce_sample([5, 6, 7, 8, 9, 10], [1.0] * 5)
+    request = ForwardBackwardRequest((sample,), CE, forward_only=True, return_loss_fn_outputs=True)
+    exact = torch.tensor(engine.forward_backward("r", "s", request).loss_fn_outputs[0])
+    rounded = torch.tensor(half.forward_backward("r", "s", request).loss_fn_outputs[0])
+    assert exact.dtype == rounded.dtype == torch.float32
+    assert 0 < (exact - rounded).abs().max() < 0.1

@@ -54,8 +54,8 @@ class DemoConfig:
     warmup_batch_size: int = 64
     warmup_learning_rate: float = 3e-3
     rl_steps: int = 90
-    prompts_per_step: int = 32
-    group_size: int = 8
+    prompts_per_step: int = 64
+    group_size: int = 4
     rl_learning_rate: float = 1e-4
     max_tokens: int = 5
     temperature: float = 1.0

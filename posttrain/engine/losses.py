@@ -13,8 +13,9 @@ neither the loss nor the gradient; multiplying by the mask afterwards would not 
 the backward of an overflowed exp is NaN even where its output is discarded.
 
 This module also owns the validation of a loss config against its inputs (losses.md 1.2, 1.5)
-that needs no model: `validate_loss_inputs` and `REQUIRED_INPUTS`. Lengths, dtypes and the
-target_tokens range are checked by the api layer; non-finite results by the engine.
+that needs no model: `validate_loss_inputs` (the table is types.REQUIRED_LOSS_INPUTS). Lengths,
+dtypes and the target_tokens range are checked by the api layer; non-finite results by the
+engine.
 
 Legend: S = samples in the request, T = longest sample (padded positions have valid_ST False).
 """
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from posttrain.errors import InvalidRequest
 from posttrain.types import (
+    REQUIRED_LOSS_INPUTS,
     CispoParams,
     DppoParams,
     DroParams,
@@ -379,20 +381,6 @@ LOSSES: dict[LossType, LossFn] = {
 
 # ---------------------------------------------------------------- validation (losses.md 1.2, 1.5)
 
-_POLICY_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
-
-# Wire keys every sample must send, per loss (losses.md 1.2). GRPO also needs
-# reference_logprobs when beta > 0, which depends on params: validate_loss_inputs checks it.
-REQUIRED_INPUTS: dict[LossType, frozenset[str]] = {
-    LossType.CROSS_ENTROPY: frozenset({"target_tokens", "weights"}),
-    LossType.IMPORTANCE_SAMPLING: _POLICY_INPUTS,
-    LossType.PPO: _POLICY_INPUTS,
-    LossType.CISPO: _POLICY_INPUTS,
-    LossType.DRO: _POLICY_INPUTS,
-    LossType.DPPO: _POLICY_INPUTS,
-    LossType.GRPO: _POLICY_INPUTS,
-}
-
 # The order in which missing inputs are reported.
 _INPUT_ORDER = ("weights", "logprobs", "advantages", "reference_logprobs", "mask")
 
@@ -412,7 +400,7 @@ def validate_loss_inputs(config: LossConfig, batch: LossBatch) -> None:
 def _validate_presence(config: LossConfig, batch: LossBatch) -> None:
     inputs = _inputs_by_key(batch)
     for key in _INPUT_ORDER:
-        if key in REQUIRED_INPUTS[config.type] and inputs[key] is None:
+        if key in REQUIRED_LOSS_INPUTS[config.type] and inputs[key] is None:
             raise InvalidRequest(
                 f"{config.type.value} requires loss_fn_inputs.{key}", param=_input_param(0, key)
             )

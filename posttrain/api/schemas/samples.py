@@ -17,6 +17,7 @@ from posttrain.api.schemas.wire import Int64, Wire
 from posttrain.errors import InvalidRequest
 from posttrain.types import (
     LOSS_FN_INPUT_KEYS,
+    REQUIRED_LOSS_INPUTS,
     GrpoParams,
     LossConfig,
     LossType,
@@ -277,26 +278,11 @@ def sample_to_domain(
     return TrainingSample(tokens=tokens, loss_fn_inputs=inputs)
 
 
-# Inputs every sample must send, per loss: the SDK's own table (api.md 4.4). GRPO also needs
-# reference_logprobs when beta > 0. engine/losses.py holds the same table for the engine (the
-# api layer cannot import it); a unit test keeps the two equal.
-_POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
-REQUIRED_INPUTS: dict[LossType, tuple[str, ...]] = {
-    LossType.CROSS_ENTROPY: ("target_tokens", "weights"),
-    LossType.IMPORTANCE_SAMPLING: _POLICY_INPUTS,
-    LossType.PPO: _POLICY_INPUTS,
-    LossType.CISPO: _POLICY_INPUTS,
-    LossType.DRO: _POLICY_INPUTS,
-    LossType.DPPO: _POLICY_INPUTS,
-    LossType.GRPO: _POLICY_INPUTS,
-}
-
-
 def check_required_inputs(
     loss: LossConfig, wire: list[TrainingSampleIn], samples: tuple[TrainingSample, ...]
 ) -> None:
     """Per sample, so the error names the sample that lacks an input (api.md 4.4)."""
-    required = REQUIRED_INPUTS[loss.type]
+    required = REQUIRED_LOSS_INPUTS[loss.type]
     if isinstance(loss.params, GrpoParams) and loss.params.beta > 0:
         required = (*required, "reference_logprobs")
     for index, (sample_in, sample) in enumerate(zip(wire, samples, strict=True)):

@@ -10,8 +10,6 @@ import pytest
 
 from posttrain.api.deps import parse
 from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
-from posttrain.api.schemas.samples import REQUIRED_INPUTS
-from posttrain.engine import losses
 from posttrain.errors import InvalidRequest
 from posttrain.types import (
     CispoParams,
@@ -260,12 +258,6 @@ def test_seed_custom_forward_backward_equals_3_1_1():
     first = parse(CustomForwardBackwardIn, new).to_domain()
     assert parse(CustomForwardBackwardIn, seed).to_domain() == first
     assert first.gradients == (tuple(gradients),)
-
-
-def test_api_required_inputs_table_equals_the_engine_table():
-    assert {t: set(keys) for t, keys in REQUIRED_INPUTS.items()} == {
-        t: set(keys) for t, keys in losses.REQUIRED_INPUTS.items()
-    }
 
 
 # ---------------------------------------------------------------- errors name the field

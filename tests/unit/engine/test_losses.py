@@ -18,13 +18,13 @@ from torch import Tensor
 
 from posttrain.engine.losses import (
     LOSSES,
-    REQUIRED_INPUTS,
     LossBatch,
     LossOutput,
     validate_loss_inputs,
 )
 from posttrain.errors import InvalidRequest
 from posttrain.types import (
+    REQUIRED_LOSS_INPUTS,
     CispoParams,
     DppoParams,
     DroParams,
@@ -748,9 +748,10 @@ def test_policy_loss_reports_token_ratio_and_mismatch_metrics(
 
 def test_every_loss_type_has_a_loss_and_required_inputs() -> None:
     assert set(LOSSES) == set(LossType)
-    assert REQUIRED_INPUTS[LossType.CROSS_ENTROPY] == {"target_tokens", "weights"}
+    assert set(REQUIRED_LOSS_INPUTS) == set(LossType)
+    assert REQUIRED_LOSS_INPUTS[LossType.CROSS_ENTROPY] == ("target_tokens", "weights")
     for loss_type in set(LossType) - {LossType.CROSS_ENTROPY}:
-        assert REQUIRED_INPUTS[loss_type] == {"target_tokens", "logprobs", "advantages"}
+        assert REQUIRED_LOSS_INPUTS[loss_type] == ("target_tokens", "logprobs", "advantages")
 
 
 # ---------------------------------------------------------------- validation (1.2, 1.5)

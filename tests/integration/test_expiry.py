@@ -7,6 +7,7 @@ so expiry takes seconds instead of api.md's 300 s minimum.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ CHECK_INTERVAL_S = 0.2
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
 # A guard against a hung test, not a performance bound.
 HANG_GUARD_S = 120
-NUM_OPERATIONS = 8
+# Seconds of queued work after the last submit: several inactive_timeouts (1 s) and checks.
+QUEUED_WORK_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +82,15 @@ def test_a_resource_is_not_expired_while_its_operations_are_queued_or_running(ex
     # Enough work to keep the worker busy for several inactive_timeouts on this CPU.
     tokens = [(7 * i) % 90 + 5 for i in range(128)]
     batch = [sft_sample(tokens[i:] + tokens[:i], 1) for i in range(8)]
+    # How many operations make QUEUED_WORK_S depends on this machine's speed: time one first.
+    started = time.monotonic()
+    session.trainer.forward_backward(samples=batch, loss=CE, interval=0.02)
+    num_operations = max(8, math.ceil(QUEUED_WORK_S / (time.monotonic() - started)))
     operation_ids = [
         client.operations.forward_backward(
             session.session_id, idempotency_key=str(uuid.uuid4()), loss=CE, samples=batch
         ).id
-        for _ in range(NUM_OPERATIONS)
+        for _ in range(num_operations)
     ]
     last_submit = time.monotonic()
     statuses = []
@@ -101,8 +107,8 @@ def test_a_resource_is_not_expired_while_its_operations_are_queued_or_running(ex
         statuses.append((op.status, op.error))
     busy_s = time.monotonic() - last_submit
     # Precondition: without the busy rule the resource would have expired meanwhile.
-    assert busy_s > 1 + 3 * CHECK_INTERVAL_S, f"only {busy_s:.2f}s of work; make the batch larger"
-    assert statuses == [("TRAINING_OPERATION_STATUS_COMPLETED", None)] * NUM_OPERATIONS, statuses
+    assert busy_s > 1 + 3 * CHECK_INTERVAL_S, f"only {busy_s:.2f}s of work; raise QUEUED_WORK_S"
+    assert statuses == [("TRAINING_OPERATION_STATUS_COMPLETED", None)] * num_operations, statuses
     # Once idle, it expires as usual.
     wait_for_status(expiring_server, resources.model_resources_id, "MODEL_RESOURCES_STATUS_STOPPED")
     assert session.retrieve().status == "TRAINING_SESSION_STATUS_EXPIRED"

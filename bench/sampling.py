@@ -17,8 +17,8 @@ Prints generated tokens per second of each (tokens up to and including EOS) and 
 ratio to each baseline: the ratio of medians over --reps repetitions (after one warm-up), and
 the median of per-repetition ratios.
 
-    python bench/sampler_bench.py                                      # tiny + qwen3-40m, CPU
-    python bench/sampler_bench.py --models qwen3-0.5b --device cuda --dtype bfloat16
+    python bench/sampling.py                                      # tiny + qwen3-40m, CPU
+    python bench/sampling.py --models qwen3-0.5b --device cuda --dtype bfloat16
 
 Models: `tiny` is the built-in posttrain/tiny-qwen3; `qwen3-40m` (~38M parameters) and
 `qwen3-0.5b` (~0.6B) are randomly initialised Qwen3 configs (seed 0).

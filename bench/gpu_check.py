@@ -62,8 +62,10 @@ def build_model(directory: Path, *, small: bool) -> None:
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR).save_pretrained(directory)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"hidden {hidden}, layers {layers}, vocab {vocab}")
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+        f"hidden {hidden}, layers {layers}, vocab {vocab}"
+    )
 
 
 def ce_sample(generator: torch.Generator, length: int, vocab: int) -> TrainingSample:
@@ -113,8 +115,11 @@ def main() -> None:
     rows = 4 if args.small else 8
 
     # 1. sampler vs forward logprobs on this device.
-    engine.forward_backward("r", "s0", ForwardBackwardRequest(
-        tuple(ce_sample(generator, seq, vocab) for _ in range(rows)), CE))
+    engine.forward_backward(
+        "r",
+        "s0",
+        ForwardBackwardRequest(tuple(ce_sample(generator, seq, vocab) for _ in range(rows)), CE),
+    )
     engine.optim_step("r", "s0", OptimStepRequest(adam=AdamParams(learning_rate=1e-3)))
     engine.publish("r", "s0", version=1)
     prompt = tuple(torch.randint(3, vocab, (16,), generator=generator).tolist())
@@ -125,19 +130,25 @@ def main() -> None:
         full = list(prompt) + sequence.tokens
         n = len(full) - 1
         weights = [0.0] * (len(prompt) - 1) + [1.0] * len(sequence.tokens)
-        sample = TrainingSample(tuple(full[:-1]), {
-            "target_tokens": tuple(float(t) for t in full[1:]), "weights": tuple(weights)})
+        sample = TrainingSample(
+            tuple(full[:-1]),
+            {"target_tokens": tuple(float(t) for t in full[1:]), "weights": tuple(weights)},
+        )
         assert len(weights) == n
-        scored = engine.forward_backward("r", "s0", ForwardBackwardRequest(
-            (sample,), CE, forward_only=True, return_loss_fn_outputs=True))
-        forward = scored.loss_fn_outputs[0][len(prompt) - 1:]
-        worst = max(worst, max(abs(a - b) for a, b in zip(forward, sequence.logprobs,
-                                                           strict=True)))
+        scored = engine.forward_backward(
+            "r",
+            "s0",
+            ForwardBackwardRequest((sample,), CE, forward_only=True, return_loss_fn_outputs=True),
+        )
+        forward = scored.loss_fn_outputs[0][len(prompt) - 1 :]
+        worst = max(worst, max(abs(a - b) for a, b in zip(forward, sequence.logprobs, strict=True)))
     report["sampler_vs_forward_max_abs_diff"] = worst
 
     # 2. forward-backward: 4 sessions shared pass vs sequential.
-    batches = {n: ForwardBackwardRequest(
-        tuple(ce_sample(generator, seq, vocab) for _ in range(rows)), CE) for n in names}
+    batches = {
+        n: ForwardBackwardRequest(tuple(ce_sample(generator, seq, vocab) for _ in range(rows)), CE)
+        for n in names
+    }
 
     def sequential() -> None:
         for n in names:

@@ -44,6 +44,19 @@ class EngineConfig(BaseModel):
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="tokens per chunk of the float32 log-softmax (bounds memory)"
     )
+    # Measured on a 2-core CPU (38M-parameter Qwen3, bench/forward_backward.py): one more forward
+    # costs 10-35 tokens of work, and 256 pads that script's 64..1024 batch by 6% (32: by 1%).
+    # On a GPU (estimated, not measured yet) the fixed cost is a forward's hundreds of kernel
+    # launches, some milliseconds: a few hundred tokens of a 0.2B model at the 43k tokens/s of
+    # docs/benchmarks.md. 256 suits the GPU, where serving runs, and costs the CPU little.
+    bucket_overhead_tokens: int = Field(
+        256,
+        ge=0,
+        description="fixed cost of one model forward, in tokens of work: a training batch's rows"
+        " are grouped by length into forwards that minimise padded tokens plus this per forward"
+        " (engine/buckets.py); 0 gives one forward per distinct length, a huge value one padded"
+        " forward for the whole batch",
+    )
     prefix_cache_mib: int = Field(
         512,
         ge=0,

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from posttrain.config import EngineConfig
 from posttrain.engine import full_weight, weights
 from posttrain.engine.batching import PackedBatch, pack, unpack
+from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buckets
 from posttrain.engine.interface import ModelInfo
 from posttrain.engine.logprobs import target_logprobs
 from posttrain.engine.losses import LOSSES, validate_loss_inputs
@@ -215,18 +216,58 @@ class LocalEngine:
 
     # ------------------------------------------------------------ training
 
-    def _forward_logprobs(self, resource: ResourceState, packed: PackedBatch) -> Tensor:
-        """float32 [S, T] logprob of each target token under the adapters the caller routed."""
-        model = resource.loaded.model
-        hidden_STH = model.base_model(
-            input_ids=packed.tokens_ST, attention_mask=packed.attention_mask_ST
-        ).last_hidden_state
-        return target_logprobs(
-            model.get_output_embeddings(),
-            hidden_STH,
-            packed.targets_ST,
-            chunk_tokens=self.config.logprob_chunk_tokens,
-        )
+    def _forward_logprobs(
+        self, resource: ResourceState, packed: PackedBatch, routing: Routing
+    ) -> Tensor:
+        """float32 [S, T] logprob of each target token, 0.0 at padding, with each adapter of
+        `routing` applied to its rows (positions in `packed`; None: every row).
+
+        Rows of similar length share a forward (engine/buckets.py), each padded only to its own
+        longest row; the result has the layout of one padded forward over the whole batch."""
+        buckets = plan_buckets(packed.lengths_S, self.config.bucket_overhead_tokens)
+        pieces_BL = [
+            self._bucket_logprobs(resource, packed, rows, bucket_routing(routing, rows))
+            for rows in buckets
+        ]
+        logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
+        # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
+        # whichever bucket a row landed in.
+        return torch.where(packed.loss_batch.valid_ST, logprobs_ST, 0.0)
+
+    def _bucket_logprobs(
+        self,
+        resource: ResourceState,
+        packed: PackedBatch,
+        rows: list[int],
+        routing: list[tuple[str, list[int] | None]],
+    ) -> Tensor:
+        """float32 [B, L] logprobs of one bucket's rows, L its longest row; `routing` in
+        bucket positions."""
+        device = resource.loaded.device
+        index_B = torch.tensor(rows, device=device)
+        width = max(packed.lengths_S[row] for row in rows)
+
+        def take(values_ST: Tensor) -> Tensor:
+            return values_ST.index_select(0, index_B)[:, :width]
+
+        assignments = [
+            (key, None if local is None else torch.tensor(local, device=device))
+            for key, local in routing
+        ]
+        model, lora = resource.loaded.model, resource.lora
+        with lora.route(assignments):
+            hidden_BLH = model.base_model(
+                input_ids=take(packed.tokens_ST), attention_mask=take(packed.attention_mask_ST)
+            ).last_hidden_state
+            # The backward of all buckets runs after this block: a head chunk recomputed then
+            # must see this bucket's routing again.
+            return target_logprobs(
+                model.get_output_embeddings(),
+                hidden_BLH,
+                take(packed.targets_ST),
+                chunk_tokens=self.config.logprob_chunk_tokens,
+                recompute_context=lambda: lora.route(assignments),
+            )
 
     def validate_forward_backward(self, request: ForwardBackwardRequest) -> None:
         """The loss checks that need tensors; raises InvalidRequest naming the field."""
@@ -268,20 +309,20 @@ class LocalEngine:
             return outcomes  # type: ignore[return-value]
         samples = tuple(sample for _, _, request, _ in live for sample in request.samples)
         merged = pack(samples, device)
-        routing, offsets, start = [], [], 0
+        routing: Routing = []
+        offsets, start = [], 0
         for _, session, request, _ in live:
-            rows = torch.arange(start, start + len(request.samples), device=device)
+            rows = range(start, start + len(request.samples))
             routing.append((session.trainer_key, rows if len(live) > 1 else None))
             offsets.append(start)
             start += len(request.samples)
         train = any(not request.forward_only for _, _, request, _ in live)
         scoring_only = [s for _, s, request, _ in live if request.forward_only]
         with (
-            resource.lora.route(routing),
             torch.set_grad_enabled(train),
             _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
         ):
-            logprobs_ST = self._forward_logprobs(resource, merged)
+            logprobs_ST = self._forward_logprobs(resource, merged, routing)
             trainable: list[tuple[int, SessionState, Tensor]] = []
             results: dict[int, tuple[float, dict[str, float], Tensor, PackedBatch]] = {}
             for (index, session, request, packed), offset in zip(live, offsets, strict=True):
@@ -320,11 +361,10 @@ class LocalEngine:
         gradients_ST = torch.zeros(len(request.samples), width, device=resource.loaded.device)
         for index, gradient in enumerate(request.gradients):
             gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
-        with resource.lora.route([(session.trainer_key, None)]):
-            logprobs_ST = self._forward_logprobs(resource, packed)
-            valid_ST = packed.loss_batch.valid_ST
-            surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
-            self._accumulate(session, surrogate)
+        logprobs_ST = self._forward_logprobs(resource, packed, [(session.trainer_key, None)])
+        valid_ST = packed.loss_batch.valid_ST
+        surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
+        self._accumulate(session, surrogate)
 
     def _accumulate(self, session: SessionState, loss: Tensor) -> None:
         (error,) = self._accumulate_many([(session, loss)])

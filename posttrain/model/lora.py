@@ -56,6 +56,10 @@ class LoraLinear(nn.Module):
         # (adapter key, row indices or None for every row); set only inside LoraModel.route.
         self.routing: list[tuple[str, Tensor | None]] = []
 
+    def adapts(self) -> bool:
+        """Whether the current routing applies any adapter here (else the layer is its base)."""
+        return any(key in self.adapters for key, _ in self.routing)
+
     def forward(self, x: Tensor) -> Tensor:
         out = self.base(x)
         for key, rows in self.routing:
@@ -68,9 +72,14 @@ class LoraLinear(nn.Module):
             # scoring and sampling see the deterministic adapter.
             if adapter.dropout > 0 and torch.is_grad_enabled():
                 x_rows = F.dropout(x_rows, adapter.dropout)
-            delta = (x_rows @ adapter.lora_A.t()) @ adapter.lora_B.t() * adapter.scale
-            delta = delta.to(out.dtype)
-            out = out + delta if rows is None else out.index_add(0, rows, delta)
+            delta = ((x_rows @ adapter.lora_A.t()) @ adapter.lora_B.t()).to(out.dtype)
+            # In place, with the scale as alpha: `out` is the base linear's fresh output, which
+            # its backward does not read, and copying a [rows, out_features] tensor per adapter
+            # (the output head's is the vocabulary wide) cost more than the low-rank product.
+            if rows is None:
+                out.add_(delta, alpha=adapter.scale)
+            else:
+                out.index_add_(0, rows, delta, alpha=adapter.scale)
         return out
 
 
@@ -156,11 +165,13 @@ class LoraModel:
         """Route rows to adapters for the forward (and backward) passes inside the block.
 
         `assignments` pairs an adapter key with the row indices it applies to (None: all rows).
-        Rows not listed run the base model."""
+        Rows not listed run the base model. Blocks nest: the routing in force before is back
+        afterwards, so a recomputation in backward (engine/logprobs.py) can route its own rows."""
+        previous = [layer.routing for layer in self.layers.values()]
         for layer in self.layers.values():
             layer.routing = assignments
         try:
             yield
         finally:
-            for layer in self.layers.values():
-                layer.routing = []
+            for layer, routing in zip(self.layers.values(), previous, strict=True):
+                layer.routing = routing

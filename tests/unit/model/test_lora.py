@@ -73,3 +73,17 @@ def test_copy_adapter_is_an_independent_snapshot():
     snapshot = lora.adapter_state("gen")
     assert float(snapshot["lm_head.lora_B"].abs().sum()) == 0.0
     assert not snapshot["lm_head.lora_A"].requires_grad
+
+
+def test_route_blocks_nest_and_adapts_reports_the_head():
+    lora = LoraModel(fresh_model())
+    lora.add_adapter("a", SPEC)
+    no_head = AdapterSpec(rank=4, alpha=8, dropout=0.0, seed=0, train_unembed=False)
+    lora.add_adapter("b", no_head)
+    head = lora.layers["lm_head"]
+    outer = [("a", None)]
+    with lora.route(outer):
+        with lora.route([("b", None)]):
+            assert not head.adapts()  # b has no head adapter
+        assert head.routing is outer and head.adapts()
+    assert head.routing == [] and not head.adapts()

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from sampling import RANDOM_CONFIGS
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
@@ -59,17 +60,8 @@ from posttrain.engine.local import LocalEngine
 from posttrain.types import ForwardBackwardRequest, LoraConfig, LossConfig, LossType, TrainingSample
 
 MODEL_ID = "qwen3-40m"
-# bench/sampling.py's RANDOM_CONFIGS["qwen3-40m"]; copied so each script runs on its own.
-QWEN3_40M = dict(
-    vocab_size=32000,
-    hidden_size=384,
-    intermediate_size=1152,
-    num_hidden_layers=8,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=64,
-    tie_word_embeddings=False,
-)
+# The same 40M config as the sampling benchmark (this script's folder is on sys.path).
+QWEN3_40M = RANDOM_CONFIGS[MODEL_ID]
 VOCAB = QWEN3_40M["vocab_size"]
 CE = LossConfig(LossType.CROSS_ENTROPY)
 RESOURCE, SESSION = "r", "s"

@@ -8,15 +8,17 @@ operations and sessions can share passes) and runs:
    cache (prefix_cache.py), only the rest runs through the model, in passes of bounded size.
    Its last position gives the first token's logits; prompt logprobs, when asked for, come from
    the same pass.
-2. Fan-out: the prefill's KV rows are copied to one row per sampled sequence (num_samples
-   copies share one prefill), into a preallocated KVCache (model/kv_cache.py).
+2. Fan-out: one row per sampled sequence in a SharedPrefixCache (model/shared_prefix_cache.py):
+   the prefill's KV stays one copy per prompt, read by all of its num_samples rows (shared-prefix
+   attention, model/attention.py), and each row stores only the tokens it generates.
 3. Decode, one token per live row per pass. A row stops on its own (EOS, a stop string even
    when it spans tokens, its max_tokens); finished rows leave the batch and the cache is
-   compacted, so long rows never pay for finished ones.
+   compacted (prompts no live row continues too), so long rows never pay for finished ones.
 4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between passes `between_tokens` may
    publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
-   weights (prompt + tokens so far), and their result gains a policy segment starting at the
-   next generated token, so every token after the switch is exactly what the new weights give.
+   weights (their prompt's once, then each row's tokens so far), and their result gains a policy
+   segment starting at the next generated token, so every token after the switch is exactly what
+   the new weights give.
 
 Sampling. Temperature 0 is argmax. Otherwise temperature, then top-k, then top-p (the smallest
 set of most likely tokens whose mass reaches top_p), then one draw by inverse CDF: a uniform
@@ -48,8 +50,10 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine.logprobs import log_softmax_float32
 from posttrain.engine.prefix_cache import PrefixCache
+from posttrain.model import attention
 from posttrain.model.kv_cache import KVCache
 from posttrain.model.lora import LoraModel
+from posttrain.model.shared_prefix_cache import SharedPrefixCache
 from posttrain.types import (
     PolicySegment,
     SampledSequence,
@@ -65,6 +69,8 @@ PREFILL_TOKENS_PER_PASS = 8192
 # Decode positions allocated at a time: memory follows the longest live row instead of being
 # reserved for every row's max_tokens up front.
 DECODE_POSITIONS_PER_GROWTH = 256
+# Tokens per block of the two-level inverse-CDF search (draw_inverse_cdf).
+CDF_BLOCK = 256
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -180,23 +186,49 @@ def choose_tokens(
     plain = (temperature_B == 1) & ((top_k_B <= 0) | (top_k_B >= vocab)) & (top_p_B >= 1)
     if bool(greedy.any()):
         tokens_B[greedy] = logprobs_BV[greedy].argmax(-1)
-    rows_and_probs = []
+    shaped = ~greedy & ~plain
+    if bool(plain.all()):
+        # The common RL case: no boolean-mask copies of the [B, V] logprobs.
+        return draw_inverse_cdf(logprobs_BV.exp(), uniform_B)
     if bool(plain.any()):
         # The model's own distribution: exp of the log-softmax already at hand.
-        rows_and_probs.append((plain, logprobs_BV[plain].exp()))
-    shaped = ~greedy & ~plain
+        tokens_B[plain] = draw_inverse_cdf(logprobs_BV[plain].exp(), uniform_B[plain])
     if bool(shaped.any()):
         tempered_BV = logprobs_BV[shaped] / temperature_B[shaped, None]
         filtered_BV = filter_logits(tempered_BV, top_k_B[shaped], top_p_B[shaped])
-        rows_and_probs.append((shaped, torch.softmax(filtered_BV, dim=-1)))
-    for rows, probs_BV in rows_and_probs:
-        cdf_BV = probs_BV.cumsum(-1)
-        # Scaling by the total keeps the draw exact when the float sum is not quite 1; right=True
-        # never lands on a zero-probability token (its cdf equals its predecessor's).
-        threshold_B1 = uniform_B[rows, None] * cdf_BV[:, -1:]
-        picked_B1 = torch.searchsorted(cdf_BV, threshold_B1, right=True)
-        tokens_B[rows] = picked_B1.squeeze(1).clamp(max=vocab - 1)
+        tokens_B[shaped] = draw_inverse_cdf(torch.softmax(filtered_BV, dim=-1), uniform_B[shaped])
     return tokens_B
+
+
+def draw_inverse_cdf(probs_BV: Tensor, uniform_B: Tensor) -> Tensor:
+    """Per row, the first token whose running probability sum exceeds uniform * total.
+
+    Two levels instead of one running sum over the whole vocabulary (a sequential scan, the
+    slowest step of sampling a large vocabulary): running sums of blocks of CDF_BLOCK tokens
+    find the block, then one running sum inside it finds the token. Scaling by the total keeps
+    the draw exact when the float sum is not quite 1. A zero-probability token is never drawn:
+    searches are right-sided (such a token's running sum equals its predecessor's) and capped
+    at the last block, and the last token within it, that adds mass (the float threshold can
+    round up to the total)."""
+    rows, vocab = probs_BV.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    if blocks * CDF_BLOCK != vocab:
+        probs_BV = torch.nn.functional.pad(probs_BV, (0, blocks * CDF_BLOCK - vocab))
+    probs_BNK = probs_BV.view(rows, blocks, CDF_BLOCK)
+    cdf_BN = probs_BNK.sum(-1).cumsum(-1)
+    threshold_B1 = uniform_B[:, None] * cdf_BN[:, -1:]
+    block_B1 = torch.searchsorted(cdf_BN, threshold_B1, right=True)
+    block_B1 = torch.minimum(block_B1, (cdf_BN < cdf_BN[:, -1:]).sum(-1, keepdim=True))
+    before_B1 = torch.where(
+        block_B1 > 0, cdf_BN.gather(1, (block_B1 - 1).clamp(min=0)), torch.zeros_like(threshold_B1)
+    )
+    inside_BK = probs_BNK.gather(1, block_B1[:, :, None].expand(-1, -1, CDF_BLOCK)).squeeze(1)
+    local_cdf_BK = inside_BK.cumsum(-1)
+    offset_B1 = torch.searchsorted(local_cdf_BK, threshold_B1 - before_B1, right=True)
+    offset_B1 = torch.minimum(
+        offset_B1, (local_cdf_BK < local_cdf_BK[:, -1:]).sum(-1, keepdim=True)
+    )
+    return (block_B1 * CDF_BLOCK + offset_B1).squeeze(1)
 
 
 def hit_stop_string(
@@ -243,7 +275,11 @@ def _new_cache(gm: GeneratorModel, num_rows: int, capacity: int) -> KVCache:
 
 
 def _forward(
-    gm: GeneratorModel, cache: KVCache, tokens_BQ: Tensor, num_new_B: Tensor, keys_B: list[str]
+    gm: GeneratorModel,
+    cache: KVCache | SharedPrefixCache,
+    tokens_BQ: Tensor,
+    num_new_B: Tensor,
+    keys_B: list[str],
 ) -> Tensor:
     """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H]."""
     config = gm.model.config
@@ -270,13 +306,16 @@ def _head(gm: GeneratorModel, hidden_BH: Tensor, keys_B: list[str]) -> Tensor:
 
 
 def _extend(
-    gm: GeneratorModel, cache: KVCache, tokens_B: list[Sequence[int]], keys_B: list[str]
+    gm: GeneratorModel,
+    cache: KVCache | SharedPrefixCache,
+    tokens_B: list[Sequence[int]],
+    keys_B: list[str],
 ) -> Iterator[tuple[Tensor, list[int], list[int]]]:
     """Append tokens_B[b] to row b in passes of at most PREFILL_TOKENS_PER_PASS positions.
 
     Yields (hidden [B, Q, H], start offset into tokens_B[b], count) per pass, so callers can
     read the hidden states of the positions they need."""
-    device = cache.kv.device
+    device = gm.model.get_input_embeddings().weight.device
     done = [0] * len(tokens_B)
     width_limit = max(1, PREFILL_TOKENS_PER_PASS // max(1, len(tokens_B)))
     while any(d < len(t) for d, t in zip(done, tokens_B, strict=True)):
@@ -399,6 +438,7 @@ def generate(
 
     `versions` maps each adapter key to what it serves now and is read again after every
     `between_tokens()` call, which may publish new weights (PIPELINE weights-sync)."""
+    attention.install(gm.model)
     with torch.no_grad():
         return _generate(gm, requests, versions, between_tokens)
 
@@ -473,18 +513,18 @@ def _generate(
     batch.keep(_sample_step(gm, batch, first_logits_GV[group_of_row_R]))
     if not batch.live:
         return _results(requests, groups, group_of_request, rows, segments)
-    longest_prompt = max(len(groups[rows[r].group].prompt) for r in batch.live)
     longest_completion = max(rows[r].params.max_tokens for r in batch.live)
-    positions = longest_prompt + min(longest_completion, DECODE_POSITIONS_PER_GROWTH)
-    cache = _new_cache(gm, len(batch.live), positions)
-    sources = torch.tensor([rows[r].group for r in batch.live], device=device)
-    cache.copy_rows(prefill_cache, sources, torch.arange(len(batch.live), device=device))
-    del prefill_cache
+    own = _new_cache(gm, len(batch.live), min(longest_completion, DECODE_POSITIONS_PER_GROWTH))
+    cache = SharedPrefixCache(
+        prefill_cache, list(range(len(groups))), own, [rows[r].group for r in batch.live]
+    )
+    # Frees the prompts whose every sample already ended on its first token.
+    cache.keep(torch.arange(len(batch.live), device=device))
     while batch.live:
         if between_tokens is not None:
             between_tokens()
             _apply_new_weights(gm, batch, cache, groups, requests, versions, segments)
-        if int(cache.lengths_B[: cache.num_rows].max()) >= cache.capacity:
+        if cache.longest_own() >= cache.capacity:
             cache.grow(cache.capacity + DECODE_POSITIONS_PER_GROWTH)
         keys = [groups[rows[r].group].adapter_key for r in batch.live]
         last_B1 = torch.tensor([[rows[r].tokens[-1]] for r in batch.live], device=device)
@@ -510,15 +550,15 @@ def _fill_holes(keep: list[int]) -> list[int]:
 def _apply_new_weights(
     gm: GeneratorModel,
     batch: _Batch,
-    cache: KVCache,
+    cache: SharedPrefixCache,
     groups: list[_Group],
     requests: list[GenerationRequest],
     versions: Mapping[str, WeightsVersion],
     segments: list[list[PolicySegment]],
 ) -> None:
-    """After a publish: recompute the KV of the live rows whose adapter changed (prompt and
-    tokens so far, all but the last token, which the next pass feeds) with the new weights, and
-    open a policy segment at their next token."""
+    """After a publish: recompute the KV of the live rows whose adapter changed with the new
+    weights (their prompt once, then each row's tokens so far but the last, which the next pass
+    feeds), and open a policy segment at their next token."""
     rows = batch.rows
     changed = {
         g
@@ -527,27 +567,24 @@ def _apply_new_weights(
     }
     if not changed:
         return
-    renewed: dict[int, int] = {}  # group -> its row in the new prefill
     fresh: list[_Group] = []
     for g in sorted(changed):
         current = versions[groups[g].adapter_key]
         groups[g].generation = current.generation
-        renewed[g] = len(fresh)
         fresh.append(_Group(groups[g].adapter_key, groups[g].prompt, current.generation))
+    group_cache, _ = _prefill(gm, fresh, with_logits=False)
+    for fresh_row, g in enumerate(sorted(changed)):
+        cache.replace_prefix(g, group_cache, fresh_row)
     positions = [i for i, r in enumerate(batch.live) if rows[r].group in changed]
     affected = [rows[batch.live[i]] for i in positions]
-    group_cache, _ = _prefill(gm, fresh, with_logits=False)
-    device = cache.kv.device
-    capacity = max(len(groups[row.group].prompt) + len(row.tokens) for row in affected)
-    row_cache = _new_cache(gm, len(affected), capacity)
-    sources = torch.tensor([renewed[row.group] for row in affected], device=device)
-    row_cache.copy_rows(group_cache, sources, torch.arange(len(affected), device=device))
     suffixes = [row.tokens[:-1] for row in affected]
+    row_cache = cache.subset([row.group for row in affected], max(map(len, suffixes)) or 1)
     keys = [groups[row.group].adapter_key for row in affected]
     for _ in _extend(gm, row_cache, suffixes, keys):
         pass
-    cache.copy_rows(
-        row_cache,
+    device = cache.own.kv.device
+    cache.own.copy_rows(
+        row_cache.own,
         torch.arange(len(affected), device=device),
         torch.tensor(positions, dtype=torch.int64, device=device),
     )

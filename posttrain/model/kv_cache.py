@@ -129,6 +129,10 @@ class KVCache:
             masks["sliding_attention"] = (causal_BQK & recent_BQK)[:, None]
         return masks
 
+    def visible_columns(self) -> int:
+        """Columns the current pass's attention reads (set by begin)."""
+        return self._visible
+
     def update(
         self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[Tensor, Tensor]:

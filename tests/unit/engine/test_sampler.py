@@ -10,7 +10,7 @@ from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import sampler
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import choose_tokens, filter_logits
+from posttrain.engine.sampler import CDF_BLOCK, choose_tokens, draw_inverse_cdf, filter_logits
 from posttrain.model.kv_cache import KVCache
 from posttrain.types import (
     AdamParams,
@@ -251,6 +251,30 @@ def test_choose_tokens_matches_a_per_row_reference_and_ignores_batch_mates():
                 uniform[row : row + 1],
             )
             assert int(alone[0]) == expected
+
+
+def test_the_two_level_inverse_cdf_draws_what_one_running_sum_draws():
+    # A vocabulary of 2.5 blocks with runs of zero-probability tokens, including a whole block.
+    generator = torch.Generator().manual_seed(0)
+    vocab = CDF_BLOCK * 5 // 2
+    probs = torch.rand(4, vocab, generator=generator) ** 4
+    probs[:, CDF_BLOCK : 2 * CDF_BLOCK] = 0.0
+    probs[0, :100] = 0.0
+    probs[1, vocab - 50 :] = 0.0
+    probs[2, :] = 0.0
+    probs[2, [3, CDF_BLOCK + 7, vocab - 1]] = torch.tensor([0.2, 0.0, 0.8])
+    uniform = torch.rand(4, 500, generator=generator)
+    edges = torch.tensor([0.0, 1e-9, 0.5, 1.0 - 2**-24])
+    for u in [*uniform.T, *(e.expand(4) for e in edges)]:
+        drawn = draw_inverse_cdf(probs, u)
+        cdf = probs.double().cumsum(-1)
+        for row in range(4):
+            token = int(drawn[row])
+            assert probs[row, token] > 0, (row, float(u[row]))
+            expected = int((cdf[row] > u[row].double() * cdf[row, -1]).nonzero()[0])
+            if token != expected:  # only where float32 block sums round across a boundary
+                gap = abs(float(cdf[row, min(token, expected)] / cdf[row, -1] - u[row]))
+                assert gap < 1e-5, (row, token, expected)
 
 
 def test_filter_logits_keeps_the_smallest_nucleus_reaching_top_p():

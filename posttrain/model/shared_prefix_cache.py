@@ -1,0 +1,167 @@
+"""A decode cache whose rows continue shared prefixes: each prompt's KV stored once for all the
+rows sampled from it.
+
+Two parts:
+- `prefix`: a KVCache with one row per prefix group (a prompt's prefill), P_g positions each;
+- `own`: a KVCache with one row per sequence holding only the positions after its prefix: own
+  column c of row b is position P_group(b) + c.
+
+A forward pass appends to the own part (`begin` / `update` / `commit`, the KVCache protocol
+with absolute position ids) and attends through SharedPrefixAttention (model/attention.py),
+which `attention_masks` returns per layer type. `keep` frees finished rows like KVCache.keep and
+also frees the prefixes no live row reads any more, so attention never reads a dead prompt.
+
+Prefix groups are named by the caller's ids (`group_ids_B`); `prefix_row` maps them to rows of
+the prefix cache, which move when dead prefixes are freed.
+
+Legend: B = rows, G = live prefix groups, Q = new positions per row, P = prefix columns,
+S = own columns, K = P + S.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from posttrain.model.attention import SharedPrefixAttention
+from posttrain.model.kv_cache import KVCache
+
+
+class SharedPrefixCache:
+    """Rows of `own` continuing the prefixes in rows of `prefix`."""
+
+    def __init__(
+        self, prefix: KVCache, prefix_ids: list[int], own: KVCache, group_ids_B: list[int]
+    ):
+        assert len(prefix_ids) == prefix.num_rows, "one id per prefix row"
+        assert len(group_ids_B) == own.num_rows, "one prefix group per own row"
+        self.prefix = prefix
+        self.own = own
+        self.prefix_row = {gid: row for row, gid in enumerate(prefix_ids)}
+        self.group_ids_B = list(group_ids_B)
+        self._layout: tuple[Tensor, Tensor, int, Tensor] | None = None
+
+    # ------------------------------------------------------------ sizes
+
+    @property
+    def num_rows(self) -> int:
+        return self.own.num_rows
+
+    @property
+    def capacity(self) -> int:
+        """Own positions per row."""
+        return self.own.capacity
+
+    def longest_own(self) -> int:
+        return int(self.own.lengths_B[: self.own.num_rows].max()) if self.own.num_rows else 0
+
+    def grow(self, capacity: int) -> None:
+        self.own.grow(capacity)
+
+    # ------------------------------------------------------------ one forward pass
+
+    def _group_layout(self) -> tuple[Tensor, Tensor, int, Tensor]:
+        """(prefix row of each row [B], slot of each row in the [G * M] group layout [B], M,
+        prefix length of each row [B]); recomputed after rows change."""
+        if self._layout is None:
+            device = self.own.kv.device
+            rows = [self.prefix_row[g] for g in self.group_ids_B]
+            seen = [0] * self.prefix.num_rows
+            slots = []
+            for row in rows:
+                slots.append((row, seen[row]))
+                seen[row] += 1
+            m = max(seen, default=1) or 1
+            group_B = torch.tensor(rows, dtype=torch.int64, device=device)
+            slot_B = torch.tensor(
+                [row * m + s for row, s in slots], dtype=torch.int64, device=device
+            )
+            prefix_lengths_B = self.prefix.lengths_B[group_B]
+            self._layout = (group_B, slot_B, m, prefix_lengths_B)
+        return self._layout
+
+    def begin(self, num_new_B: Tensor) -> Tensor:
+        """Append num_new_B[b] positions to row b; returns their absolute position ids [B, Q]."""
+        own_positions_BQ = self.own.begin(num_new_B)
+        return own_positions_BQ + self._group_layout()[3][:, None]
+
+    def attention_masks(
+        self, positions_BQ: Tensor, layer_types: list[str], sliding_window: int | None
+    ) -> dict[str, SharedPrefixAttention]:
+        """Per layer type, the SharedPrefixAttention of this pass: a query at position p sees
+        its prefix, and own columns at positions <= p (and > p - window for sliding layers)."""
+        group_B, slot_B, m, prefix_lengths_B = self._group_layout()
+        device = positions_BQ.device
+        prefix_columns = int(self.prefix.lengths_B[: self.prefix.num_rows].max())
+        own_columns = self.own.visible_columns()
+        # Absolute position of every column a row can see: its prefix, then its own columns.
+        prefix_P = torch.arange(prefix_columns, device=device)
+        own_BS = prefix_lengths_B[:, None] + torch.arange(own_columns, device=device)[None, :]
+        in_prefix_BP = prefix_P[None, :] < prefix_lengths_B[:, None]
+        position_BK = torch.cat([prefix_P[None, :].expand(len(group_B), -1), own_BS], dim=1)
+        real_BK = torch.cat([in_prefix_BP, torch.ones_like(own_BS, dtype=torch.bool)], dim=1)
+        visible_BQK = real_BK[:, None, :] & (position_BK[:, None, :] <= positions_BQ[:, :, None])
+        prefix_kv = self.prefix.kv[:, :, : self.prefix.num_rows, :, :prefix_columns]
+        masks = {}
+        for layer_type in dict.fromkeys(layer_types):
+            visible = visible_BQK
+            if layer_type == "sliding_attention":
+                assert sliding_window is not None, "sliding-attention layers need a window"
+                recent = position_BK[:, None, :] > positions_BQ[:, :, None] - sliding_window
+                visible = visible_BQK & recent
+            masks[layer_type] = SharedPrefixAttention(prefix_kv, group_B, slot_B, m, visible)
+        return masks
+
+    def update(
+        self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[Tensor, Tensor]:
+        """The own part's keys and values after storing this pass (the prefix comes through
+        the attention mask)."""
+        return self.own.update(key_BHQD, value_BHQD, layer_idx)
+
+    def commit(self) -> None:
+        self.own.commit()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.own.get_seq_length(layer_idx)
+
+    # ------------------------------------------------------------ rows
+
+    def keep(self, rows_R: Tensor) -> None:
+        """Row i becomes old row rows_R[i] (KVCache.keep); prefixes no row reads are freed."""
+        self.own.keep(rows_R)
+        self.group_ids_B = [self.group_ids_B[i] for i in rows_R.tolist()]
+        live = dict.fromkeys(self.group_ids_B)
+        if len(live) < len(self.prefix_row):
+            order = sorted(live, key=self.prefix_row.__getitem__)
+            sources = [self.prefix_row[g] for g in order]
+            self.prefix.keep(torch.tensor(sources, dtype=torch.int64, device=self.own.kv.device))
+            self.prefix_row = {g: row for row, g in enumerate(order)}
+        self._layout = None
+
+    def replace_prefix(self, group_id: int, source: KVCache, source_row: int) -> None:
+        """The prefix of `group_id` becomes a copy of `source_row` of `source` (new weights)."""
+        row = self.prefix_row[group_id]
+        device = self.own.kv.device
+        self.prefix.copy_rows(
+            source,
+            torch.tensor([source_row], device=device),
+            torch.tensor([row], device=device),
+        )
+        self._layout = None
+
+    def subset(self, group_ids_B: list[int], capacity: int) -> SharedPrefixCache:
+        """A cache of new, empty own rows continuing prefixes of this one (the same tensors)."""
+        own = KVCache(
+            num_layers=self.own.kv.shape[0],
+            num_rows=len(group_ids_B),
+            capacity=capacity,
+            num_kv_heads=self.own.kv.shape[3],
+            head_dim=self.own.kv.shape[5],
+            dtype=self.own.kv.dtype,
+            device=self.own.kv.device,
+        )
+        view = SharedPrefixCache.__new__(SharedPrefixCache)
+        view.prefix, view.own, view.prefix_row = self.prefix, own, self.prefix_row
+        view.group_ids_B, view._layout = list(group_ids_B), None
+        return view

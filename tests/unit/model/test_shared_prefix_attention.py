@@ -1,0 +1,158 @@
+"""Shared-prefix attention (model/attention.py, model/shared_prefix_cache.py) against attention
+over each row's full sequence, and the attention implementation it installs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.model import attention
+from posttrain.model.kv_cache import KVCache
+from posttrain.model.shared_prefix_cache import SharedPrefixCache
+
+LAYERS, KV_HEADS, QUERY_HEADS, HEAD_DIM = 2, 2, 6, 8
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.layer_idx = index
+
+
+def reference(query, keys, values, positions, window):
+    """One row: query [Hq, Q, D] at absolute positions [Q] over keys/values [Hkv, T, D] at
+    positions 0..T-1, causal (and windowed), grouped-query heads."""
+    repeat = QUERY_HEADS // KV_HEADS
+    keys = keys.repeat_interleave(repeat, 0)
+    values = values.repeat_interleave(repeat, 0)
+    scores = query @ keys.transpose(-1, -2) / math.sqrt(HEAD_DIM)
+    columns = torch.arange(keys.shape[1])
+    visible = columns[None, :] <= positions[:, None]
+    if window is not None:
+        visible &= columns[None, :] > positions[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ values).transpose(0, 1)  # [Q, Hq, D]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_rows_over_shared_prefixes_equal_attention_over_their_full_sequences(window):
+    generator = torch.Generator().manual_seed(0)
+    prompt_lengths = [7, 3, 11]
+    group_of_row = [0, 2, 0, 1, 2, 0]  # groups of 3, 1 and 2 rows, interleaved
+    own_before = [2, 0, 5, 1, 3, 4]  # tokens each row already generated
+    new = [3, 1, 2, 3, 1, 2]  # a multi-token pass with right padding
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    prompts = [rand(LAYERS, 2, KV_HEADS, n, HEAD_DIM) for n in prompt_lengths]
+    own_kv = [rand(LAYERS, 2, KV_HEADS, n, HEAD_DIM) for n in own_before]
+    prefix = KVCache(
+        num_layers=LAYERS,
+        num_rows=3,
+        capacity=max(prompt_lengths),
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    for row, kv in enumerate(prompts):
+        prefix.write_span(row, 0, kv)
+    own = KVCache(
+        num_layers=LAYERS,
+        num_rows=len(group_of_row),
+        capacity=12,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    for row, kv in enumerate(own_kv):
+        own.write_span(row, 0, kv)
+    # Prefix ids need not be row numbers.
+    cache = SharedPrefixCache(prefix, [10, 11, 12], own, [10 + g for g in group_of_row])
+    positions = cache.begin(torch.tensor(new))
+    layer_type = "sliding_attention" if window else "full_attention"
+    mask = cache.attention_masks(positions, [layer_type], window)[layer_type]
+    width = max(new)
+    new_kv = rand(LAYERS, 2, len(new), KV_HEADS, width, HEAD_DIM)
+    queries = rand(LAYERS, len(new), QUERY_HEADS, width, HEAD_DIM)
+    outputs = []
+    for layer in range(LAYERS):
+        keys, values = cache.update(new_kv[layer, 0], new_kv[layer, 1], layer)
+        out, _ = attention.attention_forward(
+            Layer(layer), queries[layer], keys, values, mask, scaling=HEAD_DIM**-0.5
+        )
+        outputs.append(out)
+    cache.commit()
+    for row, group in enumerate(group_of_row):
+        start = prompt_lengths[group] + own_before[row]
+        assert positions[row, : new[row]].tolist() == list(range(start, start + new[row]))
+        for layer in range(LAYERS):
+            full = torch.cat(
+                [prompts[group][layer], own_kv[row][layer], new_kv[layer, :, row, :, : new[row]]],
+                dim=2,
+            )  # [2, Hkv, T, D]
+            expected = reference(
+                queries[layer, row, :, : new[row]],
+                full[0],
+                full[1],
+                positions[row, : new[row]],
+                window,
+            )
+            torch.testing.assert_close(
+                outputs[layer][row, : new[row]], expected, rtol=1e-5, atol=1e-5
+            )
+    assert cache.own.lengths_B.tolist() == [b + n for b, n in zip(own_before, new, strict=True)]
+
+
+def test_keep_frees_prefixes_no_row_reads_and_keeps_the_rest_intact():
+    prefix = KVCache(
+        num_layers=1,
+        num_rows=3,
+        capacity=4,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    for row in range(3):
+        prefix.write_span(row, 0, torch.full((1, 2, 1, row + 2, 2), float(row)))
+    own = KVCache(
+        num_layers=1,
+        num_rows=4,
+        capacity=2,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    cache = SharedPrefixCache(prefix, [0, 1, 2], own, [0, 1, 2, 2])
+    cache.keep(torch.tensor([3, 2]))  # the rows of prompt 0 and 1 ended
+    assert cache.group_ids_B == [2, 2]
+    assert prefix.num_rows == 1 and cache.prefix_row == {2: 0}
+    assert prefix.lengths_B[0] == 4
+    assert bool((prefix.kv[:, :, 0, :, :4] == 2.0).all())
+    group_B, slot_B, rows_per_group, prefix_lengths_B = cache._group_layout()
+    assert group_B.tolist() == [0, 0] and slot_B.tolist() == [0, 1] and rows_per_group == 2
+    assert prefix_lengths_B.tolist() == [4, 4]
+
+
+def test_the_installed_implementation_is_sdpa_for_ordinary_masks():
+    model = AutoModelForCausalLM.from_pretrained(BUILTIN_MODEL_DIR, dtype=torch.float32).eval()
+    ids = torch.randint(3, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    padding = torch.tensor([[1] * 10, [0] * 3 + [1] * 7])
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=padding).logits
+        attention.install(model)
+        assert model.config._attn_implementation == attention.IMPLEMENTATION
+        after = model(input_ids=ids, attention_mask=padding).logits
+    assert torch.equal(before, after)
+    attention.install(model)  # idempotent
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="sdpa"):
+        attention.install(model)

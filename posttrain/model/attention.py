@@ -4,16 +4,18 @@ RL samples several completions of each prompt. With one KV-cache row per complet
 decode step reads each prompt's keys and values once per completion: num_samples times the
 memory traffic of the prompt, which dominates attention (and on a small model, the whole
 step). `SharedPrefixAttention` reads a prompt's keys and values once per decode step for all
-the rows that continue it:
+the rows that continue it, in two parts merged exactly by their log-sum-exps:
 
-    scores = [ q K_prefix[group(row)]^T | q K_own[row]^T ] * scale     (one softmax over both)
-    out    = softmax(scores)[:, :P] V_prefix[group(row)] + softmax(scores)[:, P:] V_own[row]
+    prefix part, per group g: the queries of g's rows over g's prompt  -> out_p, lse_p
+    own part, per row b:      b's queries over b's own generated tokens -> out_o, lse_o
+    out = out_p * exp(lse_p - lse) + out_o * exp(lse_o - lse),   lse = logaddexp(lse_p, lse_o)
 
-The prefix products run per group: the queries of a group's rows (and of the query heads that
-share a KV head) are stacked into the rows of one matrix, so each group's prefix keys and values
-enter one matmul. Scores are small ([rows, heads, new positions, columns]); only they move
-between the row layout and the group layout. One softmax over both parts makes the result
-exactly attention over the concatenated sequence.
+which is softmax attention over the concatenated sequence. The prefix part stacks the queries
+of a group's rows (and of the query heads that share a KV head) as the rows of one matrix, so
+each prompt's keys and values enter one product. On the CPU both parts run in PyTorch's fused
+flash-attention kernel (it returns the log-sum-exp); elsewhere, and for sliding windows (which
+can hide a whole prompt, where that kernel reports a log-sum-exp of 0 instead of -inf), as
+explicit matmuls.
 
 The model selects attention by name (`config._attn_implementation`); `install` names ours.
 It is sdpa for every mask that is not a SharedPrefixAttention (training, prefill, Hugging Face
@@ -22,7 +24,8 @@ It is sdpa for every mask that is not a SharedPrefixAttention (training, prefill
 function unchanged.
 
 Legend: B = rows, G = prefix groups, M = most rows of one group, Hq/Hkv = query/KV heads,
-r = Hq / Hkv, Q = new positions per row, P = prefix columns, S = own columns, D = head dim.
+Z = (Hq / Hkv) * Q stacked query rows per KV head, Q = new positions per row, P = prefix
+columns, S = own columns, D = head dim, X = M * Z.
 """
 
 from __future__ import annotations
@@ -42,56 +45,104 @@ IMPLEMENTATION = "posttrain"
 class SharedPrefixAttention:
     """One forward pass's attention layout for one layer type: rows reading a shared prefix.
 
-    `prefix_kv` is [N, 2, G, Hkv, P, D] (layers, keys/values, groups); row b reads group
-    `group_B[b]` and sits in slot `slot_B[b]` of the [G * M] group layout. `visible_BQK`
-    (True = attend) covers the P prefix columns then the S own columns, for each row's Q new
-    positions."""
+    `prefix_kv` is [N, 2, G, Hkv, P, D] (layers, keys/values, groups); row b sits in slot
+    `slot_B[b]` of the [G * M] group layout, that is in group slot_B[b] // M (None: row b is
+    slot b, every group has M rows in order, and the layouts are views of each other). The
+    additive biases (0 = attend, -inf = not) give, for each row's Q new positions, the visible
+    prefix columns [B, Q, P] and own columns [B, Q, S]; None when every column is visible.
+    `fused`: run the parts in the CPU flash kernel (no query may see an empty prefix)."""
 
     prefix_kv: Tensor
-    group_B: Tensor
-    slot_B: Tensor
+    slot_B: Tensor | None
     rows_per_group: int
-    visible_BQK: Tensor
+    prefix_bias_BQP: Tensor | None
+    own_bias_BQS: Tensor | None
+    fused: bool
 
     def attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float):
         """query [B, Hq, Q, D], own keys and values [B, Hkv, S, D] -> output [B, Q, Hq, D]."""
         rows, query_heads, width, head_dim = query.shape
         kv_heads = key.shape[1]
-        stacked = query_heads // kv_heads * width  # r * Q query rows per KV head
+        repeat = query_heads // kv_heads
         prefix_keys, prefix_values = self.prefix_kv[layer, 0], self.prefix_kv[layer, 1]
-        groups, _, columns, _ = prefix_keys.shape
+        groups = prefix_keys.shape[0]
         # Query head h uses KV head h // r, so [Hq, Q] regroups as [Hkv, r * Q] without a copy
         # of the keys (grouped-query attention).
-        q_BHZD = query.reshape(rows, kv_heads, stacked, head_dim)
-        q_GHXD = self._to_groups(q_BHZD, groups)
-        prefix_GHXP = torch.matmul(q_GHXD, prefix_keys.transpose(-1, -2))
-        own_BHZS = torch.matmul(q_BHZD, key.transpose(-1, -2))
-        scores_BHZK = torch.cat([self._to_rows(prefix_GHXP, groups), own_BHZS], dim=-1)
-        scores_BHrQK = scores_BHZK.view(rows, kv_heads, -1, width, scores_BHZK.shape[-1])
-        scores_BHrQK = scores_BHrQK.float().mul_(scale)
-        scores_BHrQK.masked_fill_(~self.visible_BQK[:, None, None], float("-inf"))
-        weights_BHZK = scores_BHrQK.softmax(-1).to(query.dtype).view_as(scores_BHZK)
-        weights_GHXP = self._to_groups(weights_BHZK[..., :columns].contiguous(), groups)
-        out_BHZD = self._to_rows(torch.matmul(weights_GHXP, prefix_values), groups)
-        out_BHZD = out_BHZD + torch.matmul(weights_BHZK[..., columns:], value)
-        out_BHqQD = out_BHZD.view(rows, query_heads, width, head_dim)
+        q_BHZD = query.reshape(rows, kv_heads, repeat * width, head_dim)
+        prefix_bias = None
+        if self.prefix_bias_BQP is not None:
+            prefix_bias = self._to_groups(_stack_heads(self.prefix_bias_BQP, repeat), groups)
+        out_GHXD, lse_GHX = _partial_attention(
+            self._to_groups(q_BHZD, groups),
+            prefix_keys,
+            prefix_values,
+            prefix_bias,
+            scale,
+            self.fused,
+        )
+        out_p = self._to_rows(out_GHXD, groups)
+        lse_p = self._to_rows(lse_GHX[..., None], groups)[..., 0]
+        own_bias = None if self.own_bias_BQS is None else _stack_heads(self.own_bias_BQS, repeat)
+        out_o, lse_o = _partial_attention(q_BHZD, key, value, own_bias, scale, self.fused)
+        lse = torch.logaddexp(lse_p, lse_o)
+        # A query that sees no prefix column (sliding window) has lse_p = -inf: weight 0.
+        weight_p = (lse_p - lse).exp()[..., None]
+        weight_o = (lse_o - lse).exp()[..., None]
+        out_p = torch.where(weight_p > 0, out_p.float() * weight_p, 0.0)
+        out_BHZD = (out_p + out_o.float() * weight_o).to(query.dtype)
+        out_BHqQD = out_BHZD.reshape(rows, query_heads, width, head_dim)
         return out_BHqQD.transpose(1, 2).contiguous()
 
     def _to_groups(self, x_BHZE: Tensor, groups: int) -> Tensor:
-        """[B, Hkv, Z, E] -> [G, Hkv, M * Z, E]: row b's Z rows land in its group's matrix
-        (slots of absent rows are zero)."""
+        """[B, H, Z, E] -> [G, H, M * Z, E]: row b's Z rows land in its group's matrix (slots
+        of absent rows are zero)."""
         rows, heads, z, e = x_BHZE.shape
         m = self.rows_per_group
-        slots = x_BHZE.new_zeros(groups * m, heads, z, e)
-        slots[self.slot_B] = x_BHZE
+        if self.slot_B is None:
+            slots = x_BHZE
+        else:
+            slots = x_BHZE.new_zeros(groups * m, heads, z, e)
+            slots.index_copy_(0, self.slot_B, x_BHZE)
         return slots.view(groups, m, heads, z, e).transpose(1, 2).reshape(groups, heads, m * z, e)
 
     def _to_rows(self, x_GHXE: Tensor, groups: int) -> Tensor:
-        """The inverse of _to_groups: [G, Hkv, M * Z, E] -> [B, Hkv, Z, E]."""
+        """The inverse of _to_groups: [G, H, M * Z, E] -> [B, H, Z, E]."""
         _, heads, x, e = x_GHXE.shape
         m = self.rows_per_group
         slots = x_GHXE.view(groups, heads, m, x // m, e).transpose(1, 2)
-        return slots.reshape(groups * m, heads, x // m, e)[self.slot_B]
+        slots = slots.reshape(groups * m, heads, x // m, e)
+        return slots if self.slot_B is None else slots.index_select(0, self.slot_B)
+
+
+def _stack_heads(bias_BQK: Tensor, repeat: int) -> Tensor:
+    """A per-position bias [B, Q, K] for the stacked query rows [B, 1, r * Q, K]."""
+    rows, width, columns = bias_BQK.shape
+    return (
+        bias_BQK[:, None, None]
+        .expand(rows, 1, repeat, width, columns)
+        .reshape(rows, 1, repeat * width, columns)
+    )
+
+
+def _partial_attention(
+    q_BHLD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, bias: Tensor | None, scale: float, fused: bool
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention of q over k, v with an additive bias: (output [B, H, L, D], float32
+    log-sum-exp of the scaled, biased scores [B, H, L]; -inf and output 0 where a query sees
+    nothing)."""
+    if fused:
+        mask = None if bias is None else bias.to(q_BHLD.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BHLD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale
+        )
+        return out, lse.float()
+    scores = torch.matmul(q_BHLD, k_BHSD.transpose(-1, -2)).float().mul_(scale)
+    if bias is not None:
+        scores.add_(bias)
+    lse = scores.logsumexp(-1)
+    safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    weights = (scores - safe_lse[..., None]).exp().to(q_BHLD.dtype)
+    return torch.matmul(weights, v_BHSD), lse
 
 
 def attention_forward(

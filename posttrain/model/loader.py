@@ -13,6 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from posttrain.model import attention
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -51,6 +53,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()
+    attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)

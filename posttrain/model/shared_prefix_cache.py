@@ -27,6 +27,16 @@ from posttrain.model.attention import SharedPrefixAttention
 from posttrain.model.kv_cache import KVCache
 
 
+def _bias(visible_BQK: Tensor, width: int) -> Tensor | None:
+    """Additive bias [B, Q, K] (0 = attend, -inf = not), or None when every column is visible."""
+    if bool(visible_BQK.all()):
+        return None
+    visible_BQK = visible_BQK.expand(-1, width, -1)
+    return torch.zeros(visible_BQK.shape, device=visible_BQK.device).masked_fill_(
+        ~visible_BQK, float("-inf")
+    )
+
+
 class SharedPrefixCache:
     """Rows of `own` continuing the prefixes in rows of `prefix`."""
 
@@ -39,7 +49,7 @@ class SharedPrefixCache:
         self.own = own
         self.prefix_row = {gid: row for row, gid in enumerate(prefix_ids)}
         self.group_ids_B = list(group_ids_B)
-        self._layout: tuple[Tensor, Tensor, int, Tensor] | None = None
+        self._layout: tuple[Tensor | None, int, Tensor] | None = None
 
     # ------------------------------------------------------------ sizes
 
@@ -60,56 +70,65 @@ class SharedPrefixCache:
 
     # ------------------------------------------------------------ one forward pass
 
-    def _group_layout(self) -> tuple[Tensor, Tensor, int, Tensor]:
-        """(prefix row of each row [B], slot of each row in the [G * M] group layout [B], M,
+    def _group_layout(self) -> tuple[Tensor | None, int, Tensor]:
+        """(slot of each row in the [G * M] group layout [B], or None when row b is slot b; M;
         prefix length of each row [B]); recomputed after rows change."""
         if self._layout is None:
             device = self.own.kv.device
-            rows = [self.prefix_row[g] for g in self.group_ids_B]
+            prefix_rows = [self.prefix_row[g] for g in self.group_ids_B]
             seen = [0] * self.prefix.num_rows
             slots = []
-            for row in rows:
+            for row in prefix_rows:
                 slots.append((row, seen[row]))
                 seen[row] += 1
             m = max(seen, default=1) or 1
-            group_B = torch.tensor(rows, dtype=torch.int64, device=device)
-            slot_B = torch.tensor(
-                [row * m + s for row, s in slots], dtype=torch.int64, device=device
-            )
-            prefix_lengths_B = self.prefix.lengths_B[group_B]
-            self._layout = (group_B, slot_B, m, prefix_lengths_B)
+            slot_list = [row * m + s for row, s in slots]
+            identity = slot_list == list(range(self.prefix.num_rows * m))
+            slot_B = None if identity else torch.tensor(slot_list, device=device)
+            prefix_lengths_B = self.prefix.lengths_B[torch.tensor(prefix_rows, device=device)]
+            self._layout = (slot_B, m, prefix_lengths_B)
         return self._layout
 
     def begin(self, num_new_B: Tensor) -> Tensor:
         """Append num_new_B[b] positions to row b; returns their absolute position ids [B, Q]."""
         own_positions_BQ = self.own.begin(num_new_B)
-        return own_positions_BQ + self._group_layout()[3][:, None]
+        return own_positions_BQ + self._group_layout()[2][:, None]
 
     def attention_masks(
         self, positions_BQ: Tensor, layer_types: list[str], sliding_window: int | None
     ) -> dict[str, SharedPrefixAttention]:
         """Per layer type, the SharedPrefixAttention of this pass: a query at position p sees
         its prefix, and own columns at positions <= p (and > p - window for sliding layers)."""
-        group_B, slot_B, m, prefix_lengths_B = self._group_layout()
+        slot_B, m, prefix_lengths_B = self._group_layout()
         device = positions_BQ.device
         prefix_columns = int(self.prefix.lengths_B[: self.prefix.num_rows].max())
         own_columns = self.own.visible_columns()
-        # Absolute position of every column a row can see: its prefix, then its own columns.
         prefix_P = torch.arange(prefix_columns, device=device)
         own_BS = prefix_lengths_B[:, None] + torch.arange(own_columns, device=device)[None, :]
-        in_prefix_BP = prefix_P[None, :] < prefix_lengths_B[:, None]
-        position_BK = torch.cat([prefix_P[None, :].expand(len(group_B), -1), own_BS], dim=1)
-        real_BK = torch.cat([in_prefix_BP, torch.ones_like(own_BS, dtype=torch.bool)], dim=1)
-        visible_BQK = real_BK[:, None, :] & (position_BK[:, None, :] <= positions_BQ[:, :, None])
+        query_BQ1 = positions_BQ[:, :, None]
+        prefix_BQP = (prefix_P[None, :] < prefix_lengths_B[:, None])[:, None, :]
+        own_BQS = own_BS[:, None, :] <= query_BQ1  # absolute positions, so causal
         prefix_kv = self.prefix.kv[:, :, : self.prefix.num_rows, :, :prefix_columns]
         masks = {}
         for layer_type in dict.fromkeys(layer_types):
-            visible = visible_BQK
-            if layer_type == "sliding_attention":
+            prefix_visible, own_visible = prefix_BQP, own_BQS
+            sliding = layer_type == "sliding_attention"
+            if sliding:
                 assert sliding_window is not None, "sliding-attention layers need a window"
-                recent = position_BK[:, None, :] > positions_BQ[:, :, None] - sliding_window
-                visible = visible_BQK & recent
-            masks[layer_type] = SharedPrefixAttention(prefix_kv, group_B, slot_B, m, visible)
+                prefix_visible = prefix_visible & (
+                    prefix_P[None, None, :] > query_BQ1 - sliding_window
+                )
+                own_visible = own_visible & (own_BS[:, None, :] > query_BQ1 - sliding_window)
+            masks[layer_type] = SharedPrefixAttention(
+                prefix_kv,
+                slot_B,
+                m,
+                _bias(prefix_visible, positions_BQ.shape[1]),
+                _bias(own_visible, positions_BQ.shape[1]),
+                # The CPU kernel gives a query that sees no column a log-sum-exp of 0, not
+                # -inf; only a window can hide a whole prefix.
+                fused=device.type == "cpu" and not sliding,
+            )
         return masks
 
     def update(

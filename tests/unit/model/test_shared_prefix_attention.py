@@ -3,6 +3,7 @@ over each row's full sequence, and the attention implementation it installs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -38,11 +39,20 @@ def reference(query, keys, values, positions, window):
     return (scores.softmax(-1) @ values).transpose(0, 1)  # [Q, Hq, D]
 
 
+@pytest.mark.parametrize(
+    "group_of_row",
+    [
+        [0, 2, 0, 1, 2, 0],  # groups of 3, 1 and 2 rows, interleaved: slots are gathered
+        [0, 0, 1, 1, 2, 2],  # full groups in order: the group layout is a view of the rows
+    ],
+)
 @pytest.mark.parametrize("window", [None, 5])
-def test_rows_over_shared_prefixes_equal_attention_over_their_full_sequences(window):
+@pytest.mark.parametrize("fused", [True, False])  # the CPU flash kernel / explicit matmuls
+def test_rows_over_shared_prefixes_equal_attention_over_their_full_sequences(
+    window, group_of_row, fused
+):
     generator = torch.Generator().manual_seed(0)
     prompt_lengths = [7, 3, 11]
-    group_of_row = [0, 2, 0, 1, 2, 0]  # groups of 3, 1 and 2 rows, interleaved
     own_before = [2, 0, 5, 1, 3, 4]  # tokens each row already generated
     new = [3, 1, 2, 3, 1, 2]  # a multi-token pass with right padding
 
@@ -78,6 +88,9 @@ def test_rows_over_shared_prefixes_equal_attention_over_their_full_sequences(win
     positions = cache.begin(torch.tensor(new))
     layer_type = "sliding_attention" if window else "full_attention"
     mask = cache.attention_masks(positions, [layer_type], window)[layer_type]
+    # A window can hide a whole prompt, which only the explicit path handles.
+    assert mask.fused == (window is None)
+    mask = dataclasses.replace(mask, fused=fused and window is None)
     width = max(new)
     new_kv = rand(LAYERS, 2, len(new), KV_HEADS, width, HEAD_DIM)
     queries = rand(LAYERS, len(new), QUERY_HEADS, width, HEAD_DIM)
@@ -137,8 +150,8 @@ def test_keep_frees_prefixes_no_row_reads_and_keeps_the_rest_intact():
     assert prefix.num_rows == 1 and cache.prefix_row == {2: 0}
     assert prefix.lengths_B[0] == 4
     assert bool((prefix.kv[:, :, 0, :, :4] == 2.0).all())
-    group_B, slot_B, rows_per_group, prefix_lengths_B = cache._group_layout()
-    assert group_B.tolist() == [0, 0] and slot_B.tolist() == [0, 1] and rows_per_group == 2
+    slot_B, rows_per_group, prefix_lengths_B = cache._group_layout()
+    assert slot_B is None and rows_per_group == 2  # one full group: rows are its slots
     assert prefix_lengths_B.tolist() == [4, 4]
 
 

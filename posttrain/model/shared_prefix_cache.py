@@ -180,7 +180,5 @@ class SharedPrefixCache:
             dtype=self.own.kv.dtype,
             device=self.own.kv.device,
         )
-        view = SharedPrefixCache.__new__(SharedPrefixCache)
-        view.prefix, view.own, view.prefix_row = self.prefix, own, self.prefix_row
-        view.group_ids_B, view._layout = list(group_ids_B), None
-        return view
+        prefix_ids = sorted(self.prefix_row, key=self.prefix_row.__getitem__)
+        return SharedPrefixCache(self.prefix, prefix_ids, own, group_ids_B)

@@ -578,7 +578,8 @@ def _apply_new_weights(
     positions = [i for i, r in enumerate(batch.live) if rows[r].group in changed]
     affected = [rows[batch.live[i]] for i in positions]
     suffixes = [row.tokens[:-1] for row in affected]
-    row_cache = cache.subset([row.group for row in affected], max(map(len, suffixes)) or 1)
+    own = _new_cache(gm, len(affected), max(map(len, suffixes)) or 1)
+    row_cache = cache.subset(own, [row.group for row in affected])
     keys = [groups[row.group].adapter_key for row in affected]
     for _ in _extend(gm, row_cache, suffixes, keys):
         pass

@@ -54,16 +54,13 @@ class SharedPrefixCache:
     # ------------------------------------------------------------ sizes
 
     @property
-    def num_rows(self) -> int:
-        return self.own.num_rows
-
-    @property
     def capacity(self) -> int:
         """Own positions per row."""
         return self.own.capacity
 
     def longest_own(self) -> int:
-        return int(self.own.lengths_B[: self.own.num_rows].max()) if self.own.num_rows else 0
+        """Most own positions any row holds (compare with `capacity`)."""
+        return self.own.get_seq_length()
 
     def grow(self, capacity: int) -> None:
         self.own.grow(capacity)
@@ -142,7 +139,12 @@ class SharedPrefixCache:
         self.own.commit()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.own.get_seq_length(layer_idx)
+        """Hugging Face Cache protocol: the longest row, prefix included (models only ask when
+        no position ids are given)."""
+        if not self.own.num_rows:
+            return 0
+        own_lengths_B = self.own.lengths_B[: self.own.num_rows]
+        return int((self._group_layout()[2] + own_lengths_B).max())
 
     # ------------------------------------------------------------ rows
 
@@ -169,16 +171,8 @@ class SharedPrefixCache:
         )
         self._layout = None
 
-    def subset(self, group_ids_B: list[int], capacity: int) -> SharedPrefixCache:
-        """A cache of new, empty own rows continuing prefixes of this one (the same tensors)."""
-        own = KVCache(
-            num_layers=self.own.kv.shape[0],
-            num_rows=len(group_ids_B),
-            capacity=capacity,
-            num_kv_heads=self.own.kv.shape[3],
-            head_dim=self.own.kv.shape[5],
-            dtype=self.own.kv.dtype,
-            device=self.own.kv.device,
-        )
+    def subset(self, own: KVCache, group_ids_B: list[int]) -> SharedPrefixCache:
+        """A cache whose rows, the (new, empty) rows of `own`, continue prefixes of this one:
+        the same prefix tensors, so nothing of them is copied."""
         prefix_ids = sorted(self.prefix_row, key=self.prefix_row.__getitem__)
         return SharedPrefixCache(self.prefix, prefix_ids, own, group_ids_B)

@@ -18,6 +18,25 @@ from posttrain.model.shared_prefix_cache import SharedPrefixCache
 LAYERS, KV_HEADS, QUERY_HEADS, HEAD_DIM = 2, 2, 6, 8
 
 
+def kv_cache(
+    rows: int,
+    capacity: int,
+    *,
+    layers: int = LAYERS,
+    heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+) -> KVCache:
+    return KVCache(
+        num_layers=layers,
+        num_rows=rows,
+        capacity=capacity,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
 class Layer(torch.nn.Module):
     def __init__(self, index: int) -> None:
         super().__init__()
@@ -61,26 +80,10 @@ def test_rows_over_shared_prefixes_equal_attention_over_their_full_sequences(
 
     prompts = [rand(LAYERS, 2, KV_HEADS, n, HEAD_DIM) for n in prompt_lengths]
     own_kv = [rand(LAYERS, 2, KV_HEADS, n, HEAD_DIM) for n in own_before]
-    prefix = KVCache(
-        num_layers=LAYERS,
-        num_rows=3,
-        capacity=max(prompt_lengths),
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    prefix = kv_cache(3, max(prompt_lengths))
     for row, kv in enumerate(prompts):
         prefix.write_span(row, 0, kv)
-    own = KVCache(
-        num_layers=LAYERS,
-        num_rows=len(group_of_row),
-        capacity=12,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    own = kv_cache(len(group_of_row), 12)
     for row, kv in enumerate(own_kv):
         own.write_span(row, 0, kv)
     # Prefix ids need not be row numbers.
@@ -121,29 +124,18 @@ def test_rows_over_shared_prefixes_equal_attention_over_their_full_sequences(
                 outputs[layer][row, : new[row]], expected, rtol=1e-5, atol=1e-5
             )
     assert cache.own.lengths_B.tolist() == [b + n for b, n in zip(own_before, new, strict=True)]
+    # The Cache protocol's length counts the prefix too.
+    assert cache.get_seq_length() == max(
+        prompt_lengths[g] + b + n for g, b, n in zip(group_of_row, own_before, new, strict=True)
+    )
+    assert cache.longest_own() == max(b + n for b, n in zip(own_before, new, strict=True))
 
 
 def test_keep_frees_prefixes_no_row_reads_and_keeps_the_rest_intact():
-    prefix = KVCache(
-        num_layers=1,
-        num_rows=3,
-        capacity=4,
-        num_kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    prefix = kv_cache(3, 4, layers=1, heads=1, head_dim=2)
     for row in range(3):
         prefix.write_span(row, 0, torch.full((1, 2, 1, row + 2, 2), float(row)))
-    own = KVCache(
-        num_layers=1,
-        num_rows=4,
-        capacity=2,
-        num_kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    own = kv_cache(4, 2, layers=1, heads=1, head_dim=2)
     cache = SharedPrefixCache(prefix, [0, 1, 2], own, [0, 1, 2, 2])
     cache.keep(torch.tensor([3, 2]))  # the rows of prompt 0 and 1 ended
     assert cache.group_ids_B == [2, 2]

@@ -30,7 +30,7 @@ columns, S = own columns, D = head dim, X = M * Z.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -58,6 +58,11 @@ class SharedPrefixAttention:
     prefix_bias_BQP: Tensor | None
     own_bias_BQS: Tensor | None
     fused: bool
+    # The biases in the layouts the products use, per query-heads-per-KV-head: built by the
+    # first layer of the pass, reused by the others.
+    _stacked: dict[int, tuple[Tensor | None, Tensor | None]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float):
         """query [B, Hq, Q, D], own keys and values [B, Hkv, S, D] -> output [B, Q, Hq, D]."""
@@ -69,9 +74,7 @@ class SharedPrefixAttention:
         # Query head h uses KV head h // r, so [Hq, Q] regroups as [Hkv, r * Q] without a copy
         # of the keys (grouped-query attention).
         q_BHZD = query.reshape(rows, kv_heads, repeat * width, head_dim)
-        prefix_bias = None
-        if self.prefix_bias_BQP is not None:
-            prefix_bias = self._to_groups(_stack_heads(self.prefix_bias_BQP, repeat), groups)
+        prefix_bias, own_bias = self._stacked_biases(repeat, groups)
         out_GHXD, lse_GHX = _partial_attention(
             self._to_groups(q_BHZD, groups),
             prefix_keys,
@@ -82,7 +85,6 @@ class SharedPrefixAttention:
         )
         out_p = self._to_rows(out_GHXD, groups)
         lse_p = self._to_rows(lse_GHX[..., None], groups)[..., 0]
-        own_bias = None if self.own_bias_BQS is None else _stack_heads(self.own_bias_BQS, repeat)
         out_o, lse_o = _partial_attention(q_BHZD, key, value, own_bias, scale, self.fused)
         lse = torch.logaddexp(lse_p, lse_o)
         # A query that sees no prefix column (sliding window) has lse_p = -inf: weight 0.
@@ -92,6 +94,17 @@ class SharedPrefixAttention:
         out_BHZD = (out_p + out_o.float() * weight_o).to(query.dtype)
         out_BHqQD = out_BHZD.reshape(rows, query_heads, width, head_dim)
         return out_BHqQD.transpose(1, 2).contiguous()
+
+    def _stacked_biases(self, repeat: int, groups: int) -> tuple[Tensor | None, Tensor | None]:
+        """The prefix bias in the group layout [G, 1, X, P] and the own bias [B, 1, Z, S]."""
+        if repeat not in self._stacked:
+            prefix_bias = own_bias = None
+            if self.prefix_bias_BQP is not None:
+                prefix_bias = self._to_groups(_stack_heads(self.prefix_bias_BQP, repeat), groups)
+            if self.own_bias_BQS is not None:
+                own_bias = _stack_heads(self.own_bias_BQS, repeat)
+            self._stacked[repeat] = (prefix_bias, own_bias)
+        return self._stacked[repeat]
 
     def _to_groups(self, x_BHZE: Tensor, groups: int) -> Tensor:
         """[B, H, Z, E] -> [G, H, M * Z, E]: row b's Z rows land in its group's matrix (slots

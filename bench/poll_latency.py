@@ -1,7 +1,8 @@
 """Poll latency while a step runs: GET of an operation during a long sample vs on an idle server.
 
 Compute runs on the resource's worker thread, never on the asyncio loop, so polls should stay
-fast while the engine is busy. Prints medians over repetitions and their ratio (busy / idle).
+fast while the engine is busy. The server runs with `--poll-hold-seconds 0`: a held GET
+(the default) would wait for the sample to finish instead of answering its status. Prints medians over repetitions and their ratio (busy / idle).
 
     python bench/poll_latency.py [--polls 40]
 """
@@ -39,7 +40,9 @@ def main() -> None:
     import tempfile
 
     directory = Path(tempfile.mkdtemp())
-    server = ServerProcess(directory / "data", directory / "server.log")
+    server = ServerProcess(
+        directory / "data", directory / "server.log", extra_args=("--poll-hold-seconds", "0")
+    )
     server.start()
     try:
         client = httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60)

@@ -60,6 +60,21 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="base weights' dtype (auto: bfloat16 on CUDA, float32 on CPU)",
     )
+    serve.add_argument(
+        "--loss-fn-outputs",
+        choices=("requested", "always"),
+        default=None,
+        help="return forward-backward's per-sample logprobs only when requested (default, as"
+        " api.md says) or always (tinker-cookbook loops read them without asking)",
+    )
+    serve.add_argument(
+        "--poll-hold-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an operation GET waits up to S seconds for a pending or running operation to"
+        " finish before answering (10; 0 answers at once)",
+    )
     serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
     demo = commands.add_parser(
         "demo", help="warm up then GRPO-train the built-in model on addition; plot the reward"
@@ -70,15 +85,18 @@ def parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     """The engine flags given, or None for the engine defaults."""
-    given = {"device": args.device, "dtype": args.dtype}
+    given = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "loss_fn_outputs": args.loss_fn_outputs,
+    }
     given = {key: value for key, value in given.items() if value is not None}
     return EngineConfig(**given) if given else None
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from posttrain.api.app import create_app
+    from posttrain.api.server import serve as run_server
 
     models = [ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR)]
     models += [model_spec_from_path(path) for path in args.model]
@@ -90,11 +108,12 @@ def serve(args: argparse.Namespace) -> None:
         keys_file=args.keys_file,
         min_inactive_timeout_s=args.min_inactive_timeout_s,
         expiry_check_interval_s=args.expiry_check_interval_s,
+        poll_hold_seconds=args.poll_hold_seconds,
         models=tuple(models),
         engine=engine_config(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level)
+    run_server(create_app(config), host=config.host, port=config.port, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

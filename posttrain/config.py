@@ -63,6 +63,13 @@ class EngineConfig(BaseModel):
         description="memory budget (MiB) per model resource for the sampler's cache of prompt"
         " prefix KV, evicted least recently used first; 0 disables the prefix cache",
     )
+    loss_fn_outputs: Literal["requested", "always"] = Field(
+        "requested",
+        description="when a forward-backward returns its per-sample loss_fn_outputs (logprobs):"
+        " requested = only when the request sets return_loss_fn_outputs (api.md); always = on"
+        " every forward-backward, for Tinker-style loops (tinker-cookbook) that read them"
+        " without asking through the tinker shim",
+    )
 
 
 class SamplerConfig(BaseModel):
@@ -97,6 +104,15 @@ class ServerConfig(BaseModel):
     )
     expiry_check_interval_s: float = Field(
         30.0, gt=0, description="how often idle model resources are checked for expiry"
+    )
+    # 10 s sits well under the SDK's shortest read timeout (60 s, api.md 2.6), so a held GET
+    # never times out on the client; 0 answers every poll at once.
+    poll_hold_seconds: float = Field(
+        10.0,
+        ge=0,
+        le=50,
+        description="how long an operation GET of a PENDING or RUNNING operation waits for it"
+        " to finish before answering the current status; 0 turns holding off",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="engine settings")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="sample defaults")
@@ -160,7 +176,7 @@ def build_config(
     *, api_key: str | None = None, keys_file: str | Path | None = None, **overrides: object
 ) -> ServerConfig:
     """ServerConfig from POSTTRAIN_* env (HOST, PORT, DATA_DIR, API_KEY, KEYS_FILE,
-    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S) and explicit arguments.
+    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S, POLL_HOLD_SECONDS) and explicit arguments.
 
     Explicit arguments win; an invalid value raises InvalidRequest naming the field."""
     values: dict[str, object] = {}
@@ -170,6 +186,7 @@ def build_config(
         "DATA_DIR": "data_dir",
         "MIN_INACTIVE_TIMEOUT_S": "min_inactive_timeout_s",
         "EXPIRY_CHECK_INTERVAL_S": "expiry_check_interval_s",
+        "POLL_HOLD_SECONDS": "poll_hold_seconds",
     }
     for env_name, field_name in env_fields.items():
         if (value := os.environ.get(ENV_PREFIX + env_name)) is not None:

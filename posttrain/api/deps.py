@@ -17,18 +17,20 @@ from posttrain.service import Services
 M = TypeVar("M", bound=BaseModel)
 
 
-def services(request: Request) -> Services:
+# The dependencies are coroutines although they do no I/O: FastAPI runs a plain function
+# dependency on a worker thread, a thread hop per request for a dictionary lookup.
+async def services(request: Request) -> Services:
     return request.app.state.services
 
 
-def current_user(request: Request) -> str:
+async def current_user(request: Request) -> str:
     """The user id of the caller's bearer key. Single-user mode (no keys configured) accepts
     any non-empty key as config.user_id; otherwise only configured keys, each as its user."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise Unauthorized("missing bearer API key", param="Authorization")
-    config = services(request).config
+    config = request.app.state.services.config
     if not config.api_keys:
         return config.user_id
     user = config.api_keys.get(key.strip())
@@ -59,6 +61,12 @@ async def json_body(request: Request) -> dict[str, Any]:
     return loads_strict(await request.body())
 
 
+async def raw_body(request: Request) -> bytes:
+    """The body unparsed: large bodies (operation POSTs) are decoded by their synchronous
+    handler on a worker thread, not here on the event loop."""
+    return await request.body()
+
+
 def parse(model: type[M], body: dict[str, Any]) -> M:
     """Validate a body against a wire model; the first error names its field."""
     try:
@@ -78,3 +86,4 @@ def parse(model: type[M], body: dict[str, Any]) -> M:
 ServicesDep = Annotated[Services, Depends(services)]
 UserDep = Annotated[str, Depends(current_user)]
 BodyDep = Annotated[dict, Depends(json_body)]
+RawBodyDep = Annotated[bytes, Depends(raw_body)]

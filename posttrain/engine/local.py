@@ -93,6 +93,12 @@ class LocalEngine:
 
     # ------------------------------------------------------------ models and resources
 
+    def device_name(self) -> str:
+        """What the weights run on: `cpu`, or the CUDA device's product name (`NVIDIA H200`)."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return self.device.type
+
     def model_info(self, base_model: str) -> ModelInfo:
         """Limits of a base model, read from its config.json without loading weights."""
         if base_model not in self._info:
@@ -345,8 +351,9 @@ class LocalEngine:
                     if error is not None:
                         outcomes[index] = error
                         results.pop(index)
+        is_always = self.config.loss_fn_outputs == "always"
         for index, (loss_value, metrics, reported_ST, packed) in results.items():
-            wanted = items[index][1].return_loss_fn_outputs
+            wanted = is_always or items[index][1].return_loss_fn_outputs
             outputs = unpack(reported_ST, packed.lengths_S) if wanted else None
             outcomes[index] = ForwardBackwardResult(loss_value, metrics, outputs)
         return outcomes  # type: ignore[return-value]
@@ -536,6 +543,8 @@ class LocalEngine:
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None:
         vocab = self.model_info(base_model).vocab_size
+        if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):
+            return  # min and max run in C: no Python work per token on the common path
         for index, token in enumerate(tokens):
             if not 0 <= token < vocab:
                 raise InvalidRequest(

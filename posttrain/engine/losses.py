@@ -12,6 +12,12 @@ then exactly 0, so a NaN/inf at an excluded position (placeholder logprobs, padd
 neither the loss nor the gradient; multiplying by the mask afterwards would not be enough, since
 the backward of an overflowed exp is NaN even where its output is discarded.
 
+Metrics count the positions that carry the policy (`policy_positions`): the inclusion m when a
+request sends weights or mask; with neither, m = 1 everywhere (losses.md 1.3) and the metrics count
+only positions whose sampler logprobs or advantages are non-zero, so a prompt sent without a mask
+(logprobs and advantages 0 there, as tinker-cookbook sends it) is not reported as a policy token.
+The loss itself always reduces over m.
+
 This module also owns the validation of a loss config against its inputs (losses.md 1.2, 1.5)
 that needs no model: `validate_loss_inputs` (the table is types.REQUIRED_LOSS_INPUTS). Lengths,
 dtypes and the target_tokens range are checked by the api layer; non-finite results by the
@@ -84,6 +90,27 @@ def policy_inclusion(batch: LossBatch) -> Tensor:
     return batch.valid_ST
 
 
+def policy_positions(batch: LossBatch) -> Tensor:
+    """Positions a policy loss's metrics count (valid_tokens:sum and every token mean).
+
+    With weights or mask: the inclusion m. With neither, every position is in the loss
+    (losses.md 1.3), but a client that sends a whole sequence that way fills its prompt with
+    placeholder logprobs 0 and advantages 0 (tinker-cookbook strips its mask before
+    forward-backward; examples/tinker_shim.py). Those positions add nothing to the IS, PPO,
+    CISPO or DPPO loss, yet counting them would report the prompt's logprobs as sampler mismatch
+    and ratio, and its length as valid_tokens. So here a position counts when its sampler
+    logprob or its advantage is non-zero. A sampled token's logprob is exactly 0 only when its
+    probability rounds to 1 in float32; such a token still counts wherever its advantage is
+    non-zero.
+    """
+    included_ST = policy_inclusion(batch)
+    if batch.weights_ST is not None or batch.mask_ST is not None:
+        return included_ST
+    sampler_ST = _require(batch.sampler_logprobs_ST, "logprobs")
+    advantages_ST = _require(batch.advantages_ST, "advantages")
+    return included_ST & ((sampler_ST != 0) | (advantages_ST != 0))
+
+
 def _require(tensor: Tensor | None, key: str) -> Tensor:
     assert tensor is not None, f"loss_fn_inputs[{key!r}] must be validated before the loss runs"
     return tensor
@@ -101,45 +128,51 @@ def _select(included_ST: Tensor, values_ST: Tensor) -> Tensor:
     return torch.where(included_ST, values_ST, 0.0)
 
 
-def _policy_inputs(logprobs_ST: Tensor, batch: LossBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(m, x, q, A) with x, q, A selected to 0 wherever m is 0 (see module docstring)."""
+def _policy_inputs(
+    logprobs_ST: Tensor, batch: LossBatch
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(m, counted, x, q, A): the loss's inclusion m, the positions its metrics count
+    (`policy_positions`, a subset of m), and x, q, A selected to 0 wherever m is 0."""
     included_ST = policy_inclusion(batch)
     sampler_ST = _require(batch.sampler_logprobs_ST, "logprobs")
     advantages_ST = _require(batch.advantages_ST, "advantages")
     return (
         included_ST,
+        policy_positions(batch),
         _select(included_ST, logprobs_ST),
         _select(included_ST, sampler_ST),
         _select(included_ST, advantages_ST),
     )
 
 
-def _token_mean(values_ST: Tensor, included_ST: Tensor) -> float:
-    """Mean over the included positions of the whole request; 0.0 when none is included."""
-    count = int(included_ST.sum())
+def _token_mean(values_ST: Tensor, counted_ST: Tensor) -> float:
+    """Mean over the counted positions of the whole request; 0.0 when none is counted."""
+    count = int(counted_ST.sum())
     if count == 0:
         return 0.0
-    return float(_select(included_ST, values_ST.detach().to(torch.float64)).sum() / count)
+    return float(_select(counted_ST, values_ST.detach().to(torch.float64)).sum() / count)
 
 
-def ratio_metrics(log_ratio_ST: Tensor, included_ST: Tensor) -> dict[str, float]:
-    """losses.md 10: token means over included positions of the ratio and of -log ratio."""
+def ratio_metrics(log_ratio_ST: Tensor, counted_ST: Tensor) -> dict[str, float]:
+    """losses.md 10: token means over counted positions of the ratio and of -log ratio."""
     return {
-        "loss/ratio/mean": _token_mean(torch.exp(log_ratio_ST), included_ST),
-        "loss/kl_policy/mean": _token_mean(-log_ratio_ST, included_ST),
+        "loss/ratio/mean": _token_mean(torch.exp(log_ratio_ST), counted_ST),
+        "loss/kl_policy/mean": _token_mean(-log_ratio_ST, counted_ST),
     }
 
 
 def _policy_metrics(
-    loss: Tensor, log_ratio_ST: Tensor, x_ST: Tensor, q_ST: Tensor, included_ST: Tensor
+    loss: Tensor, log_ratio_ST: Tensor, x_ST: Tensor, q_ST: Tensor, counted_ST: Tensor
 ) -> dict[str, float]:
     """Metrics every policy loss reports (losses.md 10), plus the mean |x - q| mismatch between
-    the trainer's and the sampler's logprobs, which exposes sampler/trainer numerics drift."""
+    the trainer's and the sampler's logprobs, which exposes sampler/trainer numerics drift.
+
+    counted_ST is `policy_positions`: valid_tokens:sum is its count and every mean is over it."""
     return {
         "loss:sum": float(loss.detach()),
-        "valid_tokens:sum": float(included_ST.sum()),
-        **ratio_metrics(log_ratio_ST.detach(), included_ST),
-        "loss/sampler_mismatch/mean": _token_mean((x_ST - q_ST).abs(), included_ST),
+        "valid_tokens:sum": float(counted_ST.sum()),
+        **ratio_metrics(log_ratio_ST.detach(), counted_ST),
+        "loss/sampler_mismatch/mean": _token_mean((x_ST - q_ST).abs(), counted_ST),
     }
 
 
@@ -185,10 +218,10 @@ def importance_sampling(logprobs_ST: Tensor, batch: LossBatch, params: LossParam
 
     dl/dx = -r A. Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
     """
-    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
     loss = (-torch.exp(log_ratio_ST) * advantages_ST).sum()
-    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     return LossOutput(loss, metrics, included_ST)
 
 
@@ -200,7 +233,7 @@ def ppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput
     full gradient. Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
     """
     ppo_params = _params(params, PpoParams)
-    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
     per_token_ST, clipped_high_ST, clipped_low_ST = _clipped_surrogate(
         torch.exp(log_ratio_ST),
@@ -209,9 +242,9 @@ def ppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput
         ppo_params.clip_high_threshold,
     )
     loss = per_token_ST.sum()
-    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
-    metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, included_ST)
-    metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, included_ST)
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
+    metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, counted_ST)
+    metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, counted_ST)
     return LossOutput(loss, metrics, included_ST)
 
 
@@ -224,13 +257,13 @@ def cispo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutp
     """
     cispo_params = _params(params, CispoParams)
     low, high = cispo_params.clip_low_threshold, cispo_params.clip_high_threshold
-    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
     ratio_d_ST = torch.exp(log_ratio_ST).detach()
     loss = (-ratio_d_ST.clamp(low, high) * advantages_ST * x_ST).sum()
-    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
-    metrics["loss/clip/high_fraction"] = _token_mean(ratio_d_ST > high, included_ST)
-    metrics["loss/clip/low_fraction"] = _token_mean(ratio_d_ST < low, included_ST)
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
+    metrics["loss/clip/high_fraction"] = _token_mean(ratio_d_ST > high, counted_ST)
+    metrics["loss/clip/low_fraction"] = _token_mean(ratio_d_ST < low, counted_ST)
     return LossOutput(loss, metrics, included_ST)
 
 
@@ -241,10 +274,10 @@ def dro(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput
     where A = 0. Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
     """
     assert isinstance(params, DroParams), f"DRO needs validated DroParams, got {params!r}"
-    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
     loss = (-(advantages_ST * x_ST - 0.5 * params.beta * log_ratio_ST.square())).sum()
-    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     return LossOutput(loss, metrics, included_ST)
 
 
@@ -258,7 +291,7 @@ def dppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
     """
     dppo_params = _params(params, DppoParams)
-    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
     prob_change_ST = (torch.exp(x_ST) - torch.exp(q_ST)).detach()
     is_positive_ST = advantages_ST > 0
@@ -269,12 +302,12 @@ def dppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     )
     ratio_d_ST = torch.exp(log_ratio_ST).detach()
     loss = torch.where(keep_ST, -advantages_ST * ratio_d_ST * x_ST, 0.0).sum()
-    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     metrics["loss/clip/high_fraction"] = _token_mean(
-        is_positive_ST & (prob_change_ST > dppo_params.delta_high), included_ST
+        is_positive_ST & (prob_change_ST > dppo_params.delta_high), counted_ST
     )
     metrics["loss/clip/low_fraction"] = _token_mean(
-        (advantages_ST < 0) & (prob_change_ST < -dppo_params.delta_low), included_ST
+        (advantages_ST < 0) & (prob_change_ST < -dppo_params.delta_low), counted_ST
     )
     return LossOutput(loss, metrics, included_ST)
 
@@ -343,7 +376,7 @@ def grpo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     """
     grpo_params = _params(params, GrpoParams)
     low, high = grpo_params.clip_low_threshold, grpo_params.clip_high_threshold
-    included_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = _grpo_log_ratio(x_ST, q_ST, included_ST, grpo_params.ratio_type)
     ratio_ST = torch.exp(log_ratio_ST)
     per_token_ST, clipped_high_ST, clipped_low_ST = _clipped_surrogate(
@@ -357,14 +390,14 @@ def grpo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     aggregate = _GRPO_AGGREGATIONS[grpo_params.agg_type]
     loss = aggregate(per_token_ST, included_ST, batch.valid_ST)
 
-    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, included_ST)
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     metrics["loss/clip/clipped_ratio/mean"] = _token_mean(
-        ratio_ST.detach().clamp(low, high), included_ST
+        ratio_ST.detach().clamp(low, high), counted_ST
     )
-    metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, included_ST)
-    metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, included_ST)
+    metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, counted_ST)
+    metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, counted_ST)
     if kl_ST is not None:
-        metrics["loss/kl_ref/mean"] = _token_mean(kl_ST, included_ST)
+        metrics["loss/kl_ref/mean"] = _token_mean(kl_ST, counted_ST)
     return LossOutput(loss, metrics, included_ST)
 
 

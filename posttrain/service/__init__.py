@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
 from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.completion import CompletionWatch
 from posttrain.service.dashboard import DashboardService
 from posttrain.service.expiry import ExpiryReaper
 from posttrain.service.metrics import MetricsService
@@ -44,14 +45,18 @@ class Services:
     expiry: ExpiryReaper
     dashboard: DashboardService
     metrics: MetricsService
+    watch: CompletionWatch
 
     def close(self) -> None:
+        self.watch.close()
         self.expiry.close()
         self.scheduler.close()
 
 
 def build_services(config: ServerConfig) -> Services:
     repo = Repo(connect(config.data_dir))
+    watch = CompletionWatch()
+    repo.add_operation_listener(watch.operation_written)
     engine = LocalEngine(config.engine, {spec.id: spec.path for spec in config.models})
     signer = UrlSigner(config.signing_key, config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
@@ -83,5 +88,12 @@ def build_services(config: ServerConfig) -> Services:
         checkpoints,
         expiry,
         dashboard=DashboardService(repo, scheduler.queue_depth),
-        metrics=MetricsService(repo, scheduler.metrics, scheduler.queue_depth),
+        metrics=MetricsService(
+            repo,
+            scheduler.metrics,
+            scheduler.queue_depth,
+            busy_seconds=scheduler.busy_seconds,
+            held_polls=watch.waiting,
+        ),
+        watch=watch,
     )

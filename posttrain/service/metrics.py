@@ -140,10 +140,19 @@ def _short(status: str) -> str:
 
 
 class MetricsService:
-    def __init__(self, repo: Repo, operations: OperationMetrics, queue_depth: Callable[[], int]):
+    def __init__(
+        self,
+        repo: Repo,
+        operations: OperationMetrics,
+        queue_depth: Callable[[], int],
+        busy_seconds: Callable[[], dict[str, float]] = dict,
+        held_polls: Callable[[], int] = int,
+    ):
         self.repo = repo
         self.operations = operations
         self.queue_depth = queue_depth
+        self.busy_seconds = busy_seconds
+        self.held_polls = held_polls
 
     def render(self) -> str:
         """The whole exposition, one family after another, ending with a newline."""
@@ -219,6 +228,21 @@ class MetricsService:
             "gauge",
             "Jobs waiting in the per-resource worker queues.",
             [f"posttrain_queue_depth {self.queue_depth()}"],
+        )
+        lines += _family(
+            "posttrain_worker_busy_seconds_total",
+            "counter",
+            "Seconds each model resource's worker spent running jobs (the engine's busy time).",
+            (
+                f"posttrain_worker_busy_seconds_total{_labels(model_resource=rid)} {seconds}"
+                for rid, seconds in sorted(self.busy_seconds().items())
+            ),
+        )
+        lines += _family(
+            "posttrain_held_polls",
+            "gauge",
+            "Operation GETs waiting for their operation to finish (poll_hold_seconds).",
+            [f"posttrain_held_polls {self.held_polls()}"],
         )
         lines += _family(
             "posttrain_sessions",

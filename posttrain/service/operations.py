@@ -93,20 +93,28 @@ class OperationService:
             error_message=None if active else f"session {session_id} is {session.status}",
         )
         stored = self.repo.insert_operation(op)
-        if stored.id != op.id:
-            if stored.fingerprint != fingerprint:
-                raise Conflict(
-                    f"Idempotency-Key {idempotency_key!r} was used for a different"
-                    f" {kind} request (operation {stored.id}); use a new key for a new request",
-                    param="Idempotency-Key",
-                )
-            return stored
+        if stored.id != op.id:  # a concurrent submission with the same key won the insert
+            return self.replay(session_id, kind, idempotency_key, fingerprint) or stored
         if active:
             self.resources.touch(session.resource_id)
             self.scheduler.enqueue(session.resource_id, op.id, request)
             # A deferred weights-sync may have completed inside enqueue (service/publishing.py).
             return self.repo.get_operation(op.id) or op
         return op
+
+    def replay(
+        self, session_id: str, kind: OperationKind, idempotency_key: str, fingerprint: str
+    ) -> OperationRecord | None:
+        """The operation already registered under this key, if any, before any work on the
+        request; a different request under the same key is a Conflict (api.md 7.1)."""
+        stored = self.repo.find_operation(session_id, kind, idempotency_key)
+        if stored is not None and stored.fingerprint != fingerprint:
+            raise Conflict(
+                f"Idempotency-Key {idempotency_key!r} was used for a different"
+                f" {kind} request (operation {stored.id}); use a new key for a new request",
+                param="Idempotency-Key",
+            )
+        return stored
 
     def _check_samples(self, base_model: str, samples: tuple[TrainingSample, ...]) -> None:
         """Limits that need the model: batch size, sequence length, vocabulary."""
@@ -125,7 +133,7 @@ class OperationService:
                     param=f"samples[{index}].model_input",
                 )
             engine.check_tokens(base_model, sample.tokens, f"samples[{index}].model_input")
-            targets = tuple(int(t) for t in sample.loss_fn_inputs["target_tokens"])
+            targets = tuple(map(int, sample.loss_fn_inputs["target_tokens"]))
             engine.check_tokens(
                 base_model, targets, f"samples[{index}].loss_fn_inputs.target_tokens"
             )

@@ -49,13 +49,14 @@ Job = Callable[[], Any]
 
 @dataclass(frozen=True)
 class Batchable:
-    """A queued operation that may share one engine pass with other sessions' operations."""
+    """A queued operation that may share one engine pass with other queued operations."""
 
     kind: OperationKind
     session_id: str
     operation_id: str
     request: Any
     done: Callable[[], None]  # runs after the operation finished, batched or not
+    rows: int = 1  # sequences a sample operation generates (prompts x num_samples)
 
 
 @dataclass
@@ -69,9 +70,12 @@ class ResourceWorker:
     """A thread that runs one resource's jobs one at a time, first in, first out.
 
     When the job at the head is a batchable operation, the worker also takes the next queued
-    operations of the same kind from *other* sessions, provided nothing of their session is
-    queued before them (each session's order holds) and no plain job (a barrier such as a
-    session setup or teardown) stands in between, and runs them together with `run_batch`."""
+    operations of the same kind, provided no plain job (a barrier: optim-step, weights-sync,
+    checkpoint, session setup or teardown) stands in between and nothing of their session that
+    stays queued comes before them, so each session's order holds, and runs them together with
+    `run_batch`. Forward-backwards share a pass only across sessions (at most `max_batch`
+    operations); sample operations of one session share it too, since sampling changes no
+    state, up to `max_sample_rows` sequences in all."""
 
     def __init__(
         self,
@@ -79,11 +83,14 @@ class ResourceWorker:
         run_batch: Callable[[list[Batchable]], None] | None = None,
         *,
         max_batch: int = 8,
+        max_sample_rows: int = 256,
     ) -> None:
         self._items: deque[_Item | None] = deque()
         self._ready = threading.Condition()
         self._run_batch = run_batch
         self._max_batch = max_batch
+        self._max_sample_rows = max_sample_rows
+        self._busy_s = 0.0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -98,22 +105,39 @@ class ResourceWorker:
         with self._ready:
             return len(self._items)
 
+    def busy_seconds(self) -> float:
+        """Seconds this worker spent running jobs (the engine's busy time, for /metrics)."""
+        with self._ready:
+            return self._busy_s
+
     def close(self) -> None:
         with self._ready:
             self._items.append(None)
             self._ready.notify()
 
+    def _fits(self, head: Batchable, mates: list[_Item], candidate: Batchable) -> bool:
+        if candidate.kind != head.kind:
+            return False
+        if head.kind != OperationKind.SAMPLE:
+            return len(mates) + 1 < self._max_batch
+        rows = head.rows + sum(item.batchable.rows for item in mates)  # type: ignore[union-attr]
+        return rows + candidate.rows <= self._max_sample_rows
+
     def _take_batch_mates(self, head: Batchable) -> list[_Item]:
         """Caller holds the lock. Removes and returns the head's batch mates from the queue."""
         mates: list[_Item] = []
-        blocked = {head.session_id}
+        # A session is blocked once one of its operations stays queued: nothing of it may
+        # overtake that one. Forward-backwards of the head's own session stay behind it.
+        blocked = set() if head.kind == OperationKind.SAMPLE else {head.session_id}
         for item in list(self._items):
-            if item is None or item.batchable is None or len(mates) + 1 >= self._max_batch:
+            if item is None or item.batchable is None:
                 break
             candidate = item.batchable
-            if candidate.session_id not in blocked and candidate.kind == head.kind:
+            if candidate.session_id not in blocked and self._fits(head, mates, candidate):
                 mates.append(item)
                 self._items.remove(item)
+                if head.kind == OperationKind.SAMPLE:
+                    continue
             blocked.add(candidate.session_id)
         return mates
 
@@ -128,22 +152,30 @@ class ResourceWorker:
                 mates = []
                 if head.batchable is not None and self._run_batch is not None:
                     mates = self._take_batch_mates(head.batchable)
-            if not mates:
-                try:
-                    head.future.set_result(head.job())
-                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                    head.future.set_exception(exc)
-                continue
-            group = [head, *mates]
-            assert self._run_batch is not None
+            started = time.monotonic()
             try:
-                self._run_batch([item.batchable for item in group])  # type: ignore[misc]
+                self._run(head, mates)
+            finally:
+                with self._ready:
+                    self._busy_s += time.monotonic() - started
+
+    def _run(self, head: _Item, mates: list[_Item]) -> None:
+        if not mates:
+            try:
+                head.future.set_result(head.job())
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                for item in group:
-                    item.future.set_exception(exc)
-            else:
-                for item in group:
-                    item.future.set_result(None)
+                head.future.set_exception(exc)
+            return
+        group = [head, *mates]
+        assert self._run_batch is not None
+        try:
+            self._run_batch([item.batchable for item in group])  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            for item in group:
+                item.future.set_exception(exc)
+        else:
+            for item in group:
+                item.future.set_result(None)
 
 
 def _error_code(exc: BaseException) -> OperationErrorCode:
@@ -200,6 +232,11 @@ class Scheduler:
         with self._lock:
             return sum(worker.depth() for worker in self._workers.values())
 
+    def busy_seconds(self) -> dict[str, float]:
+        """Per resource, seconds its worker spent running jobs since the server started."""
+        with self._lock:
+            return {rid: worker.busy_seconds() for rid, worker in self._workers.items()}
+
     def enqueue(self, resource_id: str, operation_id: str, request: Any) -> None:
         op = self.repo.get_operation(operation_id)
         assert op is not None, f"operation {operation_id} was not recorded before enqueue"
@@ -222,8 +259,11 @@ class Scheduler:
                     done()
 
             batchable = None
-            if op.kind in (OperationKind.FORWARD_BACKWARD, OperationKind.SAMPLE):
+            if op.kind == OperationKind.FORWARD_BACKWARD:
                 batchable = Batchable(op.kind, op.session_id, operation_id, request, done)
+            elif op.kind == OperationKind.SAMPLE:
+                rows = len(request.prompts) * request.num_samples
+                batchable = Batchable(op.kind, op.session_id, operation_id, request, done, rows)
             worker.submit(job, batchable)
 
     def close(self) -> None:
@@ -257,8 +297,8 @@ class Scheduler:
         self._finish(op, output=output)
 
     def _execute_batch(self, resource_id: str, group: list[Batchable]) -> None:
-        """Operations of one kind from several sessions in one shared engine pass
-        (forward-backward or sample); each operation completes or fails on its own."""
+        """Operations of one kind in one shared engine pass (forward-backwards of several
+        sessions, or sample operations of any sessions); each completes or fails on its own."""
         try:
             ready: list[tuple[OperationRecord, Batchable]] = []
             for item in group:

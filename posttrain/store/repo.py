@@ -83,6 +83,12 @@ class Repo:
     def __init__(self, connection: sqlite3.Connection) -> None:
         self._db = connection
         self._lock = threading.Lock()
+        # Called with every operation record after it is written (held polls wake on it,
+        # service/completion.py); called outside the lock, so a listener may read the store.
+        self._operation_listeners: list[Callable[[OperationRecord], None]] = []
+
+    def add_operation_listener(self, listener: Callable[[OperationRecord], None]) -> None:
+        self._operation_listeners.append(listener)
 
     def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -200,11 +206,23 @@ class Repo:
                 ).fetchall()
         return from_dict(OperationRecord, json.loads(rows[0][0]))
 
+    def find_operation(
+        self, session_id: str, kind: OperationKind, idempotency_key: str
+    ) -> OperationRecord | None:
+        rows = self._query(
+            "SELECT data FROM operations WHERE session_id = ? AND kind = ?"
+            " AND idempotency_key = ?",
+            (session_id, kind.value, idempotency_key),
+        )
+        return from_dict(OperationRecord, json.loads(rows[0][0])) if rows else None
+
     def put_operation(self, op: OperationRecord) -> None:
         self._execute(
             "UPDATE operations SET status = ?, data = ? WHERE id = ?",
             (op.status.value, to_json(op), op.id),
         )
+        for listener in self._operation_listeners:
+            listener(op)
 
     def get_operation(self, operation_id: str) -> OperationRecord | None:
         rows = self._query("SELECT data FROM operations WHERE id = ?", (operation_id,))

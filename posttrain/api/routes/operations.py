@@ -3,25 +3,41 @@
 The route turns the wire body (with any offloaded payload merged in, api.md 1.6) into a domain
 request and hands it to the service; the request fingerprint is taken over the inline body
 only, because retries resend the same inline body with the same payload_id (api.md 7.1).
+A replay of a known Idempotency-Key is answered before the body is validated or its payload
+loaded. The POST handler is synchronous, so FastAPI runs it (JSON decoding included) on a
+worker thread, never on the event loop.
+
+The GET of a PENDING or RUNNING operation is held until the operation finishes or
+`poll_hold_seconds` pass (service/completion.py): the SDK's first poll, sent right after the
+POST, then already carries the result, and the SDK never sleeps its 0.5 s poll interval.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from typing import Any
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Response
+from starlette.concurrency import run_in_threadpool
 
-from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
+from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict, parse
 from posttrain.api.responses import operation_json
 from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
 from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
 from posttrain.errors import InvalidRequest, NotFound, Unsupported
 from posttrain.service import Services
-from posttrain.types import OperationKind
+from posttrain.types import OPERATION_TERMINAL, OperationKind, OperationRecord
 
 router = APIRouter(prefix="/v1/rl/training-sessions")
+
+
+def rendered(op: OperationRecord) -> Response:
+    """The operation as JSON bytes, built by the caller's worker thread: FastAPI would otherwise
+    run jsonable_encoder and json.dumps over a large sample output on the event loop."""
+    body = json.dumps(operation_json(op), separators=(",", ":"), allow_nan=False)
+    return Response(content=body.encode(), media_type="application/json")
 
 
 def _kind(kind: str) -> OperationKind:
@@ -56,16 +72,20 @@ def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> Any:
 
 
 def submit(
-    svc: Services, user: str, session_id: str, kind: OperationKind, body: dict, key: str | None
-) -> dict[str, Any]:
+    svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
+) -> Response:
     if not key:
         raise InvalidRequest(
             "the Idempotency-Key header is required on operation POSTs", param="Idempotency-Key"
         )
     svc.sessions.get(user, session_id)  # 404 before any body work for an unknown session
+    body = loads_strict(raw)
     fingerprint = hashlib.sha256(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
+    replayed = svc.operations.replay(session_id, kind, key, fingerprint)
+    if replayed is not None:
+        return rendered(replayed)
     full = body
     if isinstance(payload_id := body.get("payload_id"), str):
         full = {**body, **svc.payloads.load(session_id, payload_id)}
@@ -73,18 +93,18 @@ def submit(
     record = svc.operations.submit(
         user, session_id, kind, idempotency_key=key, fingerprint=fingerprint, request=request
     )
-    return operation_json(record)
+    return rendered(record)
 
 
 @router.post("/{session_id}:sample")
 def sample_alias(
     *,
     session_id: str,
-    body: BodyDep,
+    body: RawBodyDep,
     idempotency_key: str | None = Header(None, alias="Idempotency-Key"),
     svc: ServicesDep,
     user: UserDep,
-) -> dict[str, Any]:
+) -> Response:
     """April-era route (api.md 5.6), an alias of .../operations/sample."""
     return submit(svc, user, session_id, OperationKind.SAMPLE, body, idempotency_key)
 
@@ -94,21 +114,39 @@ def create_operation(
     *,
     session_id: str,
     kind: str,
-    body: BodyDep,
+    body: RawBodyDep,
     idempotency_key: str | None = Header(None, alias="Idempotency-Key"),
     svc: ServicesDep,
     user: UserDep,
-) -> dict[str, Any]:
+) -> Response:
     return submit(svc, user, session_id, _kind(kind), body, idempotency_key)
 
 
 @router.get("/{session_id}/operations/{kind}/{operation_id}")
-def retrieve_operation(
+async def retrieve_operation(
     *,
     session_id: str,
     kind: str,
     operation_id: str,
     svc: ServicesDep,
     user: UserDep,
-) -> dict[str, Any]:
-    return operation_json(svc.operations.get(user, session_id, _kind(kind), operation_id))
+) -> Response:
+    op_kind = _kind(kind)
+
+    def read() -> OperationRecord:
+        return svc.operations.get(user, session_id, op_kind, operation_id)
+
+    hold = svc.config.poll_hold_seconds
+    # Registered before the first read: a completion between read and wait still wakes it.
+    done = svc.watch.watch(operation_id)
+    try:
+        op = await run_in_threadpool(read)
+        if op.status not in OPERATION_TERMINAL and hold > 0:
+            try:
+                await asyncio.wait_for(done.wait(), timeout=hold)
+            except TimeoutError:
+                pass  # the hold passed: answer the current status, the SDK polls again
+            op = await run_in_threadpool(read)
+    finally:
+        svc.watch.forget(operation_id, done)
+    return await run_in_threadpool(rendered, op)

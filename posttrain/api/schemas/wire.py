@@ -30,6 +30,23 @@ def _int64(value: Any) -> Any:
 Int64 = Annotated[int, BeforeValidator(_int64)]
 
 
+def _int64_list(value: Any) -> Any:
+    """A token list: plain JSON integers pass without a Python call per token (the common
+    case, checked in C); otherwise each item is converted as Int64 is, its index named."""
+    if not isinstance(value, list) or set(map(type, value)) <= {int}:
+        return value
+    out = []
+    for index, item in enumerate(value):
+        try:
+            out.append(_int64(item))
+        except ValueError as exc:
+            raise ValueError(f"[{index}]: {exc}") from None
+    return out
+
+
+Int64List = Annotated[list[int], BeforeValidator(_int64_list)]
+
+
 class Wire(BaseModel):
     """Request objects reject unknown fields, so a typo is a 400 naming it."""
 

@@ -1,0 +1,178 @@
+"""Held polls (service/completion.py): an operation GET waits for its operation to finish, up to
+`--poll-hold-seconds`, so the SDK's first poll carries the result; meanwhile other requests are
+answered at once, held GETs cost no thread each, and a shutdown ends them cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from helpers import API_KEY, open_session, sft_sample
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+TERMINAL = ("TRAINING_OPERATION_STATUS_COMPLETED", "TRAINING_OPERATION_STATUS_FAILED")
+CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
+# 64 samples of 480 tokens from the tiny model: seconds of work per operation on a CPU.
+HEAVY = {
+    "model_inputs": [{"chunks": [{"encoded_text": {"tokens": [3, 4, 5, 6]}}]}],
+    "num_samples": 64,
+    "sampling_params": {"max_tokens": 480, "temperature": 1.0, "seed": 1},
+}
+
+
+def server_with_hold(tmp_path: Path, seconds: float) -> ServerProcess:
+    proc = ServerProcess(
+        tmp_path / "data", tmp_path / "server.log", extra_args=("--poll-hold-seconds", str(seconds))
+    )
+    proc.start()
+    return proc
+
+
+def post(client: httpx.Client, session_id: str, kind: str, body: dict) -> dict:
+    response = client.post(
+        f"/v1/rl/training-sessions/{session_id}/operations/{kind}",
+        json=body,
+        headers={"Idempotency-Key": str(uuid.uuid4())},
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def op_url(session_id: str, kind: str, op_id: str) -> str:
+    return f"/v1/rl/training-sessions/{session_id}/operations/{kind}/{op_id}"
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", client.get("/metrics").text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+
+
+def operation_gets(log: str, op_id: str) -> int:
+    return len(re.findall(rf'"GET [^"]*/operations/[a-z-]+/{op_id} HTTP', log))
+
+
+def requests_of(log: str, method: str, session_id: str, kind: str) -> int:
+    return len(re.findall(rf'"{method} [^"]*/{session_id}/operations/{kind}[/ ]', log))
+
+
+@pytest.fixture(scope="module")
+def short_hold(tmp_path_factory: pytest.TempPathFactory):
+    proc = server_with_hold(tmp_path_factory.mktemp("hold"), 1.0)
+    yield proc
+    proc.stop()
+
+
+def test_the_sdks_first_poll_carries_the_result(short_hold):
+    resources, session = open_session(short_hold.base_url)
+    with resources, session:
+        sample = sft_sample([5, 6, 7, 8, 9, 10], 2)
+        assert session.trainer.forward_backward(samples=[sample], loss=CE).loss > 0
+        assert session.trainer.optim_step(adam_params={"learning_rate": 1e-3}).step == 1
+        sid = session.session_id
+    log = short_hold.log()
+    # The SDK GETs once right after the POST and sleeps 0.5 s only when that GET is not final:
+    # one GET per operation means it never slept.
+    for kind in ("forward-backward", "optim-step"):
+        assert requests_of(log, "POST", sid, kind) == 1
+        assert requests_of(log, "GET", sid, kind) == 1
+
+
+def test_a_held_get_answers_the_current_status_once_the_hold_passes(short_hold):
+    resources, session = open_session(short_hold.base_url)
+    with (
+        resources,
+        session,
+        httpx.Client(base_url=short_hold.base_url, headers=HEADERS, timeout=60) as client,
+    ):
+        sid = session.session_id
+        heavy = [post(client, sid, "sample", HEAVY) for _ in range(2)]
+        quick = post(
+            client, sid, "forward-backward", {"samples": [sft_sample([5, 6, 7], 1)], "loss": CE}
+        )
+        # Queued behind seconds of sampling, the forward-backward is still PENDING after the
+        # 1 s hold: the GET answers that, and the client polls again.
+        assert client.get(op_url(sid, "forward-backward", quick["id"])).json()["status"] == (
+            "TRAINING_OPERATION_STATUS_PENDING"
+        )
+        # Held GETs until it is done: every answer is a status, the last one COMPLETED.
+        for _ in range(600):
+            status = client.get(op_url(sid, "forward-backward", quick["id"])).json()["status"]
+            if status in TERMINAL:
+                break
+        assert status == "TRAINING_OPERATION_STATUS_COMPLETED"
+        for op in heavy:  # finished before it, in submission order
+            assert client.get(op_url(sid, "sample", op["id"])).json()["status"] == status
+        # A terminal operation's GET is not held: it answers at once whatever the hold.
+        assert operation_gets(short_hold.log(), heavy[0]["id"]) == 1
+
+
+def test_held_gets_cost_no_thread_each_leave_other_requests_unblocked_and_end_at_shutdown(
+    tmp_path,
+):
+    # The hold outlasts the held client's read timeout: only the release at shutdown lets the
+    # held GETs answer in time.
+    proc = server_with_hold(tmp_path, 50.0)
+    try:
+        resources, session = open_session(proc.base_url)
+        _, other = resources, resources.create_session(interval=0.2)
+        client = httpx.Client(base_url=proc.base_url, headers=HEADERS, timeout=120)
+        sid = session.session_id
+        for _ in range(3):
+            post(client, sid, "sample", HEAVY)
+        waiting = post(
+            client, sid, "forward-backward", {"samples": [sft_sample([5, 6, 7], 1)], "loss": CE}
+        )
+        url = op_url(sid, "forward-backward", waiting["id"])
+        threads_before = threads_of(proc.process.pid)  # type: ignore[union-attr]
+        count = 200
+
+        async def hold_many() -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=count + 10)
+            async with httpx.AsyncClient(
+                base_url=proc.base_url, headers=HEADERS, timeout=30, limits=limits
+            ) as held_client:
+                held = [asyncio.create_task(held_client.get(url)) for _ in range(count)]
+                for _ in range(2000):
+                    await asyncio.sleep(0.01)
+                    if await asyncio.to_thread(metric, client, "posttrain_held_polls") >= count:
+                        break
+                assert metric(client, "posttrain_held_polls") == count
+                # No thread per held GET.
+                threads = threads_of(proc.process.pid)  # type: ignore[union-attr]
+                assert threads - threads_before < count // 4, (threads_before, threads)
+                # Other requests are answered meanwhile, while every held GET still waits.
+                other_op = await asyncio.to_thread(
+                    post, client, other.session_id, "optim-step", {"adam_params": {}}
+                )
+                assert other_op["status"] in ("TRAINING_OPERATION_STATUS_PENDING",)
+                assert (await held_client.get(f"/v1/rl/training-sessions/{sid}")).status_code == 200
+                assert (await held_client.get("/")).status_code == 200
+                assert (await held_client.get("/v1/rl/supported-models")).status_code == 200
+                assert not any(task.done() for task in held)
+                # Shutdown: every held GET answers the current status, and the server exits.
+                proc.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                return await asyncio.gather(*held)
+
+        answers = asyncio.run(hold_many())
+        assert all(answer.status_code == 200 for answer in answers)
+        assert {answer.json()["status"] for answer in answers} == {
+            "TRAINING_OPERATION_STATUS_PENDING"
+        }
+        # uvicorn re-raises the signal once its shutdown is complete.
+        assert proc.process.wait(timeout=60) in (0, -signal.SIGTERM)  # type: ignore[union-attr]
+        proc.process = None
+        assert "Application shutdown complete" in proc.log()
+    finally:
+        proc.stop()

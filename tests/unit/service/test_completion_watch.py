@@ -1,0 +1,63 @@
+"""CompletionWatch: held GETs wake when their operation is written terminal, from any thread."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+from posttrain.service.completion import CompletionWatch
+from posttrain.types import OperationKind, OperationRecord, OperationStatus
+
+
+def record(op_id: str, status: OperationStatus) -> OperationRecord:
+    return OperationRecord(
+        id=op_id,
+        session_id="ts-1",
+        kind=OperationKind.SAMPLE,
+        status=status,
+        created_at=0.0,
+        updated_at=0.0,
+        idempotency_key="k",
+        fingerprint="f",
+        created_by="u",
+    )
+
+
+def test_a_terminal_write_from_another_thread_wakes_only_that_operations_waiters():
+    watch = CompletionWatch()
+
+    async def scenario() -> None:
+        first, second, other = watch.watch("op-1"), watch.watch("op-1"), watch.watch("op-2")
+        assert watch.waiting() == 3
+        running = record("op-1", OperationStatus.RUNNING)
+        thread = threading.Thread(target=watch.operation_written, args=(running,))
+        thread.start()
+        thread.join()
+        await asyncio.sleep(0)
+        assert not first.is_set()  # RUNNING is not terminal
+        done = dataclasses.replace(running, status=OperationStatus.COMPLETED)
+        thread = threading.Thread(target=watch.operation_written, args=(done,))
+        thread.start()
+        thread.join()
+        await asyncio.wait_for(asyncio.gather(first.wait(), second.wait()), timeout=30)
+        assert not other.is_set()
+        assert watch.waiting() == 1
+        watch.forget("op-1", first)  # forgetting an already woken waiter is harmless
+        watch.forget("op-2", other)
+        assert watch.waiting() == 0
+
+    asyncio.run(scenario())
+
+
+def test_close_wakes_every_waiter_and_later_watches_do_not_wait():
+    watch = CompletionWatch()
+
+    async def scenario() -> None:
+        waiters = [watch.watch(f"op-{i}") for i in range(100)]
+        watch.close()
+        await asyncio.wait_for(asyncio.gather(*(w.wait() for w in waiters)), timeout=30)
+        assert watch.watch("op-late").is_set()
+        assert watch.waiting() == 0
+
+    asyncio.run(scenario())

@@ -34,8 +34,9 @@ TERMINAL = ("TRAINING_OPERATION_STATUS_COMPLETED", "TRAINING_OPERATION_STATUS_FA
 
 def busy_seconds(client: httpx.Client) -> float:
     text = client.get("/metrics").text
-    return sum(float(v) for v in re.findall(r"^posttrain_worker_busy_seconds_total\S* (\S+)$",
-                                            text, re.M))
+    return sum(
+        float(v) for v in re.findall(r"^posttrain_worker_busy_seconds_total\S* (\S+)$", text, re.M)
+    )
 
 
 def bodies() -> dict[str, dict]:
@@ -87,8 +88,10 @@ def main() -> None:
     extra = ("--poll-hold-seconds", "0") if args.no_hold else ()
     server = ServerProcess(directory / "data", directory / "server.log", extra_args=extra)
     server.start()
-    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, held polls:"
-          f" {'off' if args.no_hold else 'on'}, client poll interval {args.interval}s")
+    print(
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, held polls:"
+        f" {'off' if args.no_hold else 'on'}, client poll interval {args.interval}s"
+    )
     try:
         client = httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60)
         rid = client.post(

@@ -2,7 +2,8 @@
 
 Compute runs on the resource's worker thread, never on the asyncio loop, so polls should stay
 fast while the engine is busy. The server runs with `--poll-hold-seconds 0`: a held GET
-(the default) would wait for the sample to finish instead of answering its status. Prints medians over repetitions and their ratio (busy / idle).
+(the default) would wait for the sample to finish instead of answering its status. Prints
+medians over repetitions and their ratio (busy / idle).
 
     python bench/poll_latency.py [--polls 40]
 """

@@ -12,7 +12,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
+from posttrain.api.arrivals import ArrivalsMiddleware
 from posttrain.api.routes import (
     checkpoints,
     dashboard,
@@ -22,6 +24,7 @@ from posttrain.api.routes import (
     payloads,
     sessions,
     supported_models,
+    whoami,
 )
 from posttrain.config import ServerConfig
 from posttrain.errors import (
@@ -45,6 +48,15 @@ STATUS = {
     Conflict: (422, "conflict_error"),
 }
 
+# ErrorData.type for the HTTP errors the framework raises itself: no such route (404), a route
+# without that method (405). Any other 4xx is invalid_request_error, any 5xx server_error.
+HTTP_KINDS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
 
 def error_response(status: int, kind: str, message: str, param: str | None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
@@ -61,6 +73,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             app.state.services.close()
 
     app = FastAPI(title="posttrain", lifespan=lifespan)
+    app.add_middleware(ArrivalsMiddleware)
 
     @app.exception_handler(posttrainError)
     async def handle_posttrain_error(request: Request, exc: posttrainError) -> JSONResponse:
@@ -76,6 +89,15 @@ def create_app(config: ServerConfig) -> FastAPI:
         location = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "header"))
         return error_response(400, "invalid_request_error", f"{location}: {first['msg']}", location)
 
+    @app.exception_handler(HTTPException)
+    async def handle_http(request: Request, exc: HTTPException) -> JSONResponse:
+        status = exc.status_code
+        kind = HTTP_KINDS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        response = error_response(status, kind, message, None)
+        response.headers.update(exc.headers or {})  # 405 carries Allow
+        return response
+
     for router in (
         supported_models.router,
         model_resources.router,
@@ -85,6 +107,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         checkpoints.router,
         dashboard.router,
         metrics.router,
+        whoami.router,
     ):
         app.include_router(router)
 

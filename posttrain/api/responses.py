@@ -19,6 +19,22 @@ from posttrain.types import (
     SessionRecord,
 )
 
+# The SDK 3.1.1 types pin gpu_type to literals (api.md 7.9): a ModelResources may say
+# "H100-80GB" or "B200-SXM" or nothing; a supported model's gpu_type and default_gpu_type must
+# say "B200-SXM". So gpu_type carries the nearest accepted literal, and `device` (an extra field,
+# which the SDK's models keep) carries the real device name.
+SUPPORTED_MODELS_GPU_TYPE = "B200-SXM"
+
+
+def resource_gpu_type(device: str) -> str | None:
+    """The ModelResources gpu_type literal naming `device`, or None where none does."""
+    name = device.upper()
+    if "B200" in name:
+        return "B200-SXM"
+    if "H100" in name and "80GB" in name:
+        return "H100-80GB"
+    return None
+
 
 def timestamp(epoch_s: float) -> str:
     """RFC 3339 in UTC with a Z suffix."""
@@ -38,13 +54,17 @@ def resource_json(r: ResourceRecord) -> dict[str, Any]:
     optimizer: dict[str, Any] = (
         {"adam": {}} if r.muon_scaling is None else {"muon": {"scaling_strategy": r.muon_scaling}}
     )
+    # ResourceRecord.gpu_type holds the device name the engine reported at creation.
+    compute: dict[str, Any] = {
+        "num_generator_replicas": r.num_generator_replicas,
+        "device": r.gpu_type,
+    }
+    if (gpu_type := resource_gpu_type(r.gpu_type)) is not None:
+        compute["gpu_type"] = gpu_type
     out: dict[str, Any] = {
         "id": r.id,
         "base_model": r.base_model,
-        "compute_config": {
-            "num_generator_replicas": r.num_generator_replicas,
-            "gpu_type": r.gpu_type,
-        },
+        "compute_config": compute,
         "created_at": timestamp(r.created_at),
         "created_by": r.created_by,
         "inactive_timeout": r.inactive_timeout,

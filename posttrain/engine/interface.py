@@ -33,6 +33,9 @@ class ModelInfo:
 
 
 class Engine(Protocol):
+    # The resolved device, never the `auto` of the config: `cpu`, or a CUDA product name.
+    def device_name(self) -> str: ...
+
     def model_info(self, base_model: str) -> ModelInfo: ...
 
     def load_resource(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
+from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.completion import CompletionWatch
 from posttrain.service.dashboard import DashboardService
@@ -46,6 +47,10 @@ class Services:
     dashboard: DashboardService
     metrics: MetricsService
     watch: CompletionWatch
+
+    @property
+    def arrivals(self) -> Arrivals:
+        return self.scheduler.arrivals
 
     def close(self) -> None:
         self.watch.close()

@@ -33,7 +33,6 @@ log = logging.getLogger("posttrain.resources")
 # How long create waits for the model to load before answering CREATING.
 READY_WAIT_S = 30.0
 MAX_INACTIVE_TIMEOUT_S = 86400
-GPU_TYPE_CPU = "CPU"
 
 
 class ResourceService:
@@ -49,9 +48,9 @@ class ResourceService:
     def supported_models(self) -> list[tuple[str, ModelInfo]]:
         return [(spec.id, self.engine.model_info(spec.id)) for spec in self.config.models]
 
-    def gpu_type(self) -> str:
-        device = self.config.engine.device
-        return GPU_TYPE_CPU if device == "cpu" else "auto" if device == "auto" else device.upper()
+    def device_name(self) -> str:
+        """The device the engine resolved (`cpu`, `NVIDIA H200`), not the configured `auto`."""
+        return self.engine.device_name()
 
     def create(
         self,
@@ -80,7 +79,7 @@ class ResourceService:
             status=ResourceStatus.CREATING,
             lora_enabled=lora_enabled,
             num_generator_replicas=num_generator_replicas,
-            gpu_type=self.gpu_type(),
+            gpu_type=self.device_name(),
             inactive_timeout=inactive_timeout,
             muon_scaling=muon_scaling,
         )

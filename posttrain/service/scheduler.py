@@ -22,6 +22,7 @@ from typing import Any
 
 from posttrain.engine.interface import Engine
 from posttrain.errors import InvalidRequest, NonFiniteLoss, SessionNotActive, posttrainError
+from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.publishing import PublishMailbox, is_deferred
@@ -84,12 +85,18 @@ class ResourceWorker:
         *,
         max_batch: int = 8,
         max_sample_rows: int = 256,
+        arriving: Callable[[], int] = int,
+        gather_s: float = 0.0,
     ) -> None:
         self._items: deque[_Item | None] = deque()
         self._ready = threading.Condition()
         self._run_batch = run_batch
         self._max_batch = max_batch
         self._max_sample_rows = max_sample_rows
+        # Sample POSTs of this resource's sessions still being received (service/arrivals.py),
+        # and how long a sample pass waits for them at most.
+        self._arriving = arriving
+        self._gather_s = gather_s
         self._busy_s = 0.0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -151,6 +158,8 @@ class ResourceWorker:
                     return
                 mates = []
                 if head.batchable is not None and self._run_batch is not None:
+                    if head.batchable.kind == OperationKind.SAMPLE:
+                        self._await_arrivals()
                     mates = self._take_batch_mates(head.batchable)
             started = time.monotonic()
             try:
@@ -158,6 +167,13 @@ class ResourceWorker:
             finally:
                 with self._ready:
                     self._busy_s += time.monotonic() - started
+
+    def _await_arrivals(self) -> None:
+        """Caller holds the lock. Wait while sample submissions are arriving, up to gather_s;
+        the 2 ms re-check catches a submission that ended without queueing (a 400)."""
+        deadline = time.monotonic() + self._gather_s
+        while self._arriving() > 0 and (left := deadline - time.monotonic()) > 0:
+            self._ready.wait(min(left, 0.002))
 
     def _run(self, head: _Item, mates: list[_Item]) -> None:
         if not mates:
@@ -192,10 +208,19 @@ def _error_code(exc: BaseException) -> OperationErrorCode:
 
 class Scheduler:
     def __init__(
-        self, repo: Repo, engine: Engine, *, checkpoints: CheckpointService | None = None
+        self,
+        repo: Repo,
+        engine: Engine,
+        *,
+        checkpoints: CheckpointService | None = None,
+        arrivals: Arrivals | None = None,
+        sample_gather_s: float = 0.2,
     ) -> None:
         self.repo = repo
         self.engine = engine
+        self.arrivals = arrivals or Arrivals()
+        self.sample_gather_s = sample_gather_s
+        self._resource_of_session: dict[str, str] = {}
         # None only where no checkpoint operation is ever submitted (tests with a fake engine).
         self.checkpoints = checkpoints
         self._workers: dict[str, ResourceWorker] = {}
@@ -221,8 +246,16 @@ class Scheduler:
                 self._workers[resource_id] = ResourceWorker(
                     f"worker-{resource_id}",
                     lambda group, rid=resource_id: self._execute_batch(rid, group),
+                    arriving=lambda rid=resource_id: self._arriving(rid),
+                    gather_s=self.sample_gather_s,
                 )
             return self._workers[resource_id]
+
+    def _arriving(self, resource_id: str) -> int:
+        """Sample submissions being received for sessions of this resource; a session never
+        queued before counts for every resource (its resource is not known here yet)."""
+        resource_of = self._resource_of_session
+        return self.arrivals.count(lambda sid: resource_of.get(sid, resource_id) == resource_id)
 
     def run_job(self, resource_id: str, job: Job) -> Future:
         """Run a non-operation job (load, session setup, teardown) in the resource's order."""
@@ -241,6 +274,7 @@ class Scheduler:
         op = self.repo.get_operation(operation_id)
         assert op is not None, f"operation {operation_id} was not recorded before enqueue"
         worker = self.worker(resource_id)
+        self._resource_of_session[op.session_id] = resource_id
         with self._enqueue_lock:
             if is_deferred(op.kind, request):
                 self.mailbox.post(resource_id, op, request.weight_sync_type)
@@ -301,28 +335,39 @@ class Scheduler:
         sessions, or sample operations of any sessions); each completes or fails on its own."""
         try:
             ready: list[tuple[OperationRecord, Batchable]] = []
+            stopped: list[tuple[OperationRecord, BaseException]] = []
+            sessions: dict[str, SessionRecord | None] = {}
             for item in group:
                 op = self.repo.get_operation(item.operation_id)
                 assert op is not None, f"queued operation {item.operation_id} vanished"
                 if op.status != OperationStatus.PENDING:
                     continue
-                session = self.repo.get_session(op.session_id)
+                if op.session_id not in sessions:
+                    sessions[op.session_id] = self.repo.get_session(op.session_id)
+                session = sessions[op.session_id]
                 assert session is not None, f"operation {op.id} has no session"
                 if session.status != SessionStatus.RUNNING:
                     error = SessionNotActive(f"session {session.id} is {session.status}")
-                    self._finish(op, error=error)
+                    stopped.append((op, error))
                     continue
-                ready.append((self._set(op, status=OperationStatus.RUNNING), item))
+                ready.append((op, item))
+            self._finish_all(stopped)
             if not ready:
                 return
+            # One store transaction marks the group RUNNING, and one records its outcomes.
+            now = time.time()
+            ready = [
+                (dataclasses.replace(op, status=OperationStatus.RUNNING, updated_at=now), item)
+                for op, item in ready
+            ]
+            self.repo.put_operations([op for op, _ in ready])
             started = time.monotonic()
             kind = group[0].kind
             try:
                 outcomes = self._shared_pass(resource_id, kind, [item for _, item in ready])
             except Exception as exc:  # noqa: BLE001 - the operation boundary, for the group
                 log.exception("shared %s pass failed", kind)
-                for op, _ in ready:
-                    self._finish(op, error=exc)
+                self._finish_all([(op, exc) for op, _ in ready])
                 return
             if len(ready) > 1:
                 self.metrics.shared_pass(len(ready))
@@ -330,12 +375,11 @@ class Scheduler:
                 "%d %s operations in one pass, %.3fs", len(ready), kind, time.monotonic() - started
             )
             for (op, item), outcome in zip(ready, outcomes, strict=True):
-                if isinstance(outcome, Exception):
-                    self._finish(op, error=outcome)
-                    continue
-                output = outcome
-                self.metrics.count_tokens(op.kind, item.request, output)
-                self._finish(op, output=output)
+                if not isinstance(outcome, Exception):
+                    self.metrics.count_tokens(op.kind, item.request, outcome)
+            self._finish_all(
+                [(op, outcome) for (op, _), outcome in zip(ready, outcomes, strict=True)]
+            )
         finally:
             for item in group:
                 item.done()
@@ -366,21 +410,42 @@ class Scheduler:
     def _finish(
         self, op: OperationRecord, *, output: dict | None = None, error: BaseException | None = None
     ) -> None:
-        if error is None:
-            self._set(op, status=OperationStatus.COMPLETED, output=output)
-        else:
-            message = (
-                error.message
-                if isinstance(error, posttrainError)
-                else f"{type(error).__name__}: {error}"
-            )
-            self._set(
-                op,
-                status=OperationStatus.FAILED,
-                error_code=_error_code(error),
-                error_message=message,
-            )
-        self.metrics.operation_finished(op, is_failed=error is not None)
+        self._finish_all([(op, output if error is None else error)])
+
+    def _finish_all(
+        self, outcomes: list[tuple[OperationRecord, dict | None | BaseException]]
+    ) -> None:
+        """Record each operation COMPLETED with its output or FAILED with its error's code, in
+        one store transaction."""
+        if not outcomes:
+            return
+        now = time.time()
+        finished = []
+        for op, outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                message = (
+                    outcome.message
+                    if isinstance(outcome, posttrainError)
+                    else f"{type(outcome).__name__}: {outcome}"
+                )
+                finished.append(
+                    dataclasses.replace(
+                        op,
+                        status=OperationStatus.FAILED,
+                        updated_at=now,
+                        error_code=_error_code(outcome),
+                        error_message=message,
+                    )
+                )
+            else:
+                finished.append(
+                    dataclasses.replace(
+                        op, status=OperationStatus.COMPLETED, updated_at=now, output=outcome
+                    )
+                )
+        self.repo.put_operations(finished)
+        for op, outcome in outcomes:
+            self.metrics.operation_finished(op, is_failed=isinstance(outcome, BaseException))
 
     # ------------------------------------------------------------ one runner per kind
 

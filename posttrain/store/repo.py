@@ -210,8 +210,7 @@ class Repo:
         self, session_id: str, kind: OperationKind, idempotency_key: str
     ) -> OperationRecord | None:
         rows = self._query(
-            "SELECT data FROM operations WHERE session_id = ? AND kind = ?"
-            " AND idempotency_key = ?",
+            "SELECT data FROM operations WHERE session_id = ? AND kind = ? AND idempotency_key = ?",
             (session_id, kind.value, idempotency_key),
         )
         return from_dict(OperationRecord, json.loads(rows[0][0])) if rows else None
@@ -223,6 +222,24 @@ class Repo:
         )
         for listener in self._operation_listeners:
             listener(op)
+
+    def put_operations(self, ops: list[OperationRecord]) -> None:
+        """Several operation updates in one transaction (a shared pass's operations start and
+        finish together: one commit, not one per operation)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "UPDATE operations SET status = ?, data = ? WHERE id = ?",
+                    [(op.status.value, to_json(op), op.id) for op in ops],
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        for op in ops:
+            for listener in self._operation_listeners:
+                listener(op)
 
     def get_operation(self, operation_id: str) -> OperationRecord | None:
         rows = self._query("SELECT data FROM operations WHERE id = ?", (operation_id,))

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import page, resource_json
-from posttrain.api.schemas.sessions import ExtendExpiryIn, ResourceCreateIn
+from posttrain.api.schemas.sessions import ExtendExpiryIn, ResourceCreateIn, status_filter
+from posttrain.types import ResourceStatus
 
 router = APIRouter(prefix="/v1/rl/model-resources")
 
 DEFAULT_INACTIVE_TIMEOUT_S = 3600
-
-
-def split_statuses(status: str | None) -> set[str] | None:
-    """Comma format (api.md 0.4)."""
-    return None if not status else {s for s in status.split(",") if s}
 
 
 @router.post("")
@@ -28,6 +24,7 @@ def create(
     user: UserDep,
 ) -> dict[str, Any]:
     request = parse(ResourceCreateIn, body)
+    request.check_supported()
     compute = request.compute_config
     replicas = (
         1
@@ -57,6 +54,7 @@ def estimate_cost(
     user: UserDep,
 ) -> dict[str, Any]:
     request = parse(ResourceCreateIn, body)
+    request.check_supported()
     if request.inactive_timeout is not None:
         svc.resources.check_inactive_timeout(request.inactive_timeout)
     # Self-hosted: the hardware is already paid for.
@@ -68,12 +66,12 @@ def list_resources(
     *,
     after: str | None = None,
     limit: int = Query(20, ge=1, le=100),
-    status: str | None = None,
+    status: Annotated[list[str] | None, Query()] = None,
     created_by: str | None = None,
     svc: ServicesDep,
     user: UserDep,
 ) -> dict[str, Any]:
-    records = svc.resources.list(user, split_statuses(status))
+    records = svc.resources.list(user, status_filter(status, ResourceStatus))
     if created_by not in (None, "me", user):
         records = []
     return page([resource_json(r) for r in records], limit=limit, after=after)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import page, session_json
-from posttrain.api.routes.model_resources import split_statuses
-from posttrain.api.schemas.sessions import SessionCreateIn, SessionUpdateIn
+from posttrain.api.schemas.sessions import SessionCreateIn, SessionUpdateIn, status_filter
 from posttrain.errors import InvalidRequest
+from posttrain.types import SessionStatus
 
 router = APIRouter(prefix="/v1/rl/training-sessions")
 
@@ -50,14 +50,14 @@ def list_sessions(
     *,
     after: str | None = None,
     limit: int = Query(20, ge=1, le=100),
-    status: str | None = None,
+    status: Annotated[list[str] | None, Query()] = None,
     model_resources_id: str | None = None,
     created_by: str | None = None,
     svc: ServicesDep,
     user: UserDep,
 ) -> dict[str, Any]:
     records = svc.sessions.list(
-        user, resource_id=model_resources_id, statuses=split_statuses(status)
+        user, resource_id=model_resources_id, statuses=status_filter(status, SessionStatus)
     )
     if created_by not in (None, "me", user):
         records = []

@@ -5,14 +5,29 @@ Imports: api.schemas.wire, types, errors.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import Field
 
 from posttrain.api.schemas.wire import Int64, Wire
-from posttrain.errors import InvalidRequest
+from posttrain.errors import InvalidRequest, Unsupported
 from posttrain.types import (
     LoraConfig,
     MuonScaling,
 )
+
+
+def status_filter(values: list[str] | None, statuses: type[StrEnum]) -> set[str] | None:
+    """A list endpoint's `status` query: comma lists, repeated keys too (api.md 0.4); None when
+    absent (every status). An unknown value is a 400, not an empty page."""
+    wanted = {part for value in values or () for part in value.split(",") if part}
+    known = {status.value for status in statuses}
+    if unknown := sorted(wanted - known):
+        raise InvalidRequest(
+            f"status: unknown value {unknown[0]!r}; known: {', '.join(sorted(known))}",
+            param="status",
+        )
+    return wanted or None
 
 
 class ComputeConfigIn(Wire):
@@ -37,6 +52,15 @@ class ResourceCreateIn(Wire):
     inactive_timeout: int | None = None
     lora_enabled: bool | None = None
     optimizer_config: OptimizerConfigIn | None = None
+
+    def check_supported(self) -> None:
+        """Refuse what this server cannot honour rather than drop it (api.md 7.20)."""
+        if self.base_weights_ref is not None:
+            raise Unsupported(
+                "base_weights_ref: this server has no model registry to resolve it from;"
+                " omit it to train the base model's own weights",
+                param="base_weights_ref",
+            )
 
     def muon_scaling(self) -> MuonScaling | None:
         config = self.optimizer_config

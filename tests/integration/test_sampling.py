@@ -8,6 +8,7 @@ import uuid
 
 import httpx
 import pytest
+from conftest import ServerProcess
 from helpers import API_KEY, BASE_MODEL, low_level, open_session, sft_sample
 from together import BadRequestError
 from together.post_training import ModelResourcesClient
@@ -43,6 +44,19 @@ def train_one_step(session, tokens: list[int]) -> None:
     session.trainer.optim_step(
         adam_params={"learning_rate": 5e-2, "weight_decay": 0.0}, interval=FAST
     )
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory):
+    """These tests watch a sample while it runs (weights-sync modes land between or inside
+    generations), so their server answers operation GETs at once instead of holding them."""
+    directory = tmp_path_factory.mktemp("sampling")
+    proc = ServerProcess(
+        directory / "data", directory / "server.log", extra_args=("--poll-hold-seconds", "0")
+    )
+    proc.start()
+    yield proc
+    proc.stop()
 
 
 def start_long_greedy_sample(base_url: str, session_id: str, prompt: list[int]):

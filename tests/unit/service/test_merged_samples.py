@@ -210,3 +210,40 @@ def test_batch_mates_follow_each_sessions_order_and_the_row_limit():
     # What stayed runs later in queue order: b1 (its own kind), then b2 with c1 and c2.
     flat = [op for group in passes for op in group]
     assert flat.index("b2") < flat.index("c1") < flat.index("c2")
+
+
+def test_a_sample_pass_waits_for_arriving_submissions_and_not_past_the_limit():
+    passes: list[list[str]] = []
+    queued: list = []
+    calls = {"n": 0}
+
+    def arriving() -> int:
+        # Called by the worker while it waits (under its re-entrant lock): the first call lets
+        # one more sample "arrive" and reports it in flight; later calls report none.
+        calls["n"] += 1
+        if calls["n"] == 1:
+            queued.append(worker.submit(lambda: None, _batchable(OperationKind.SAMPLE, "B", "b")))
+            return 1
+        return 0
+
+    worker = ResourceWorker(
+        "test-worker",
+        lambda group: passes.append([b.operation_id for b in group]),
+        arriving=arriving,
+        gather_s=60.0,
+    )
+    worker.submit(lambda: None, _batchable(OperationKind.SAMPLE, "A", "a")).result(timeout=60)
+    for future in queued:
+        future.result(timeout=60)
+    assert passes == [["a", "b"]]
+
+    # Submissions that never finish arriving delay a pass by gather_s at most.
+    stuck = ResourceWorker(
+        "test-worker-2",
+        lambda group: passes.append([b.operation_id for b in group]),
+        arriving=lambda: 1,
+        gather_s=0.05,
+    )
+    stuck.submit(lambda: None, _batchable(OperationKind.SAMPLE, "C", "c")).result(timeout=60)
+    stuck.close()
+    worker.close()

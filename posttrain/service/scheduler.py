@@ -47,6 +47,9 @@ log = logging.getLogger("posttrain.scheduler")
 
 Job = Callable[[], Any]
 
+# How long no sample submission must have been arriving before a waiting sample pass starts.
+ARRIVAL_LULL_S = 0.005
+
 
 @dataclass(frozen=True)
 class Batchable:
@@ -169,11 +172,23 @@ class ResourceWorker:
                     self._busy_s += time.monotonic() - started
 
     def _await_arrivals(self) -> None:
-        """Caller holds the lock. Wait while sample submissions are arriving, up to gather_s;
-        the 2 ms re-check catches a submission that ended without queueing (a 400)."""
-        deadline = time.monotonic() + self._gather_s
-        while self._arriving() > 0 and (left := deadline - time.monotonic()) > 0:
-            self._ready.wait(min(left, 0.002))
+        """Caller holds the lock. While sample submissions are arriving, wait (up to gather_s)
+        until none has been for ARRIVAL_LULL_S: a burst's POSTs reach the server over several
+        connections, and the count can touch zero between two of them. The short re-check
+        interval also catches a submission that ended without queueing (a 400). A loop that
+        submits one operation at a time finds nothing arriving and never waits."""
+        if self._arriving() == 0:
+            return
+        now = time.monotonic()
+        deadline, quiet_since = now + self._gather_s, None
+        while (now := time.monotonic()) < deadline:
+            if self._arriving() > 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= ARRIVAL_LULL_S:
+                return
+            self._ready.wait(min(deadline - now, 0.001))
 
     def _run(self, head: _Item, mates: list[_Item]) -> None:
         if not mates:
@@ -214,7 +229,7 @@ class Scheduler:
         *,
         checkpoints: CheckpointService | None = None,
         arrivals: Arrivals | None = None,
-        sample_gather_s: float = 0.2,
+        sample_gather_s: float = 0.5,
     ) -> None:
         self.repo = repo
         self.engine = engine

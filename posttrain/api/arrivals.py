@@ -1,5 +1,6 @@
 """ASGI middleware: each sample POST counts as arriving (service/arrivals.py) from the moment
-its request is received until its response starts, which is after its operation was queued.
+its request is received until its operation is queued (or its response starts, for a request
+refused with a 4xx).
 
 Imports: service (through the app's state).
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import re
 from typing import Any
+
+from posttrain.service.arrivals import CURRENT_ARRIVAL
 
 SAMPLE_POST = re.compile(r"^/v1/rl/training-sessions/([^/:]+)(?::sample|/operations/sample)$")
 
@@ -24,19 +27,18 @@ class ArrivalsMiddleware:
         if services is None:
             await self.app(scope, receive, send)
             return
-        arriving = services.arrivals.arriving(match.group(1))  # type: ignore[union-attr]
-        arriving.__enter__()
-        done = False
+        arrival = services.arrivals.start(match.group(1))  # type: ignore[union-attr]
+        # Seen by the handler's worker thread (the context is copied there): the scheduler
+        # ends the arrival once the operation is queued.
+        reset = CURRENT_ARRIVAL.set(arrival)
 
-        async def send_and_release(message: dict) -> None:
-            nonlocal done
-            if message["type"] == "http.response.start" and not done:
-                done = True
-                arriving.__exit__(None, None, None)
+        async def send_and_end(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                arrival.done()
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_release)
+            await self.app(scope, receive, send_and_end)
         finally:
-            if not done:
-                arriving.__exit__(None, None, None)
+            arrival.done()
+            CURRENT_ARRIVAL.reset(reset)

@@ -22,7 +22,7 @@ from typing import Any
 
 from posttrain.engine.interface import Engine
 from posttrain.errors import InvalidRequest, NonFiniteLoss, SessionNotActive, posttrainError
-from posttrain.service.arrivals import Arrivals
+from posttrain.service.arrivals import Arrivals, end_current_arrival
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.publishing import PublishMailbox, is_deferred
@@ -314,6 +314,7 @@ class Scheduler:
                 rows = len(request.prompts) * request.num_samples
                 batchable = Batchable(op.kind, op.session_id, operation_id, request, done, rows)
             worker.submit(job, batchable)
+        end_current_arrival()
 
     def close(self) -> None:
         with self._lock:

@@ -15,12 +15,11 @@ import math
 
 import pytest
 import torch
+from test_losses import POLICY_IDS, POLICY_LOSSES  # the same seven policy-loss settings
 from torch import Tensor
 
 from posttrain.engine.losses import LOSSES, LossBatch, LossOutput
 from posttrain.types import (
-    CispoParams,
-    DppoParams,
     DroParams,
     GrpoAggregation,
     GrpoParams,
@@ -40,17 +39,6 @@ A = [[0.0, 0.0, 1.0, -0.5, 2.0], [0.0, 0.8, -1.0]]
 REF = [[-4.4, -4.0, -0.4, -1.1, -0.5], [-5.0, -0.9, -1.3]]
 COMPLETION = [[0, 0, 1, 1, 1], [0, 1, 1]]
 EVERY = [[1] * 5, [1] * 3]
-
-POLICY_LOSSES = [
-    (LossType.IMPORTANCE_SAMPLING, None),
-    (LossType.PPO, PpoParams()),
-    (LossType.CISPO, CispoParams(0.7, 1.5)),
-    (LossType.DRO, DroParams(beta=0.3)),
-    (LossType.DPPO, DppoParams(0.1, 0.15)),
-    (LossType.GRPO, GrpoParams(beta=0.1, ratio_type=GrpoRatioType.TOKEN)),
-    (LossType.GRPO, GrpoParams(beta=0.1, ratio_type=GrpoRatioType.SEQUENCE)),
-]
-POLICY_IDS = ["is", "ppo", "cispo", "dro", "dppo", "grpo-token", "grpo-sequence"]
 
 
 def padded(rows: list[list], fill: float = 0.0, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -6,56 +6,21 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from inprocess import USER, open_session, ready_resource, services_fixture  # noqa: F401
 
-from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
+from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.errors import InvalidRequest
-from posttrain.service import Services, build_services
+from posttrain.service import Services
 from posttrain.types import (
     OperationKind,
     OperationRecord,
     OperationStatus,
-    ResourceRecord,
     ResourceStatus,
     SessionErrorCode,
-    SessionRecord,
     SessionStatus,
 )
-
-USER = "user_local"
-
-
-@pytest.fixture
-def services(tmp_path: Path) -> Iterator[Services]:
-    config = ServerConfig(data_dir=tmp_path, engine=EngineConfig(device="cpu"))
-    built = build_services(config)
-    yield built
-    built.close()
-
-
-def ready_resource(services: Services) -> ResourceRecord:
-    return services.resources.create(
-        USER,
-        base_model=BUILTIN_MODEL_ID,
-        lora_enabled=True,
-        num_generator_replicas=1,
-        inactive_timeout=300,
-        muon_scaling=None,
-    )
-
-
-def open_session(services: Services, resource_id: str) -> SessionRecord:
-    return services.sessions.create(
-        USER,
-        resource_id=resource_id,
-        lora=None,
-        display_name=None,
-        metadata={},
-        resume_from_checkpoint_id=None,
-    )
 
 
 def make_due(services: Services, resource_id: str) -> None:

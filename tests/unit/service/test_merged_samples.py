@@ -6,13 +6,11 @@ everything is queued, so what merges is decided by the queue, not by timing."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from inprocess import USER, open_session, ready_resource, services_fixture  # noqa: F401
 
-from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
-from posttrain.service import Services, build_services
+from posttrain.service import Services
 from posttrain.service.scheduler import Batchable, ResourceWorker
 from posttrain.types import (
     OperationKind,
@@ -22,33 +20,10 @@ from posttrain.types import (
     SamplingParams,
 )
 
-USER = "user_local"
-
-
-@pytest.fixture
-def services(tmp_path: Path) -> Iterator[Services]:
-    built = build_services(ServerConfig(data_dir=tmp_path, engine=EngineConfig(device="cpu")))
-    yield built
-    built.close()
-
 
 def session_on_new_resource(services: Services) -> tuple[str, str]:
-    resource = services.resources.create(
-        USER,
-        base_model=BUILTIN_MODEL_ID,
-        lora_enabled=True,
-        num_generator_replicas=1,
-        inactive_timeout=300,
-        muon_scaling=None,
-    )
-    session = services.sessions.create(
-        USER,
-        resource_id=resource.id,
-        lora=None,
-        display_name=None,
-        metadata={},
-        resume_from_checkpoint_id=None,
-    )
+    resource = ready_resource(services)
+    session = open_session(services, resource.id)
     services.scheduler.run_job(resource.id, lambda: None).result(timeout=60)
     return resource.id, session.id
 

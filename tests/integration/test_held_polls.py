@@ -103,9 +103,11 @@ def test_a_held_get_answers_the_current_status_once_the_hold_passes(short_hold):
         )
         # Queued behind seconds of sampling, the forward-backward is still PENDING after the
         # 1 s hold: the GET answers that, and the client polls again.
-        assert client.get(op_url(sid, "forward-backward", quick["id"])).json()["status"] == (
-            "TRAINING_OPERATION_STATUS_PENDING"
-        )
+        first = client.get(op_url(sid, "forward-backward", quick["id"]))
+        assert first.json()["status"] == "TRAINING_OPERATION_STATUS_PENDING"
+        # A held GET closes its connection (a client's pool then keeps one connection per
+        # operation in flight, not two); an answer at once keeps it alive.
+        assert first.headers["connection"] == "close"
         # Held GETs until it is done: every answer is a status, the last one COMPLETED.
         for _ in range(600):
             status = client.get(op_url(sid, "forward-backward", quick["id"])).json()["status"]
@@ -113,7 +115,9 @@ def test_a_held_get_answers_the_current_status_once_the_hold_passes(short_hold):
                 break
         assert status == "TRAINING_OPERATION_STATUS_COMPLETED"
         for op in heavy:  # finished before it, in submission order
-            assert client.get(op_url(sid, "sample", op["id"])).json()["status"] == status
+            answer = client.get(op_url(sid, "sample", op["id"]))
+            assert answer.json()["status"] == status
+            assert answer.headers.get("connection") != "close"
         # A terminal operation's GET is not held: it answers at once whatever the hold.
         assert operation_gets(short_hold.log(), heavy[0]["id"]) == 1
 

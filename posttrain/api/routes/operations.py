@@ -137,11 +137,13 @@ async def retrieve_operation(
         return svc.operations.get(user, session_id, op_kind, operation_id)
 
     hold = svc.config.poll_hold_seconds
+    held = False
     # Registered before the first read: a completion between read and wait still wakes it.
     done = svc.watch.watch(operation_id)
     try:
         op = await run_in_threadpool(read)
         if op.status not in OPERATION_TERMINAL and hold > 0:
+            held = True
             try:
                 await asyncio.wait_for(done.wait(), timeout=hold)
             except TimeoutError:
@@ -149,4 +151,12 @@ async def retrieve_operation(
             op = await run_in_threadpool(read)
     finally:
         svc.watch.forget(operation_id, done)
-    return await run_in_threadpool(rendered, op)
+    response = await run_in_threadpool(rendered, op)
+    if held:
+        # A client with many operations in flight holds a connection per held GET besides
+        # those of its POSTs, and httpx's pool (the SDK's client) scans every idle connection
+        # on each request and response: measured, 64 concurrent one-sample SDK operations
+        # took 1.7-2.4 s with the connections kept and 0.5-0.7 s with held GETs closing theirs
+        # (docs/benchmarks.md). A new loopback connection costs well under a millisecond.
+        response.headers["Connection"] = "close"
+    return response

@@ -1,6 +1,6 @@
 """ASGI middleware: each sample POST counts as arriving (service/arrivals.py) from the moment
-its request is received until its operation is queued (or its response starts, for a request
-refused with a 4xx).
+its request is received until its operation is queued (or, for a request refused with a 4xx,
+until it is answered).
 
 Imports: service (through the app's state).
 """
@@ -31,14 +31,8 @@ class ArrivalsMiddleware:
         # Seen by the handler's worker thread (the context is copied there): the scheduler
         # ends the arrival once the operation is queued.
         reset = CURRENT_ARRIVAL.set(arrival)
-
-        async def send_and_end(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                arrival.done()
-            await send(message)
-
         try:
-            await self.app(scope, receive, send_and_end)
+            await self.app(scope, receive, send)
         finally:
             arrival.done()
             CURRENT_ARRIVAL.reset(reset)

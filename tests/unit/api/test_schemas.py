@@ -492,3 +492,45 @@ def test_bad_custom_forward_backward_bodies_name_the_field():
         rejected({"samples": [seed_without_targets], "gradients": [{"data": [0] * 4}]}, custom=True)
         == "samples[0].loss_inputs.target_tokens"
     )
+
+
+# ---------------------------------------------------------------- the C fast paths (issue 11)
+
+
+def test_token_lists_in_every_accepted_form_give_the_same_request():
+    """Plain JSON integers take the whole-list check; strings and integral floats the per-item
+    conversion; both give the same domain request."""
+    weights = {"weights": tensor([0.0, 1.0, 1.0, 1.0], "float32")}
+    plain = fb({"samples": [new_sample(**weights)], "loss": {"type": "LOSS_TYPE_CROSS_ENTROPY"}})
+    mixed = new_sample(**weights)
+    mixed["model_input"]["chunks"][0]["encoded_text"]["tokens"] = ["5", 6.0, 7, " 8"]
+    other = fb({"samples": [mixed], "loss": {"type": "LOSS_TYPE_CROSS_ENTROPY"}})
+    assert other == plain
+    assert plain.samples[0].tokens == tuple(TOKENS)
+
+
+@pytest.mark.parametrize("bad", [True, 6.5, "six", None])
+def test_a_bad_token_is_refused_naming_the_field_and_its_index(bad):
+    sample = new_sample(weights=tensor([1.0] * 4, "float32"))
+    sample["model_input"]["chunks"][0]["encoded_text"]["tokens"] = [5, bad, 7, 8]
+    with pytest.raises(InvalidRequest) as info:
+        fb({"samples": [sample], "loss": {"type": "LOSS_TYPE_CROSS_ENTROPY"}})
+    param = info.value.param or ""
+    assert param.startswith("samples[0].model_input.chunks[0].encoded_text.tokens")
+    # The index of the bad token, in the message or (pydantic's own check) in the param.
+    assert "[1]: expected an integer" in info.value.message or param.endswith("tokens[1]")
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [([1.0, float("inf"), 0.0, 1.0], "not finite"), ([1.0, "x", 0.0, 1.0], "not a number")],
+)
+def test_bad_numbers_take_the_loop_that_names_the_index(values, problem):
+    with pytest.raises(InvalidRequest) as info:
+        fb(
+            {
+                "samples": [new_sample(weights=tensor(values, "float32"))],
+                "loss": {"type": "LOSS_TYPE_CROSS_ENTROPY"},
+            }
+        )
+    assert f"[1] is {problem}" in info.value.message

@@ -34,6 +34,13 @@ class ServerProcess:
     process: subprocess.Popen | None = None
     port: int = 0
 
+    @classmethod
+    def started(cls, directory: Path, *extra_args: str) -> ServerProcess:
+        """A server over directory/data, logging to directory/server.log, already running."""
+        proc = cls(directory / "data", directory / "server.log", tuple(extra_args))
+        proc.start()
+        return proc
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"

@@ -28,10 +28,7 @@ TG = Path(sys.executable).with_name("tg")  # the SDK's console script, in the te
 def auto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One server for the module, on `--device auto` (the flag that used to leak into gpu_type)."""
     directory = tmp_path_factory.mktemp("conformance")
-    proc = ServerProcess(
-        directory / "data", directory / "server.log", extra_args=("--device", "auto")
-    )
-    proc.start()
+    proc = ServerProcess.started(directory, "--device", "auto")
     yield proc
     proc.stop()
 

@@ -30,8 +30,7 @@ QUEUED_WORK_S = 6.0
 def expiring_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("expiry")
     flags = ("--min-inactive-timeout-s", "1", "--expiry-check-interval-s", str(CHECK_INTERVAL_S))
-    proc = ServerProcess(directory / "data", directory / "server.log", extra_args=flags)
-    proc.start()
+    proc = ServerProcess.started(directory, *flags)
     yield proc
     proc.stop()
 

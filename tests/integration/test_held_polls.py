@@ -27,11 +27,7 @@ HEAVY = {
 
 
 def server_with_hold(tmp_path: Path, seconds: float) -> ServerProcess:
-    proc = ServerProcess(
-        tmp_path / "data", tmp_path / "server.log", extra_args=("--poll-hold-seconds", str(seconds))
-    )
-    proc.start()
-    return proc
+    return ServerProcess.started(tmp_path, "--poll-hold-seconds", str(seconds))
 
 
 def post(client: httpx.Client, session_id: str, kind: str, body: dict) -> dict:

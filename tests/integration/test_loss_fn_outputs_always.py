@@ -26,8 +26,7 @@ ADVANTAGES = [1.0, -1.0, 0.5, -0.5]  # one per sampled sequence, as group-centre
 def always_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("loss-fn-outputs-always")
     flags = ("--loss-fn-outputs", "always")
-    proc = ServerProcess(directory / "data", directory / "server.log", extra_args=flags)
-    proc.start()
+    proc = ServerProcess.started(directory, *flags)
     yield proc
     proc.stop()
 

@@ -32,8 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     keys = directory / "keys"
     keys.write_text(f"# test users\n{ALICE} user_alice\n{BOB} user_bob\n")
     flags = ("--keys-file", str(keys), "--api-key", LOCAL)
-    proc = ServerProcess(directory / "data", directory / "server.log", extra_args=flags)
-    proc.start()
+    proc = ServerProcess.started(directory, *flags)
     yield proc
     proc.stop()
 

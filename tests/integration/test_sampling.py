@@ -51,10 +51,7 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory):
     """These tests watch a sample while it runs (weights-sync modes land between or inside
     generations), so their server answers operation GETs at once instead of holding them."""
     directory = tmp_path_factory.mktemp("sampling")
-    proc = ServerProcess(
-        directory / "data", directory / "server.log", extra_args=("--poll-hold-seconds", "0")
-    )
-    proc.start()
+    proc = ServerProcess.started(directory, "--poll-hold-seconds", "0")
     yield proc
     proc.stop()
 

@@ -90,7 +90,9 @@ def policy_inclusion(batch: LossBatch) -> Tensor:
     return batch.valid_ST
 
 
-def policy_positions(batch: LossBatch) -> Tensor:
+def policy_positions(
+    batch: LossBatch, included_ST: Tensor, sampler_ST: Tensor, advantages_ST: Tensor
+) -> Tensor:
     """Positions a policy loss's metrics count (valid_tokens:sum and every token mean).
 
     With weights or mask: the inclusion m. With neither, every position is in the loss
@@ -101,13 +103,11 @@ def policy_positions(batch: LossBatch) -> Tensor:
     and ratio, and its length as valid_tokens. So here a position counts when its sampler
     logprob or its advantage is non-zero. A sampled token's logprob is exactly 0 only when its
     probability rounds to 1 in float32; such a token still counts wherever its advantage is
-    non-zero.
+    non-zero. `included_ST` is `policy_inclusion(batch)`; sampler_ST and advantages_ST are the
+    request's q and A.
     """
-    included_ST = policy_inclusion(batch)
     if batch.weights_ST is not None or batch.mask_ST is not None:
         return included_ST
-    sampler_ST = _require(batch.sampler_logprobs_ST, "logprobs")
-    advantages_ST = _require(batch.advantages_ST, "advantages")
     return included_ST & ((sampler_ST != 0) | (advantages_ST != 0))
 
 
@@ -138,7 +138,7 @@ def _policy_inputs(
     advantages_ST = _require(batch.advantages_ST, "advantages")
     return (
         included_ST,
-        policy_positions(batch),
+        policy_positions(batch, included_ST, sampler_ST, advantages_ST),
         _select(included_ST, logprobs_ST),
         _select(included_ST, sampler_ST),
         _select(included_ST, advantages_ST),

@@ -145,8 +145,9 @@ class MetricsService:
         repo: Repo,
         operations: OperationMetrics,
         queue_depth: Callable[[], int],
-        busy_seconds: Callable[[], dict[str, float]] = dict,
-        held_polls: Callable[[], int] = int,
+        *,
+        busy_seconds: Callable[[], dict[str, float]],
+        held_polls: Callable[[], int],
     ):
         self.repo = repo
         self.operations = operations

@@ -199,12 +199,10 @@ class Repo:
                 )
                 return op
             except sqlite3.IntegrityError:
-                rows = self._db.execute(
-                    "SELECT data FROM operations WHERE session_id = ? AND kind = ?"
-                    " AND idempotency_key = ?",
-                    (op.session_id, op.kind.value, op.idempotency_key),
-                ).fetchall()
-        return from_dict(OperationRecord, json.loads(rows[0][0]))
+                pass  # the key is taken; operations are never deleted, so it is still there
+        stored = self.find_operation(op.session_id, op.kind, op.idempotency_key)
+        assert stored is not None, f"Idempotency-Key {op.idempotency_key!r} vanished"
+        return stored
 
     def find_operation(
         self, session_id: str, kind: OperationKind, idempotency_key: str
@@ -216,12 +214,7 @@ class Repo:
         return from_dict(OperationRecord, json.loads(rows[0][0])) if rows else None
 
     def put_operation(self, op: OperationRecord) -> None:
-        self._execute(
-            "UPDATE operations SET status = ?, data = ? WHERE id = ?",
-            (op.status.value, to_json(op), op.id),
-        )
-        for listener in self._operation_listeners:
-            listener(op)
+        self.put_operations([op])
 
     def put_operations(self, ops: list[OperationRecord]) -> None:
         """Several operation updates in one transaction (a shared pass's operations start and

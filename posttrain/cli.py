@@ -20,7 +20,7 @@ from posttrain.config import (
     model_spec_from_path,
 )
 from posttrain.demo.command import add_demo_arguments, run_demo_command
-from posttrain.errors import InvalidRequest
+from posttrain.errors import ConfigError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -123,6 +123,6 @@ def main(argv: list[str] | None = None) -> None:
             serve(args)
         elif args.command == "demo":
             run_demo_command(args)
-    except InvalidRequest as exc:
+    except ConfigError as exc:
         print(f"posttrain: {exc.message}", file=sys.stderr)
         sys.exit(2)

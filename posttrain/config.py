@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from posttrain.errors import InvalidRequest
+from posttrain.errors import ConfigError
 
 BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
 BUILTIN_MODEL_DIR = Path(__file__).parent / "model" / "builtin" / "tiny-qwen3"
@@ -122,7 +122,7 @@ def model_spec_from_path(path: str | Path) -> ModelSpec:
     """`--model PATH` adds a local HF directory, listed under its directory name."""
     directory = Path(path).expanduser().resolve()
     if not (directory / "config.json").is_file():
-        raise InvalidRequest(f"--model {path}: no config.json in that directory", param="models")
+        raise ConfigError(f"--model {path}: no config.json in that directory", param="models")
     return ModelSpec(id=directory.name, path=directory)
 
 
@@ -130,31 +130,31 @@ def load_keys_file(path: str | Path) -> dict[str, str]:
     """API key -> user id from a keys file: one `KEY USER_ID` pair per line, separated by
     whitespace; blank lines and lines starting with `#` are skipped.
 
-    A malformed line, a repeated key or a file without keys raises InvalidRequest naming the
+    A malformed line, a repeated key or a file without keys raises ConfigError naming the
     line: an empty map would silently mean single-user mode, which accepts any key."""
     file = Path(path).expanduser()
     try:
         text = file.read_text()
     except OSError as exc:
-        raise InvalidRequest(f"--keys-file {path}: {exc.strerror}", param="api_keys") from None
+        raise ConfigError(f"--keys-file {path}: {exc.strerror}", param="api_keys") from None
     keys: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split()
         if not fields or fields[0].startswith("#"):
             continue
         if len(fields) != 2:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"--keys-file {path}:{number}: expected `KEY USER_ID`, got {len(fields)} fields",
                 param="api_keys",
             )
         key, user = fields
         if key in keys:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"--keys-file {path}:{number}: this key already appears above", param="api_keys"
             )
         keys[key] = user
     if not keys:
-        raise InvalidRequest(f"--keys-file {path}: the file holds no keys", param="api_keys")
+        raise ConfigError(f"--keys-file {path}: the file holds no keys", param="api_keys")
     return keys
 
 
@@ -165,7 +165,7 @@ def api_keys_from(
     keys = load_keys_file(keys_file) if keys_file else {}
     if api_key:
         if keys.get(api_key, user_id) != user_id:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"--api-key is also in --keys-file for user {keys[api_key]!r}", param="api_keys"
             )
         keys[api_key] = user_id
@@ -178,7 +178,7 @@ def build_config(
     """ServerConfig from POSTTRAIN_* env (HOST, PORT, DATA_DIR, API_KEY, KEYS_FILE,
     MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S, POLL_HOLD_SECONDS) and explicit arguments.
 
-    Explicit arguments win; an invalid value raises InvalidRequest naming the field."""
+    Explicit arguments win; an invalid value raises ConfigError naming the field."""
     values: dict[str, object] = {}
     env_fields = {
         "HOST": "host",
@@ -202,4 +202,4 @@ def build_config(
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
-        raise InvalidRequest(f"config {field}: {first['msg']}", param=field) from exc
+        raise ConfigError(f"config {field}: {first['msg']}", param=field) from exc

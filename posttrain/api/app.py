@@ -27,26 +27,10 @@ from posttrain.api.routes import (
     whoami,
 )
 from posttrain.config import ServerConfig
-from posttrain.errors import (
-    Conflict,
-    InvalidRequest,
-    NotFound,
-    Unauthorized,
-    Unsupported,
-    posttrainError,
-)
+from posttrain.errors import posttrainError
 from posttrain.service import build_services
 
 log = logging.getLogger("posttrain.api")
-
-# (HTTP status, ErrorData.type) per error class (api.md 6.1, 6.2).
-STATUS = {
-    InvalidRequest: (400, "invalid_request_error"),
-    Unsupported: (400, "invalid_request_error"),
-    Unauthorized: (401, "authentication_error"),
-    NotFound: (404, "not_found_error"),
-    Conflict: (422, "conflict_error"),
-}
 
 # ErrorData.type for the HTTP errors the framework raises itself: no such route (404), a route
 # without that method (405). Any other 4xx is invalid_request_error, any 5xx server_error.
@@ -77,11 +61,9 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(posttrainError)
     async def handle_posttrain_error(request: Request, exc: posttrainError) -> JSONResponse:
-        for cls, (status, kind) in STATUS.items():
-            if isinstance(exc, cls):
-                return error_response(status, kind, exc.message, exc.param)
-        log.exception("unexpected %s", type(exc).__name__, exc_info=exc)
-        return error_response(500, "server_error", exc.message, exc.param)
+        if exc.http_status >= 500:
+            log.exception("unexpected %s", type(exc).__name__, exc_info=exc)
+        return error_response(exc.http_status, exc.error_type, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def handle_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.engine.interface import Engine
-from posttrain.errors import InvalidRequest, NonFiniteLoss, SessionNotActive, posttrainError
+from posttrain.errors import SessionNotActive, operation_error_code, posttrainError
 from posttrain.service.arrivals import Arrivals, end_current_arrival
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.metrics import OperationMetrics
@@ -210,15 +210,7 @@ class ResourceWorker:
 
 
 def _error_code(exc: BaseException) -> OperationErrorCode:
-    if isinstance(exc, NonFiniteLoss):
-        return OperationErrorCode.NON_FINITE_LOSS
-    if isinstance(exc, InvalidRequest):
-        return OperationErrorCode.INVALID_INPUT
-    if isinstance(exc, SessionNotActive):
-        return OperationErrorCode.SESSION_NOT_ACTIVE
-    if isinstance(exc, MemoryError):
-        return OperationErrorCode.RESOURCE_EXHAUSTED
-    return OperationErrorCode.INTERNAL_ERROR
+    return OperationErrorCode(operation_error_code(exc))
 
 
 class Scheduler:

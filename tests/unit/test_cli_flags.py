@@ -38,12 +38,12 @@ def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda(name, device, expecte
 
 def test_poll_hold_seconds_defaults_to_ten_and_refuses_what_the_sdk_would_time_out_on():
     from posttrain.config import build_config
-    from posttrain.errors import InvalidRequest
+    from posttrain.errors import ConfigError
 
     assert build_config().poll_hold_seconds == 10.0
     args = parser().parse_args(["serve", "--poll-hold-seconds", "0"])
     assert build_config(poll_hold_seconds=args.poll_hold_seconds).poll_hold_seconds == 0.0
     for bad in (-1.0, 60.0):  # the SDK's shortest read timeout is 60 s (api.md 2.6)
-        with pytest.raises(InvalidRequest) as refused:
+        with pytest.raises(ConfigError) as refused:
             build_config(poll_hold_seconds=bad)
         assert refused.value.param == "poll_hold_seconds"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import api_keys_from, build_config, load_keys_file
-from posttrain.errors import InvalidRequest
+from posttrain.errors import ConfigError
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -31,14 +31,14 @@ def test_keys_file_maps_each_key_to_its_user_and_skips_comments(tmp_path):
     ],
 )
 def test_malformed_keys_files_are_rejected_naming_the_line(tmp_path, text, fragment):
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(ConfigError) as info:
         load_keys_file(write(tmp_path, text))
     assert fragment in info.value.message
     assert info.value.param == "api_keys"
 
 
 def test_missing_keys_file_is_an_error(tmp_path):
-    with pytest.raises(InvalidRequest, match="--keys-file"):
+    with pytest.raises(ConfigError, match="--keys-file"):
         load_keys_file(tmp_path / "absent")
 
 
@@ -49,7 +49,7 @@ def test_api_key_belongs_to_the_single_user_and_joins_the_keys_file(tmp_path):
         "key-a": "user_alice",
         "solo": "user_local",
     }
-    with pytest.raises(InvalidRequest, match="user_alice"):
+    with pytest.raises(ConfigError, match="user_alice"):
         api_keys_from("key-a", path, "user_local")
 
 
@@ -66,6 +66,6 @@ def test_build_config_reads_keys_and_expiry_knobs_from_env(tmp_path, monkeypatch
     assert build_config(api_key="solo").api_keys == {"key-a": "user_alice", "solo": "user_local"}
     monkeypatch.delenv("POSTTRAIN_KEYS_FILE")
     assert build_config().api_keys == {}
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(ConfigError) as info:
         build_config(min_inactive_timeout_s=0)
     assert info.value.param == "min_inactive_timeout_s"

@@ -114,6 +114,9 @@ class MuonScaling(StrEnum):
 
 # ---------------------------------------------------------------- losses (losses.md)
 
+# What each loss takes and allows (params ranges, required inputs, wire names) is one table in
+# posttrain/loss_specs.py; these types hold values that passed it.
+
 
 @dataclass(frozen=True)
 class PpoParams:
@@ -159,25 +162,6 @@ class LossConfig:
 
 
 # ---------------------------------------------------------------- training requests
-
-# loss_fn_inputs keys the server understands (api.md 1.7.2).
-LOSS_FN_INPUT_KEYS = frozenset(
-    {"target_tokens", "weights", "mask", "logprobs", "advantages", "reference_logprobs"}
-)
-
-# Inputs every sample must send, per loss, in the order a missing one is reported: the SDK's
-# own table (api.md 4.4, losses.md 1.2). GRPO also needs reference_logprobs when beta > 0,
-# which depends on its params: the api layer and engine/losses.py check that themselves.
-_POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
-REQUIRED_LOSS_INPUTS: dict[LossType, tuple[str, ...]] = {
-    LossType.CROSS_ENTROPY: ("target_tokens", "weights"),
-    LossType.IMPORTANCE_SAMPLING: _POLICY_INPUTS,
-    LossType.PPO: _POLICY_INPUTS,
-    LossType.CISPO: _POLICY_INPUTS,
-    LossType.DRO: _POLICY_INPUTS,
-    LossType.DPPO: _POLICY_INPUTS,
-    LossType.GRPO: _POLICY_INPUTS,
-}
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from posttrain.engine.batching import PackedBatch, pack, unpack
 from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buckets
 from posttrain.engine.interface import ModelInfo
 from posttrain.engine.logprobs import target_logprobs
-from posttrain.engine.losses import LOSSES, validate_loss_inputs
+from posttrain.engine.losses import LOSSES
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import GenerationRequest, GeneratorModel, WeightsVersion, generate
@@ -275,10 +275,6 @@ class LocalEngine:
                 recompute_context=lambda: lora.route(assignments),
             )
 
-    def validate_forward_backward(self, request: ForwardBackwardRequest) -> None:
-        """The loss checks that need tensors; raises InvalidRequest naming the field."""
-        validate_loss_inputs(request.loss, pack(request.samples, torch.device("cpu")).loss_batch)
-
     def forward_backward(
         self, resource_id: str, session_id: str, request: ForwardBackwardRequest
     ) -> ForwardBackwardResult:
@@ -305,7 +301,6 @@ class LocalEngine:
             try:
                 _, session = self._session(resource_id, session_id)
                 packed = pack(request.samples, device)
-                validate_loss_inputs(request.loss, packed.loss_batch)
             except (InvalidRequest, NotFound) as exc:
                 outcomes[index] = exc
                 continue

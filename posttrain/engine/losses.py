@@ -18,17 +18,16 @@ only positions whose sampler logprobs or advantages are non-zero, so a prompt se
 (logprobs and advantages 0 there, as tinker-cookbook sends it) is not reported as a policy token.
 The loss itself always reduces over m.
 
-This module also owns the validation of a loss config against its inputs (losses.md 1.2, 1.5)
-that needs no model: `validate_loss_inputs` (the table is types.REQUIRED_LOSS_INPUTS). Lengths,
-dtypes and the target_tokens range are checked by the api layer; non-finite results by the
-engine.
+The functions trust their inputs: every request was checked once, at the API edge, against
+the loss table (posttrain/loss_specs.py: params ranges, required loss_fn_inputs, their values),
+and a missing input the table requires is an internal error here, not a request error.
+Non-finite results are the engine's to catch.
 
 Legend: S = samples in the request, T = longest sample (padded positions have valid_ST False).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,16 +35,13 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from posttrain.errors import InvalidRequest
 from posttrain.types import (
-    REQUIRED_LOSS_INPUTS,
     CispoParams,
     DppoParams,
     DroParams,
     GrpoAggregation,
     GrpoParams,
     GrpoRatioType,
-    LossConfig,
     LossParams,
     LossType,
     PpoParams,
@@ -112,7 +108,7 @@ def policy_positions(
 
 
 def _require(tensor: Tensor | None, key: str) -> Tensor:
-    assert tensor is not None, f"loss_fn_inputs[{key!r}] must be validated before the loss runs"
+    assert tensor is not None, f"loss_fn_inputs[{key!r}] is required (loss_specs) but absent"
     return tensor
 
 
@@ -273,7 +269,9 @@ def dro(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput
     dl/dx = -A + beta (x - q). beta is required (no default). The quadratic term does not vanish
     where A = 0. Reduction: plain sum over included tokens of all samples. [S, T] -> scalar.
     """
-    assert isinstance(params, DroParams), f"DRO needs validated DroParams, got {params!r}"
+    assert isinstance(params, DroParams), (
+        f"DRO needs DroParams (beta has no default), got {params!r}"
+    )
     included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
     loss = (-(advantages_ST * x_ST - 0.5 * params.beta * log_ratio_ST.square())).sum()
@@ -409,152 +407,4 @@ LOSSES: dict[LossType, LossFn] = {
     LossType.DRO: dro,
     LossType.DPPO: dppo,
     LossType.GRPO: grpo,
-}
-
-
-# ---------------------------------------------------------------- validation (losses.md 1.2, 1.5)
-
-# The order in which missing inputs are reported.
-_INPUT_ORDER = ("weights", "logprobs", "advantages", "reference_logprobs", "mask")
-
-
-def validate_loss_inputs(config: LossConfig, batch: LossBatch) -> None:
-    """Raise InvalidRequest, naming the field, if `config` or `batch` breaks losses.md 1.2-1.5
-    or the loss's parameter rules. Pure; the loss functions assume it passed.
-
-    Non-finite logprobs, advantages and reference_logprobs are errors only at included
-    positions and only for a loss that reads them (elsewhere safe masking ignores them);
-    weights and mask must be finite and non-negative at every position of a sample."""
-    _validate_params(config)
-    _validate_presence(config, batch)
-    _validate_values(config, batch)
-
-
-def _validate_presence(config: LossConfig, batch: LossBatch) -> None:
-    inputs = _inputs_by_key(batch)
-    for key in _INPUT_ORDER:
-        if key in REQUIRED_LOSS_INPUTS[config.type] and inputs[key] is None:
-            raise InvalidRequest(
-                f"{config.type.value} requires loss_fn_inputs.{key}", param=_input_param(0, key)
-            )
-    params = config.params
-    if isinstance(params, GrpoParams) and params.beta > 0 and inputs["reference_logprobs"] is None:
-        raise InvalidRequest(
-            "LOSS_TYPE_GRPO with beta > 0 requires loss_fn_inputs.reference_logprobs",
-            param=_input_param(0, "reference_logprobs"),
-        )
-    if inputs["weights"] is not None and inputs["mask"] is not None:
-        raise InvalidRequest(
-            "loss_fn_inputs may hold weights or mask, not both", param=_input_param(0, "mask")
-        )
-
-
-def _validate_values(config: LossConfig, batch: LossBatch) -> None:
-    inputs = _inputs_by_key(batch)
-    for key in ("weights", "mask"):
-        values_ST = inputs[key]
-        if values_ST is not None:
-            _raise_at_first(batch.valid_ST & ~torch.isfinite(values_ST), key, "is not finite")
-            _raise_at_first(batch.valid_ST & (values_ST < 0), key, "is negative")
-    if config.type == LossType.CROSS_ENTROPY:
-        return
-    included_ST = policy_inclusion(batch)
-    read_keys = ["logprobs", "advantages"]
-    if config.type == LossType.GRPO:
-        read_keys.append("reference_logprobs")
-    for key in read_keys:
-        values_ST = inputs[key]
-        if values_ST is not None:
-            _raise_at_first(included_ST & ~torch.isfinite(values_ST), key, "is not finite")
-
-
-def _inputs_by_key(batch: LossBatch) -> dict[str, Tensor | None]:
-    return {
-        "weights": batch.weights_ST,
-        "mask": batch.mask_ST,
-        "logprobs": batch.sampler_logprobs_ST,
-        "advantages": batch.advantages_ST,
-        "reference_logprobs": batch.reference_logprobs_ST,
-    }
-
-
-def _input_param(sample: int, key: str) -> str:
-    return f"samples[{sample}].loss_fn_inputs.{key}"
-
-
-def _raise_at_first(bad_ST: Tensor, key: str, problem: str) -> None:
-    """Raise naming the first sample with a bad position, if any."""
-    if bool(bad_ST.any()):
-        sample = int(bad_ST.any(dim=1).nonzero()[0])
-        raise InvalidRequest(
-            f"loss_fn_inputs.{key} of sample {sample} {problem}", param=_input_param(sample, key)
-        )
-
-
-def _validate_params(config: LossConfig) -> None:
-    spec = _PARAMS_SPECS.get(config.type)
-    if spec is None:
-        if config.params is not None:
-            raise InvalidRequest(f"{config.type.value} takes no params", param="loss")
-        return
-    field, params_type, check = spec
-    if config.params is None:
-        if params_type is DroParams:
-            raise InvalidRequest(
-                "LOSS_TYPE_DRO requires dro_params.beta (it has no default)",
-                param="loss.dro_params.beta",
-            )
-        return
-    if not isinstance(config.params, params_type):
-        raise InvalidRequest(
-            f"{config.type.value} takes {field}, not {type(config.params).__name__}",
-            param=f"loss.{field}",
-        )
-    check(config.params, f"loss.{field}")
-
-
-def _check_range(value: float, low: float, high: float, param: str) -> None:
-    """Raise unless value is finite and low <= value <= high (NaN fails too)."""
-    if not (math.isfinite(value) and low <= value <= high):
-        bound = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise InvalidRequest(f"{param} must be finite and {bound}, got {value}", param=param)
-
-
-def _check_ratio_bounds(params: LossParams, field: str) -> None:
-    assert isinstance(params, PpoParams | GrpoParams)
-    _check_range(params.clip_low_threshold, 0.0, 1.0, f"{field}.clip_low_threshold")
-    _check_range(params.clip_high_threshold, 1.0, math.inf, f"{field}.clip_high_threshold")
-
-
-def _check_cispo_params(params: LossParams, field: str) -> None:
-    assert isinstance(params, CispoParams)
-    low = params.clip_low_threshold
-    _check_range(low, 0.0, math.inf, f"{field}.clip_low_threshold")
-    _check_range(params.clip_high_threshold, low, math.inf, f"{field}.clip_high_threshold")
-
-
-def _check_dro_params(params: LossParams, field: str) -> None:
-    assert isinstance(params, DroParams)
-    _check_range(params.beta, 0.0, math.inf, f"{field}.beta")
-
-
-def _check_dppo_params(params: LossParams, field: str) -> None:
-    assert isinstance(params, DppoParams)
-    _check_range(params.delta_low, 0.0, 1.0, f"{field}.delta_low")
-    _check_range(params.delta_high, 0.0, 1.0, f"{field}.delta_high")
-
-
-def _check_grpo_params(params: LossParams, field: str) -> None:
-    assert isinstance(params, GrpoParams)
-    _check_ratio_bounds(params, field)
-    _check_range(params.beta, 0.0, math.inf, f"{field}.beta")
-
-
-# Per loss: the wire name of its params object, its domain type and its range checks.
-_PARAMS_SPECS: dict[LossType, tuple[str, type, Callable[[LossParams, str], None]]] = {
-    LossType.PPO: ("ppo_params", PpoParams, _check_ratio_bounds),
-    LossType.CISPO: ("cispo_params", CispoParams, _check_cispo_params),
-    LossType.DRO: ("dro_params", DroParams, _check_dro_params),
-    LossType.DPPO: ("dppo_params", DppoParams, _check_dppo_params),
-    LossType.GRPO: ("grpo_params", GrpoParams, _check_grpo_params),
 }

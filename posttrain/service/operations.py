@@ -70,8 +70,6 @@ class OperationService:
             self._check_sample(session.base_model, request)
         if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
             self._check_samples(session.base_model, request.samples)
-        if kind == OperationKind.FORWARD_BACKWARD:
-            self.resources.engine.validate_forward_backward(request)
         if kind == OperationKind.OPTIM_STEP:
             # muon_params on an Adam resource (or adam_params on a Muon one) is a 400 here,
             # before anything is recorded (api.md 1.4.4).

@@ -2,22 +2,21 @@
 
 The loss arrives in the 3.1.1 shape or a seed-era one (a missing `loss.type`, April
 `grpo_params` epsilons, early `loss_fn` strings); both normalise to the same
-ForwardBackwardRequest or CustomForwardBackwardRequest (algorithm of api.md 5.8). Parameter
-ranges are checked by engine/losses.py at submit.
+ForwardBackwardRequest or CustomForwardBackwardRequest (algorithm of api.md 5.8). Here, once, a
+forward-backward is checked against the loss table (posttrain/loss_specs.py): its params, the
+inputs each sample must send and their values; the engine trusts the request it gets.
 
-Imports: api.schemas.wire, api.schemas.samples, types, errors.
+Imports: api.schemas.wire, api.schemas.samples, loss_specs, types, errors.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError
 
 from posttrain.api.schemas.samples import (
-    INPUTS_BLOCKS,
     TrainingSampleIn,
     check_required_inputs,
     parse_numbers,
@@ -26,19 +25,15 @@ from posttrain.api.schemas.samples import (
 )
 from posttrain.api.schemas.wire import Wire, given_fields
 from posttrain.errors import InvalidRequest
+from posttrain.loss_specs import LOSS_SPECS, check_input_values, check_params, params_from_fields
 from posttrain.types import (
-    CispoParams,
     CustomForwardBackwardRequest,
-    DppoParams,
-    DroParams,
     ForwardBackwardRequest,
     GrpoAggregation,
-    GrpoParams,
     GrpoRatioType,
     LossConfig,
     LossParams,
     LossType,
-    PpoParams,
 )
 
 
@@ -81,28 +76,16 @@ class LossConfigIn(Wire):
     dppo_params: DppoParamsIn | None = None
 
     def params_sent(self) -> dict[LossType, str]:
-        """The params objects present, by the loss each belongs to -> its field name."""
-        blocks = {
-            LossType.CROSS_ENTROPY: ("cross_entropy_params", self.cross_entropy_params),
-            LossType.GRPO: ("grpo_params", self.grpo_params),
-            LossType.PPO: ("ppo_params", self.ppo_params),
-            LossType.CISPO: ("cispo_params", self.cispo_params),
-            LossType.DRO: ("dro_params", self.dro_params),
-            LossType.DPPO: ("dppo_params", self.dppo_params),
+        """The params objects present, in field order, by the loss each belongs to -> its
+        field name."""
+        return {
+            _LOSS_OF_PARAMS[name]: name
+            for name in type(self).model_fields
+            if name in _LOSS_OF_PARAMS and getattr(self, name) is not None
         }
-        return {t: name for t, (name, block) in blocks.items() if block is not None}
 
 
-# The params field of each loss (IMPORTANCE_SAMPLING has none).
-PARAMS_FIELD = {
-    LossType.CROSS_ENTROPY: "cross_entropy_params",
-    LossType.IMPORTANCE_SAMPLING: None,
-    LossType.PPO: "ppo_params",
-    LossType.CISPO: "cispo_params",
-    LossType.DRO: "dro_params",
-    LossType.DPPO: "dppo_params",
-    LossType.GRPO: "grpo_params",
-}
+_LOSS_OF_PARAMS = {s.params_field: t for t, s in LOSS_SPECS.items() if s.params_field is not None}
 
 
 def parse_loss_type(name: str, param: str) -> LossType:
@@ -132,7 +115,7 @@ def infer_loss_type(loss: LossConfigIn, samples: list[TrainingSampleIn]) -> Loss
         return next(iter(from_params))
     from_blocks = {t for s in samples if s.loss_inputs is not None for t in s.loss_inputs.blocks()}
     if len(from_blocks) > 1:
-        names = ", ".join(sorted(INPUTS_BLOCKS[t] for t in from_blocks))
+        names = ", ".join(sorted(str(LOSS_SPECS[t].inputs_block) for t in from_blocks))
         raise InvalidRequest(
             f"loss.type is missing and the samples send several inputs blocks ({names});"
             " set loss.type",
@@ -180,53 +163,44 @@ def _grpo_enum(enum: type[_E], value: str | None, default: _E, param: str) -> _E
         raise InvalidRequest(f"unknown value {value!r}; known: {known}", param=param) from None
 
 
-def _grpo_params(loss: LossConfigIn) -> GrpoParams:
-    given = given_fields(loss.grpo_params)
+def _grpo_fields(given: dict[str, Any]) -> dict[str, Any]:
+    """grpo_params' wire spellings -> GrpoParams fields: April epsilons become thresholds and
+    the enums are parsed (absent or *_UNSPECIFIED: the default)."""
     _april_epsilon(given, "clip_low", "clip_low_threshold", -1.0)
     _april_epsilon(given, "clip_high", "clip_high_threshold", +1.0)
     agg = given.pop("agg_type", None)
     ratio = given.pop("ratio_type", None)
-    return GrpoParams(
+    return {
         **given,
-        agg_type=_grpo_enum(
+        "agg_type": _grpo_enum(
             GrpoAggregation, agg, GrpoAggregation.FIXED_HORIZON, "loss.grpo_params.agg_type"
         ),
-        ratio_type=_grpo_enum(
+        "ratio_type": _grpo_enum(
             GrpoRatioType, ratio, GrpoRatioType.TOKEN, "loss.grpo_params.ratio_type"
         ),
-    )
+    }
 
 
-def _dro_params(loss: LossConfigIn) -> DroParams:
-    given = given_fields(loss.dro_params)
-    if "beta" not in given:
-        raise InvalidRequest(
-            "LOSS_TYPE_DRO requires dro_params.beta (no default)", param="loss.dro_params.beta"
-        )
-    return DroParams(**given)
-
-
-# Per loss: its domain params from the wire config (defaults where a field is omitted).
-_PARAMS_BUILDERS: dict[LossType, Callable[[LossConfigIn], LossParams]] = {
-    LossType.CROSS_ENTROPY: lambda loss: None,
-    LossType.IMPORTANCE_SAMPLING: lambda loss: None,
-    LossType.PPO: lambda loss: PpoParams(**given_fields(loss.ppo_params)),
-    LossType.CISPO: lambda loss: CispoParams(**given_fields(loss.cispo_params)),
-    LossType.DRO: _dro_params,
-    LossType.DPPO: lambda loss: DppoParams(**given_fields(loss.dppo_params)),
-    LossType.GRPO: _grpo_params,
-}
+def _params_to_domain(loss_type: LossType, loss: LossConfigIn) -> LossParams:
+    """The loss's domain params from its wire object (defaults where a field is omitted)."""
+    field_name = LOSS_SPECS[loss_type].params_field
+    given = {} if field_name is None else given_fields(getattr(loss, field_name))
+    if loss_type == LossType.GRPO:
+        given = _grpo_fields(given)
+    return params_from_fields(loss_type, given)
 
 
 def loss_to_domain(loss_type: LossType, loss: LossConfigIn) -> LossConfig:
-    """The domain loss config; a params object of another loss is a 400 (losses.md 1.2).
-    Parameter ranges are checked with the inputs (engine/losses.py) at submit."""
+    """The domain loss config, its params checked against the loss table; a params object of
+    another loss is a 400 (losses.md 1.2)."""
     for other, field_name in loss.params_sent().items():
         if other != loss_type:
             raise InvalidRequest(
                 f"{field_name} does not apply to {loss_type.value}", param=f"loss.{field_name}"
             )
-    return LossConfig(loss_type, _PARAMS_BUILDERS[loss_type](loss))
+    config = LossConfig(loss_type, _params_to_domain(loss_type, loss))
+    check_params(config)
+    return config
 
 
 def _loss_from_loss_fn(loss_fn: str, config: dict[str, Any] | None) -> LossConfigIn:
@@ -234,7 +208,7 @@ def _loss_from_loss_fn(loss_fn: str, config: dict[str, Any] | None) -> LossConfi
     loss_type = parse_loss_type(loss_fn, "loss_fn")
     body: dict[str, Any] = {"type": loss_type.value}
     if config:
-        field_name = PARAMS_FIELD[loss_type]
+        field_name = LOSS_SPECS[loss_type].params_field
         if field_name is None:
             raise InvalidRequest(
                 f"{loss_type.value} takes no loss_fn_config", param="loss_fn_config"
@@ -272,6 +246,7 @@ class ForwardBackwardIn(Wire):
         loss = loss_to_domain(loss_type, loss_in)
         samples = tuple(sample_to_domain(s, i, loss_type) for i, s in enumerate(self.samples))
         check_required_inputs(loss, self.samples, samples)
+        check_input_values(samples)
         return ForwardBackwardRequest(
             samples=samples,
             loss=loss,

@@ -2,10 +2,11 @@
 
 Two sample shapes arrive (api.md 5.2): 3.1.1 `loss_fn_inputs`, a map of TensorData, and the
 seed-era `loss_inputs`, a fixed structure with one inputs block per loss. Both become the same
-TrainingSample; every error names the field the client actually sent, per sample. Input values
-are checked by engine/losses.py at submit, limits that need the model by the service.
+TrainingSample; every error names the field the client actually sent, per sample. What each
+loss requires and allows is the table in posttrain/loss_specs.py; limits that need the model
+are checked by the service.
 
-Imports: api.schemas.wire, types, errors.
+Imports: api.schemas.wire, loss_specs, types, errors.
 """
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from typing import Any
 
 from posttrain.api.schemas.wire import Int64, Int64List, Wire
 from posttrain.errors import InvalidRequest
-from posttrain.types import (
-    LOSS_FN_INPUT_KEYS,
-    REQUIRED_LOSS_INPUTS,
-    GrpoParams,
-    LossConfig,
-    LossType,
-    TrainingSample,
-)
+from posttrain.loss_specs import INPUT_SPECS, LOSS_FN_INPUT_KEYS, LOSS_SPECS, required_inputs
+from posttrain.types import LossConfig, LossType, TrainingSample
 
 
 class EncodedTextIn(Wire):
@@ -41,15 +36,7 @@ class ModelInputIn(Wire):
         return tuple(itertools.chain.from_iterable(c.encoded_text.tokens for c in self.chunks))
 
 
-# The dtype each loss_fn_inputs key may carry (api.md 4.4), and its default when none is sent.
-KEY_DTYPES = {
-    "target_tokens": {"int64"},
-    "logprobs": {"float32"},
-    "advantages": {"float32"},
-    "reference_logprobs": {"float32"},
-    "weights": {"int64", "float32"},
-    "mask": {"int64", "float32"},
-}
+# The dtype of a loss_fn_inputs key when none is sent (those it may carry: INPUT_SPECS).
 DEFAULT_DTYPES = {"target_tokens": "int64"}
 
 
@@ -111,17 +98,6 @@ class GrpoInputsIn(PolicyInputsIn):
         return out
 
 
-# The seed-era inputs block each policy loss reads (api.md 5.2).
-INPUTS_BLOCKS = {
-    LossType.IMPORTANCE_SAMPLING: "importance_sampling_inputs",
-    LossType.PPO: "ppo_inputs",
-    LossType.CISPO: "cispo_inputs",
-    LossType.DRO: "dro_inputs",
-    LossType.DPPO: "dppo_inputs",
-    LossType.GRPO: "grpo_inputs",
-}
-
-
 class LossInputsIn(Wire):
     """Seed-era structured inputs (api.md 5.2)."""
 
@@ -133,19 +109,15 @@ class LossInputsIn(Wire):
     ppo_inputs: PolicyInputsIn | None = None
     cispo_inputs: PolicyInputsIn | None = None
     dro_inputs: PolicyInputsIn | None = None
-    # The seeds name dppo_params but no dppo_inputs; accepted for symmetry (api.md 5.2).
-    dppo_inputs: PolicyInputsIn | None = None
+    dppo_inputs: PolicyInputsIn | None = None  # see loss_specs: accepted for symmetry
     routed_experts: dict[str, Any] | None = None
 
     def blocks(self) -> dict[LossType, PolicyInputsIn]:
-        """The per-loss blocks this sample sent, by the loss each belongs to."""
+        """The per-loss blocks this sample sent, by the loss each belongs to (LOSS_SPECS)."""
         named = {
-            LossType.IMPORTANCE_SAMPLING: self.importance_sampling_inputs,
-            LossType.PPO: self.ppo_inputs,
-            LossType.CISPO: self.cispo_inputs,
-            LossType.DRO: self.dro_inputs,
-            LossType.DPPO: self.dppo_inputs,
-            LossType.GRPO: self.grpo_inputs,
+            loss_type: getattr(self, spec.inputs_block)
+            for loss_type, spec in LOSS_SPECS.items()
+            if spec.inputs_block is not None
         }
         return {loss_type: block for loss_type, block in named.items() if block is not None}
 
@@ -167,9 +139,9 @@ class LossInputsIn(Wire):
                     "send weights or loss_mask, not both", param=f"{path}.loss_mask"
                 )
             out[key] = (self.loss_mask, f"{path}.loss_mask")
-        if loss_type is None or loss_type not in INPUTS_BLOCKS:
+        block_name = None if loss_type is None else LOSS_SPECS[loss_type].inputs_block
+        if block_name is None:
             return out  # CE and custom-forward-backward read no block; others are ignored
-        block_name = INPUTS_BLOCKS[loss_type]
         block = self.blocks().get(loss_type)
         if block is None:
             raise InvalidRequest(
@@ -204,7 +176,7 @@ class TrainingSampleIn(Wire):
             return f"{where}.loss_fn_inputs.{key}"
         if loss_type is None or key in ("target_tokens", "weights"):
             return f"{where}.loss_inputs.{key}"
-        return f"{where}.loss_inputs.{INPUTS_BLOCKS[loss_type]}.{key}"
+        return f"{where}.loss_inputs.{LOSS_SPECS[loss_type].inputs_block}.{key}"
 
 
 def parse_numbers(
@@ -240,9 +212,10 @@ def _tensor_values(key: str, tensor: TensorIn, param: str, num_tokens: int) -> t
     if tensor.sparse_crow_indices is not None or tensor.sparse_col_indices is not None:
         raise InvalidRequest("sparse tensors are not supported", param=param)
     dtype = wire_dtype(tensor.dtype, key, param)
-    if dtype not in KEY_DTYPES[key]:
+    allowed = INPUT_SPECS[key].dtypes
+    if dtype not in allowed:
         raise InvalidRequest(
-            f"{key} must be {' or '.join(sorted(KEY_DTYPES[key]))}, got {dtype}",
+            f"{key} must be {' or '.join(sorted(allowed))}, got {dtype}",
             param=f"{param}.dtype",
         )
     if tensor.shape is not None and tensor.shape != [len(tensor.data)]:
@@ -291,13 +264,10 @@ def check_required_inputs(
     loss: LossConfig, wire: list[TrainingSampleIn], samples: tuple[TrainingSample, ...]
 ) -> None:
     """Per sample, so the error names the sample that lacks an input (api.md 4.4)."""
-    required = REQUIRED_LOSS_INPUTS[loss.type]
-    if isinstance(loss.params, GrpoParams) and loss.params.beta > 0:
-        required = (*required, "reference_logprobs")
+    required = required_inputs(loss)
     for index, (sample_in, sample) in enumerate(zip(wire, samples, strict=True)):
-        for key in required:
+        for key, why in required.items():
             if key not in sample.loss_fn_inputs:
-                why = " with beta > 0" if key == "reference_logprobs" else ""
                 raise InvalidRequest(
                     f"{loss.type.value}{why} requires {key} in every sample",
                     param=sample_in.param_of(f"samples[{index}]", key, loss.type),

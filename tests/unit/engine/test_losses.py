@@ -16,22 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posttrain.engine.losses import (
-    LOSSES,
-    LossBatch,
-    LossOutput,
-    validate_loss_inputs,
-)
-from posttrain.errors import InvalidRequest
+from posttrain.engine.losses import LOSSES, LossBatch, LossOutput
+from posttrain.loss_specs import LOSS_SPECS
 from posttrain.types import (
-    REQUIRED_LOSS_INPUTS,
     CispoParams,
     DppoParams,
     DroParams,
     GrpoAggregation,
     GrpoParams,
     GrpoRatioType,
-    LossConfig,
     LossParams,
     LossType,
     PpoParams,
@@ -748,137 +741,7 @@ def test_policy_loss_reports_token_ratio_and_mismatch_metrics(
 
 def test_every_loss_type_has_a_loss_and_required_inputs() -> None:
     assert set(LOSSES) == set(LossType)
-    assert set(REQUIRED_LOSS_INPUTS) == set(LossType)
-    assert REQUIRED_LOSS_INPUTS[LossType.CROSS_ENTROPY] == ("target_tokens", "weights")
+    assert set(LOSS_SPECS) == set(LossType)
+    assert LOSS_SPECS[LossType.CROSS_ENTROPY].required_inputs == ("target_tokens", "weights")
     for loss_type in set(LossType) - {LossType.CROSS_ENTROPY}:
-        assert REQUIRED_LOSS_INPUTS[loss_type] == ("target_tokens", "logprobs", "advantages")
-
-
-# ---------------------------------------------------------------- validation (1.2, 1.5)
-
-NAN_IN_SAMPLE_1 = [[-0.6, -1.0, -0.9, -2.4], [-0.2, NAN]]
-
-
-@pytest.mark.parametrize(
-    ("config", "batch_inputs", "param"),
-    [
-        (LossConfig(LossType.PPO, PpoParams(-0.1, 1.2)), {}, "loss.ppo_params.clip_low_threshold"),
-        (LossConfig(LossType.PPO, PpoParams(1.1, 1.2)), {}, "loss.ppo_params.clip_low_threshold"),
-        (LossConfig(LossType.PPO, PpoParams(NAN, 1.2)), {}, "loss.ppo_params.clip_low_threshold"),
-        (LossConfig(LossType.PPO, PpoParams(0.8, 0.9)), {}, "loss.ppo_params.clip_high_threshold"),
-        (
-            LossConfig(LossType.GRPO, GrpoParams(1.5, 2.0)),
-            {},
-            "loss.grpo_params.clip_low_threshold",
-        ),
-        (
-            LossConfig(LossType.GRPO, GrpoParams(0.8, 0.95)),
-            {},
-            "loss.grpo_params.clip_high_threshold",
-        ),
-        (
-            LossConfig(LossType.GRPO, GrpoParams(beta=-0.1)),
-            {"reference": REF},
-            "loss.grpo_params.beta",
-        ),
-        (
-            LossConfig(LossType.GRPO, GrpoParams(beta=NAN)),
-            {"reference": REF},
-            "loss.grpo_params.beta",
-        ),
-        (
-            LossConfig(LossType.GRPO, GrpoParams(beta=0.1)),
-            {},
-            "samples[0].loss_fn_inputs.reference_logprobs",
-        ),
-        (
-            LossConfig(LossType.CISPO, CispoParams(-0.5, 4.0)),
-            {},
-            "loss.cispo_params.clip_low_threshold",
-        ),
-        (
-            LossConfig(LossType.CISPO, CispoParams(2.0, 1.0)),
-            {},
-            "loss.cispo_params.clip_high_threshold",
-        ),
-        (LossConfig(LossType.DRO, DroParams(beta=-1.0)), {}, "loss.dro_params.beta"),
-        (LossConfig(LossType.DRO, DroParams(beta=INF)), {}, "loss.dro_params.beta"),
-        (LossConfig(LossType.DRO, None), {}, "loss.dro_params.beta"),
-        (LossConfig(LossType.DPPO, DppoParams(1.5, 0.15)), {}, "loss.dppo_params.delta_low"),
-        (LossConfig(LossType.DPPO, DppoParams(0.15, -0.1)), {}, "loss.dppo_params.delta_high"),
-        (LossConfig(LossType.PPO, CispoParams()), {}, "loss.ppo_params"),
-        (LossConfig(LossType.IMPORTANCE_SAMPLING, PpoParams()), {}, "loss"),
-        (LossConfig(LossType.CROSS_ENTROPY), {}, "samples[0].loss_fn_inputs.weights"),
-        (LossConfig(LossType.PPO), {"logprobs": None}, "samples[0].loss_fn_inputs.logprobs"),
-        (LossConfig(LossType.GRPO), {"advantages": None}, "samples[0].loss_fn_inputs.advantages"),
-        (
-            LossConfig(LossType.IMPORTANCE_SAMPLING),
-            {"weights": ALL, "mask": ALL},
-            "samples[0].loss_fn_inputs.mask",
-        ),
-        (
-            LossConfig(LossType.CROSS_ENTROPY),
-            {"weights": [[1.0] * 4, [1.0, -0.5]]},
-            "samples[1].loss_fn_inputs.weights",
-        ),
-        (
-            LossConfig(LossType.CROSS_ENTROPY),
-            {"weights": [[1.0] * 4, [NAN, 1.0]]},
-            "samples[1].loss_fn_inputs.weights",
-        ),
-        (
-            LossConfig(LossType.PPO),
-            {"mask": [[1, 1, 1, -1], [1, 1]]},
-            "samples[0].loss_fn_inputs.mask",
-        ),
-        (
-            LossConfig(LossType.PPO),
-            {"mask": [[1, INF, 1, 1], [1, 1]]},
-            "samples[0].loss_fn_inputs.mask",
-        ),
-        (
-            LossConfig(LossType.PPO),
-            {"logprobs": NAN_IN_SAMPLE_1},
-            "samples[1].loss_fn_inputs.logprobs",
-        ),
-        (
-            LossConfig(LossType.DRO, DroParams(beta=0.1)),
-            {"advantages": [[1.0, INF, 0.0, 0.0], [0.0, 0.0]]},
-            "samples[0].loss_fn_inputs.advantages",
-        ),
-        (
-            LossConfig(LossType.GRPO),
-            {"reference": NAN_IN_SAMPLE_1},
-            "samples[1].loss_fn_inputs.reference_logprobs",
-        ),
-    ],
-)
-def test_validate_loss_inputs_names_the_offending_field(
-    config: LossConfig, batch_inputs: dict, param: str
-) -> None:
-    with pytest.raises(InvalidRequest) as raised:
-        validate_loss_inputs(config, make_batch(**batch_inputs))
-    assert raised.value.param == param
-
-
-@pytest.mark.parametrize(
-    ("config", "batch_inputs"),
-    [
-        (LossConfig(LossType.CROSS_ENTROPY), {"weights": [[0.5, 0.0, 3.0, 1.0], [2.0, 0.25]]}),
-        (LossConfig(LossType.PPO), {}),
-        (LossConfig(LossType.PPO, PpoParams(0.0, 1.0)), {"pad": NAN}),
-        (LossConfig(LossType.CISPO, CispoParams(0.0, 0.0)), {}),
-        (LossConfig(LossType.DRO, DroParams(beta=0.0)), {}),
-        (LossConfig(LossType.DPPO, DppoParams(0.0, 1.0)), {}),
-        (LossConfig(LossType.GRPO, GrpoParams(beta=0.1)), {"reference": REF}),
-        (LossConfig(LossType.GRPO), {"reference": NAN_IN_SAMPLE_1, "mask": [[1] * 4, [1, 0]]}),
-        (
-            LossConfig(LossType.IMPORTANCE_SAMPLING),
-            {"logprobs": NAN_IN_SAMPLE_1, "weights": [[1.0] * 4, [1.0, 0.0]]},
-        ),
-    ],
-)
-def test_validate_loss_inputs_accepts_valid_requests(
-    config: LossConfig, batch_inputs: dict
-) -> None:
-    validate_loss_inputs(config, make_batch(**batch_inputs))
+        assert LOSS_SPECS[loss_type].required_inputs == ("target_tokens", "logprobs", "advantages")

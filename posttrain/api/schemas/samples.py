@@ -139,9 +139,9 @@ class LossInputsIn(Wire):
                     "send weights or loss_mask, not both", param=f"{path}.loss_mask"
                 )
             out[key] = (self.loss_mask, f"{path}.loss_mask")
-        block_name = None if loss_type is None else LOSS_SPECS[loss_type].inputs_block
-        if block_name is None:
+        if loss_type is None or LOSS_SPECS[loss_type].inputs_block is None:
             return out  # CE and custom-forward-backward read no block; others are ignored
+        block_name = LOSS_SPECS[loss_type].inputs_block
         block = self.blocks().get(loss_type)
         if block is None:
             raise InvalidRequest(

@@ -211,17 +211,17 @@ class ResourceWorker:
         except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
             if job is None:
                 self._fail_group(operations, exc)  # logs what is an internal error
-            elif job.on_failure is None:
-                group[0].future.set_exception(exc)
-                return
             else:
                 log.error("job on %s failed", self._thread.name, exc_info=exc)
-                job.on_failure(exc)
+                if job.on_failure is None:
+                    group[0].future.set_exception(exc)
+                else:
+                    job.on_failure(exc)
         finally:
             # After the outcome is recorded: a deferred weights-sync waiting for one of these
             # operations may complete now (service/publishing.py).
             for operation in operations:
                 operation.done()
-        for item in group:
+        for item in group:  # finished: recorded, or (a job without a recorder) raised
             if not item.future.done():
                 item.future.set_result(result)

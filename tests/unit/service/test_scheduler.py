@@ -189,3 +189,23 @@ def test_a_checkpoint_without_a_checkpoint_service_fails_the_operation_only(wire
     assert wired.op(failed).status == OperationStatus.FAILED
     assert wired.op(failed).error_code == OperationErrorCode.INTERNAL_ERROR
     assert wired.op(step).output == OptimStepOutput(step=1)
+
+
+def test_a_synchronous_weights_sync_is_a_barrier_for_the_passes_around_it(wired):
+    rid = wired.resource()
+    a, b = wired.session(rid), wired.session(rid)
+    release = wired.hold(rid)
+    wired.submit(a, FB, fb(), "a-fb")
+    wired.submit(a, SYNC, WeightsSyncRequest(), "a-sync")
+    wired.submit(b, FB, fb(), "b-fb")  # behind the sync: does not join a's pass
+    wired.submit(a, SAMPLE, sample(), "a-sample")
+    wired.submit(b, SAMPLE, sample(), "b-sample")  # samples of any sessions share a pass
+    release.set()
+    wired.drain(rid)
+    ran = [(name, sessions) for name, _, sessions in wired.engine.calls[-4:]]
+    assert ran == [
+        ("forward_backward_batch", (a,)),
+        ("publish", (a,)),
+        ("forward_backward_batch", (b,)),
+        ("sample_batch", (a, b)),
+    ]

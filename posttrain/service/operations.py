@@ -27,7 +27,6 @@ from posttrain.types import (
     OperationRecord,
     OperationRequest,
     OperationStatus,
-    OptimStepRequest,
     SampleRequest,
     SessionStatus,
     TrainingSample,
@@ -75,7 +74,7 @@ class OperationService:
             self._check_samples(session.base_model, request.samples)
         if kind == OperationKind.FORWARD_BACKWARD:
             self.resources.engine.validate_forward_backward(request)
-        if isinstance(request, OptimStepRequest):
+        if kind == OperationKind.OPTIM_STEP:
             # muon_params on an Adam resource (or adam_params on a Muon one) is a 400 here,
             # before anything is recorded (api.md 1.4.4).
             resource = self.resources.get(user, session.resource_id)

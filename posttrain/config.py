@@ -79,6 +79,21 @@ class SamplerConfig(BaseModel):
     num_samples: int = Field(1, ge=1, description="default num_samples")
 
 
+class SchedulerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_batch: int = Field(
+        8, ge=1, description="most forward-backward operations (of as many sessions) in one pass"
+    )
+    max_sample_rows: int = Field(
+        256, ge=1, description="most sequences (prompts x num_samples) in one shared sample pass"
+    )
+    sample_gather_s: float = Field(
+        0.5,
+        ge=0,
+        description="how long a sample pass waits at most for sample POSTs still being received",
+    )
+
+
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -116,6 +131,9 @@ class ServerConfig(BaseModel):
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="engine settings")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="sample defaults")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="how queued operations share engine passes"
+    )
 
 
 def model_spec_from_path(path: str | Path) -> ModelSpec:

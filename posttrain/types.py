@@ -84,6 +84,10 @@ class SessionStatus(StrEnum):
 SESSION_TERMINAL = frozenset({SessionStatus.STOPPED, SessionStatus.ERROR, SessionStatus.EXPIRED})
 
 
+class ResourceErrorCode(StrEnum):
+    PROVISIONING_FAILED = "MODEL_RESOURCES_ERROR_CODE_PROVISIONING_FAILED"
+
+
 class SessionErrorCode(StrEnum):
     RESOURCE_UNAVAILABLE = "TRAINING_SESSION_ERROR_CODE_RESOURCE_UNAVAILABLE"
     RESOURCE_AT_CAPACITY = "TRAINING_SESSION_ERROR_CODE_RESOURCE_AT_CAPACITY"
@@ -245,6 +249,22 @@ class SampleRequest:
     topk_prompt_logprobs: int = 0
 
 
+@dataclass(frozen=True)
+class CheckpointRequest:  # the checkpoint operations take no body: the kind says which type
+    type: CheckpointType
+
+
+# An operation POST as the api layer parsed it: one type per kind.
+OperationRequest = (
+    ForwardBackwardRequest
+    | CustomForwardBackwardRequest
+    | OptimStepRequest
+    | WeightsSyncRequest
+    | SampleRequest
+    | CheckpointRequest
+)
+
+
 # ---------------------------------------------------------------- sessions and resources
 
 
@@ -296,6 +316,49 @@ class SampleResult:
     topk_prompt_logprobs: list[TopkPromptLogprobs] | None = None
 
 
+@dataclass(frozen=True)
+class SampleOutput:  # one result per prompt
+    results: tuple[SampleResult, ...]
+
+
+@dataclass(frozen=True)
+class OptimStepOutput:
+    step: int
+
+
+@dataclass(frozen=True)
+class WeightsSyncOutput:
+    weights_version: int
+
+
+@dataclass(frozen=True)
+class CustomForwardBackwardOutput:  # the empty object: custom forward-backward returns nothing
+    pass
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    id: str
+    created_at: float
+    step: int
+
+
+@dataclass(frozen=True)
+class CheckpointOutput:
+    checkpoint: CheckpointRef
+
+
+# A completed operation's output, in wire field names; store/repo.py reads it back by kind.
+OperationOutput = (
+    ForwardBackwardResult
+    | CustomForwardBackwardOutput
+    | OptimStepOutput
+    | WeightsSyncOutput
+    | SampleOutput
+    | CheckpointOutput
+)
+
+
 # ---------------------------------------------------------------- stored records
 
 
@@ -333,13 +396,6 @@ class PolicyState:
 
 
 @dataclass(frozen=True)
-class CheckpointRef:
-    id: str
-    created_at: float
-    step: int
-
-
-@dataclass(frozen=True)
 class SessionRecord:
     id: str
     resource_id: str
@@ -370,8 +426,8 @@ class OperationRecord:
     idempotency_key: str
     fingerprint: str
     created_by: str
-    # The result in wire shape (JSON-ready) once COMPLETED; {} is a valid empty output.
-    output: dict | None = None
+    # The result once COMPLETED (its type follows `kind`, OUTPUT_TYPES).
+    output: OperationOutput | None = None
     error_code: OperationErrorCode | None = None
     error_message: str | None = None
 

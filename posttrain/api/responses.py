@@ -10,13 +10,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 from posttrain.types import (
+    CheckpointOutput,
     CheckpointRecord,
     CheckpointRef,
+    CustomForwardBackwardOutput,
     ErrorInfo,
-    OperationKind,
+    ForwardBackwardResult,
+    OperationOutput,
     OperationRecord,
+    OptimStepOutput,
     ResourceRecord,
+    SampleOutput,
+    SampleResult,
     SessionRecord,
+    WeightsSyncOutput,
 )
 
 # The SDK 3.1.1 types pin gpu_type to literals (api.md 7.9): a ModelResources may say
@@ -137,51 +144,65 @@ def session_json(s: SessionRecord) -> dict[str, Any]:
     return out
 
 
-def _forward_backward_output(output: dict[str, Any]) -> dict[str, Any]:
-    outputs = output.get("loss_fn_outputs") or []
+def _forward_backward_output(result: ForwardBackwardResult) -> dict[str, Any]:
     return {
-        "loss": output["loss"],
-        "metrics": output["metrics"],
+        "loss": result.loss,
+        "metrics": result.metrics,
         "loss_fn_outputs": [
-            {"tensors": {"logprobs": {"data": values, "dtype": "float32"}}} for values in outputs
+            {"tensors": {"logprobs": {"data": values, "dtype": "float32"}}}
+            for values in result.loss_fn_outputs or []
         ],
     }
 
 
-def _sample_output(output: dict[str, Any]) -> dict[str, Any]:
-    results = []
-    for result in output["results"]:
-        item: dict[str, Any] = {
-            "policy_segments": result["policy_segments"],
-            "sequences": result["sequences"],
-        }
-        if result.get("prompt_logprobs") is not None:
-            item["prompt_logprobs"] = result["prompt_logprobs"]
-        if result.get("topk_prompt_logprobs") is not None:
-            item["topk_prompt_logprobs"] = result["topk_prompt_logprobs"]
-        results.append(item)
-    return {"results": results}
+def _sample_result(result: SampleResult) -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "policy_segments": [
+            {"start_token": s.start_token, "version": s.version} for s in result.policy_segments
+        ],
+        "sequences": [
+            {
+                "tokens": s.tokens,
+                "logprobs": s.logprobs,
+                "stop_reason": s.stop_reason.value,
+                "prompt_cache_hit_tokens": s.prompt_cache_hit_tokens,
+            }
+            for s in result.sequences
+        ],
+    }
+    if result.prompt_logprobs is not None:
+        item["prompt_logprobs"] = result.prompt_logprobs
+    if result.topk_prompt_logprobs is not None:
+        item["topk_prompt_logprobs"] = [
+            {"token_ids": t.token_ids, "logprobs": t.logprobs} for t in result.topk_prompt_logprobs
+        ]
+    return item
 
 
-def _checkpoint_output(output: dict[str, Any]) -> dict[str, Any]:
-    checkpoint = output["checkpoint"]
-    created = timestamp(checkpoint["created_at"])
-    return {"checkpoint": {**checkpoint, "created_at": created}}
-
-
-OUTPUT_SHAPES = {
-    OperationKind.FORWARD_BACKWARD: _forward_backward_output,
-    OperationKind.SAMPLE: _sample_output,
-    OperationKind.TRAINING_CHECKPOINT: _checkpoint_output,
-    OperationKind.INFERENCE_CHECKPOINT: _checkpoint_output,
-}
+def output_json(output: OperationOutput) -> dict[str, Any]:
+    """An operation's output object (api.md 1.4)."""
+    match output:
+        case ForwardBackwardResult():
+            return _forward_backward_output(output)
+        case SampleOutput(results=results):
+            return {"results": [_sample_result(r) for r in results]}
+        case OptimStepOutput(step=step):
+            return {"step": step}
+        case WeightsSyncOutput(weights_version=version):
+            return {"weights_version": version}
+        case CheckpointOutput(checkpoint=c):
+            return {
+                "checkpoint": {"id": c.id, "created_at": timestamp(c.created_at), "step": c.step}
+            }
+        case CustomForwardBackwardOutput():
+            return {}
+    raise AssertionError(f"unknown operation output {output!r}")
 
 
 def operation_json(op: OperationRecord) -> dict[str, Any]:
     out: dict[str, Any] = {"id": op.id, "status": op.status.value}
     if op.output is not None:
-        shape = OUTPUT_SHAPES.get(op.kind)
-        out["output"] = shape(op.output) if shape else op.output
+        out["output"] = output_json(op.output)
     if op.error_code is not None:
         out["error"] = {"code": op.error_code.value, "message": op.error_message or ""}
     return out

@@ -65,7 +65,7 @@ def build_services(config: ServerConfig) -> Services:
     engine = LocalEngine(config.engine, {spec.id: spec.path for spec in config.models})
     signer = UrlSigner(config.signing_key, config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
-    scheduler = Scheduler(repo, engine, checkpoints=checkpoints)
+    scheduler = Scheduler(repo, engine, checkpoints=checkpoints, limits=config.scheduler)
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
     operations = OperationService(repo, scheduler, sessions, resources)

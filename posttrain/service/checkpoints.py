@@ -29,6 +29,7 @@ from posttrain.service.ids import new_id
 from posttrain.service.signing import UrlSigner
 from posttrain.store.repo import Repo
 from posttrain.types import (
+    CheckpointOutput,
     CheckpointRecord,
     CheckpointRef,
     CheckpointType,
@@ -167,7 +168,7 @@ class CheckpointService:
 
     # ------------------------------------------------------------ saving (worker thread)
 
-    def save(self, session: SessionRecord, kind: CheckpointType) -> dict:
+    def save(self, session: SessionRecord, kind: CheckpointType) -> CheckpointOutput:
         """Write, rename into place, then record a checkpoint of the session as it is now.
 
         Runs on the resource's worker between the session's operations, so the saved weights,
@@ -207,7 +208,7 @@ class CheckpointService:
             session.id,
             lambda s: dataclasses.replace(s, **{field: (*getattr(s, field), ref)}, updated_at=now),
         )
-        return {"checkpoint": {"id": checkpoint_id, "created_at": now, "step": session.step}}
+        return CheckpointOutput(checkpoint=ref)
 
     def _write(self, session: SessionRecord, kind: CheckpointType, directory: Path) -> None:
         if kind == CheckpointType.TRAINING:

@@ -3,9 +3,9 @@
 Two sources. The scheduler reports every operation it finishes (OperationMetrics: counts,
 run-time histogram and tokens per kind, kept in memory since the process started). The store
 answers what is true right now: operations by kind and status, sessions per model resource,
-resources by status, plus the scheduler's queue depth. Deferred weights-syncs that a decode loop
-completes (service/publishing.py) appear in the store counts but not in the scheduler's
-counters.
+resources by status, plus the scheduler's queue depth. Every operation finishes through
+service/recording.py, deferred weights-syncs included, so both sources count the same
+operations.
 
 Imports: store, types.
 """
@@ -23,8 +23,10 @@ from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
     OperationKind,
+    OperationOutput,
     OperationRecord,
     OperationStatus,
+    SampleOutput,
     SampleRequest,
 )
 
@@ -35,15 +37,15 @@ DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 RATE_WINDOW_S = 60.0
 
 
-def operation_tokens(request: object, output: dict | None) -> int:
+def operation_tokens(request: object, output: OperationOutput | None) -> int:
     """Tokens an operation pushed through the model: the samples' input tokens for the
     forward-backward kinds; prompt tokens for every row plus the generated tokens for sample."""
     if isinstance(request, ForwardBackwardRequest | CustomForwardBackwardRequest):
         return sum(len(sample.tokens) for sample in request.samples)
     if isinstance(request, SampleRequest):
         prompt = sum(len(p) for p in request.prompts) * request.num_samples
-        results = (output or {}).get("results", [])
-        generated = sum(len(s["tokens"]) for r in results for s in r["sequences"])
+        results = output.results if isinstance(output, SampleOutput) else ()
+        generated = sum(len(s.tokens) for r in results for s in r.sequences)
         return prompt + generated
     return 0
 
@@ -94,7 +96,9 @@ class OperationMetrics:
                 histogram = self._durations.setdefault(op.kind.value, Histogram())
                 histogram.observe(max(0.0, now - op.updated_at))
 
-    def count_tokens(self, kind: OperationKind, request: object, output: dict | None) -> None:
+    def count_tokens(
+        self, kind: OperationKind, request: object, output: OperationOutput | None
+    ) -> None:
         tokens = operation_tokens(request, output)
         if tokens == 0:
             return

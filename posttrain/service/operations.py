@@ -11,7 +11,6 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from posttrain.engine.optim import resolve_step_settings
 from posttrain.errors import Conflict, InvalidRequest, NotFound
@@ -21,9 +20,12 @@ from posttrain.service.scheduler import Scheduler
 from posttrain.service.sessions import SessionService
 from posttrain.store.repo import Repo
 from posttrain.types import (
+    CustomForwardBackwardRequest,
+    ForwardBackwardRequest,
     OperationErrorCode,
     OperationKind,
     OperationRecord,
+    OperationRequest,
     OperationStatus,
     SampleRequest,
     SessionStatus,
@@ -52,7 +54,7 @@ class OperationService:
         *,
         idempotency_key: str,
         fingerprint: str,
-        request: Any,
+        request: OperationRequest,
     ) -> OperationRecord:
         session = self.sessions.get(user, session_id)
         if not idempotency_key:
@@ -60,7 +62,7 @@ class OperationService:
                 "the Idempotency-Key header is required on operation POSTs",
                 param="Idempotency-Key",
             )
-        if kind == OperationKind.SAMPLE:
+        if isinstance(request, SampleRequest):
             resource = self.resources.get(user, session.resource_id)
             if resource.num_generator_replicas == 0:
                 raise InvalidRequest(
@@ -68,7 +70,7 @@ class OperationService:
                     param="compute_config.num_generator_replicas",
                 )
             self._check_sample(session.base_model, request)
-        if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
+        if isinstance(request, ForwardBackwardRequest | CustomForwardBackwardRequest):
             self._check_samples(session.base_model, request.samples)
         if kind == OperationKind.OPTIM_STEP:
             # muon_params on an Adam resource (or adam_params on a Muon one) is a 400 here,

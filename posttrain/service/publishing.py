@@ -19,6 +19,9 @@ weights they publish are known, and the generator picks those weights up later:
   place too. Publishing sets applied_weights_version; pending_publish stays true while another
   completed weights-sync of the session still waits.
 
+A deferred weights-sync finishes through the scheduler's finish path (service/recording.py),
+so the operation metrics count it like any other operation.
+
 Every engine call here runs on the resource's worker thread (a FIFO job, or the decode loop
 inside a sample job), so the engine never sees two threads. A session's deferred syncs publish
 in submission order.
@@ -28,20 +31,22 @@ Imports: store, engine.interface.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
 from dataclasses import dataclass
 
 from posttrain.engine.interface import Engine
+from posttrain.errors import SessionNotActive
+from posttrain.service import policy
+from posttrain.service.recording import OperationRecorder
 from posttrain.store.repo import Repo
 from posttrain.types import (
     OperationKind,
     OperationRecord,
     OperationStatus,
-    SessionRecord,
     SessionStatus,
+    WeightsSyncOutput,
     WeightsSyncRequest,
     WeightSyncType,
 )
@@ -79,9 +84,10 @@ def is_deferred(kind: OperationKind, request: object) -> bool:
 class PublishMailbox:
     """Deferred weights-syncs per resource, and the operations they wait for."""
 
-    def __init__(self, repo: Repo, engine: Engine) -> None:
+    def __init__(self, repo: Repo, engine: Engine, recorder: OperationRecorder) -> None:
         self.repo = repo
         self.engine = engine
+        self.recorder = recorder
         # Reentrant: completing an entry reads the store while the mailbox is locked, and the
         # decode-loop hook may run while the same thread already holds it (never today, cheap).
         self._lock = threading.RLock()
@@ -133,6 +139,26 @@ class PublishMailbox:
                     continue
                 self._publish(resource_id, entry)
 
+    def publish_at_place(self, resource_id: str, op_id: str) -> None:
+        """The deferred weights-sync's FIFO job: publish now unless a decode loop already did;
+        a sync whose session stopped publishes nothing and, if still PENDING, fails."""
+        op = self.repo.get_operation(op_id)
+        assert op is not None, f"queued operation {op_id} vanished from the store"
+        session = self.repo.get_session(op.session_id)
+        assert session is not None, f"operation {op_id} has no session"
+        if session.status != SessionStatus.RUNNING:
+            self.discard(resource_id, op_id)
+            if op.status == OperationStatus.PENDING:
+                stopped = SessionNotActive(f"session {session.id} is {session.status}")
+                self.recorder.finish([(op, stopped)])
+            return
+        self.publish_in_order(resource_id, op_id)
+
+    def fail(self, resource_id: str, op_id: str, exc: Exception) -> None:
+        """The FIFO job's failure recorder: forget the entry; fail the sync if not completed."""
+        self.discard(resource_id, op_id)
+        self.recorder.fail_unfinished([op_id], exc)
+
     def publish_in_order(self, resource_id: str, op_id: str) -> None:
         """The deferred weights-sync's own FIFO place: every operation submitted before it has
         run, so it is ready; complete it if needed and publish it (unless already published)."""
@@ -177,19 +203,8 @@ class PublishMailbox:
         version = session.policy_state.trainer_step
         entry.version = version
         now = time.time()
-
-        def target(s: SessionRecord) -> SessionRecord:
-            policy = dataclasses.replace(
-                s.policy_state, target_weights_version=version, pending_publish=True
-            )
-            return dataclasses.replace(s, policy_state=policy, updated_at=now)
-
-        self.repo.update_session(entry.session_id, target)
-        output = {"weights_version": version}
-        completed = dataclasses.replace(
-            op, status=OperationStatus.COMPLETED, output=output, updated_at=now
-        )
-        self.repo.put_operation(completed)
+        self.repo.update_session(entry.session_id, lambda s: policy.targeted(s, version, now))
+        self.recorder.finish([(op, WeightsSyncOutput(weights_version=version))])
 
     def _publish(self, resource_id: str, entry: _Entry) -> None:
         assert entry.version is not None
@@ -201,10 +216,8 @@ class PublishMailbox:
             for e in self._entries[resource_id]
         )
 
-        def applied(s: SessionRecord) -> SessionRecord:
-            policy = dataclasses.replace(
-                s.policy_state, applied_weights_version=version, pending_publish=still_pending
-            )
-            return dataclasses.replace(s, policy_state=policy, updated_at=time.time())
-
-        self.repo.update_session(entry.session_id, applied)
+        now = time.time()
+        self.repo.update_session(
+            entry.session_id,
+            lambda s: policy.published(s, version, still_pending=still_pending, now=now),
+        )

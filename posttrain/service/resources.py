@@ -10,7 +10,6 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -24,11 +23,10 @@ from posttrain.types import (
     SESSION_TERMINAL,
     ErrorInfo,
     MuonScaling,
+    ResourceErrorCode,
     ResourceRecord,
     ResourceStatus,
 )
-
-log = logging.getLogger("posttrain.resources")
 
 # How long create waits for the model to load before answering CREATING.
 READY_WAIT_S = 30.0
@@ -84,30 +82,26 @@ class ResourceService:
             muon_scaling=muon_scaling,
         )
         self.repo.put_resource(record)
-        loading = self.scheduler.run_job(record.id, lambda: self._provision(record.id))
+        self._provision_on_worker(record.id)
+        return self.get(user, record.id)
+
+    def _provision_on_worker(self, resource_id: str) -> None:
+        """Queue the model load; wait a little for it (a failure is recorded on the resource
+        by `_provisioning_failed`, the job's failure recorder)."""
+        loading = self.scheduler.run_job(
+            resource_id,
+            lambda: self._provision(resource_id),
+            lambda exc: self._provisioning_failed(resource_id, exc),
+        )
         try:
             loading.result(timeout=READY_WAIT_S)
         except FutureTimeout:
-            pass
-        except Exception:  # noqa: BLE001 - recorded on the resource by _provision
-            pass
-        return self.get(user, record.id)
+            pass  # still loading: the resource reports CREATING
 
     def _provision(self, resource_id: str) -> None:
         record = self.repo.get_resource(resource_id)
         assert record is not None, f"resource {resource_id} vanished before provisioning"
-        try:
-            self.ensure_loaded(record)
-        except Exception as exc:
-            log.exception("provisioning %s failed", resource_id)
-            error = ErrorInfo(
-                "MODEL_RESOURCES_ERROR_CODE_PROVISIONING_FAILED", str(exc), time.time()
-            )
-            self.repo.update_resource(
-                resource_id,
-                lambda r: dataclasses.replace(r, status=ResourceStatus.ERROR, error=error),
-            )
-            raise
+        self.ensure_loaded(record)
         now = time.time()
         self.repo.update_resource(
             resource_id,
@@ -117,6 +111,13 @@ class ResourceService:
                 updated_at=now,
                 expires_at=now + r.inactive_timeout,
             ),
+        )
+
+    def _provisioning_failed(self, resource_id: str, exc: Exception) -> None:
+        error = ErrorInfo(ResourceErrorCode.PROVISIONING_FAILED, str(exc), time.time())
+        self.repo.update_resource(
+            resource_id,
+            lambda r: dataclasses.replace(r, status=ResourceStatus.ERROR, error=error),
         )
 
     def check_inactive_timeout(self, seconds: int) -> None:
@@ -233,4 +234,8 @@ class ResourceService:
                 )
             elif record.status in (ResourceStatus.CREATING, ResourceStatus.PENDING):
                 rid = record.id
-                self.scheduler.run_job(rid, lambda rid=rid: self._provision(rid))
+                self.scheduler.run_job(
+                    rid,
+                    lambda rid=rid: self._provision(rid),
+                    lambda exc, rid=rid: self._provisioning_failed(rid, exc),
+                )

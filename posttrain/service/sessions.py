@@ -13,7 +13,6 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import secrets
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -37,8 +36,6 @@ from posttrain.types import (
     SessionRecord,
     SessionStatus,
 )
-
-log = logging.getLogger("posttrain.sessions")
 
 SETUP_WAIT_S = 30.0
 STOP_WAIT_S = 5.0
@@ -135,13 +132,15 @@ class SessionService:
         )
         self.repo.put_session(record)
         self.resources.touch(resource_id)  # activity: the resource's expiry moves on
-        setup = self.scheduler.run_job(resource_id, lambda: self._setup(record.id, resume))
+        setup = self.scheduler.run_job(
+            resource_id,
+            lambda: self._setup(record.id, resume),
+            lambda exc: self._setup_failed(resource_id, record.id, exc),
+        )
         try:
             setup.result(timeout=SETUP_WAIT_S)
         except FutureTimeout:
-            pass
-        except Exception:  # noqa: BLE001 - _setup recorded the error on the session
-            pass
+            pass  # still setting up: the session reports CREATING
         return self.get(user, record.id)
 
     def _setup(self, session_id: str, resume: ResumePlan | None = None) -> None:
@@ -157,23 +156,23 @@ class SessionService:
         assert resource is not None
         if not self._claim_slot(resource, session_id):
             return
-        try:
-            self.resources.ensure_loaded(resource)
-            self.engine.create_session(resource.id, session_id, session.lora_config)
-            if resume is not None:
-                self._load_checkpoint(resource.id, session_id, resume)
-        except Exception as exc:
-            log.exception("session %s setup failed", session_id)
-            self.engine.drop_session(resource.id, session_id)
-            error = ErrorInfo(SessionErrorCode.SESSION_FAILED.value, str(exc), time.time())
-            self.repo.update_session(
-                session_id,
-                lambda s: dataclasses.replace(s, status=SessionStatus.ERROR, error=error),
-            )
-            raise
+        self.resources.ensure_loaded(resource)
+        self.engine.create_session(resource.id, session_id, session.lora_config)
+        if resume is not None:
+            self._load_checkpoint(resource.id, session_id, resume)
         self.repo.update_session(
             session_id,
             lambda s: dataclasses.replace(s, status=SessionStatus.RUNNING, updated_at=time.time()),
+        )
+
+    def _setup_failed(self, resource_id: str, session_id: str, exc: Exception) -> None:
+        """The setup job's failure recorder (worker thread): drop what was created of the
+        session and end it in ERROR with SESSION_FAILED."""
+        self.engine.drop_session(resource_id, session_id)
+        error = ErrorInfo(SessionErrorCode.SESSION_FAILED.value, str(exc), time.time())
+        self.repo.update_session(
+            session_id,
+            lambda s: dataclasses.replace(s, status=SessionStatus.ERROR, error=error),
         )
 
     def _claim_slot(self, resource: ResourceRecord, session_id: str) -> bool:

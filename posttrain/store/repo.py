@@ -1,7 +1,10 @@
 """Typed reads and writes of the store. Rows convert to and from domain records here only.
 
 Each table keeps the columns that queries filter on plus the whole record as JSON, so adding a
-record field needs no migration. Imports: types.
+record field needs no migration. An operation's output is stored as the JSON object of its
+output dataclass (the wire's field names) and read back as the type its kind has
+(OUTPUT_TYPES), so records written before outputs were typed read back unchanged.
+Imports: types.
 """
 
 from __future__ import annotations
@@ -18,14 +21,31 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from posttrain.types import (
+    CheckpointOutput,
     CheckpointRecord,
+    CustomForwardBackwardOutput,
+    ForwardBackwardResult,
     OperationErrorCode,
     OperationKind,
     OperationRecord,
     OperationStatus,
+    OptimStepOutput,
     ResourceRecord,
+    SampleOutput,
     SessionRecord,
+    WeightsSyncOutput,
 )
+
+# The output type of each operation kind.
+OUTPUT_TYPES: dict[OperationKind, type] = {
+    OperationKind.FORWARD_BACKWARD: ForwardBackwardResult,
+    OperationKind.CUSTOM_FORWARD_BACKWARD: CustomForwardBackwardOutput,
+    OperationKind.OPTIM_STEP: OptimStepOutput,
+    OperationKind.WEIGHTS_SYNC: WeightsSyncOutput,
+    OperationKind.SAMPLE: SampleOutput,
+    OperationKind.TRAINING_CHECKPOINT: CheckpointOutput,
+    OperationKind.INFERENCE_CHECKPOINT: CheckpointOutput,
+}
 
 T = TypeVar("T")
 
@@ -41,6 +61,8 @@ def _convert(hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) == 1:  # X | None
+            return _convert(options[0], value)
         for option in options:
             if dataclasses.is_dataclass(option) and isinstance(value, dict):
                 return _convert(option, value)
@@ -53,6 +75,11 @@ def _convert(hint: Any, value: Any) -> Any:
     if origin is tuple:
         (item,) = typing.get_args(hint)[:1]
         return tuple(_convert(item, v) for v in value)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if dataclasses.is_dataclass(item) or isinstance(item, type) and issubclass(item, Enum):
+            return [_convert(item, v) for v in value]
+        return value  # lists of plain JSON values (tokens, logprobs) as they are
     if isinstance(hint, type) and issubclass(hint, Enum):
         return hint(value)
     if dataclasses.is_dataclass(hint):
@@ -65,6 +92,16 @@ def _field_hints(cls: type) -> dict[str, Any]:
     """Resolved annotations of a record class: get_type_hints re-evaluates every string
     annotation, and it ran on each row read (85% of an operation GET's handler time)."""
     return typing.get_type_hints(cls)
+
+
+def operation_from_dict(data: dict[str, Any]) -> OperationRecord:
+    """An operation record; its output is rebuilt as the type of its kind."""
+    output = data.get("output")
+    fields = {**data, "output": None}
+    op = from_dict(OperationRecord, fields)
+    if output is None:
+        return op
+    return dataclasses.replace(op, output=from_dict(OUTPUT_TYPES[op.kind], output))
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
@@ -211,7 +248,7 @@ class Repo:
             "SELECT data FROM operations WHERE session_id = ? AND kind = ? AND idempotency_key = ?",
             (session_id, kind.value, idempotency_key),
         )
-        return from_dict(OperationRecord, json.loads(rows[0][0])) if rows else None
+        return operation_from_dict(json.loads(rows[0][0])) if rows else None
 
     def put_operation(self, op: OperationRecord) -> None:
         self.put_operations([op])
@@ -236,7 +273,7 @@ class Repo:
 
     def get_operation(self, operation_id: str) -> OperationRecord | None:
         rows = self._query("SELECT data FROM operations WHERE id = ?", (operation_id,))
-        return from_dict(OperationRecord, json.loads(rows[0][0])) if rows else None
+        return operation_from_dict(json.loads(rows[0][0])) if rows else None
 
     def unfinished_operations(self, session_id: str | None = None) -> list[OperationRecord]:
         sql = "SELECT data FROM operations WHERE status IN (?, ?)"
@@ -245,7 +282,7 @@ class Repo:
             sql += " AND session_id = ?"
             args += (session_id,)
         rows = self._query(sql + " ORDER BY seq", args)
-        return [from_dict(OperationRecord, json.loads(row[0])) for row in rows]
+        return [operation_from_dict(json.loads(row[0])) for row in rows]
 
     def fail_unfinished_operations(self, message: str, now: float) -> int:
         """Mark every PENDING/RUNNING operation FAILED (INTERNAL_ERROR); returns how many."""

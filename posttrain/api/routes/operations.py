@@ -28,7 +28,14 @@ from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwar
 from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
 from posttrain.errors import InvalidRequest, NotFound, Unsupported
 from posttrain.service import Services
-from posttrain.types import OPERATION_TERMINAL, OperationKind, OperationRecord
+from posttrain.types import (
+    OPERATION_TERMINAL,
+    CheckpointRequest,
+    CheckpointType,
+    OperationKind,
+    OperationRecord,
+    OperationRequest,
+)
 
 router = APIRouter(prefix="/v1/rl/training-sessions")
 
@@ -47,7 +54,7 @@ def _kind(kind: str) -> OperationKind:
         raise NotFound(f"unknown operation kind {kind!r}", param="kind") from None
 
 
-def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> Any:
+def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> OperationRequest:
     if kind == OperationKind.FORWARD_BACKWARD:
         return parse(ForwardBackwardIn, body).to_domain()
     if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
@@ -67,7 +74,8 @@ def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> Any:
         if body:  # these operations take no body (api.md 1.4.7, 1.4.8)
             field = next(iter(body))
             raise InvalidRequest(f"{field}: unknown field; {kind} takes no body", param=field)
-        return None
+        training = kind == OperationKind.TRAINING_CHECKPOINT
+        return CheckpointRequest(CheckpointType.TRAINING if training else CheckpointType.INFERENCE)
     raise Unsupported(f"{kind} operations are not supported yet", param="kind")
 
 

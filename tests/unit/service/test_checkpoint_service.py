@@ -103,8 +103,8 @@ def test_a_finished_save_is_recorded_on_the_session_and_listed(tmp_path):
     svc = service(tmp_path, FileWritingEngine())
     svc.repo.put_session(SESSION)
     output = svc.save(SESSION, CheckpointType.TRAINING)
-    checkpoint_id = output["checkpoint"]["id"]
-    assert output["checkpoint"]["step"] == 3
+    checkpoint_id = output.checkpoint.id
+    assert output.checkpoint.step == 3
     record = svc.get("user_local", checkpoint_id)
     assert record.lora_rank == 4 and record.lora_config == LoraConfig(rank=4)
     assert (Path(record.path) / "trainable.safetensors").stat().st_size == 1000

@@ -11,11 +11,12 @@ import pytest
 from inprocess import USER, open_session, ready_resource, services_fixture  # noqa: F401
 
 from posttrain.service import Services
-from posttrain.service.scheduler import Batchable, ResourceWorker
+from posttrain.service.worker import Job, QueuedOperation, ResourceWorker
 from posttrain.types import (
     OperationKind,
     OperationStatus,
     OptimStepRequest,
+    SampleOutput,
     SampleRequest,
     SamplingParams,
 )
@@ -67,7 +68,7 @@ def hold_worker(services: Services, resource_id: str) -> threading.Event:
     return release
 
 
-def outputs(services: Services, op_ids: list[str]) -> list[dict]:
+def outputs(services: Services, op_ids: list[str]) -> list[SampleOutput]:
     result = []
     for op_id in op_ids:
         op = services.repo.get_operation(op_id)
@@ -76,26 +77,23 @@ def outputs(services: Services, op_ids: list[str]) -> list[dict]:
     return result
 
 
-def tokens_of(outs: list[dict]) -> list:
+def tokens_of(outs: list[SampleOutput]) -> list:
     return [
         [
-            (
-                result["policy_segments"],
-                [(s["tokens"], s["stop_reason"]) for s in result["sequences"]],
-            )
-            for result in out["results"]
+            (result.policy_segments, [(s.tokens, s.stop_reason) for s in result.sequences])
+            for result in out.results
         ]
         for out in outs
     ]
 
 
-def logprobs_of(outs: list[dict]) -> list[float]:
+def logprobs_of(outs: list[SampleOutput]) -> list[float]:
     return [
         value
         for out in outs
-        for result in out["results"]
-        for sequence in result["sequences"]
-        for value in sequence["logprobs"]
+        for result in out.results
+        for sequence in result.sequences
+        for value in sequence.logprobs
     ]
 
 
@@ -128,8 +126,8 @@ def test_queued_samples_of_one_session_share_one_pass_and_equal_running_alone(se
     assert tokens_of(got) == tokens_of(expected)
     for mine, theirs in zip(logprobs_of(got), logprobs_of(expected), strict=True):
         assert mine == pytest.approx(theirs, abs=1e-5)
-    first = got[0]["results"][0]["sequences"][0]
-    assert len(first["tokens"]) > 0 and len(first["tokens"]) == len(first["logprobs"])
+    first = got[0].results[0].sequences[0]
+    assert len(first.tokens) > 0 and len(first.tokens) == len(first.logprobs)
 
 
 def test_a_barrier_splits_merged_samples_and_keeps_the_order(services):
@@ -150,8 +148,13 @@ def test_a_barrier_splits_merged_samples_and_keeps_the_order(services):
     assert max(finished[:3]) <= finished[3] <= min(finished[4:])
 
 
-def _batchable(kind: OperationKind, session: str, name: str, rows: int = 1) -> Batchable:
-    return Batchable(kind, session, name, None, lambda: None, rows)
+def _batchable(kind: OperationKind, session: str, name: str, rows: int = 1) -> QueuedOperation:
+    request = SampleRequest(prompts=((1,),) * rows) if kind == OperationKind.SAMPLE else None
+    return QueuedOperation(kind, session, name, request)  # type: ignore[arg-type]
+
+
+def _never_fails(group: list[QueuedOperation], exc: Exception) -> None:
+    raise AssertionError(f"the pass of {[o.operation_id for o in group]} failed: {exc}")
 
 
 def test_batch_mates_follow_each_sessions_order_and_the_row_limit():
@@ -161,9 +164,10 @@ def test_batch_mates_follow_each_sessions_order_and_the_row_limit():
     worker = ResourceWorker(
         "test-worker",
         lambda group: passes.append([b.operation_id for b in group]),
+        _never_fails,
         max_sample_rows=8,
     )
-    worker.submit(lambda: (started.set(), release.wait(60)))
+    worker.submit(Job(lambda: (started.set(), release.wait(60))))
     started.wait(60)
     sample, fb = OperationKind.SAMPLE, OperationKind.FORWARD_BACKWARD
     queue = [
@@ -175,7 +179,7 @@ def test_batch_mates_follow_each_sessions_order_and_the_row_limit():
         _batchable(sample, "C", "c2"),  # behind c1: stays
         _batchable(sample, "A", "a3", rows=2),  # nothing of A stays queued before it: joins
     ]
-    futures = [worker.submit(lambda: None, b) for b in queue]
+    futures = [worker.submit_operation(b) for b in queue]
     release.set()
     for future in futures:
         future.result(timeout=60)
@@ -197,17 +201,18 @@ def test_a_sample_pass_waits_for_arriving_submissions_and_not_past_the_limit():
         # one more sample "arrive" and reports it in flight; later calls report none.
         calls["n"] += 1
         if calls["n"] == 1:
-            queued.append(worker.submit(lambda: None, _batchable(OperationKind.SAMPLE, "B", "b")))
+            queued.append(worker.submit_operation(_batchable(OperationKind.SAMPLE, "B", "b")))
             return 1
         return 0
 
     worker = ResourceWorker(
         "test-worker",
         lambda group: passes.append([b.operation_id for b in group]),
+        _never_fails,
         arriving=arriving,
         gather_s=60.0,
     )
-    worker.submit(lambda: None, _batchable(OperationKind.SAMPLE, "A", "a")).result(timeout=60)
+    worker.submit_operation(_batchable(OperationKind.SAMPLE, "A", "a")).result(timeout=60)
     for future in queued:
         future.result(timeout=60)
     assert passes == [["a", "b"]]
@@ -216,9 +221,10 @@ def test_a_sample_pass_waits_for_arriving_submissions_and_not_past_the_limit():
     stuck = ResourceWorker(
         "test-worker-2",
         lambda group: passes.append([b.operation_id for b in group]),
+        _never_fails,
         arriving=lambda: 1,
         gather_s=0.05,
     )
-    stuck.submit(lambda: None, _batchable(OperationKind.SAMPLE, "C", "c")).result(timeout=60)
+    stuck.submit_operation(_batchable(OperationKind.SAMPLE, "C", "c")).result(timeout=60)
     stuck.close()
     worker.close()

@@ -9,15 +9,23 @@ from posttrain.service.metrics import (
     operation_tokens,
 )
 from posttrain.types import (
+    CustomForwardBackwardOutput,
     ForwardBackwardRequest,
+    ForwardBackwardResult,
     LossConfig,
     LossType,
     OperationKind,
     OperationRecord,
     OperationStatus,
+    SampledSequence,
+    SampleOutput,
     SampleRequest,
+    SampleResult,
+    StopReason,
     TrainingSample,
 )
+
+STOP = StopReason.STOP
 
 
 class Clock:
@@ -35,11 +43,12 @@ def op(kind: OperationKind, status: OperationStatus, started: float) -> Operatio
 def test_operation_tokens_counts_inputs_and_generations():
     samples = (TrainingSample((1, 2, 3), {}), TrainingSample((4, 5), {}))
     fb = ForwardBackwardRequest(samples, LossConfig(LossType.CROSS_ENTROPY))
-    assert operation_tokens(fb, {"loss": 1.0}) == 5
+    assert operation_tokens(fb, ForwardBackwardResult(1.0, {})) == 5
     sample = SampleRequest(prompts=((1, 2), (3,)), num_samples=2)
-    output = {"results": [{"sequences": [{"tokens": [7, 8]}, {"tokens": [9]}]}] * 2}
+    sequences = [SampledSequence([7, 8], [0.0, 0.0], STOP), SampledSequence([9], [0.0], STOP)]
+    output = SampleOutput((SampleResult(sequences, []),) * 2)
     assert operation_tokens(sample, output) == 3 * 2 + 6
-    assert operation_tokens(None, {}) == 0
+    assert operation_tokens(None, CustomForwardBackwardOutput()) == 0
 
 
 def test_durations_land_in_cumulative_buckets_and_counts_by_status():
@@ -66,9 +75,9 @@ def test_tokens_per_second_forgets_operations_older_than_the_window():
     metrics = OperationMetrics(clock)
     samples = (TrainingSample(tuple(range(30)), {}),)
     request = ForwardBackwardRequest(samples, LossConfig(LossType.CROSS_ENTROPY))
-    metrics.count_tokens(OperationKind.FORWARD_BACKWARD, request, {})
+    metrics.count_tokens(OperationKind.FORWARD_BACKWARD, request, ForwardBackwardResult(0.0, {}))
     clock.now += RATE_WINDOW_S / 2
-    metrics.count_tokens(OperationKind.FORWARD_BACKWARD, request, {})
+    metrics.count_tokens(OperationKind.FORWARD_BACKWARD, request, ForwardBackwardResult(0.0, {}))
     assert metrics.tokens_per_second() == {"forward-backward": 60 / RATE_WINDOW_S}
     clock.now += RATE_WINDOW_S * 0.75
     assert metrics.tokens_per_second() == {"forward-backward": 30 / RATE_WINDOW_S}

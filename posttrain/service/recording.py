@@ -1,0 +1,92 @@
+"""The one place a queued operation's status changes: PENDING -> RUNNING -> COMPLETED or FAILED.
+
+The scheduler's operation groups and the publish mailbox's deferred weights-syncs both finish
+through `finish`, so every finished operation is counted in the operation metrics. Each call
+writes its operations in one store transaction.
+
+Imports: store, types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from posttrain.errors import operation_error_code, posttrainError
+from posttrain.service.metrics import OperationMetrics
+from posttrain.store.repo import Repo
+from posttrain.types import (
+    OperationErrorCode,
+    OperationOutput,
+    OperationRecord,
+    OperationStatus,
+)
+
+log = logging.getLogger("posttrain.scheduler")
+
+Outcome = OperationOutput | Exception
+
+
+def error_code(exc: BaseException) -> OperationErrorCode:
+    return OperationErrorCode(operation_error_code(exc))
+
+
+def _message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, posttrainError) else f"{type(exc).__name__}: {exc}"
+
+
+class OperationRecorder:
+    def __init__(self, repo: Repo, metrics: OperationMetrics) -> None:
+        self.repo = repo
+        self.metrics = metrics
+
+    def start(self, ops: list[OperationRecord]) -> list[OperationRecord]:
+        """Mark the operations RUNNING (updated_at is when they started: the run-time metric)."""
+        now = time.time()
+        running = [
+            dataclasses.replace(op, status=OperationStatus.RUNNING, updated_at=now) for op in ops
+        ]
+        if running:
+            self.repo.put_operations(running)
+        return running
+
+    def finish(self, outcomes: list[tuple[OperationRecord, Outcome]]) -> None:
+        """Record each operation COMPLETED with its output or FAILED with its error's code."""
+        if not outcomes:
+            return
+        now = time.time()
+        finished = []
+        for op, outcome in outcomes:
+            if isinstance(outcome, Exception):
+                code = error_code(outcome)
+                if code == OperationErrorCode.INTERNAL_ERROR:
+                    log.error("operation %s (%s) failed", op.id, op.kind, exc_info=outcome)
+                finished.append(
+                    dataclasses.replace(
+                        op,
+                        status=OperationStatus.FAILED,
+                        updated_at=now,
+                        error_code=code,
+                        error_message=_message(outcome),
+                    )
+                )
+            else:
+                finished.append(
+                    dataclasses.replace(
+                        op, status=OperationStatus.COMPLETED, updated_at=now, output=outcome
+                    )
+                )
+        self.repo.put_operations(finished)
+        for op, outcome in outcomes:
+            self.metrics.operation_finished(op, is_failed=isinstance(outcome, Exception))
+
+    def fail_unfinished(self, operation_ids: list[str], exc: Exception) -> None:
+        """Record `exc` on those of the operations that are still PENDING or RUNNING (a job
+        that failed as a whole: some of its operations may have finished already)."""
+        unfinished: list[tuple[OperationRecord, Outcome]] = []
+        for operation_id in operation_ids:
+            op = self.repo.get_operation(operation_id)
+            if op is not None and op.status in (OperationStatus.PENDING, OperationStatus.RUNNING):
+                unfinished.append((op, exc))
+        self.finish(unfinished)

@@ -1,0 +1,227 @@
+"""The worker loop: one thread per model resource runs that resource's jobs in arrival order.
+
+Operations of a session therefore execute in submission order, and barriers (optim-step,
+weights-sync) hold trivially. Compute never runs on the asyncio loop: handlers enqueue and
+return, and polls read the store.
+
+This is the one job boundary: the only place that catches what a job raises. A job comes with
+the recorder of its failure (a lifecycle job marks its resource or session ERROR, an operation
+group its operations FAILED with a code); the worker hands the exception to it and moves on,
+and whoever waits on the job's future sees it finished without catching anything.
+
+Imports: types.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.types import OperationKind, OperationRequest, SampleRequest
+
+log = logging.getLogger("posttrain.scheduler")
+
+# How long no sample submission must have been arriving before a waiting sample pass starts.
+ARRIVAL_LULL_S = 0.005
+
+OnFailure = Callable[[Exception], None]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A lifecycle job (load, session setup, teardown, expiry, a deferred publish)."""
+
+    run: Callable[[], Any]
+    # Records the failure where the caller looks for it; None: the future carries it instead.
+    on_failure: OnFailure | None = None
+
+
+@dataclass(frozen=True)
+class QueuedOperation:
+    """A queued operation; forward-backwards and samples may share one engine pass."""
+
+    kind: OperationKind
+    session_id: str
+    operation_id: str
+    request: OperationRequest
+    done: Callable[[], None] = lambda: None  # runs once the operation finished
+
+    @property
+    def rows(self) -> int:
+        """Sequences a sample operation generates (prompts x num_samples); 1 for the others."""
+        if isinstance(self.request, SampleRequest):
+            return len(self.request.prompts) * self.request.num_samples
+        return 1
+
+
+@dataclass
+class _Item:
+    future: Future
+    job: Job | None = None
+    operation: QueuedOperation | None = None
+
+
+class ResourceWorker:
+    """A thread that runs one resource's jobs one at a time, first in, first out.
+
+    Every operation runs as a group through `run_group`. When the operation at the head is a
+    forward-backward or a sample, the worker also takes the next queued operations of the same
+    kind, provided no job or other operation (a barrier: optim-step, weights-sync, checkpoint,
+    session setup or teardown) stands in between and nothing of their session that stays queued
+    comes before them, so each session's order holds. Forward-backwards share a pass only across
+    sessions (at most `max_batch` operations); sample operations of one session share it too,
+    since sampling changes no state, up to `max_sample_rows` sequences in all. When a group
+    raises, `fail_group` records the error on its unfinished operations."""
+
+    def __init__(
+        self,
+        name: str,
+        run_group: Callable[[list[QueuedOperation]], None],
+        fail_group: Callable[[list[QueuedOperation], Exception], None],
+        *,
+        max_batch: int = 8,
+        max_sample_rows: int = 256,
+        arriving: Callable[[], int] = int,
+        gather_s: float = 0.0,
+    ) -> None:
+        self._items: deque[_Item | None] = deque()
+        self._ready = threading.Condition()
+        self._run_group = run_group
+        self._fail_group = fail_group
+        self._max_batch = max_batch
+        self._max_sample_rows = max_sample_rows
+        # Sample POSTs of this resource's sessions still being received (service/arrivals.py),
+        # and how long a sample pass waits for them at most.
+        self._arriving = arriving
+        self._gather_s = gather_s
+        self._busy_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        return self._append(_Item(Future(), job=job))
+
+    def submit_operation(self, operation: QueuedOperation) -> Future:
+        return self._append(_Item(Future(), operation=operation))
+
+    def _append(self, item: _Item) -> Future:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+        return item.future
+
+    def depth(self) -> int:
+        with self._ready:
+            return len(self._items)
+
+    def busy_seconds(self) -> float:
+        """Seconds this worker spent running jobs (the engine's busy time, for /metrics)."""
+        with self._ready:
+            return self._busy_s
+
+    def close(self) -> None:
+        with self._ready:
+            self._items.append(None)
+            self._ready.notify()
+
+    def _fits(self, head: QueuedOperation, mates: list[_Item], candidate: QueuedOperation) -> bool:
+        if candidate.kind != head.kind:
+            return False
+        if head.kind != OperationKind.SAMPLE:
+            return len(mates) + 1 < self._max_batch
+        rows = head.rows + sum(item.operation.rows for item in mates if item.operation)
+        return rows + candidate.rows <= self._max_sample_rows
+
+    def _take_batch_mates(self, head: QueuedOperation) -> list[_Item]:
+        """Caller holds the lock. Removes and returns the head's batch mates from the queue."""
+        if head.kind not in (OperationKind.FORWARD_BACKWARD, OperationKind.SAMPLE):
+            return []
+        mates: list[_Item] = []
+        # A session is blocked once one of its operations stays queued: nothing of it may
+        # overtake that one. Forward-backwards of the head's own session stay behind it.
+        blocked = set() if head.kind == OperationKind.SAMPLE else {head.session_id}
+        for item in list(self._items):
+            if item is None or item.operation is None:
+                break
+            candidate = item.operation
+            if candidate.kind not in (OperationKind.FORWARD_BACKWARD, OperationKind.SAMPLE):
+                break  # a barrier
+            if candidate.session_id not in blocked and self._fits(head, mates, candidate):
+                mates.append(item)
+                self._items.remove(item)
+                if head.kind == OperationKind.SAMPLE:
+                    continue
+            blocked.add(candidate.session_id)
+        return mates
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._items:
+                    self._ready.wait()
+                head = self._items.popleft()
+                if head is None:
+                    return
+                group = [head]
+                if head.operation is not None:
+                    if head.operation.kind == OperationKind.SAMPLE:
+                        self._await_arrivals()
+                    group += self._take_batch_mates(head.operation)
+            started = time.monotonic()
+            try:
+                self._run(group)
+            finally:
+                with self._ready:
+                    self._busy_s += time.monotonic() - started
+
+    def _await_arrivals(self) -> None:
+        """Caller holds the lock. While sample submissions are arriving, wait (up to gather_s)
+        until none has been for ARRIVAL_LULL_S: a burst's POSTs reach the server over several
+        connections, and the count can touch zero between two of them. The short re-check
+        interval also catches a submission that ended without queueing (a 400). A loop that
+        submits one operation at a time finds nothing arriving and never waits."""
+        if self._arriving() == 0:
+            return
+        now = time.monotonic()
+        deadline, quiet_since = now + self._gather_s, None
+        while (now := time.monotonic()) < deadline:
+            if self._arriving() > 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= ARRIVAL_LULL_S:
+                return
+            self._ready.wait(min(deadline - now, 0.001))
+
+    def _run(self, group: list[_Item]) -> None:
+        job = group[0].job
+        operations = [item.operation for item in group if item.operation is not None]
+        result = None
+        try:
+            if job is not None:
+                result = job.run()
+            else:
+                self._run_group(operations)
+        except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
+            if job is None:
+                self._fail_group(operations, exc)  # logs what is an internal error
+            else:
+                log.error("job on %s failed", self._thread.name, exc_info=exc)
+                if job.on_failure is None:
+                    group[0].future.set_exception(exc)
+                else:
+                    job.on_failure(exc)
+        finally:
+            # After the outcome is recorded: a deferred weights-sync waiting for one of these
+            # operations may complete now (service/publishing.py).
+            for operation in operations:
+                operation.done()
+        for item in group:  # finished: recorded, or (a job without a recorder) raised
+            if not item.future.done():
+                item.future.set_result(result)

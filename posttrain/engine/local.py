@@ -34,9 +34,10 @@ from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buc
 from posttrain.engine.interface import ModelInfo
 from posttrain.engine.logprobs import target_logprobs
 from posttrain.engine.losses import LOSSES, validate_loss_inputs
+from posttrain.engine.model_passes import GeneratorModel
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import GenerationRequest, GeneratorModel, WeightsVersion, generate
+from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
 from posttrain.errors import InvalidRequest, NonFiniteLoss, NotFound
 from posttrain.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from posttrain.model.lora import AdapterSpec, LoraModel

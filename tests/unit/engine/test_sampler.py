@@ -10,7 +10,7 @@ from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import sampler
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import CDF_BLOCK, choose_tokens, draw_inverse_cdf, filter_logits
+from posttrain.engine.sampling_math import CDF_BLOCK, choose_tokens, draw_inverse_cdf, filter_logits
 from posttrain.model.kv_cache import KVCache
 from posttrain.types import (
     AdamParams,

@@ -458,8 +458,11 @@ class Scheduler:
     # ------------------------------------------------------------ one runner per kind
 
     def _forward_backward(self, session: SessionRecord, request: ForwardBackwardRequest) -> dict:
-        result = self.engine.forward_backward(session.resource_id, session.id, request)
-        return dataclasses.asdict(result)
+        items = [(session.id, request)]
+        (outcome,) = self.engine.forward_backward_batch(session.resource_id, items)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return dataclasses.asdict(outcome)
 
     def _custom_forward_backward(
         self, session: SessionRecord, request: CustomForwardBackwardRequest
@@ -512,10 +515,9 @@ class Scheduler:
     def _sample(self, session: SessionRecord, request: SampleRequest) -> dict:
         # Between tokens, PIPELINE weights-syncs submitted meanwhile publish in flight.
         resource_id = session.resource_id
-        results = self.engine.sample(
+        (results,) = self.engine.sample_batch(
             resource_id,
-            session.id,
-            request,
+            [(session.id, request)],
             between_tokens=lambda: self.mailbox.publish_in_flight(resource_id),
         )
         return {"results": [dataclasses.asdict(r) for r in results]}

@@ -8,7 +8,7 @@ from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.local import LocalEngine
-from posttrain.errors import NonFiniteLoss
+from posttrain.errors import NonFiniteLoss, NotFound
 from posttrain.types import (
     ForwardBackwardRequest,
     LoraConfig,
@@ -104,3 +104,14 @@ def test_a_failing_item_does_not_disturb_the_others():
     assert not isinstance(outcomes[1], Exception) and gradients(engine, "b")
     after = gradients(engine, "a")
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_an_item_of_an_unknown_session_fails_alone_with_not_found():
+    engine = engine_with_sessions(["a", "b"])
+    alone = forward_backward(engine_with_sessions(["a", "b"]), "r", "b", REQUESTS["b"])
+    items = [("gone", REQUESTS["a"]), ("b", REQUESTS["b"])]
+    missing, result = engine.forward_backward_batch("r", items)
+    assert isinstance(missing, NotFound) and "gone" in str(missing)
+    assert not isinstance(result, Exception)
+    assert result.loss == pytest.approx(alone.loss, rel=1e-6)
+    assert not gradients(engine, "a")

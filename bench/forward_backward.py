@@ -6,9 +6,10 @@ config of bench/sampling.py, seed 0), float32 by default, one LoRA session of ra
 attention and MLP projection (--train-unembed: on the output head too).
 
 - A, memory: --rows x --tokens tokens (16 x 1024), CE over every token, one forward-backward.
-  posttrain: LocalEngine.forward_backward (chunked float32 log-softmax, never the whole
-  [tokens, vocab] tensor). naive: `torch.log_softmax(model(...).logits.float(), -1).gather(...)`
-  over the padded batch, the CE sum, backward.
+  posttrain: LocalEngine.forward_backward_batch of one item (chunked float32 log-softmax, never
+  the whole [tokens, vocab] tensor). naive:
+  `torch.log_softmax(model(...).logits.float(), -1).gather(...)` over the padded batch, the CE
+  sum, backward.
   Peak memory of one step: on CUDA, the allocator's peak above what was allocated before the
   step. On the CPU, each variant runs in a fresh process that resets the kernel's peak-RSS mark
   (/proc/self/clear_refs) just before the step and reads VmHWM after it, minus the RSS before
@@ -115,8 +116,11 @@ def rl_lengths(count: int, low: int, high: int) -> list[int]:
 
 
 def posttrain_step(engine: LocalEngine, samples: tuple[TrainingSample, ...], setup: Setup) -> None:
-    engine.forward_backward(RESOURCE, SESSION, ForwardBackwardRequest(samples, CE))
-    engine._session(RESOURCE, SESSION)[1].optimizer.zero_grad()
+    (outcome,) = engine.forward_backward_batch(
+        RESOURCE, [(SESSION, ForwardBackwardRequest(samples, CE))]
+    )
+    assert not isinstance(outcome, Exception), outcome
+    engine.discard_gradients(RESOURCE, SESSION)
 
 
 def naive_logprobs(
@@ -147,17 +151,16 @@ def padded_tensors(
 def naive_step(engine: LocalEngine, samples: tuple[TrainingSample, ...], setup: Setup) -> None:
     """The same model and adapter over the batch right-padded to its longest sample, in
     forward-backwards of setup.padded_rows rows (0: all rows at once)."""
-    resource, session = engine._session(RESOURCE, SESSION)
     width = max(len(s.tokens) for s in samples)
     rows = setup.padded_rows or len(samples)
-    with resource.lora.route([(session.trainer_key, None)]):
+    with engine.trainer_model(RESOURCE, SESSION) as model:
         for start in range(0, len(samples), rows):
             part = samples[start : start + rows]
-            ids_ST, targets_ST, mask_ST = padded_tensors(part, width, resource.loaded.device)
-            logprobs_ST = naive_logprobs(resource.loaded.model, ids_ST, mask_ST, targets_ST)
+            ids_ST, targets_ST, mask_ST = padded_tensors(part, width, engine.device)
+            logprobs_ST = naive_logprobs(model, ids_ST, mask_ST, targets_ST)
             loss = -(logprobs_ST * mask_ST).sum()
             loss.backward()
-    session.optimizer.zero_grad()
+    engine.discard_gradients(RESOURCE, SESSION)
 
 
 Step = Callable[[LocalEngine, tuple[TrainingSample, ...], Setup], None]
@@ -321,7 +324,7 @@ def main() -> None:
         write_model(Path(directory))
         setup = Setup(directory, args.device, args.dtype, args.train_unembed, args.padded_rows)
         engine = make_engine(setup)
-        params = sum(p.numel() for p in engine._resource(RESOURCE).loaded.model.parameters())
+        params = engine.resource_footprint(RESOURCE).base_parameters
         head = "and the output head" if args.train_unembed else "(not the output head)"
         print(
             f"{MODEL_ID}: {params / 1e6:.1f}M parameters (random), {args.dtype}, LoRA rank 8 on"

@@ -30,6 +30,7 @@ from posttrain.engine.local import LocalEngine
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,
+    ForwardBackwardResult,
     LoraConfig,
     LossConfig,
     LossType,
@@ -89,6 +90,15 @@ def timed(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def one_pass(
+    engine: LocalEngine, session_id: str, request: ForwardBackwardRequest
+) -> ForwardBackwardResult:
+    """One session's forward-backward: the engine's batched method with one item."""
+    (outcome,) = engine.forward_backward_batch("r", [(session_id, request)])
+    assert not isinstance(outcome, Exception), outcome
+    return outcome
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
@@ -115,8 +125,8 @@ def main() -> None:
     rows = 4 if args.small else 8
 
     # 1. sampler vs forward logprobs on this device.
-    engine.forward_backward(
-        "r",
+    one_pass(
+        engine,
         "s0",
         ForwardBackwardRequest(tuple(ce_sample(generator, seq, vocab) for _ in range(rows)), CE),
     )
@@ -124,7 +134,7 @@ def main() -> None:
     engine.publish("r", "s0", version=1)
     prompt = tuple(torch.randint(3, vocab, (16,), generator=generator).tolist())
     params = SamplingParams(max_tokens=32, temperature=1.0, seed=1)
-    result = engine.sample("r", "s0", SampleRequest((prompt,), 4, params))[0]
+    ((result,),) = engine.sample_batch("r", [("s0", SampleRequest((prompt,), 4, params))])
     worst = 0.0
     for sequence in result.sequences:
         full = list(prompt) + sequence.tokens
@@ -135,8 +145,8 @@ def main() -> None:
             {"target_tokens": tuple(float(t) for t in full[1:]), "weights": tuple(weights)},
         )
         assert len(weights) == n
-        scored = engine.forward_backward(
-            "r",
+        scored = one_pass(
+            engine,
             "s0",
             ForwardBackwardRequest((sample,), CE, forward_only=True, return_loss_fn_outputs=True),
         )
@@ -152,7 +162,7 @@ def main() -> None:
 
     def sequential() -> None:
         for n in names:
-            engine.forward_backward("r", n, batches[n])
+            one_pass(engine, n, batches[n])
 
     def shared() -> None:
         engine.forward_backward_batch("r", [(n, batches[n]) for n in names])
@@ -175,7 +185,7 @@ def main() -> None:
     gen_params = SamplingParams(max_tokens=64, temperature=1.0, seed=3)
 
     def sample() -> int:
-        results = engine.sample("r", "s0", SampleRequest(prompts, 1, gen_params))
+        (results,) = engine.sample_batch("r", [("s0", SampleRequest(prompts, 1, gen_params))])
         return sum(len(s.tokens) for r in results for s in r.sequences)
 
     sample()

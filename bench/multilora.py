@@ -32,15 +32,8 @@ sequential phases' wall time the engine spent running operations (the run-time h
 /metrics): on a CPU a shared pass costs about what its sessions' passes cost apart, so the
 concurrent mode can at most hide the rest, and the ratio is at most about 1 / that share.
 
-Memory (in this process, at engine level, like bench/session_memory.py): the base model's
-weight bytes, and for --sessions LoRA sessions after one shared forward-backward of the
-benchmark batch and one optim-step each, the exact tensor bytes of each session's trainer
-adapter, generator adapter (the copy weights-sync publishes to) and AdamW state, plus the sum
-over every tensor the engine holds for the resource (base parameters and buffers, every
-adapter, optimizer state, any gradient), compared with the issue's bound
-base + sessions x (adapter + optimizer state) + 20%. Process RSS growth over the same steps is
-printed beside it, read after malloc_trim so freed activation memory does not count (it still
-holds allocator and autograd bookkeeping, so it is an upper bound on the sessions' footprint).
+Memory is measured in one place, bench/session_memory.py (its shared-pass section runs the
+same sessions and batch at engine level); this script measures throughput only.
 
     python bench/multilora.py                    # built-in posttrain/tiny-qwen3, ~2 min on 2 CPUs
     python bench/multilora.py --quick            # smoke run, seconds
@@ -53,14 +46,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import io
 import json
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,32 +60,16 @@ from pathlib import Path
 
 import httpx
 import torch
-import transformers
 from together.post_training import ModelResourcesClient, SessionClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from session_memory import nbytes, state_tensors  # noqa: E402
-
-from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.demo.server import local_server  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.types import (  # noqa: E402
-    AdamParams,
-    ForwardBackwardRequest,
-    LoraConfig,
-    LossConfig,
-    LossType,
-    OptimStepRequest,
-    TrainingSample,
-)
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
+from posttrain.demo.server import local_server
 
 API_KEY = "bench-key"
 RANK = 8
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
 ADAM = {"learning_rate": 1e-4}
 FIRST_TOKEN = 3  # below: end-of-text, begin-of-text, padding in the built-in vocabulary
-MIB = 1 << 20
-CE_ENGINE = LossConfig(LossType.CROSS_ENTROPY)
 MODES = ("sequential", "concurrent")
 
 
@@ -416,116 +390,6 @@ def summary(results: dict[str, dict[str, list[Phase]]], operations_per_phase: in
         )
 
 
-# ------------------------------------------------------------------ memory
-
-
-def rss_bytes() -> int:
-    """Resident set size after garbage collection and, on glibc, returning freed heap pages
-    (without that, activations freed after a step stay resident and hide the trend)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def engine_tensor_bytes(engine: LocalEngine, resource_id: str) -> int:
-    """Every tensor the engine holds for the resource, each storage counted once: base
-    parameters and buffers, every adapter (trainer and generator), optimizer state, gradients."""
-    resource = engine._resource(resource_id)
-    model = resource.loaded.model
-    tensors = [*model.parameters(), *model.buffers()]
-    for key in resource.lora.adapter_keys():
-        tensors += [p for _, p in resource.lora.adapter_parameters(key)]
-    for session in resource.sessions.values():
-        tensors += state_tensors(session.optimizer.state_dict())
-        tensors += [p.grad for _, p in session.optimizer.named_params if p.grad is not None]
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def engine_batch(seed: int, vocab: int, work: Workload) -> tuple[TrainingSample, ...]:
-    """training_batch(seed) as the engine's own request type."""
-    return tuple(
-        TrainingSample(
-            tokens=tuple(s["model_input"]["chunks"][0]["encoded_text"]["tokens"]),
-            loss_fn_inputs={
-                key: tuple(float(v) for v in value["data"])
-                for key, value in s["loss_fn_inputs"].items()
-            },
-        )
-        for s in training_batch(seed, vocab, work)
-    )
-
-
-def memory(model_dir: Path, num_sessions: int, work: Workload) -> None:
-    resource_id = "mr-bench"
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    transformers.utils.logging.disable_progress_bar()
-    engine = LocalEngine(EngineConfig(device="cpu"), {"bench-model": model_dir})
-    rss_start = rss_bytes()
-    engine.load_resource(resource_id, "bench-model", muon_scaling=None)
-    resource = engine._resource(resource_id)
-    base = nbytes(list(resource.loaded.model.parameters()))
-    rss_base = rss_bytes()
-    ids = [f"ts-{i}" for i in range(num_sessions)]
-    for index, session_id in enumerate(ids):
-        engine.create_session(resource_id, session_id, LoraConfig(rank=RANK, seed=index))
-    requests = [
-        (session_id, ForwardBackwardRequest(engine_batch(index, vocab, work), CE_ENGINE))
-        for index, session_id in enumerate(ids)
-    ]
-    step = OptimStepRequest(adam=AdamParams(learning_rate=1e-4))
-
-    def train_step() -> None:
-        outcomes = engine.forward_backward_batch(resource_id, requests)
-        assert not any(isinstance(o, Exception) for o in outcomes), outcomes
-        for session_id in ids:
-            engine.optim_step(resource_id, session_id, step)
-
-    train_step()
-    rss_one = rss_bytes()
-    for _ in range(3):
-        train_step()
-    rss_four = rss_bytes()
-
-    adapter = generator = optimizer = 0
-    for session_id in ids:
-        session = resource.sessions[session_id]
-        adapter += nbytes([p for _, p in session.optimizer.named_params])
-        generator += nbytes([p for _, p in resource.lora.adapter_parameters(session.generator_key)])
-        optimizer += nbytes(state_tensors(session.optimizer.state_dict()))
-    total = engine_tensor_bytes(engine, resource_id)
-    n = num_sessions
-    print(f"memory, engine level, {n} sessions of LoRA rank {RANK} after an optim-step each:")
-    print(f"  base model weights          {base / MIB:9.3f} MiB")
-    print(f"  per session: adapter        {adapter / n / MIB:9.3f} MiB")
-    print(f"               generator copy {generator / n / MIB:9.3f} MiB (weights-sync's target)")
-    print(f"               AdamW state    {optimizer / n / MIB:9.3f} MiB")
-    print(f"  all engine tensors          {total / MIB:9.3f} MiB (base, buffers, adapters, state)")
-    # adapter, generator and optimizer are totals over the n sessions.
-    strict = base + (adapter + optimizer) * 1.2
-    loose = (base + adapter + optimizer) * 1.2
-    with_copy = base + (adapter + generator + optimizer) * 1.2
-    for label, bound in (
-        ("base + n x (adapter + AdamW) x 1.2", strict),
-        ("(base + n x (adapter + AdamW)) x 1.2", loose),
-        ("base + n x (adapter + copy + AdamW) x 1.2", with_copy),
-    ):
-        verdict = "within" if total <= bound else "OVER"
-        print(f"  bound {label:<42}{bound / MIB:9.3f} MiB: {verdict} ({total / bound:.3f} of it)")
-    print(
-        f"  process RSS: +{(rss_base - rss_start) / MIB:.1f} MiB loading the model,"
-        f" +{(rss_one - rss_base) / MIB:.1f} MiB for {n} sessions and their first step"
-        f" (after malloc_trim), +{(rss_four - rss_one) / MIB:.1f} MiB over 3 more steps"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -555,9 +419,6 @@ def main() -> None:
         model_dir = args.model.expanduser().resolve()
         base_model, extra_args = model_dir.name, ("--model", str(model_dir))
     throughput(model_dir, base_model, extra_args, args)
-    print()
-    work = Workload(args.rounds, args.batch, args.seq_tokens, 0, 0, 0, 0, args.interval)
-    memory(model_dir, args.sessions, work)
 
 
 if __name__ == "__main__":

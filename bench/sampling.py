@@ -37,8 +37,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen
 from transformers import Qwen3ForCausalLM as Qwen3Model
 
 from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.engine.model_passes import GeneratorModel
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import GenerationRequest, GeneratorModel, WeightsVersion, generate
+from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import SamplingParams
 

@@ -68,6 +68,24 @@ def pack(samples: tuple[TrainingSample, ...], device: torch.device) -> PackedBat
     )
 
 
+def member_loss_batch(
+    merged: PackedBatch, rows: range, samples: tuple[TrainingSample, ...]
+) -> LossBatch:
+    """The loss inputs of `samples`, rows `rows` of `merged`, exactly as `pack(samples)` would
+    give them: cut to their own longest sample, and None for a key none of them sent (in the
+    merged batch another member's key would read as this member's fill values)."""
+    width = max(len(sample.tokens) for sample in samples)
+    whole = merged.loss_batch
+
+    def cut(values_ST: Tensor | None, key: str) -> Tensor | None:
+        if values_ST is None or not any(key in s.loss_fn_inputs for s in samples):
+            return None
+        return values_ST[rows.start : rows.stop, :width]
+
+    floats = {field: cut(getattr(whole, field), key) for key, field in FLOAT_KEYS.items()}
+    return LossBatch(valid_ST=whole.valid_ST[rows.start : rows.stop, :width], **floats)
+
+
 def unpack(values_ST: Tensor, lengths_S: list[int]) -> list[list[float]]:
     """Per-sample lists of the first N_s values of each row."""
     rows = values_ST.detach().float().cpu().tolist()

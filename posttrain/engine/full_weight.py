@@ -10,7 +10,7 @@ Parameters carry their Hugging Face names (`model.layers.0.self_attn.q_proj.weig
 names inside the LoRA wrappers of model/lora.py, so optimizer classification (engine/optim.py,
 engine/muon.py) and checkpoints see the model's own names.
 
-Does not own the optimizer (engine/optim.py) or the forward passes (engine/local.py).
+Does not own the optimizer (engine/optim.py) or the forward passes (engine/trainer.py).
 """
 
 from __future__ import annotations

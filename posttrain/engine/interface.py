@@ -53,10 +53,8 @@ class Engine(Protocol):
 
     def drop_session(self, resource_id: str, session_id: str) -> None: ...
 
-    def forward_backward(
-        self, resource_id: str, session_id: str, request: ForwardBackwardRequest
-    ) -> ForwardBackwardResult: ...
-
+    # Forward-backwards of several sessions (at most one item each) in one shared pass: one
+    # result or exception per item, in order; an item fails alone.
     def forward_backward_batch(
         self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
     ) -> list[ForwardBackwardResult | Exception]: ...
@@ -71,19 +69,10 @@ class Engine(Protocol):
     # May be called from inside `between_tokens` of a running sample (PIPELINE weights-sync).
     def publish(self, resource_id: str, session_id: str, *, version: int) -> None: ...
 
-    # policy_segments come from the engine, which knows what each generator serves; rows of a
-    # session whose generator is republished during `between_tokens` switch at that boundary.
-    def sample(
-        self,
-        resource_id: str,
-        session_id: str,
-        request: SampleRequest,
-        *,
-        between_tokens: Callable[[], None] | None = None,
-    ) -> list[SampleResult]: ...
-
     # Several sample operations (any sessions of the resource) in one generation: one result
-    # list per item, in order.
+    # list per item, in order. policy_segments come from the engine, which knows what each
+    # generator serves; rows of a session whose generator is republished during
+    # `between_tokens` switch at that boundary.
     def sample_batch(
         self,
         resource_id: str,

@@ -1,44 +1,41 @@
-"""Single-process engine: owns loaded base models, each session's adapters and optimizer.
+"""Single-process engine, the registry: loaded base models and their sessions, keyed by model
+resource and session id, behind the Engine protocol (interface.py).
 
-State is keyed by model resource and session. A resource's methods are called from that
-resource's one worker thread (service/scheduler.py), so per-resource state needs no lock; the
-resource table itself is guarded because resources come and go from other threads.
+Each method finds its resource and session here and hands them to the part that owns the work:
+the trainer (trainer.py: forward, loss, accumulation, optimizer step), the generator
+(generator.py: what each generator serves, publish, sampling) or the checkpoint formats
+(weights.py). What one resource and session hold is in state.py.
 
-Each LoRA session has two adapters on its resource's model: the trainer's (what
-forward-backward and optim-step change) and the generator's (what sample uses), which
-weights-sync overwrites with a copy of the trainer's. A full-weight session (the only session
-of its resource) trains the model itself and samples from its own copy of it
-(engine/full_weight.py).
-
-Legend: S = samples, T = tokens.
+A resource's methods are called from that resource's one worker thread (service/scheduler.py),
+so per-resource state needs no lock; the resource table itself is guarded because resources
+come and go from other threads.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
-from posttrain.engine import full_weight, weights
-from posttrain.engine.batching import PackedBatch, pack, unpack
-from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buckets
+from posttrain.engine import full_weight, generator, trainer, weights
+from posttrain.engine.footprint import (
+    ResourceFootprint,
+    SessionFootprint,
+    resource_footprint,
+    session_footprint,
+)
 from posttrain.engine.interface import ModelInfo
-from posttrain.engine.logprobs import target_logprobs
-from posttrain.engine.losses import LOSSES
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import GenerationRequest, GeneratorModel, WeightsVersion, generate
-from posttrain.errors import InvalidRequest, NonFiniteLoss, NotFound
-from posttrain.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from posttrain.engine.state import ResourceState, SessionState
+from posttrain.errors import InvalidRequest, NotFound
+from posttrain.model.loader import load_model, resolve_device, resolve_dtype
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     CustomForwardBackwardRequest,
@@ -50,35 +47,6 @@ from posttrain.types import (
     SampleRequest,
     SampleResult,
 )
-
-
-@dataclass
-class SessionState:
-    trainer_key: str
-    generator_key: str
-    optimizer: SessionOptimizer
-    # Full-weight sessions only: the generator's own copy of the model (engine/full_weight.py).
-    # LoRA sessions sample through their generator adapter on the shared model instead.
-    generator_model: nn.Module | None = None
-
-    @property
-    def is_full_weight(self) -> bool:
-        return self.generator_model is not None
-
-
-@dataclass
-class ResourceState:
-    loaded: LoadedModel
-    lora: LoraModel
-    muon_scaling: MuonScaling | None
-    sessions: dict[str, SessionState] = field(default_factory=dict)
-    # Where the base weights come from; a full-weight session's end restores them from here.
-    model_path: Path | None = None
-    # The sampler's KV of prompt prefixes, keyed by generator adapter and weights generation.
-    prefix_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
-    # What each generator (by adapter key) serves; read live by the decode loop (PIPELINE).
-    served: dict[str, WeightsVersion] = field(default_factory=dict)
-    generations: itertools.count = field(default_factory=lambda: itertools.count(1))
 
 
 class LocalEngine:
@@ -152,6 +120,13 @@ class LocalEngine:
             raise NotFound(f"session {session_id} has no state on resource {resource_id}")
         return resource, session
 
+    def _find_session(self, resource_id: str, session_id: str) -> SessionState | NotFound:
+        """The session's state, or the NotFound that _session would raise."""
+        try:
+            return self._session(resource_id, session_id)[1]
+        except NotFound as exc:
+            return exc
+
     # ------------------------------------------------------------ sessions
 
     def create_session(self, resource_id: str, session_id: str, lora: LoraConfig | None) -> None:
@@ -166,7 +141,7 @@ class LocalEngine:
             return
         spec = AdapterSpec(lora.rank, lora.alpha, lora.dropout, lora.seed, lora.train_unembed)
         named = resource.lora.add_adapter(session_id, spec)
-        generator_key = f"{session_id}@generator"
+        generator_key = generator.generator_key(session_id)
         resource.lora.copy_adapter(session_id, generator_key)
         optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling)
         resource.sessions[session_id] = SessionState(session_id, generator_key, optimizer)
@@ -177,8 +152,7 @@ class LocalEngine:
         if resource is None or session_id not in resource.sessions:
             return
         session = resource.sessions.pop(session_id)
-        resource.served.pop(session.generator_key, None)
-        resource.prefix_cache.drop_owner(session.generator_key)
+        generator.forget(resource, session)
         if session.is_full_weight:
             assert resource.model_path is not None, "full-weight resource without a model path"
             full_weight.restore_base(resource.lora, resource.model_path, resource.loaded.device)
@@ -193,226 +167,84 @@ class LocalEngine:
         named = full_weight.trainable_parameters(resource.lora)
         optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling)
         resource.sessions[session_id] = SessionState(
-            session_id, f"{session_id}@generator", optimizer, generator_model=generator_model
+            session_id,
+            generator.generator_key(session_id),
+            optimizer,
+            generator_model=generator_model,
         )
 
-    def _refresh_generator(self, resource: ResourceState, session: SessionState) -> None:
-        """The generator serves a copy of the trainer's current weights."""
-        if session.generator_model is not None:
-            full_weight.publish(resource.loaded.model, session.generator_model)
-        else:
-            resource.lora.copy_adapter(session.trainer_key, session.generator_key)
-        # New weights, new generation: no prefix-cache entry of the old weights can hit again.
-        version = self._served(resource, session).version
-        resource.served[session.generator_key] = WeightsVersion(next(resource.generations), version)
-        resource.prefix_cache.drop_owner(session.generator_key)
-
-    def _served(self, resource: ResourceState, session: SessionState) -> WeightsVersion:
-        """What the session's generator serves; a new session serves policy version 0."""
-        key = session.generator_key
-        if key not in resource.served:
-            resource.served[key] = WeightsVersion(next(resource.generations), 0)
-        return resource.served[key]
-
-    def _sampling_model(self, resource: ResourceState, session: SessionState) -> nn.Module:
-        """The model sample runs (with the session's generator adapter routed, for LoRA)."""
-        if session.generator_model is not None:
-            return session.generator_model
-        return resource.loaded.model
-
-    # ------------------------------------------------------------ training
-
-    def _forward_logprobs(
-        self, resource: ResourceState, packed: PackedBatch, routing: Routing
-    ) -> Tensor:
-        """float32 [S, T] logprob of each target token, 0.0 at padding, with each adapter of
-        `routing` applied to its rows (positions in `packed`; None: every row).
-
-        Rows of similar length share a forward (engine/buckets.py), each padded only to its own
-        longest row; the result has the layout of one padded forward over the whole batch."""
-        buckets = plan_buckets(packed.lengths_S, self.config.bucket_overhead_tokens)
-        pieces_BL = [
-            self._bucket_logprobs(resource, packed, rows, bucket_routing(routing, rows))
-            for rows in buckets
-        ]
-        logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
-        # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
-        # whichever bucket a row landed in.
-        return torch.where(packed.loss_batch.valid_ST, logprobs_ST, 0.0)
-
-    def _bucket_logprobs(
-        self,
-        resource: ResourceState,
-        packed: PackedBatch,
-        rows: list[int],
-        routing: list[tuple[str, list[int] | None]],
-    ) -> Tensor:
-        """float32 [B, L] logprobs of one bucket's rows, L its longest row; `routing` in
-        bucket positions."""
-        device = resource.loaded.device
-        index_B = torch.tensor(rows, device=device)
-        width = max(packed.lengths_S[row] for row in rows)
-
-        def take(values_ST: Tensor) -> Tensor:
-            return values_ST.index_select(0, index_B)[:, :width]
-
-        assignments = [
-            (key, None if local is None else torch.tensor(local, device=device))
-            for key, local in routing
-        ]
-        model, lora = resource.loaded.model, resource.lora
-        with lora.route(assignments):
-            hidden_BLH = model.base_model(
-                input_ids=take(packed.tokens_ST), attention_mask=take(packed.attention_mask_ST)
-            ).last_hidden_state
-            # The backward of all buckets runs after this block: a head chunk recomputed then
-            # must see this bucket's routing again.
-            return target_logprobs(
-                model.get_output_embeddings(),
-                hidden_BLH,
-                take(packed.targets_ST),
-                chunk_tokens=self.config.logprob_chunk_tokens,
-                recompute_context=lambda: lora.route(assignments),
-            )
-
-    def forward_backward(
-        self, resource_id: str, session_id: str, request: ForwardBackwardRequest
-    ) -> ForwardBackwardResult:
-        (outcome,) = self.forward_backward_batch(resource_id, [(session_id, request)])
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+    # ------------------------------------------------------------ training (trainer.py)
 
     def forward_backward_batch(
         self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
     ) -> list[ForwardBackwardResult | Exception]:
-        """Forward-backward of several sessions' requests in one shared pass.
-
-        Rows are routed to their session's adapter, so each session's loss and gradients depend
-        on its own rows only; one backward over the sum of the trainable losses fills every
-        session's gradients. Each item succeeds or fails on its own: an invalid or non-finite
-        item returns its exception and leaves its session's accumulated gradients untouched.
-        At most one item per session (the scheduler keeps each session's order)."""
+        """Forward-backward of several sessions' requests in one shared pass (trainer.py); an
+        item whose session has no state here fails alone with NotFound."""
         resource = self._resource(resource_id)
-        device = resource.loaded.device
-        outcomes: list[ForwardBackwardResult | Exception | None] = [None] * len(items)
-        live: list[tuple[int, SessionState, ForwardBackwardRequest, PackedBatch]] = []
-        for index, (session_id, request) in enumerate(items):
-            try:
-                _, session = self._session(resource_id, session_id)
-                packed = pack(request.samples, device)
-            except (InvalidRequest, NotFound) as exc:
-                outcomes[index] = exc
-                continue
-            live.append((index, session, request, packed))
-        assert len({s.trainer_key for _, s, _, _ in live}) == len(live), "one item per session"
-        if not live:
-            return outcomes  # type: ignore[return-value]
-        samples = tuple(sample for _, _, request, _ in live for sample in request.samples)
-        merged = pack(samples, device)
-        routing: Routing = []
-        offsets, start = [], 0
-        for _, session, request, _ in live:
-            rows = range(start, start + len(request.samples))
-            routing.append((session.trainer_key, rows if len(live) > 1 else None))
-            offsets.append(start)
-            start += len(request.samples)
-        train = any(not request.forward_only for _, _, request, _ in live)
-        scoring_only = [s for _, s, request, _ in live if request.forward_only]
-        with (
-            torch.set_grad_enabled(train),
-            _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
-        ):
-            logprobs_ST = self._forward_logprobs(resource, merged, routing)
-            trainable: list[tuple[int, SessionState, Tensor]] = []
-            results: dict[int, tuple[float, dict[str, float], Tensor, PackedBatch]] = {}
-            for (index, session, request, packed), offset in zip(live, offsets, strict=True):
-                width = packed.tokens_ST.shape[1]
-                rows_ST = logprobs_ST[offset : offset + len(request.samples), :width]
-                output = LOSSES[request.loss.type](rows_ST, packed.loss_batch, request.loss.params)
-                loss_value = float(output.loss.detach())
-                if not math.isfinite(loss_value):
-                    outcomes[index] = NonFiniteLoss(
-                        f"loss is {loss_value}; nothing was accumulated"
-                    )
-                    continue
-                reported_ST = torch.where(output.included_ST, rows_ST.detach(), 0.0)
-                results[index] = (loss_value, output.metrics, reported_ST, packed)
-                if not request.forward_only:
-                    trainable.append((index, session, output.loss))
-            if trainable:
-                failed = self._accumulate_many([(s, loss) for _, s, loss in trainable])
-                for (index, _, _), error in zip(trainable, failed, strict=True):
-                    if error is not None:
-                        outcomes[index] = error
-                        results.pop(index)
-        is_always = self.config.loss_fn_outputs == "always"
-        for index, (loss_value, metrics, reported_ST, packed) in results.items():
-            wanted = is_always or items[index][1].return_loss_fn_outputs
-            outputs = unpack(reported_ST, packed.lengths_S) if wanted else None
-            outcomes[index] = ForwardBackwardResult(loss_value, metrics, outputs)
-        return outcomes  # type: ignore[return-value]
+        sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
+        found = [
+            (session, request)
+            for session, (_, request) in zip(sessions, items, strict=True)
+            if isinstance(session, SessionState)
+        ]
+        outcomes = iter(trainer.forward_backward_batch(self.config, resource, found))
+        return [s if isinstance(s, NotFound) else next(outcomes) for s in sessions]
 
     def custom_forward_backward(
         self, resource_id: str, session_id: str, request: CustomForwardBackwardRequest
     ) -> None:
-        """Back-propagate sum_i sum_t g_it * logp_it (api.md 1.4.3); weights/mask not applied."""
         resource, session = self._session(resource_id, session_id)
-        packed = pack(request.samples, resource.loaded.device)
-        width = packed.tokens_ST.shape[1]
-        gradients_ST = torch.zeros(len(request.samples), width, device=resource.loaded.device)
-        for index, gradient in enumerate(request.gradients):
-            gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
-        logprobs_ST = self._forward_logprobs(resource, packed, [(session.trainer_key, None)])
-        valid_ST = packed.loss_batch.valid_ST
-        surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
-        self._accumulate(session, surrogate)
-
-    def _accumulate(self, session: SessionState, loss: Tensor) -> None:
-        (error,) = self._accumulate_many([(session, loss)])
-        if error is not None:
-            raise error
-
-    def _accumulate_many(
-        self, items: list[tuple[SessionState, Tensor]]
-    ) -> list[NonFiniteLoss | None]:
-        """Add d loss_i / d params_i to each session's gradients, all-or-nothing per session.
-
-        One backward over the summed losses runs into empty .grad buffers (sessions own disjoint
-        parameters, and rows never mix, so each session receives only its own loss's gradient).
-        Only when a session's new gradients are all finite are its earlier accumulated
-        gradients added back; otherwise they are restored exactly and its item fails."""
-        stashed = []
-        for session, _ in items:
-            params = [p for _, p in session.optimizer.named_params]
-            stashed.append((params, [p.grad for p in params]))
-            for p in params:
-                p.grad = None
-        torch.stack([loss for _, loss in items]).sum().backward()
-        errors: list[NonFiniteLoss | None] = []
-        for params, earlier in stashed:
-            new = [p.grad for p in params]
-            if not all(g is None or bool(torch.isfinite(g).all()) for g in new):
-                for p, g in zip(params, earlier, strict=True):
-                    p.grad = g
-                errors.append(NonFiniteLoss("gradient is not finite; nothing was accumulated"))
-                continue
-            for p, old, g in zip(params, earlier, new, strict=True):
-                p.grad = g if old is None else (old if g is None else old + g)
-            errors.append(None)
-        return errors
+        trainer.custom_forward_backward(self.config, resource, session, request)
 
     def optim_step(self, resource_id: str, session_id: str, request: OptimStepRequest) -> None:
-        _, session = self._session(resource_id, session_id)
-        session.optimizer.step(request)
+        trainer.optim_step(self._session(resource_id, session_id)[1], request)
+
+    def discard_gradients(self, resource_id: str, session_id: str) -> None:
+        """Drop the session's accumulated gradients without a step (a benchmark repeating
+        forward-backwards on unchanged weights)."""
+        self._session(resource_id, session_id)[1].optimizer.zero_grad()
+
+    @contextmanager
+    def trainer_model(self, resource_id: str, session_id: str) -> Iterator[nn.Module]:
+        """The resource's model with the session's trainer weights applied to every row, for a
+        caller's own forward and backward (a benchmark's baseline)."""
+        resource, session = self._session(resource_id, session_id)
+        with resource.lora.route([(session.trainer_key, None)]):
+            yield resource.loaded.model
+
+    # ------------------------------------------------------------ sampling (generator.py)
 
     def publish(self, resource_id: str, session_id: str, *, version: int) -> None:
-        """weights-sync: the generator's weights become a copy of the trainer's, which are
-        policy version `version` (api.md 2.4). Safe between decode passes (PIPELINE)."""
-        resource, session = self._session(resource_id, session_id)
-        self._refresh_generator(resource, session)
-        served = self._served(resource, session)
-        resource.served[session.generator_key] = replace(served, version=version)
+        """weights-sync: the generator serves a copy of the trainer's weights, which are policy
+        version `version`. Safe between decode passes (PIPELINE)."""
+        generator.publish(*self._session(resource_id, session_id), version=version)
+
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        between_tokens: Callable[[], None] | None = None,
+    ) -> list[list[SampleResult]]:
+        """Several sample operations of one resource (any sessions) in one generation.
+
+        `between_tokens` runs between decode passes and may call `publish` (PIPELINE
+        weights-sync); rows of a session whose generator changed continue on the new weights
+        and their results record the switch in policy_segments. Returns one list of results
+        (one per prompt) per item."""
+        resource = self._resource(resource_id)
+        found = [(self._session(resource_id, sid)[1], request) for sid, request in items]
+        return generator.sample_batch(self.config, resource, found, between_tokens=between_tokens)
+
+    # ------------------------------------------------------------ sizes (footprint.py)
+
+    def resource_footprint(self, resource_id: str) -> ResourceFootprint:
+        """Parameters and exact tensor bytes of the resource: base model and everything."""
+        return resource_footprint(self._resource(resource_id))
+
+    def session_footprint(self, resource_id: str, session_id: str) -> SessionFootprint:
+        """Exact tensor bytes one session holds: weights, generator, optimizer, gradients."""
+        return session_footprint(*self._session(resource_id, session_id))
 
     # ------------------------------------------------------------ checkpoints (engine/weights.py)
 
@@ -451,14 +283,14 @@ class LocalEngine:
         if load_optimizer:
             session.optimizer.load_state_dict(state.optimizer)
             weights.restore_rng(state.rng)
-        self._refresh_generator(resource, session)
+        generator.refresh(resource, session)
 
     def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
         """Resume weights only, from an inference checkpoint's PEFT adapter."""
         resource, session = self._session(resource_id, session_id)
         tensors, _ = weights.load_peft_adapter(directory)
         _copy_into(session.optimizer.named_params, tensors)
-        self._refresh_generator(resource, session)
+        generator.refresh(resource, session)
 
     def save_full_model(
         self, resource_id: str, session_id: str, directory: Path, *, base_model: str
@@ -472,70 +304,6 @@ class LocalEngine:
         """A merged model directory from a PEFT adapter over `base_model`'s own files."""
         weights.export_merged(self.model_paths[base_model], adapter_dir, output_dir)
 
-    # ------------------------------------------------------------ sampling
-
-    def sample(
-        self,
-        resource_id: str,
-        session_id: str,
-        request: SampleRequest,
-        *,
-        between_tokens: Callable[[], None] | None = None,
-    ) -> list[SampleResult]:
-        """One sample operation; see sample_batch."""
-        items = [(session_id, request)]
-        return self.sample_batch(resource_id, items, between_tokens=between_tokens)[0]
-
-    def sample_batch(
-        self,
-        resource_id: str,
-        items: list[tuple[str, SampleRequest]],
-        *,
-        between_tokens: Callable[[], None] | None = None,
-    ) -> list[list[SampleResult]]:
-        """Several sample operations of one resource (any sessions) in one generation: their
-        rows share prefill and decode passes, each routed to its session's generator adapter.
-
-        `between_tokens` runs between decode passes and may call `publish` (PIPELINE
-        weights-sync); rows of a session whose generator changed continue on the new weights
-        and their results record the switch in policy_segments. Returns one list of results
-        (one per prompt) per item."""
-        resource = self._resource(resource_id)
-        sessions = [self._session(resource_id, session_id)[1] for session_id, _ in items]
-        models = {id(m): m for m in (self._sampling_model(resource, s) for s in sessions)}
-        assert len(models) == 1, "one generation runs on one model"
-        loaded = resource.loaded
-        generator = GeneratorModel(
-            model=next(iter(models.values())),
-            lora=resource.lora,
-            tokenizer=loaded.tokenizer,
-            eos_token_ids=loaded.eos_token_ids,
-            prefix_cache=resource.prefix_cache,
-            logprob_chunk_tokens=self.config.logprob_chunk_tokens,
-        )
-        requests = []
-        for (_, request), session in zip(items, sessions, strict=True):
-            self._served(resource, session)
-            requests.extend(
-                GenerationRequest(
-                    prompt,
-                    request.num_samples,
-                    request.sampling_params,
-                    session.generator_key,
-                    prompt_logprobs=request.prompt_logprobs,
-                    topk_prompt_logprobs=request.topk_prompt_logprobs,
-                )
-                for prompt in request.prompts
-            )
-        results = generate(
-            generator, requests, versions=resource.served, between_tokens=between_tokens
-        )
-        split: list[list[SampleResult]] = []
-        for _, request in items:
-            split.append(results[: len(request.prompts)])
-            results = results[len(request.prompts) :]
-        return split
-
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None:
         vocab = self.model_info(base_model).vocab_size
         if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):
@@ -546,20 +314,6 @@ class LocalEngine:
                     f"{param}[{index}] = {token} is outside the vocabulary [0, {vocab})",
                     param=param,
                 )
-
-
-@contextmanager
-def _frozen(params: list[nn.Parameter]) -> Iterator[None]:
-    """Keep forward_only sessions out of a shared pass's graph, so the backward of the other
-    sessions' losses leaves their .grad exactly as it was (not a tensor of zeros)."""
-    flags = [p.requires_grad for p in params]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, flag in zip(params, flags, strict=True):
-            p.requires_grad_(flag)
 
 
 def _copy_into(

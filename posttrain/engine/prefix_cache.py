@@ -15,7 +15,8 @@ node with children is never evicted before them, so every cached path stays comp
 
 Not here: which prompts to look up (the sampler caps a hit at len(prompt) - 1, because the last
 prompt token must run to give the first logits) and the tensors' device placement (spans stay
-where the KV was computed).
+where the KV was computed), and the decode-time cache in which one prompt's KV serves all of
+its samples within one generate call (model/fanout_kv_cache.FanoutKVCache).
 
 Legend: N = layers, H = KV heads, P = positions of a span, D = head dim.
 """

@@ -19,7 +19,7 @@ Rows come and go without reallocation: `keep` moves the live rows to the front (
 free their slot). `grow` makes room for more positions as rows get long (a new tensor, live
 rows only). `copy_rows` fills rows from another cache (KV recomputed after a weights update);
 `write_span` / `span` move a row's positions in and out (the prefix cache). A KVCache also
-serves as either part of a SharedPrefixCache (shared_prefix_cache.py): one row per prompt, and
+serves as either part of a FanoutKVCache (fanout_kv_cache.py): one row per prompt, and
 one row per sampled sequence holding only what it generated.
 
 Legend: N = layers, B = rows, H = KV heads, T = capacity, D = head dim, Q = new positions per

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.local import LocalEngine
-from posttrain.errors import NonFiniteLoss
+from posttrain.errors import NonFiniteLoss, NotFound
 from posttrain.types import (
     ForwardBackwardRequest,
     LoraConfig,
@@ -78,7 +79,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_shared_pass_matches_each_session_alone():
     names = sorted(REQUESTS)
     alone_engine = engine_with_sessions(names)
-    alone = {n: alone_engine.forward_backward("r", n, REQUESTS[n]) for n in names}
+    alone = {n: forward_backward(alone_engine, "r", n, REQUESTS[n]) for n in names}
     shared_engine = engine_with_sessions(names)
     shared = shared_engine.forward_backward_batch("r", [(n, REQUESTS[n]) for n in names])
     for name, result in zip(names, shared, strict=True):
@@ -95,7 +96,7 @@ def test_shared_pass_matches_each_session_alone():
 
 def test_a_failing_item_does_not_disturb_the_others():
     engine = engine_with_sessions(["a", "b"])
-    engine.forward_backward("r", "a", REQUESTS["a"])
+    forward_backward(engine, "r", "a", REQUESTS["a"])
     before = gradients(engine, "a")
     overflow = ForwardBackwardRequest((is_sample([5, 6, 7], 3e38, sampler=-50.0),), IS)
     outcomes = engine.forward_backward_batch("r", [("a", overflow), ("b", REQUESTS["b"])])
@@ -103,3 +104,14 @@ def test_a_failing_item_does_not_disturb_the_others():
     assert not isinstance(outcomes[1], Exception) and gradients(engine, "b")
     after = gradients(engine, "a")
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_an_item_of_an_unknown_session_fails_alone_with_not_found():
+    engine = engine_with_sessions(["a", "b"])
+    alone = forward_backward(engine_with_sessions(["a", "b"]), "r", "b", REQUESTS["b"])
+    items = [("gone", REQUESTS["a"]), ("b", REQUESTS["b"])]
+    missing, result = engine.forward_backward_batch("r", items)
+    assert isinstance(missing, NotFound) and "gone" in str(missing)
+    assert not isinstance(result, Exception)
+    assert result.loss == pytest.approx(alone.loss, rel=1e-6)
+    assert not gradients(engine, "a")

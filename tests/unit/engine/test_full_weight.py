@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
+from posttrain.engine import generator
 from posttrain.engine.local import LocalEngine
 from posttrain.model.loader import load_model
 from posttrain.types import (
@@ -43,12 +45,12 @@ def base_weights() -> dict[str, torch.Tensor]:
 
 def forward_loss(engine: LocalEngine) -> float:
     request = ForwardBackwardRequest((SAMPLE,), CE, forward_only=True)
-    return engine.forward_backward("r", "s", request).loss
+    return forward_backward(engine, "r", "s", request).loss
 
 
 def generator_weights(engine: LocalEngine) -> dict[str, torch.Tensor]:
     resource, session = engine._session("r", "s")
-    model = engine._sampling_model(resource, session)
+    model = generator.sampling_model(resource, session)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -61,7 +63,7 @@ def test_every_base_weight_trains_under_its_hugging_face_name(base_weights):
     engine = make_engine()
     optimizer = engine._session("r", "s")[1].optimizer
     assert {name for name, _ in optimizer.named_params} == set(base_weights)
-    engine.forward_backward("r", "s", ForwardBackwardRequest((SAMPLE,), CE))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((SAMPLE,), CE))
     with_grad = {name for name, p in optimizer.named_params if p.grad is not None}
     assert with_grad == set(base_weights)
     before = forward_loss(engine)
@@ -77,7 +79,7 @@ def test_every_base_weight_trains_under_its_hugging_face_name(base_weights):
 
 def test_generator_keeps_its_copy_until_weights_sync(base_weights):
     engine = make_engine()
-    engine.forward_backward("r", "s", ForwardBackwardRequest((SAMPLE,), CE))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((SAMPLE,), CE))
     engine.optim_step("r", "s", STEP)
     served = generator_weights(engine)
     trained = trainer_weights(engine)
@@ -86,14 +88,14 @@ def test_generator_keeps_its_copy_until_weights_sync(base_weights):
     engine.publish("r", "s", version=1)
     served = generator_weights(engine)
     assert all(torch.equal(served[n], trained[n]) for n in served)
-    generator = engine._sampling_model(*engine._session("r", "s"))
-    assert all(not p.requires_grad for p in generator.parameters())
+    copy = generator.sampling_model(*engine._session("r", "s"))
+    assert all(not p.requires_grad for p in copy.parameters())
 
 
 def test_stopping_the_session_restores_the_base_weights(base_weights):
     engine = make_engine()
     base_loss = forward_loss(engine)
-    engine.forward_backward("r", "s", ForwardBackwardRequest((SAMPLE,), CE))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((SAMPLE,), CE))
     engine.optim_step("r", "s", STEP)
     engine.drop_session("r", "s")
     model = engine._resource("r").loaded.model
@@ -101,7 +103,7 @@ def test_stopping_the_session_restores_the_base_weights(base_weights):
     engine.create_session("r", "s2", LoraConfig(rank=2, seed=3))
     request = ForwardBackwardRequest((SAMPLE,), CE, forward_only=True)
     # A fresh LoRA adapter (B = 0) on the restored model is the base model exactly.
-    assert engine.forward_backward("r", "s2", request).loss == base_loss
+    assert forward_backward(engine, "r", "s2", request).loss == base_loss
 
 
 def test_a_full_weight_resource_refuses_a_second_session():

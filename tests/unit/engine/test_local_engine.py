@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.local import LocalEngine
@@ -62,7 +63,8 @@ def test_chunked_target_logprobs_equal_a_full_log_softmax():
 
 def test_cross_entropy_matches_torch_on_the_model(engine):
     sample = ce_sample([5, 6, 7, 8, 9, 10], [0.0, 1.0, 0.5, 1.0, 2.0])
-    result = engine.forward_backward(
+    result = forward_backward(
+        engine,
         "r",
         "s",
         ForwardBackwardRequest((sample,), CE, forward_only=True, return_loss_fn_outputs=True),
@@ -82,11 +84,11 @@ def test_cross_entropy_matches_torch_on_the_model(engine):
 def test_gradients_accumulate_across_calls_until_optim_step(engine):
     a = ce_sample([5, 6, 7, 8], [1.0, 1.0, 1.0])
     b = ce_sample([9, 10, 11, 12], [1.0, 1.0, 1.0])
-    engine.forward_backward("r", "s", ForwardBackwardRequest((a,), CE))
-    engine.forward_backward("r", "s", ForwardBackwardRequest((b,), CE))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((a,), CE))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((b,), CE))
     separate = grads(engine)
-    engine._session("r", "s")[1].optimizer.zero_grad()
-    engine.forward_backward("r", "s", ForwardBackwardRequest((a, b), CE))
+    engine.discard_gradients("r", "s")
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((a, b), CE))
     together = grads(engine)
     assert separate.keys() == together.keys() and separate
     for name in separate:
@@ -100,11 +102,11 @@ def test_gradients_accumulate_across_calls_until_optim_step(engine):
 def test_custom_forward_backward_equals_cross_entropy_with_weights_minus_g(engine):
     tokens = [5, 6, 7, 8, 9]
     g = (-0.5, -1.0, -2.0, -0.25)  # CE's gradient coefficient is -w, so w = -g
-    engine.forward_backward(
-        "r", "s", ForwardBackwardRequest((ce_sample(tokens, [-x for x in g]),), CE)
+    forward_backward(
+        engine, "r", "s", ForwardBackwardRequest((ce_sample(tokens, [-x for x in g]),), CE)
     )
     via_ce = grads(engine)
-    engine._session("r", "s")[1].optimizer.zero_grad()
+    engine.discard_gradients("r", "s")
     # Zero weights are placeholders here (tinker shim): they must not scale the gradients.
     engine.custom_forward_backward(
         "r", "s", CustomForwardBackwardRequest((ce_sample(tokens, [0.0] * 4),), (g,))
@@ -115,7 +117,7 @@ def test_custom_forward_backward_equals_cross_entropy_with_weights_minus_g(engin
 
 
 def test_a_non_finite_gradient_leaves_accumulated_gradients_untouched(engine):
-    engine.forward_backward("r", "s", ForwardBackwardRequest((ce_sample([5, 6, 7], [1, 1]),), CE))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((ce_sample([5, 6, 7], [1, 1]),), CE))
     before = grads(engine)
     huge = (float("inf"), 1.0)
     with pytest.raises(NonFiniteLoss):
@@ -141,9 +143,9 @@ def test_greedy_kv_cache_generation_equals_full_recompute_and_batching(engine):
     model = engine._resource("r").loaded.model
     prompts = ((5, 6, 7), (20, 21, 22, 23, 24))
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    batched = engine.sample("r", "s", SampleRequest(prompts, 1, params))
+    batched = sample(engine, "r", "s", SampleRequest(prompts, 1, params))
     for prompt, result in zip(prompts, batched, strict=True):
-        alone = engine.sample("r", "s", SampleRequest((prompt,), 1, params))[0]
+        alone = sample(engine, "r", "s", SampleRequest((prompt,), 1, params))[0]
         tokens = result.sequences[0].tokens
         assert tokens == alone.sequences[0].tokens
         expected = greedy_without_cache(model, list(prompt), len(tokens))
@@ -153,16 +155,19 @@ def test_greedy_kv_cache_generation_equals_full_recompute_and_batching(engine):
 def test_sampler_logprobs_equal_forward_logprobs_and_seeds_reproduce(engine):
     prompt = (5, 6, 7, 8)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=123)
-    result = engine.sample("r", "s", SampleRequest((prompt,), 3, params))[0]
-    again = engine.sample("r", "s", SampleRequest((prompt, (9, 9)), 3, params))[0]
+    result = sample(engine, "r", "s", SampleRequest((prompt,), 3, params))[0]
+    again = sample(engine, "r", "s", SampleRequest((prompt, (9, 9)), 3, params))[0]
     assert [s.tokens for s in result.sequences] == [s.tokens for s in again.sequences]
     for sequence in result.sequences:
         full = list(prompt) + sequence.tokens
-        sample = ce_sample(full, [0.0] * (len(prompt) - 1) + [1.0] * len(sequence.tokens))
-        scored = engine.forward_backward(
+        scored_sample = ce_sample(full, [0.0] * (len(prompt) - 1) + [1.0] * len(sequence.tokens))
+        scored = forward_backward(
+            engine,
             "r",
             "s",
-            ForwardBackwardRequest((sample,), CE, forward_only=True, return_loss_fn_outputs=True),
+            ForwardBackwardRequest(
+                (scored_sample,), CE, forward_only=True, return_loss_fn_outputs=True
+            ),
         )
         forward = scored.loss_fn_outputs[0][len(prompt) - 1 :]
         assert max(abs(a - b) for a, b in zip(forward, sequence.logprobs, strict=True)) <= 1e-4
@@ -184,7 +189,7 @@ def test_bfloat16_base_weights_keep_float32_adapters_and_logprobs_near_float32(e
 
     sample = ce_sample([5, 6, 7, 8, 9, 10], [1.0] * 5)
     request = ForwardBackwardRequest((sample,), CE, forward_only=True, return_loss_fn_outputs=True)
-    exact = torch.tensor(engine.forward_backward("r", "s", request).loss_fn_outputs[0])
-    rounded = torch.tensor(half.forward_backward("r", "s", request).loss_fn_outputs[0])
+    exact = torch.tensor(forward_backward(engine, "r", "s", request).loss_fn_outputs[0])
+    rounded = torch.tensor(forward_backward(half, "r", "s", request).loss_fn_outputs[0])
     assert exact.dtype == rounded.dtype == torch.float32
     assert 0 < (exact - rounded).abs().max() < 0.1

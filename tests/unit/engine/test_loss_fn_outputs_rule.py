@@ -8,6 +8,7 @@ from typing import Literal
 
 import pytest
 import torch
+from engine_calls import forward_backward
 
 from posttrain.cli import engine_config, parser
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
@@ -46,10 +47,10 @@ def test_loss_fn_outputs_flag_becomes_the_engine_config():
 
 def test_requested_returns_outputs_only_when_the_request_asks():
     engine = engine_with("requested")
-    plain = engine.forward_backward("r", "s", ForwardBackwardRequest((SAMPLE,), IS))
+    plain = forward_backward(engine, "r", "s", ForwardBackwardRequest((SAMPLE,), IS))
     assert plain.loss_fn_outputs is None
-    asked = engine.forward_backward(
-        "r", "s", ForwardBackwardRequest((SAMPLE,), IS, return_loss_fn_outputs=True)
+    asked = forward_backward(
+        engine, "r", "s", ForwardBackwardRequest((SAMPLE,), IS, return_loss_fn_outputs=True)
     )
     assert asked.loss_fn_outputs is not None and len(asked.loss_fn_outputs[0]) == 5
     assert asked.loss == plain.loss and asked.metrics == plain.metrics
@@ -57,12 +58,13 @@ def test_requested_returns_outputs_only_when_the_request_asks():
 
 def test_always_returns_the_outputs_a_request_would_have_asked_for():
     engine = engine_with("always")
-    scored = engine.forward_backward(
+    scored = forward_backward(
+        engine,
         "r",
         "s",
         ForwardBackwardRequest((SAMPLE,), IS, forward_only=True, return_loss_fn_outputs=True),
     )
-    trained = engine.forward_backward("r", "s", ForwardBackwardRequest((SAMPLE,), IS))
+    trained = forward_backward(engine, "r", "s", ForwardBackwardRequest((SAMPLE,), IS))
     assert scored.loss_fn_outputs is not None and trained.loss_fn_outputs is not None
     # No weights or mask: every position is reported, the prompt's included.
     assert all(value < 0.0 for value in trained.loss_fn_outputs[0])

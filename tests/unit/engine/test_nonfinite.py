@@ -8,6 +8,7 @@ import hashlib
 
 import pytest
 import torch
+from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.local import LocalEngine
@@ -46,7 +47,7 @@ def current_logprobs(engine: LocalEngine) -> tuple[float, ...]:
     request = ForwardBackwardRequest(
         (sample(weights=(1.0,) * N),), CE, forward_only=True, return_loss_fn_outputs=True
     )
-    outputs = engine.forward_backward("r", "s", request).loss_fn_outputs
+    outputs = forward_backward(engine, "r", "s", request).loss_fn_outputs
     assert outputs is not None
     return tuple(outputs[0])
 
@@ -79,11 +80,11 @@ def state_hash(engine: LocalEngine) -> str:
 @pytest.fixture
 def trained(engine: LocalEngine) -> LocalEngine:
     """A session with optimizer state (one step done) and gradients accumulated since."""
-    engine.forward_backward("r", "s", ForwardBackwardRequest((sample(weights=(1.0,) * N),), CE))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((sample(weights=(1.0,) * N),), CE))
     engine.optim_step("r", "s", OptimStepRequest(adam=AdamParams(learning_rate=1e-2)))
     x = current_logprobs(engine)
     ok = sample(logprobs=x, advantages=(0.0, 1.0, -0.5, 2.0, 1.0))
-    engine.forward_backward("r", "s", ForwardBackwardRequest((ok,), IS))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((ok,), IS))
     session = engine._session("r", "s")[1]
     assert session.optimizer.state_dict()["adam"], "the fixture must leave optimizer state"
     assert session.optimizer.has_gradients(), "the fixture must leave accumulated gradients"
@@ -119,7 +120,7 @@ def test_non_finite_forward_backward_changes_no_weight_state_or_gradient(trained
     request = BAD_REQUESTS[case](trained)
     before = state_hash(trained)
     with pytest.raises(NonFiniteLoss):
-        trained.forward_backward("r", "s", request)
+        forward_backward(trained, "r", "s", request)
     assert state_hash(trained) == before
 
 
@@ -127,7 +128,7 @@ def test_the_finite_loss_case_really_has_a_finite_loss(trained):
     """Pins that the gradient guard, not the loss check, rejects that case."""
     request = BAD_REQUESTS["gradient overflows with a finite loss"](trained)
     forward_only = ForwardBackwardRequest(request.samples, request.loss, forward_only=True)
-    assert trained.forward_backward("r", "s", forward_only).loss == pytest.approx(-1e38, rel=1e-6)
+    assert forward_backward(trained, "r", "s", forward_only).loss == pytest.approx(-1e38, rel=1e-6)
 
 
 def test_non_finite_custom_gradient_changes_nothing(trained):
@@ -146,7 +147,7 @@ def test_overflow_at_an_excluded_position_is_ignored(trained):
         mask=(1.0, 0.0, 1.0, 1.0, 1.0),
     )
     before = state_hash(trained)
-    result = trained.forward_backward("r", "s", ForwardBackwardRequest((masked,), IS))
+    result = forward_backward(trained, "r", "s", ForwardBackwardRequest((masked,), IS))
     assert torch.isfinite(torch.tensor(result.loss))
     assert state_hash(trained) != before  # its gradient was accumulated
 
@@ -159,10 +160,10 @@ def test_a_step_after_a_rejected_batch_equals_a_step_without_it(engine):
     bad = ForwardBackwardRequest((sample(weights=(3e38, 3e38, 0.0, 0.0, 0.0)),), CE)
     step = OptimStepRequest(adam=AdamParams(learning_rate=1e-2))
     for session in ("s", "t"):
-        engine.forward_backward("r", session, good)
+        forward_backward(engine, "r", session, good)
         if session == "s":
             with pytest.raises(NonFiniteLoss):
-                engine.forward_backward("r", session, bad)
+                forward_backward(engine, "r", session, bad)
         engine.optim_step("r", session, step)
     adapters = [
         {name: p.detach().clone() for name, p in engine._session("r", s)[1].optimizer.named_params}

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import sampler
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import CDF_BLOCK, choose_tokens, draw_inverse_cdf, filter_logits
+from posttrain.engine.sampling_math import CDF_BLOCK, choose_tokens, draw_inverse_cdf, filter_logits
 from posttrain.model.kv_cache import KVCache
 from posttrain.types import (
     AdamParams,
@@ -53,7 +54,7 @@ def train_one_step(engine: LocalEngine, session: str, tokens: list[int]) -> None
             "weights": (1.0,) * (len(tokens) - 1),
         },
     )
-    engine.forward_backward("r", session, ForwardBackwardRequest((sample,), CE))
+    forward_backward(engine, "r", session, ForwardBackwardRequest((sample,), CE))
     engine.optim_step("r", session, OptimStepRequest(adam=AdamParams(learning_rate=5e-2)))
 
 
@@ -93,8 +94,11 @@ def test_batched_generation_with_shared_prefill_and_row_freeing_equals_one_at_a_
     assert len(lengths) >= 4, lengths  # rows really finished at different steps
     for request, results in zip(requests, batched, strict=True):
         for prompt, result in zip(request.prompts, results, strict=True):
-            alone = engine.sample(
-                "r", "s", SampleRequest((prompt,), request.num_samples, request.sampling_params)
+            alone = sample(
+                engine,
+                "r",
+                "s",
+                SampleRequest((prompt,), request.num_samples, request.sampling_params),
             )[0]
             for ours, reference in zip(result.sequences, alone.sequences, strict=True):
                 assert ours.tokens == reference.tokens
@@ -111,7 +115,7 @@ def test_a_cache_that_grows_during_decode_keeps_every_row_exact(engine, monkeypa
     monkeypatch.setattr(sampler, "DECODE_POSITIONS_PER_GROWTH", 3)  # grows every 3 tokens
     prompts = (encode(engine, "reverse reverse reverse"), encode(engine, "7+8="))
     params = SamplingParams(max_tokens=14, temperature=0.0)
-    results = engine.sample("r", "s", SampleRequest(prompts, 2, params))
+    results = sample(engine, "r", "s", SampleRequest(prompts, 2, params))
     for prompt, result in zip(prompts, results, strict=True):
         tokens = result.sequences[0].tokens
         assert tokens == greedy_without_cache(engine, "s@generator", prompt, len(tokens))
@@ -126,7 +130,7 @@ def test_rows_of_different_sessions_share_passes_with_their_own_adapters(engine)
     request = SampleRequest((prompt,), 2, SamplingParams(max_tokens=16, temperature=0.0))
     together = engine.sample_batch("r", [("s", request), ("t", request)])
     for session, results in zip(("s", "t"), together, strict=True):
-        alone = engine.sample("r", session, request)
+        alone = sample(engine, "r", session, request)
         assert results[0].sequences[0].tokens == alone[0].sequences[0].tokens
         torch.testing.assert_close(
             results[0].sequences[0].logprobs, alone[0].sequences[0].logprobs, atol=1e-5, rtol=0
@@ -139,7 +143,7 @@ def test_rows_of_different_sessions_share_passes_with_their_own_adapters(engine)
 def test_a_seed_reproduces_whatever_the_batch_mates_and_num_samples(engine):
     prompt = encode(engine, "12+34=")
     params = SamplingParams(max_tokens=15, temperature=1.0, top_p=0.95, seed=123)
-    alone = engine.sample("r", "s", SampleRequest((prompt,), 3, params))[0]
+    alone = sample(engine, "r", "s", SampleRequest((prompt,), 3, params))[0]
     crowded = engine.sample_batch(
         "r",
         [
@@ -150,21 +154,21 @@ def test_a_seed_reproduces_whatever_the_batch_mates_and_num_samples(engine):
     first_three = [s.tokens for s in crowded.sequences[:3]]
     assert [s.tokens for s in alone.sequences] == first_three
     assert len({tuple(t) for t in first_three}) > 1  # samples of one prompt differ
-    other_seed = engine.sample(
-        "r", "s", SampleRequest((prompt,), 3, SamplingParams(max_tokens=15, seed=124))
+    other_seed = sample(
+        engine, "r", "s", SampleRequest((prompt,), 3, SamplingParams(max_tokens=15, seed=124))
     )[0]
     assert [s.tokens for s in other_seed.sequences] != first_three
 
 
 def test_a_stop_string_spanning_two_tokens_ends_the_sequence_after_it(engine):
     prompt = encode(engine, "reverse reverse reverse")
-    free = engine.sample("r", "s", SampleRequest((prompt,), 1, GREEDY))[0].sequences[0]
+    free = sample(engine, "r", "s", SampleRequest((prompt,), 1, GREEDY))[0].sequences[0]
     tokenizer = engine._resource("r").loaded.tokenizer
     text = tokenizer.decode(free.tokens)
     stop = text[4:6]  # char-level tokenizer: two characters are two tokens
     end = text.index(stop) + len(stop)
     params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop, "never"))
-    stopped = engine.sample("r", "s", SampleRequest((prompt,), 1, params))[0].sequences[0]
+    stopped = sample(engine, "r", "s", SampleRequest((prompt,), 1, params))[0].sequences[0]
     assert stopped.tokens == free.tokens[:end]
     assert stopped.stop_reason == StopReason.STOP
     assert tokenizer.decode(stopped.tokens).endswith(stop)
@@ -175,7 +179,7 @@ def test_prompt_logprobs_and_topk_come_from_the_forward_pass(engine):
     request = SampleRequest(
         (prompt,), 2, SamplingParams(max_tokens=2), prompt_logprobs=True, topk_prompt_logprobs=5
     )
-    result = engine.sample("r", "s", request)[0]
+    result = sample(engine, "r", "s", request)[0]
     expected_TV = forward_logprobs(engine, "s@generator", list(prompt))
     targets = torch.tensor(prompt[1:])
     expected = expected_TV[:-1].gather(-1, targets[:, None]).squeeze(-1)
@@ -293,8 +297,8 @@ def test_filter_logits_keeps_the_smallest_nucleus_reaching_top_p():
 def test_the_prefix_cache_serves_a_repeated_prompt_and_is_dropped_by_a_publish(engine):
     prompt = encode(engine, "<|im_start|>reverse abcdef:")
     request = SampleRequest((prompt,), 2, GREEDY)
-    cold = engine.sample("r", "s", request)[0]
-    warm = engine.sample("r", "s", request)[0]
+    cold = sample(engine, "r", "s", request)[0]
+    warm = sample(engine, "r", "s", request)[0]
     assert [s.prompt_cache_hit_tokens for s in cold.sequences] == [0, 0]
     assert [s.prompt_cache_hit_tokens for s in warm.sequences] == [len(prompt) - 1] * 2
     for hot, fresh in zip(warm.sequences, cold.sequences, strict=True):
@@ -302,11 +306,11 @@ def test_the_prefix_cache_serves_a_repeated_prompt_and_is_dropped_by_a_publish(e
         torch.testing.assert_close(hot.logprobs, fresh.logprobs, atol=1e-5, rtol=0)
     # A prompt that shares a prefix hits exactly the shared part.
     sibling = prompt[:-4] + encode(engine, "xyz:")
-    shared = engine.sample("r", "s", SampleRequest((sibling,), 1, GREEDY))[0]
+    shared = sample(engine, "r", "s", SampleRequest((sibling,), 1, GREEDY))[0]
     assert shared.sequences[0].prompt_cache_hit_tokens == len(prompt) - 4
     train_one_step(engine, "s", list(prompt))
     engine.publish("r", "s", version=1)
-    after = engine.sample("r", "s", request)[0]
+    after = sample(engine, "r", "s", request)[0]
     assert [s.prompt_cache_hit_tokens for s in after.sequences] == [0, 0]
     assert after.sequences[0].tokens == greedy_without_cache(
         engine, "s@generator", prompt, len(after.sequences[0].tokens)
@@ -382,7 +386,7 @@ def test_kv_cache_compaction_keeps_each_surviving_row_intact():
 def test_a_publish_between_tokens_switches_running_rows_to_the_new_weights(engine):
     prompt = encode(engine, "reverse reverse reverse")
     params = SamplingParams(max_tokens=40, temperature=0.0)
-    old = engine.sample("r", "s", SampleRequest((prompt,), 1, params))[0].sequences[0]
+    old = sample(engine, "r", "s", SampleRequest((prompt,), 1, params))[0].sequences[0]
     assert old.stop_reason == StopReason.LENGTH
     train_one_step(engine, "s", list(prompt) + old.tokens)
     calls = []
@@ -392,8 +396,12 @@ def test_a_publish_between_tokens_switches_running_rows_to_the_new_weights(engin
         if len(calls) == 5:
             engine.publish("r", "s", version=1)
 
-    result = engine.sample(
-        "r", "s", SampleRequest((prompt,), 3, params), between_tokens=publish_on_the_fifth_boundary
+    result = sample(
+        engine,
+        "r",
+        "s",
+        SampleRequest((prompt,), 3, params),
+        between_tokens=publish_on_the_fifth_boundary,
     )[0]
     # The hook runs before each decode pass; the 5th comes after 5 tokens exist.
     assert [(p.start_token, p.version) for p in result.policy_segments] == [(0, 0), (5, 1)]

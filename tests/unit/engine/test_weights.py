@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_calls import forward_backward
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -52,7 +53,7 @@ def step_request(muon_scaling: MuonScaling | None) -> OptimStepRequest:
 
 def train(engine: LocalEngine, session_id: str, muon_scaling: MuonScaling | None, steps: int):
     for index in range(steps):
-        engine.forward_backward("r", session_id, ce_request([5 + index, 6, 7, 8, 9, 10]))
+        forward_backward(engine, "r", session_id, ce_request([5 + index, 6, 7, 8, 9, 10]))
         engine.optim_step("r", session_id, step_request(muon_scaling))
 
 

@@ -1,4 +1,4 @@
-"""Shared-prefix attention (model/attention.py, model/shared_prefix_cache.py) against attention
+"""Shared-prefix attention (model/attention.py, model/fanout_kv_cache.py) against attention
 over each row's full sequence, and the attention implementation it installs."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR
 from posttrain.model import attention
+from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache
-from posttrain.model.shared_prefix_cache import SharedPrefixCache
 
 LAYERS, KV_HEADS, QUERY_HEADS, HEAD_DIM = 2, 2, 6, 8
 
@@ -87,7 +87,7 @@ def test_rows_over_shared_prefixes_equal_attention_over_their_full_sequences(
     for row, kv in enumerate(own_kv):
         own.write_span(row, 0, kv)
     # Prefix ids need not be row numbers.
-    cache = SharedPrefixCache(prefix, [10, 11, 12], own, [10 + g for g in group_of_row])
+    cache = FanoutKVCache(prefix, [10, 11, 12], own, [10 + g for g in group_of_row])
     positions = cache.begin(torch.tensor(new))
     layer_type = "sliding_attention" if window else "full_attention"
     mask = cache.attention_masks(positions, [layer_type], window)[layer_type]
@@ -136,7 +136,7 @@ def test_keep_frees_prefixes_no_row_reads_and_keeps_the_rest_intact():
     for row in range(3):
         prefix.write_span(row, 0, torch.full((1, 2, 1, row + 2, 2), float(row)))
     own = kv_cache(4, 2, layers=1, heads=1, head_dim=2)
-    cache = SharedPrefixCache(prefix, [0, 1, 2], own, [0, 1, 2, 2])
+    cache = FanoutKVCache(prefix, [0, 1, 2], own, [0, 1, 2, 2])
     cache.keep(torch.tensor([3, 2]))  # the rows of prompt 0 and 1 ended
     assert cache.group_ids_B == [2, 2]
     assert prefix.num_rows == 1 and cache.prefix_row == {2: 0}

@@ -1,5 +1,6 @@
 """A decode cache whose rows continue shared prefixes: each prompt's KV stored once for all the
-rows sampled from it.
+rows sampled from it. It lives for one generate call (engine/sampler.py); prompt KV kept
+between requests is the prefix cache's (engine/prefix_cache.py), not this.
 
 Two parts:
 - `prefix`: a KVCache with one row per prefix group (a prompt's prefill), P_g positions each;
@@ -37,7 +38,7 @@ def _bias(visible_BQK: Tensor, width: int) -> Tensor | None:
     )
 
 
-class SharedPrefixCache:
+class FanoutKVCache:
     """Rows of `own` continuing the prefixes in rows of `prefix`."""
 
     def __init__(
@@ -171,8 +172,8 @@ class SharedPrefixCache:
         )
         self._layout = None
 
-    def subset(self, own: KVCache, group_ids_B: list[int]) -> SharedPrefixCache:
+    def subset(self, own: KVCache, group_ids_B: list[int]) -> FanoutKVCache:
         """A cache whose rows, the (new, empty) rows of `own`, continue prefixes of this one:
         the same prefix tensors, so nothing of them is copied."""
         prefix_ids = sorted(self.prefix_row, key=self.prefix_row.__getitem__)
-        return SharedPrefixCache(self.prefix, prefix_ids, own, group_ids_B)
+        return FanoutKVCache(self.prefix, prefix_ids, own, group_ids_B)

@@ -1,0 +1,135 @@
+"""Sampling math: from a row's float32 log-softmax and its settings to one token, its seed,
+and whether a stop string has just been completed. Pure functions of their arguments; the
+decode loop that calls them lives in sampler.py.
+
+Temperature 0 is argmax. Otherwise temperature, then top-k, then top-p (the smallest set of most
+likely tokens whose mass reaches top_p), then one draw by inverse CDF: a uniform from the row's
+own torch.Generator against the running sum of its probabilities. Each row's arithmetic depends
+only on its own settings, never on which other rows share the batch.
+
+Legend: B = rows, V = vocab, N = CDF blocks, K = tokens per block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+# Tokens per block of the two-level inverse-CDF search (draw_inverse_cdf).
+CDF_BLOCK = 256
+_SEED_MASK = (1 << 63) - 1
+
+
+def row_seed(seed: int | None, sample_index: int) -> int:
+    """The generator seed of sample `sample_index` of a prompt; unseeded rows use the OS."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little") & _SEED_MASK
+    # An odd multiplier spreads neighbouring seeds apart, so seed s sample 1 is not seed s+1
+    # sample 0.
+    return (seed * 0x9E3779B97F4A7C15 + sample_index) & _SEED_MASK
+
+
+def filter_logits(logits_BV: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
+    """Top-k (top_k <= 0: off), then top-p, on tempered float32 logits; dropped tokens get
+    -inf. Rows are independent: a row's result does not depend on the others."""
+    vocab = logits_BV.shape[-1]
+    needs_B = ((top_k_B > 0) & (top_k_B < vocab)) | (top_p_B < 1.0)
+    if not bool(needs_B.any()):
+        return logits_BV
+    rows = needs_B.nonzero().squeeze(1)
+    sorted_BV, order_BV = torch.sort(logits_BV[rows], dim=-1, descending=True)
+    rank_V = torch.arange(vocab, device=logits_BV.device)
+    k_B = torch.where(top_k_B[rows] > 0, top_k_B[rows], vocab)
+    sorted_BV = sorted_BV.masked_fill(rank_V[None, :] >= k_B[:, None], float("-inf"))
+    probs_BV = torch.softmax(sorted_BV, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+    drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p_B[rows, None]
+    sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
+    filtered_BV = logits_BV.clone()
+    filtered_BV[rows] = torch.full_like(sorted_BV, float("-inf")).scatter(1, order_BV, sorted_BV)
+    return filtered_BV
+
+
+def choose_tokens(
+    logprobs_BV: Tensor,
+    temperature_B: Tensor,
+    top_k_B: Tensor,
+    top_p_B: Tensor,
+    uniform_B: Tensor,
+) -> Tensor:
+    """One token per row from its float32 log-softmax: argmax where temperature is 0, else an
+    inverse-CDF draw with the row's uniform in [0, 1) from the tempered, filtered distribution.
+
+    log-softmax differs from the logits by a per-row constant, so tempering and filtering it
+    gives the same distribution. Each row's arithmetic depends only on its own settings, never
+    on which other rows share the batch."""
+    vocab = logprobs_BV.shape[-1]
+    tokens_B = torch.zeros(logprobs_BV.shape[0], dtype=torch.int64, device=logprobs_BV.device)
+    greedy = temperature_B == 0
+    plain = (temperature_B == 1) & ((top_k_B <= 0) | (top_k_B >= vocab)) & (top_p_B >= 1)
+    if bool(greedy.any()):
+        tokens_B[greedy] = logprobs_BV[greedy].argmax(-1)
+    shaped = ~greedy & ~plain
+    if bool(plain.all()):
+        # The common RL case: no boolean-mask copies of the [B, V] logprobs.
+        return draw_inverse_cdf(logprobs_BV.exp(), uniform_B)
+    if bool(plain.any()):
+        # The model's own distribution: exp of the log-softmax already at hand.
+        tokens_B[plain] = draw_inverse_cdf(logprobs_BV[plain].exp(), uniform_B[plain])
+    if bool(shaped.any()):
+        tempered_BV = logprobs_BV[shaped] / temperature_B[shaped, None]
+        filtered_BV = filter_logits(tempered_BV, top_k_B[shaped], top_p_B[shaped])
+        tokens_B[shaped] = draw_inverse_cdf(torch.softmax(filtered_BV, dim=-1), uniform_B[shaped])
+    return tokens_B
+
+
+def draw_inverse_cdf(probs_BV: Tensor, uniform_B: Tensor) -> Tensor:
+    """Per row, the first token whose running probability sum exceeds uniform * total.
+
+    Two levels instead of one running sum over the whole vocabulary (a sequential scan, the
+    slowest step of sampling a large vocabulary): running sums of blocks of CDF_BLOCK tokens
+    find the block, then one running sum inside it finds the token. Scaling by the total keeps
+    the draw exact when the float sum is not quite 1. A zero-probability token is never drawn:
+    searches are right-sided (such a token's running sum equals its predecessor's) and capped
+    at the last block, and the last token within it, that adds mass (the float threshold can
+    round up to the total)."""
+    rows, vocab = probs_BV.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    if blocks * CDF_BLOCK != vocab:
+        probs_BV = torch.nn.functional.pad(probs_BV, (0, blocks * CDF_BLOCK - vocab))
+    probs_BNK = probs_BV.view(rows, blocks, CDF_BLOCK)
+    cdf_BN = probs_BNK.sum(-1).cumsum(-1)
+    threshold_B1 = uniform_B[:, None] * cdf_BN[:, -1:]
+    block_B1 = torch.searchsorted(cdf_BN, threshold_B1, right=True)
+    block_B1 = torch.minimum(block_B1, (cdf_BN < cdf_BN[:, -1:]).sum(-1, keepdim=True))
+    before_B1 = torch.where(
+        block_B1 > 0, cdf_BN.gather(1, (block_B1 - 1).clamp(min=0)), torch.zeros_like(threshold_B1)
+    )
+    inside_BK = probs_BNK.gather(1, block_B1[:, :, None].expand(-1, -1, CDF_BLOCK)).squeeze(1)
+    local_cdf_BK = inside_BK.cumsum(-1)
+    offset_B1 = torch.searchsorted(local_cdf_BK, threshold_B1 - before_B1, right=True)
+    offset_B1 = torch.minimum(
+        offset_B1, (local_cdf_BK < local_cdf_BK[:, -1:]).sum(-1, keepdim=True)
+    )
+    return (block_B1 * CDF_BLOCK + offset_B1).squeeze(1)
+
+
+def hit_stop_string(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop: tuple[str, ...]
+) -> bool:
+    """True when the text of `tokens` contains a stop string that the last token completed;
+    stop strings may span token boundaries."""
+    if not stop:
+        return False
+    longest = max(len(s) for s in stop)
+    # A text token decodes to at least one character; the margin covers tokens that decode to
+    # nothing (special tokens, partial UTF-8) so a stop string is never missed.
+    window = tokens[-(longest + 8) :]
+    tail = tokenizer.decode(window)
+    if not any(s in tail for s in stop):
+        return False
+    previous = tokenizer.decode(window[:-1])
+    return any(s in tail and s not in previous for s in stop)

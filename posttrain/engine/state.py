@@ -1,0 +1,53 @@
+"""What the engine holds per model resource and per session; the registry (local.py) owns the
+table of them, the trainer (trainer.py) and the generator (generator.py) act on them.
+
+Each LoRA session has two adapters on its resource's model: the trainer's (what
+forward-backward and optim-step change) and the generator's (what sample uses), which
+weights-sync overwrites with a copy of the trainer's. A full-weight session (the only session
+of its resource) trains the model itself and samples from its own copy of it
+(engine/full_weight.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from posttrain.engine.optim import SessionOptimizer
+from posttrain.engine.prefix_cache import PrefixCache
+from posttrain.engine.sampler import WeightsVersion
+from posttrain.model.loader import LoadedModel
+from posttrain.model.lora import LoraModel
+from posttrain.types import MuonScaling
+
+
+@dataclass
+class SessionState:
+    trainer_key: str
+    generator_key: str
+    optimizer: SessionOptimizer
+    # Full-weight sessions only: the generator's own copy of the model (engine/full_weight.py).
+    # LoRA sessions sample through their generator adapter on the shared model instead.
+    generator_model: nn.Module | None = None
+
+    @property
+    def is_full_weight(self) -> bool:
+        return self.generator_model is not None
+
+
+@dataclass
+class ResourceState:
+    loaded: LoadedModel
+    lora: LoraModel
+    muon_scaling: MuonScaling | None
+    sessions: dict[str, SessionState] = field(default_factory=dict)
+    # Where the base weights come from; a full-weight session's end restores them from here.
+    model_path: Path | None = None
+    # The sampler's KV of prompt prefixes, keyed by generator adapter and weights generation.
+    prefix_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
+    # What each generator (by adapter key) serves; read live by the decode loop (PIPELINE).
+    served: dict[str, WeightsVersion] = field(default_factory=dict)
+    generations: itertools.count = field(default_factory=lambda: itertools.count(1))

@@ -1,0 +1,272 @@
+"""The trainer: forward passes, losses, gradient accumulation and the optimizer step of the
+sessions of one model resource.
+
+A forward-backward of several sessions runs as one shared pass: rows are routed to their
+session's trainer adapter (model/lora.py), rows of similar length share a model forward
+(engine/buckets.py), and one backward over the sum of the trainable losses fills every session's
+gradients. Gradients accumulate across calls until optim-step; a non-finite loss or gradient
+fails its item and leaves that session's accumulated gradients exactly as they were.
+
+Not here: which sessions exist (local.py, the registry), what the generator serves
+(generator.py), the loss math (losses.py) and the optimizer math (optim.py).
+
+Legend: S = samples, T = tokens, B = rows of one bucket, L = longest row of a bucket,
+H = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from posttrain.config import EngineConfig
+from posttrain.engine.batching import PackedBatch, member_loss_batch, pack, unpack
+from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buckets
+from posttrain.engine.logprobs import target_logprobs
+from posttrain.engine.losses import LOSSES
+from posttrain.engine.state import ResourceState, SessionState
+from posttrain.errors import NonFiniteLoss
+from posttrain.types import (
+    CustomForwardBackwardRequest,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    OptimStepRequest,
+)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One item of a shared pass that passed its checks."""
+
+    index: int  # its position in the caller's items
+    session: SessionState
+    request: ForwardBackwardRequest
+    first_row: int  # its first row in the merged batch
+
+    @property
+    def rows(self) -> range:
+        return range(self.first_row, self.first_row + len(self.request.samples))
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """A member's finite loss, before its gradients are known to be finite."""
+
+    member: _Member
+    loss: float
+    metrics: dict[str, float]
+    reported_ST: Tensor  # its target logprobs, 0.0 where the loss does not include a token
+
+
+def forward_backward_batch(
+    config: EngineConfig,
+    resource: ResourceState,
+    items: list[tuple[SessionState, ForwardBackwardRequest]],
+) -> list[ForwardBackwardResult | Exception]:
+    """Forward-backward of several sessions' requests in one shared pass.
+
+    Rows are routed to their session's adapter, so each session's loss and gradients depend
+    on its own rows only. Each item succeeds or fails on its own: a non-finite item returns
+    its exception and leaves its session's accumulated gradients untouched. At most one item
+    per session (the scheduler keeps each session's order). The requests passed their loss
+    checks at the API edge (posttrain/loss_specs.py): nothing here validates them again."""
+    errors: dict[int, Exception] = {}
+    members: list[_Member] = []
+    first_row = 0
+    for index, (session, request) in enumerate(items):
+        members.append(_Member(index, session, request, first_row))
+        first_row += len(request.samples)
+    assert len({m.session.trainer_key for m in members}) == len(members), "one item per session"
+    scored = _shared_pass(config, resource, members, errors) if members else {}
+    is_always = config.loss_fn_outputs == "always"
+    return [
+        errors[index] if index in errors else _result(scored[index], is_always=is_always)
+        for index in range(len(items))
+    ]
+
+
+def _shared_pass(
+    config: EngineConfig,
+    resource: ResourceState,
+    members: list[_Member],
+    errors: dict[int, Exception],
+) -> dict[int, _Scored]:
+    """Forward every member's rows at once, score each with its loss, and back-propagate the
+    trainable ones; a member that fails goes into `errors` instead of the result."""
+    device = resource.loaded.device
+    # The one packing of the request's samples: the members' loss inputs are views of it.
+    merged = pack(tuple(s for m in members for s in m.request.samples), device)
+    # A lone member needs no row selection: its adapter applies to every row.
+    routing: Routing = [
+        (m.session.trainer_key, m.rows if len(members) > 1 else None) for m in members
+    ]
+    train = any(not m.request.forward_only for m in members)
+    scoring_only = [m.session for m in members if m.request.forward_only]
+    scored: dict[int, _Scored] = {}
+    with (
+        torch.set_grad_enabled(train),
+        _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
+    ):
+        logprobs_ST = forward_logprobs(config, resource, merged, routing)
+        trainable: list[tuple[_Member, Tensor]] = []
+        for member in members:
+            samples = member.request.samples
+            loss_batch = member_loss_batch(merged, member.rows, samples)
+            width = loss_batch.valid_ST.shape[1]
+            rows_ST = logprobs_ST[member.first_row : member.rows.stop, :width]
+            loss = member.request.loss
+            output = LOSSES[loss.type](rows_ST, loss_batch, loss.params)
+            loss_value = float(output.loss.detach())
+            if not math.isfinite(loss_value):
+                errors[member.index] = NonFiniteLoss(
+                    f"loss is {loss_value}; nothing was accumulated"
+                )
+                continue
+            reported_ST = torch.where(output.included_ST, rows_ST.detach(), 0.0)
+            scored[member.index] = _Scored(member, loss_value, output.metrics, reported_ST)
+            if not member.request.forward_only:
+                trainable.append((member, output.loss))
+        if trainable:
+            failed = accumulate_many([(m.session, loss) for m, loss in trainable])
+            for (member, _), error in zip(trainable, failed, strict=True):
+                if error is not None:
+                    errors[member.index] = error
+                    del scored[member.index]
+    return scored
+
+
+def _result(scored: _Scored, *, is_always: bool) -> ForwardBackwardResult:
+    """The item's result; its per-token outputs when the server or the request asks for them."""
+    member = scored.member
+    wanted = is_always or member.request.return_loss_fn_outputs
+    lengths_S = [len(sample.tokens) for sample in member.request.samples]
+    outputs = unpack(scored.reported_ST, lengths_S) if wanted else None
+    return ForwardBackwardResult(scored.loss, scored.metrics, outputs)
+
+
+def custom_forward_backward(
+    config: EngineConfig,
+    resource: ResourceState,
+    session: SessionState,
+    request: CustomForwardBackwardRequest,
+) -> None:
+    """Back-propagate sum_i sum_t g_it * logp_it (api.md 1.4.3); weights/mask not applied."""
+    device = resource.loaded.device
+    packed = pack(request.samples, device)
+    width = packed.tokens_ST.shape[1]
+    gradients_ST = torch.zeros(len(request.samples), width, device=device)
+    for index, gradient in enumerate(request.gradients):
+        gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
+    logprobs_ST = forward_logprobs(config, resource, packed, [(session.trainer_key, None)])
+    valid_ST = packed.loss_batch.valid_ST
+    surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
+    (error,) = accumulate_many([(session, surrogate)])
+    if error is not None:
+        raise error
+
+
+def optim_step(session: SessionState, request: OptimStepRequest) -> None:
+    """Apply the accumulated gradients and clear them (engine/optim.py)."""
+    session.optimizer.step(request)
+
+
+def forward_logprobs(
+    config: EngineConfig, resource: ResourceState, packed: PackedBatch, routing: Routing
+) -> Tensor:
+    """float32 [S, T] logprob of each target token, 0.0 at padding, with each adapter of
+    `routing` applied to its rows (positions in `packed`; None: every row).
+
+    Rows of similar length share a forward (engine/buckets.py), each padded only to its own
+    longest row; the result has the layout of one padded forward over the whole batch."""
+    buckets = plan_buckets(packed.lengths_S, config.bucket_overhead_tokens)
+    pieces_BL = [
+        _bucket_logprobs(config, resource, packed, rows, bucket_routing(routing, rows))
+        for rows in buckets
+    ]
+    logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
+    # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
+    # whichever bucket a row landed in.
+    return torch.where(packed.loss_batch.valid_ST, logprobs_ST, 0.0)
+
+
+def _bucket_logprobs(
+    config: EngineConfig,
+    resource: ResourceState,
+    packed: PackedBatch,
+    rows: list[int],
+    routing: list[tuple[str, list[int] | None]],
+) -> Tensor:
+    """float32 [B, L] logprobs of one bucket's rows, L its longest row; `routing` in
+    bucket positions."""
+    device = resource.loaded.device
+    index_B = torch.tensor(rows, device=device)
+    width = max(packed.lengths_S[row] for row in rows)
+
+    def take(values_ST: Tensor) -> Tensor:
+        return values_ST.index_select(0, index_B)[:, :width]
+
+    assignments = [
+        (key, None if local is None else torch.tensor(local, device=device))
+        for key, local in routing
+    ]
+    model, lora = resource.loaded.model, resource.lora
+    with lora.route(assignments):
+        hidden_BLH = model.base_model(
+            input_ids=take(packed.tokens_ST), attention_mask=take(packed.attention_mask_ST)
+        ).last_hidden_state
+        # The backward of all buckets runs after this block: a head chunk recomputed then
+        # must see this bucket's routing again.
+        return target_logprobs(
+            model.get_output_embeddings(),
+            hidden_BLH,
+            take(packed.targets_ST),
+            chunk_tokens=config.logprob_chunk_tokens,
+            recompute_context=lambda: lora.route(assignments),
+        )
+
+
+def accumulate_many(items: list[tuple[SessionState, Tensor]]) -> list[NonFiniteLoss | None]:
+    """Add d loss_i / d params_i to each session's gradients, all-or-nothing per session.
+
+    One backward over the summed losses runs into empty .grad buffers (sessions own disjoint
+    parameters, and rows never mix, so each session receives only its own loss's gradient).
+    Only when a session's new gradients are all finite are its earlier accumulated
+    gradients added back; otherwise they are restored exactly and its item fails."""
+    stashed = []
+    for session, _ in items:
+        params = [p for _, p in session.optimizer.named_params]
+        stashed.append((params, [p.grad for p in params]))
+        for p in params:
+            p.grad = None
+    torch.stack([loss for _, loss in items]).sum().backward()
+    errors: list[NonFiniteLoss | None] = []
+    for params, earlier in stashed:
+        new = [p.grad for p in params]
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in new):
+            for p, g in zip(params, earlier, strict=True):
+                p.grad = g
+            errors.append(NonFiniteLoss("gradient is not finite; nothing was accumulated"))
+            continue
+        for p, old, g in zip(params, earlier, new, strict=True):
+            p.grad = g if old is None else (old if g is None else old + g)
+        errors.append(None)
+    return errors
+
+
+@contextmanager
+def _frozen(params: list[nn.Parameter]) -> Iterator[None]:
+    """Keep forward_only sessions out of a shared pass's graph, so the backward of the other
+    sessions' losses leaves their .grad exactly as it was (not a tensor of zeros)."""
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)

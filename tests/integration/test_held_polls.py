@@ -70,14 +70,18 @@ def short_hold(tmp_path_factory: pytest.TempPathFactory):
     proc.stop()
 
 
-def test_the_sdks_first_poll_carries_the_result(short_hold):
-    resources, session = open_session(short_hold.base_url)
+def test_the_sdks_first_poll_carries_the_result(tmp_path):
+    # A hold far longer than the operations take, whatever the machine's load: the first GET
+    # of each answers it done (a 1 s hold failed this on a loaded 2-core machine).
+    proc = server_with_hold(tmp_path, 30.0)
+    resources, session = open_session(proc.base_url)
     with resources, session:
         sample = sft_sample([5, 6, 7, 8, 9, 10], 2)
         assert session.trainer.forward_backward(samples=[sample], loss=CE).loss > 0
         assert session.trainer.optim_step(adam_params={"learning_rate": 1e-3}).step == 1
         sid = session.session_id
-    log = short_hold.log()
+    log = proc.log()
+    proc.stop()
     # The SDK GETs once right after the POST and sleeps 0.5 s only when that GET is not final:
     # one GET per operation means it never slept.
     for kind in ("forward-backward", "optim-step"):

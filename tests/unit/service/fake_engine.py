@@ -108,9 +108,6 @@ class FakeEngine:
     def drop_session(self, resource_id: str, session_id: str) -> None:
         self._call("drop_session", resource_id, session_id)
 
-    def validate_forward_backward(self, request: ForwardBackwardRequest) -> None:
-        pass
-
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None:
         pass
 

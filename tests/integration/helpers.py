@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from together import Together
 from together.post_training import ModelResourcesClient, SessionClient
 
@@ -34,3 +39,27 @@ def sft_sample(tokens: list[int], prompt_len: int) -> dict:
             "weights": {"data": weights, "dtype": "float32"},
         },
     }
+
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_bench(script: str, *args: str) -> str:
+    """Run bench/<script> on one thread against this checkout; its stdout, after asserting it
+    exited 0. The script's own folder, not the checkout, is on its sys.path: PYTHONPATH points
+    it at this checkout (not at whichever one the venv's editable install names)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(BENCH.parent),
+    }
+    completed = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return completed.stdout

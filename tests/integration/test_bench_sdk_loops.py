@@ -5,30 +5,17 @@ A smoke test of the script, not of its numbers: nothing here asserts on wall-clo
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_bench
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sdk_loops.py"
 LOOPS = ("sft", "grpo", "shim-rl", "dpo")
 
 
 @pytest.mark.slow
 def test_sdk_loops_quick_run_prints_a_ratio_for_every_loop_and_the_fanout():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    out = completed.stdout
+    out = run_bench("sdk_loops.py", "--quick")
     assert "OMP_NUM_THREADS=1" in out, out
     for loop in LOOPS:
         pattern = rf"^tiny {re.escape(loop)} +default .* ratio default/10ms \d+\.\d+x"

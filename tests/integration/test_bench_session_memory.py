@@ -7,30 +7,13 @@ A smoke test of the script; tensor bytes are exact, so its numbers are asserted 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "session_memory.py"
+from helpers import run_bench
 
 
 @pytest.mark.slow
 def test_session_memory_prints_per_session_bytes_and_the_shared_pass_total():
-    # The script's own folder, not the checkout, is on its sys.path: point it at this checkout.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--ranks", "8", "--sessions", "8"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    out = completed.stdout
+    out = run_bench("session_memory.py", "--ranks", "8", "--sessions", "8")
     assert "base weights 3.102 MiB (3252736 bytes)" in out, out
     assert "LoRA rank 8           0.304M      0.304M      0.608M      1.215M" in out, out
     assert "full weights          3.102M      3.102M      6.204M     12.408M" in out, out

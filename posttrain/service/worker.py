@@ -209,14 +209,14 @@ class ResourceWorker:
             else:
                 self._run_group(operations)
         except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
-            if job is None:
-                self._fail_group(operations, exc)  # logs what is an internal error
-            else:
-                log.error("job on %s failed", self._thread.name, exc_info=exc)
-                if job.on_failure is None:
-                    group[0].future.set_exception(exc)
-                else:
-                    job.on_failure(exc)
+            try:
+                self._record_failure(group[0], job, operations, exc)
+            except Exception as lost:  # noqa: BLE001 - recording failed too (the store?):
+                # the waiters get that error, and the worker lives on for the next job.
+                log.exception("recording the failure of a job on %s failed", self._thread.name)
+                for item in group:
+                    if not item.future.done():
+                        item.future.set_exception(lost)
         finally:
             # After the outcome is recorded: a deferred weights-sync waiting for one of these
             # operations may complete now (service/publishing.py).
@@ -225,3 +225,15 @@ class ResourceWorker:
         for item in group:  # finished: recorded, or (a job without a recorder) raised
             if not item.future.done():
                 item.future.set_result(result)
+
+    def _record_failure(
+        self, head: _Item, job: Job | None, operations: list[QueuedOperation], exc: Exception
+    ) -> None:
+        if job is None:
+            self._fail_group(operations, exc)  # logs what is an internal error
+            return
+        log.error("job on %s failed", self._thread.name, exc_info=exc)
+        if job.on_failure is None:
+            head.future.set_exception(exc)
+        else:
+            job.on_failure(exc)

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine.logprobs import log_softmax_float32
 from posttrain.engine.prefix_cache import PrefixCache
+from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache
+from posttrain.model.logit_head import output_head
 from posttrain.model.lora import LoraModel
 from posttrain.types import TopkPromptLogprobs
 
@@ -79,6 +81,17 @@ def new_cache(gm: GeneratorModel, num_rows: int, capacity: int) -> KVCache:
     )
 
 
+def layer_types(config: PretrainedConfig) -> list[str]:
+    """The attention kind of each decoder layer: the config's `layer_types` where the family
+    has them (Qwen2/3, Gemma 2/3), else sliding everywhere when it has a window (Mistral,
+    Phi-3), full otherwise (Llama, GPT-NeoX, ...)."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    sliding = getattr(config, "sliding_window", None)
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
 def forward_rows(
     gm: GeneratorModel,
     cache: KVCache | FanoutKVCache,
@@ -89,15 +102,22 @@ def forward_rows(
     """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H]."""
     config = gm.model.config
     positions_BQ = cache.begin(num_new_B)
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    masks = cache.attention_masks(
-        positions_BQ, layer_types, getattr(config, "sliding_window", None)
+    kinds = layer_types(config)
+    masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
+    # The model gets a placeholder 4-D mask, which every family's mask creation passes on
+    # as-is; the attention function reads the real one of its layer from the pass layout.
+    rows, width = positions_BQ.shape
+    placeholder = torch.ones((), dtype=torch.bool, device=positions_BQ.device).expand(
+        rows, 1, width, int(positions_BQ.max()) + 1
     )
-    with gm.lora.route(_routing(keys_B, tokens_BQ.device)):
+    with (
+        gm.lora.route(_routing(keys_B, tokens_BQ.device)),
+        attention.pass_layout([masks[kind] for kind in kinds]),
+    ):
         hidden_BQH = gm.model.base_model(
             input_ids=tokens_BQ,
             position_ids=positions_BQ,
-            attention_mask=masks,
+            attention_mask=placeholder,
             cache=cache,
             use_cache=True,
         ).last_hidden_state
@@ -107,7 +127,7 @@ def forward_rows(
 
 def head_logits(gm: GeneratorModel, hidden_BH: Tensor, keys_B: list[str]) -> Tensor:
     with gm.lora.route(_routing(keys_B, hidden_BH.device)):
-        return gm.model.get_output_embeddings()(hidden_BH)
+        return output_head(gm.model)(hidden_BH)
 
 
 def extend_rows(

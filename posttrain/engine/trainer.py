@@ -31,6 +31,7 @@ from posttrain.engine.logprobs import target_logprobs
 from posttrain.engine.losses import LOSSES
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import NonFiniteLoss
+from posttrain.model.logit_head import output_head
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
@@ -222,7 +223,7 @@ def _bucket_logprobs(
         # The backward of all buckets runs after this block: a head chunk recomputed then
         # must see this bucket's routing again.
         return target_logprobs(
-            model.get_output_embeddings(),
+            output_head(model),
             hidden_BLH,
             take(packed.targets_ST),
             chunk_tokens=config.logprob_chunk_tokens,

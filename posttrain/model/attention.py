@@ -18,10 +18,13 @@ can hide a whole prompt, where that kernel reports a log-sum-exp of 0 instead of
 explicit matmuls.
 
 The model selects attention by name (`config._attn_implementation`); `install` names ours.
-It is sdpa for every mask that is not a SharedPrefixAttention (training, prefill, Hugging Face
-`generate`), so installing it changes nothing else. The per-pass object travels as the layer's
-`attention_mask`: Hugging Face models hand a mapping of masks given to them to the attention
-function unchanged.
+For an sdpa model it is IMPLEMENTATION: sdpa for every mask outside sampler passes (training,
+Hugging Face `generate`), so installing it changes nothing else. For an eager model (attention
+sdpa cannot express: Gemma 2's soft-capped scores) it is EAGER_IMPLEMENTATION: the family's own
+eager attention, with sampler passes' masks made additive and each row's shared prefix
+materialised next to its own keys (slower, still exact). A sampler pass's masks travel beside
+the forward (`pass_layout`), one per decoder layer, not as the model's `attention_mask`:
+families build and hand on masks differently, and a 4-D placeholder passes through all of them.
 
 Legend: B = rows, G = prefix groups, M = most rows of one group, Hq/Hkv = query/KV heads,
 Z = (Hq / Hkv) * Q stacked query rows per KV head, Q = new positions per row, P = prefix
@@ -30,15 +33,20 @@ columns, S = own columns, D = head dim, X = M * Z.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import eager_mask, sdpa_mask
 
 IMPLEMENTATION = "posttrain"
+EAGER_IMPLEMENTATION = "posttrain_eager"
 
 
 @dataclass(frozen=True)
@@ -158,33 +166,131 @@ def _partial_attention(
     return torch.matmul(weights, v_BHSD), lse
 
 
+def _own_eager(module: nn.Module):
+    """The eager attention of the family `module` belongs to (every modeling file defines its
+    own `eager_attention_forward`, e.g. Gemma 2's soft-capping one)."""
+    modeling = sys.modules[type(module).__module__]
+    return modeling.eager_attention_forward
+
+
+def _materialized(
+    layout: SharedPrefixAttention, layer: int, query: Tensor, key: Tensor, value: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's prefix and own keys and values as one sequence [B, Hkv, P + S, D] and its
+    additive mask [B, 1, Q, P + S]: the generic (slower, exact) shared-prefix path, for
+    attention functions that only take a plain mask."""
+    rows = key.shape[0]
+    if layout.slot_B is None:
+        slot_B = torch.arange(rows, device=key.device)
+    else:
+        slot_B = layout.slot_B
+    group_B = slot_B // layout.rows_per_group
+    prefix_keys = layout.prefix_kv[layer, 0].index_select(0, group_B)
+    prefix_values = layout.prefix_kv[layer, 1].index_select(0, group_B)
+    width = query.shape[2]
+    prefix_bias = layout.prefix_bias_BQP
+    if prefix_bias is None:
+        prefix_bias = key.new_zeros(rows, width, prefix_keys.shape[2], dtype=torch.float32)
+    own_bias = layout.own_bias_BQS
+    if own_bias is None:
+        own_bias = key.new_zeros(rows, width, key.shape[2], dtype=torch.float32)
+    bias = torch.cat([prefix_bias.expand(rows, width, -1), own_bias.expand(rows, width, -1)], -1)
+    mask = bias.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)[:, None]
+    return torch.cat([prefix_keys, key], 2), torch.cat([prefix_values, value], 2), mask
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean mask (True = attend) as the additive one eager attention adds to its scores."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, torch.finfo(dtype).min
+    )
+
+
+# The layout of the current sampler pass, one mask per decoder layer (None: no pass; the
+# model's own masks apply). It travels beside the model's forward rather than as its
+# `attention_mask`, because families build and hand on masks differently (a per-layer-type
+# mapping only some forwards accept, a 4-D tensor others): each attention call picks its
+# layer's entry here, whatever the family's forward did with the placeholder mask.
+_PASS: ContextVar[list[Tensor | SharedPrefixAttention] | None] = ContextVar(
+    "posttrain_pass", default=None
+)
+
+
+@contextmanager
+def pass_layout(masks_per_layer: list[Tensor | SharedPrefixAttention]) -> Iterator[None]:
+    """Attend with masks_per_layer[layer] inside this block (boolean [B, 1, Q, K] masks over
+    the cache's visible columns, or SharedPrefixAttention)."""
+    token = _PASS.set(masks_per_layer)
+    try:
+        yield
+    finally:
+        _PASS.reset(token)
+
+
+def _layout_mask(module: nn.Module, given):
+    layout = _PASS.get()
+    return given if layout is None else layout[module.layer_idx]
+
+
 def attention_forward(
     module: nn.Module,
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | SharedPrefixAttention | None,
+    attention_mask: Tensor | None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """The function registered as IMPLEMENTATION: shared-prefix attention for the sampler's
     decode passes, sdpa for everything else."""
-    if isinstance(attention_mask, SharedPrefixAttention):
+    mask = _layout_mask(module, attention_mask)
+    if isinstance(mask, SharedPrefixAttention):
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        return attention_mask.attend(module.layer_idx, query, key, value, scale), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return mask.attend(module.layer_idx, query, key, value, scale), None
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+
+def eager_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    **kwargs,
+):
+    """The function registered as EAGER_IMPLEMENTATION, for models whose attention sdpa cannot
+    express (Gemma 2's soft-capped scores): the family's own eager attention, with sampler
+    passes' masks made additive and shared prefixes materialised per row."""
+    mask = _layout_mask(module, attention_mask)
+    eager = _own_eager(module)
+    if isinstance(mask, SharedPrefixAttention):
+        key, value, mask = _materialized(mask, module.layer_idx, query, key, value)
+    elif mask is not None and mask.dtype == torch.bool:
+        mask = _additive(mask, query.dtype)
+    return eager(module, query, key, value, mask, **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, attention_forward)
-# Masks for everything but shared-prefix passes are sdpa's.
+AttentionInterface.register(EAGER_IMPLEMENTATION, eager_forward)
+# Masks for everything but shared-prefix passes are sdpa's (eager's).
 AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+AttentionMaskInterface.register(EAGER_IMPLEMENTATION, eager_mask)
+
+
+def shares_prefix_fused(model: PreTrainedModel) -> bool:
+    """Whether the sampler's shared-prefix attention runs its own kernels (sdpa models), not
+    the generic materialised path."""
+    return model.config._attn_implementation == IMPLEMENTATION
 
 
 def install(model: PreTrainedModel) -> None:
-    """Make `model` attend with IMPLEMENTATION (idempotent). Only sdpa models: ours is sdpa for
-    them, so nothing but shared-prefix passes changes."""
+    """Make `model` attend with IMPLEMENTATION (sdpa models) or EAGER_IMPLEMENTATION (eager
+    ones); idempotent. Outside sampler passes each is exactly what the model ran before."""
     current = model.config._attn_implementation
-    if current == IMPLEMENTATION:
+    if current in (IMPLEMENTATION, EAGER_IMPLEMENTATION):
         return
-    if current != "sdpa":
-        raise ValueError(f"shared-prefix sampling needs an sdpa model, not {current!r}")
-    model.set_attn_implementation(IMPLEMENTATION)
+    if current == "sdpa":
+        model.set_attn_implementation(IMPLEMENTATION)
+    elif current == "eager":
+        model.set_attn_implementation(EAGER_IMPLEMENTATION)
+    else:
+        raise ValueError(f"attention implementation {current!r} cannot be served (sdpa, eager)")

@@ -12,8 +12,8 @@ A forward pass appends per-row chunks: `begin(num_new_B)` takes how many of the 
 positions of each row are real (shorter rows are right-padded), returns their position ids and
 remembers where to write; each attention layer then calls `update` (the Hugging Face Cache
 protocol), which stores the real positions only and returns the keys and values of the visible
-columns; `commit()` advances the lengths. `attention_masks` gives the boolean masks to pass as
-the model's `attention_mask` mapping, so the model never builds its own.
+columns; `commit()` advances the lengths. `attention_masks` gives the boolean masks per layer
+type, which the attention function reads from the pass layout (model/attention.py).
 
 Rows come and go without reallocation: `keep` moves the live rows to the front (finished rows
 free their slot). `grow` makes room for more positions as rows get long (a new tensor, live
@@ -77,7 +77,8 @@ class KVCache:
             num_layers=config.num_hidden_layers,
             num_rows=num_rows,
             capacity=capacity,
-            num_kv_heads=config.num_key_value_heads,
+            # Families without grouped-query attention (GPT-NeoX) have one KV head per query head.
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
             dtype=dtype,
             device=device,

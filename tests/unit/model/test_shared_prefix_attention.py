@@ -158,6 +158,15 @@ def test_the_installed_implementation_is_sdpa_for_ordinary_masks():
         after = model(input_ids=ids, attention_mask=padding).logits
     assert torch.equal(before, after)
     attention.install(model)  # idempotent
+    # A model sdpa cannot serve (eager attention, e.g. Gemma 2's soft-capped scores) gets the
+    # generic path: its own eager attention, unchanged outside sampler passes.
     model.set_attn_implementation("eager")
-    with pytest.raises(ValueError, match="sdpa"):
+    with torch.no_grad():
+        eager_before = model(input_ids=ids, attention_mask=padding).logits
+        attention.install(model)
+        assert model.config._attn_implementation == attention.EAGER_IMPLEMENTATION
+        eager_after = model(input_ids=ids, attention_mask=padding).logits
+    assert torch.equal(eager_before, eager_after)
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="cannot be served"):
         attention.install(model)

@@ -1,0 +1,64 @@
+"""The model's output head as its own forward applies it: the projection to the vocabulary
+plus whatever the family's ForCausalLM.forward does to the logits after it.
+
+The trainer's chunked log-softmax and the sampler call the head on hidden states themselves
+(they never run the ForCausalLM forward, which would materialise every position's logits), so
+the post-processing must be applied here or every logprob is silently off: Granite divides by
+`logits_scaling`, Cohere multiplies by `logit_scale`, some families by `output_multiplier`,
+Gemma 2 and 3 soft-cap with `final_logit_softcapping`. Each is read from the config in the
+order the forwards apply them: scaling first, then soft-capping.
+
+Imports: torch, transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+
+def logit_transform(config: object) -> Callable[[Tensor], Tensor] | None:
+    """What the family's forward applies to lm_head's output, or None when nothing."""
+    steps: list[Callable[[Tensor], Tensor]] = []
+    divide = getattr(config, "logits_scaling", None)
+    if divide not in (None, 1, 1.0):
+        steps.append(lambda x, s=float(divide): x / s)
+    for name in ("logit_scale", "output_multiplier"):
+        multiply = getattr(config, name, None)
+        if isinstance(multiply, (int, float)) and multiply != 1:
+            steps.append(lambda x, s=float(multiply): x * s)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        steps.append(lambda x, c=float(cap): torch.tanh(x / c) * c)
+    if not steps:
+        return None
+
+    def apply(logits: Tensor) -> Tensor:
+        for step in steps:
+            logits = step(logits)
+        return logits
+
+    return apply
+
+
+class TransformedHead(nn.Module):
+    """A projection followed by the family's logit post-processing."""
+
+    def __init__(self, projection: nn.Module, transform: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.projection = projection
+        self.transform = transform
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.transform(self.projection(hidden))
+
+
+def output_head(model: PreTrainedModel) -> nn.Module:
+    """hidden states -> the logits model(ids).logits has (the bare projection when the family
+    applies nothing more, so the frozen-head fast path of engine/logprobs.py still applies)."""
+    projection = model.get_output_embeddings()
+    transform = logit_transform(model.config)
+    return projection if transform is None else TransformedHead(projection, transform)

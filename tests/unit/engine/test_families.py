@@ -1,0 +1,107 @@
+"""Every dense decoder family (tests/unit/model/families.py) at engine level: the trainer's
+logprobs are the model's own (log_softmax of plain transformers' logits), and sampling works:
+the sampler's logprobs equal a forward_only of the sampled sequence, greedy KV-cache decode
+equals full recompute, and a prefix-cache hit gives the same tokens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_calls import forward_backward, sample
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+import families  # noqa: E402
+
+from posttrain.config import EngineConfig  # noqa: E402
+from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.types import (  # noqa: E402
+    ForwardBackwardRequest,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    SampleRequest,
+    SamplingParams,
+    TrainingSample,
+)
+
+CE = LossConfig(LossType.CROSS_ENTROPY)
+TOKENS = [1, 40, 41, 42, 50, 60, 70, 80, 33, 34, 35, 36, 90, 91, 92, 20]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: families.build(f, root / f) for f in families.FAMILIES}
+
+
+def engine_for(directory: Path) -> LocalEngine:
+    engine = LocalEngine(EngineConfig(device="cpu", logprob_chunk_tokens=5), {"m": directory})
+    engine.load_resource("r", "m", muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
+    return engine
+
+
+def trainer_logprobs(engine: LocalEngine, tokens: list[int]) -> list[float]:
+    sample_ = TrainingSample(
+        tokens=tuple(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tuple(float(t) for t in tokens[1:]),
+            "weights": (1.0,) * (len(tokens) - 1),
+        },
+    )
+    request = ForwardBackwardRequest((sample_,), CE, forward_only=True, return_loss_fn_outputs=True)
+    (row,) = forward_backward(engine, "r", "s", request).loss_fn_outputs
+    return row
+
+
+@pytest.mark.parametrize("family", list(families.FAMILIES))
+def test_trainer_logprobs_are_the_models_own(family, family_dirs):
+    plain = AutoModelForCausalLM.from_pretrained(family_dirs[family])
+    with torch.no_grad():
+        logits = plain(input_ids=torch.tensor([TOKENS[:-1]])).logits[0]
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])
+    got = torch.tensor(trainer_logprobs(engine_for(family_dirs[family]), TOKENS))
+    torch.testing.assert_close(got, expected[:, 0], atol=1e-5, rtol=0)
+
+
+PROMPT = (1, 40, 41, 42, 50, 60, 70, 80, 33)  # longer than the sliding windows
+
+
+@pytest.mark.parametrize("family", list(families.FAMILIES))
+def test_sampler_logprobs_equal_forward_only_of_the_sampled_sequence(family, family_dirs):
+    engine = engine_for(family_dirs[family])
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    (result,) = sample(engine, "r", "s", SampleRequest((PROMPT,), 3, params))
+    for sequence in result.sequences:
+        scored = trainer_logprobs(engine, [*PROMPT, *sequence.tokens])
+        torch.testing.assert_close(
+            torch.tensor(sequence.logprobs),
+            torch.tensor(scored[-len(sequence.tokens) :]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
+@pytest.mark.parametrize("family", list(families.FAMILIES))
+def test_greedy_decode_equals_full_recompute_and_a_prefix_cache_hit_the_same(family, family_dirs):
+    plain = AutoModelForCausalLM.from_pretrained(family_dirs[family])
+    tokens = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(10):
+            tokens.append(int(plain(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    expected = tokens[len(PROMPT) :]
+    engine = engine_for(family_dirs[family])
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    first, second = (
+        sample(engine, "r", "s", SampleRequest((PROMPT,), 2, greedy))[0] for _ in range(2)
+    )
+    eos = 0
+    for result in (first, second):
+        for sequence in result.sequences:
+            cut = expected.index(eos) + 1 if eos in expected else len(expected)
+            assert sequence.tokens == expected[:cut]
+    assert second.sequences[0].prompt_cache_hit_tokens > 0

@@ -1,0 +1,84 @@
+"""Random-init models of the decoder families posttrain serves, built by the tests (nothing is
+downloaded): two layers, hidden 64, the built-in tokenizer's vocabulary, sliding windows small
+enough to matter, and each family's logit post-processing switched on (Granite's logit scaling,
+Gemma 2's final and attention soft-capping, Gemma's scaled embeddings and tied heads).
+
+`build(family, directory)` writes a model with save_pretrained plus the built-in tokenizer
+files; `load(family, directory)` loads it through posttrain's own loader."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.model.loader import LoadedModel, load_model
+
+VOCAB = 99  # the built-in tokenizer's
+WINDOW = 4  # sliding windows shorter than the test sequences
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+# model_type -> config overrides beyond _COMMON.
+FAMILIES: dict[str, dict[str, object]] = {
+    "llama": {"tie_word_embeddings": False},
+    "mistral": {"sliding_window": WINDOW},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "qwen3": {"head_dim": 16},
+    "gemma": {"head_dim": 16},
+    "gemma2": {
+        "head_dim": 16,
+        "sliding_window": WINDOW,
+        "final_logit_softcapping": 2.0,
+        "attn_logit_softcapping": 3.0,
+    },
+    "gemma3_text": {"head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2},
+    "phi3": {"sliding_window": WINDOW, "pad_token_id": 0},
+    "olmo2": {},
+    "gpt_neox": {"num_key_value_heads": None, "rotary_pct": 0.5},
+    "granite": {"logits_scaling": 4.0, "embedding_multiplier": 3.0, "residual_multiplier": 0.5},
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def config(family: str):
+    settings = {**_COMMON, **FAMILIES[family]}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    return AutoConfig.for_model(family, **settings)
+
+
+def build(family: str, directory: Path, *, seed: int = 0) -> Path:
+    """A random-init `family` model with the built-in tokenizer, saved in `directory`."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(family))
+    # Random-init norms are ones and biases zeros; perturb every parameter so that no family
+    # feature (a norm's offset, a bias) is invisible to the comparisons.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    for name in _TOKENIZER_FILES:
+        shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
+    return directory
+
+
+def load(family: str, directory: Path) -> LoadedModel:
+    """The family's model through posttrain's loader (float32 on the CPU)."""
+    if not (directory / "config.json").exists():
+        build(family, directory)
+    return load_model(directory, torch.device("cpu"), torch.float32)

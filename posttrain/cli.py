@@ -1,7 +1,7 @@
 """The `posttrain` command: flags and env -> ServerConfig, then serve create_app(config);
 `posttrain demo` runs the demo client (posttrain/demo/).
 
-Imports: config, api.app, demo.command.
+Imports: config, api.app, demo.command, model.loader (the start-up check of --model dirs).
 """
 
 from __future__ import annotations
@@ -97,9 +97,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
 def serve(args: argparse.Namespace) -> None:
     from posttrain.api.app import create_app
     from posttrain.api.server import serve as run_server
+    from posttrain.model.loader import servable_problem
 
     models = [ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR)]
     models += [model_spec_from_path(path) for path in args.model]
+    for spec in models[1:]:
+        problem = servable_problem(spec.path)
+        if problem is not None:
+            raise ConfigError(f"--model {spec.path}: {problem}", param="models")
     config = build_config(
         host=args.host,
         port=args.port,

@@ -1,6 +1,8 @@
 """Load a Hugging Face causal LM and its tokenizer from a local directory, offline.
 
-Owns device and dtype choice. Does not own adapters (lora.py) or anything about sessions.
+Owns device and dtype choice, and what makes a directory servable (`servable_problem`, the
+start-up check of `posttrain serve --model DIR`). Does not own adapters (lora.py) or anything
+about sessions.
 """
 
 from __future__ import annotations
@@ -10,7 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.model import attention
@@ -70,3 +78,32 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         context_length=int(getattr(config, "max_position_embeddings", 2048)),
         eos_token_ids=frozenset(eos_ids),
     )
+
+
+def servable_problem(path: Path) -> str | None:
+    """Why the directory cannot be served, or None: it must hold a config transformers builds
+    into a decoder-only causal LM, with attention posttrain runs (sdpa or eager), and a
+    tokenizer. Reads configs and tokenizer files only; the model is built on the meta device,
+    so no weights are read or allocated."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the directory's problem
+        return f"transformers cannot read its config ({type(exc).__name__}: {exc})"
+    if getattr(config, "is_encoder_decoder", False) or type(config) not in (
+        MODEL_FOR_CAUSAL_LM_MAPPING
+    ):
+        return f"model_type {config.model_type!r} is not a decoder-only causal LM"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001
+        return f"transformers cannot build a model from its config ({type(exc).__name__}: {exc})"
+    implementation = model.config._attn_implementation
+    if implementation not in ("sdpa", "eager"):
+        return f"attention {implementation!r} cannot be served (sdpa or eager)"
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001
+        return f"no usable tokenizer ({type(exc).__name__}: {exc})"
+    return None

@@ -45,7 +45,12 @@ FAMILIES: dict[str, dict[str, object]] = {
         "final_logit_softcapping": 2.0,
         "attn_logit_softcapping": 3.0,
     },
-    "gemma3_text": {"head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2},
+    "gemma3_text": {
+        "head_dim": 16,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,
+        "final_logit_softcapping": 5.0,
+    },
     "phi3": {"sliding_window": WINDOW, "pad_token_id": 0},
     "olmo2": {},
     "gpt_neox": {"num_key_value_heads": None, "rotary_pct": 0.5},

@@ -72,18 +72,26 @@ PROMPT = (1, 40, 41, 42, 50, 60, 70, 80, 33)  # longer than the sliding windows
 
 
 @pytest.mark.parametrize("family", list(families.FAMILIES))
-def test_sampler_logprobs_equal_forward_only_of_the_sampled_sequence(family, family_dirs):
+def test_sampler_and_prompt_logprobs_equal_forward_only_for_any_settings(family, family_dirs):
     engine = engine_for(family_dirs[family])
-    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
-    (result,) = sample(engine, "r", "s", SampleRequest((PROMPT,), 3, params))
-    for sequence in result.sequences:
-        scored = trainer_logprobs(engine, [*PROMPT, *sequence.tokens])
+    for params in (
+        SamplingParams(max_tokens=10, temperature=1.0, seed=3),
+        SamplingParams(max_tokens=10, temperature=0.7, top_k=8, top_p=0.9, seed=4),
+    ):
+        request = SampleRequest((PROMPT,), 3, params, prompt_logprobs=True)
+        (result,) = sample(engine, "r", "s", request)
+        prompt_scored = trainer_logprobs(engine, list(PROMPT))
         torch.testing.assert_close(
-            torch.tensor(sequence.logprobs),
-            torch.tensor(scored[-len(sequence.tokens) :]),
-            atol=1e-4,
-            rtol=0,
+            torch.tensor(result.prompt_logprobs[1:]), torch.tensor(prompt_scored), atol=1e-4, rtol=0
         )
+        for sequence in result.sequences:
+            scored = trainer_logprobs(engine, [*PROMPT, *sequence.tokens])
+            torch.testing.assert_close(
+                torch.tensor(sequence.logprobs),
+                torch.tensor(scored[-len(sequence.tokens) :]),
+                atol=1e-4,
+                rtol=0,
+            )
 
 
 @pytest.mark.parametrize("family", list(families.FAMILIES))

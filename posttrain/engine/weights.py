@@ -17,9 +17,10 @@ Inference checkpoint of a LoRA session (api.md 1.4.8), in PEFT's LoRA format so
 Inference checkpoint of a full-weight session: the model directory below, nothing else.
 
 Merged model (CHECKPOINT_VARIANT_MERGED): the base model with W + (alpha / r) * B @ A folded
-into every adapted Linear (or, for a full-weight session, with its trained parameters),
-written by transformers' save_pretrained next to the base model's tokenizer files, so plain
-`AutoModelForCausalLM.from_pretrained` loads it.
+into every adapted Linear and fused expert parameter (B @ A per expert), or, for a
+full-weight session, with its trained parameters, written by transformers' save_pretrained
+next to the base model's tokenizer files, so plain `AutoModelForCausalLM.from_pretrained`
+loads it.
 """
 
 from __future__ import annotations
@@ -179,22 +180,34 @@ def load_peft_adapter(directory: Path) -> tuple[dict[str, Tensor], float]:
 
 
 def merge_adapter_(model: nn.Module, tensors: dict[str, Tensor], scale: float) -> None:
-    """Fold W <- W + scale * B @ A into each adapted nn.Linear of a plain HF model, in place.
+    """Fold W <- W + scale * B @ A into each adapted weight of a plain HF model, in place:
+    an nn.Linear's [out, in] weight, or a fused 3-D expert parameter [E, out, in] with one
+    pair per expert (A [E, R, in], B [E, out, R]; model/lora_experts.py).
 
     The sum is formed in float64 and rounded once to W's dtype, so the merged weights are as
     close to the adapter-applied forward as the storage dtype allows."""
     modules = sorted({name.rsplit(".", 1)[0] for name in tensors})
     for module in modules:
-        linear = model.get_submodule(module)
-        assert isinstance(linear, nn.Linear), f"{module} is {type(linear).__name__}, not Linear"
-        if linear is model.get_output_embeddings() and _head_is_tied(model):
-            _untie_head(model)
-            linear = model.get_submodule(module)
+        weight = _adapted_weight(model, module)
         A = tensors[f"{module}.lora_A"].double()
         B = tensors[f"{module}.lora_B"].double()
+        assert weight.shape == (*B.shape[:-1], A.shape[-1]), f"{module}: adapter shape mismatch"
         with torch.no_grad():
-            merged = linear.weight.double() + scale * (B.to(A.device) @ A)
-            linear.weight.copy_(merged.to(linear.weight.dtype))
+            merged = weight.double() + scale * (B.to(A.device) @ A)
+            weight.copy_(merged.to(weight.dtype))
+
+
+def _adapted_weight(model: nn.Module, name: str) -> Tensor:
+    """The weight an adapter named `name` trains: a Linear's, or an expert parameter itself."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        return model.get_parameter(name)
+    assert isinstance(linear, nn.Linear), f"{name} is {type(linear).__name__}, not Linear"
+    if linear is model.get_output_embeddings() and _head_is_tied(model):
+        _untie_head(model)
+        linear = model.get_submodule(name)
+    return linear.weight
 
 
 def _head_is_tied(model: nn.Module) -> bool:

@@ -160,3 +160,39 @@ def test_expert_adapters_match_an_explicit_per_expert_computation():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert all(float(g.abs().sum()) > 0 for g in ours_grads)
     assert not any(name.endswith(".mlp.gate") for name in lora.layers)  # the router: frozen
+
+
+def test_moe_sessions_in_one_shared_pass_match_each_alone(tmp_path):
+    directory = save_family_model("qwen3_moe", tmp_path / "moe")
+
+    def engine_with_sessions() -> LocalEngine:
+        engine = LocalEngine(EngineConfig(device="cpu"), {"moe": directory})
+        engine.load_resource("r", "moe", muon_scaling=None)
+        for index, name in enumerate(("a", "b")):
+            engine.create_session("r", name, LoraConfig(rank=4, alpha=8, seed=index))
+            with torch.no_grad():  # non-zero B (experts included) so the sessions differ
+                for param_name, p in engine._session("r", name)[1].optimizer.named_params:
+                    if param_name.endswith("lora_B"):
+                        p.normal_(0, 0.05, generator=torch.Generator().manual_seed(10 + index))
+        return engine
+
+    requests = {"a": ce_request([5, 6, 7, 8, 9, 10]), "b": ce_request([20, 21, 22, 23])}
+    alone_engine = engine_with_sessions()
+    alone = {n: forward_backward(alone_engine, "r", n, r) for n, r in requests.items()}
+    shared_engine = engine_with_sessions()
+    shared = shared_engine.forward_backward_batch("r", list(requests.items()))
+    for name, result in zip(requests, shared, strict=True):
+        assert not isinstance(result, Exception)
+        assert result.loss == pytest.approx(alone[name].loss, rel=1e-5)
+        grads = {
+            engine_name: {
+                n: p.grad
+                for n, p in engine._session("r", name)[1].optimizer.named_params
+                if "experts" in n
+            }
+            for engine_name, engine in (("alone", alone_engine), ("shared", shared_engine))
+        }
+        assert grads["alone"] and grads["alone"].keys() == grads["shared"].keys()
+        for key, want in grads["alone"].items():
+            torch.testing.assert_close(grads["shared"][key], want, rtol=1e-4, atol=1e-7)
+    assert shared[0].loss != pytest.approx(shared[1].loss)

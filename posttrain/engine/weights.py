@@ -14,6 +14,7 @@ Inference checkpoint of a LoRA session (api.md 1.4.8), in PEFT's LoRA format so
 `peft.PeftModel` and servers that read PEFT adapters load it unchanged:
     adapter_config.json         peft_type LORA, r, lora_alpha, target_modules, ...
     adapter_model.safetensors   `base_model.model.<module>.lora_A.weight` (and lora_B)
+Fused MoE expert weights are PEFT `target_parameters` (its ParamWrapper, see _peft_expert_keys).
 Inference checkpoint of a full-weight session: the model directory below, nothing else.
 
 Merged model (CHECKPOINT_VARIANT_MERGED): the base model with W + (alpha / r) * B @ A folded
@@ -39,6 +40,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.engine.optim import OptimizerState
 from posttrain.model.lora import LoraModel
+from posttrain.model.lora_experts import PROJECTIONS, ExpertProjection
 from posttrain.types import LoraConfig
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -119,7 +121,8 @@ def internal_name(key: str) -> str:
 def peft_target_modules(lora: LoraModel, adapted: Iterable[str]) -> list[str]:
     """target_modules for adapter_config.json: the short names (`q_proj`, `lm_head`) when
     PEFT's suffix match picks exactly the adapted modules, else every full module name."""
-    adapted_set = set(adapted)
+    # Expert parameters are not modules: they go to target_parameters (save_peft_adapter).
+    adapted_set = {n for n in adapted if not isinstance(lora.layers.get(n), ExpertProjection)}
     short = {name.rsplit(".", 1)[-1] for name in adapted_set}
     # The model as PEFT would see it: each LoraLinear stands where its nn.Linear was.
     names = {
@@ -162,8 +165,18 @@ def save_peft_adapter(
         "alpha_pattern": {},
         "revision": None,
     }
+    experts = sorted({n.rsplit(".", 1)[0] for n, t in tensors.items() if t.ndim == 3})
+    if experts:
+        config["target_parameters"] = experts
+        # PEFT refuses dropout on parameter targets; it only matters in training, not here.
+        config["lora_dropout"] = 0.0
     (directory / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    keyed = {peft_key(name): value for name, value in _cpu(tensors).items()}
+    keyed = {}
+    for name, value in _cpu(tensors).items():
+        if value.ndim == 3:
+            keyed.update(_peft_expert_keys(name, value, lora.rank))
+        else:
+            keyed[peft_key(name)] = value
     save_file(keyed, str(directory / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     _fsync_files(directory, ADAPTER_FILES)
 
@@ -172,8 +185,57 @@ def load_peft_adapter(directory: Path) -> tuple[dict[str, Tensor], float]:
     """The adapter tensors under their internal names, and the scale alpha / r."""
     config = json.loads((directory / PEFT_CONFIG_FILE).read_text())
     tensors = load_file(str(directory / PEFT_WEIGHTS_FILE))
-    scale = float(config["lora_alpha"]) / float(config["r"])
-    return {internal_name(key): value for key, value in tensors.items()}, scale
+    rank = int(config["r"])
+    scale = float(config["lora_alpha"]) / float(rank)
+    internal: dict[str, Tensor] = {}
+    for parameter in config.get("target_parameters") or ():
+        _, prefix = _peft_expert_prefix(parameter)
+        lora_A = tensors.pop(f"{prefix}.lora_A.weight")
+        lora_B = tensors.pop(f"{prefix}.lora_B.weight")
+        internal.update(_internal_expert_factors(parameter, lora_A, lora_B, rank))
+    internal.update({internal_name(key): value for key, value in tensors.items()})
+    return internal, scale
+
+
+# PEFT wraps each targeted parameter of a module in its own ParamWrapper, the first parameter
+# (definition order: gate_up_proj, then down_proj) innermost, so its keys carry one
+# `.base_layer` per wrapper outside it. A ParamWrapper over a [E, d1, d2] parameter has
+# lora_A [E * r, d1] and lora_B [d2, r * E] and adds einsum("o r e, e r i -> e i o", B, A)
+# (B as [d2, r, E], A as [E, r, d1]); with transformers' [E, out, in] experts that is
+# A_peft[e] = B_e^T and B_peft[:, :, e] = A_e^T of ours. Derived from PEFT's source (peft is
+# not installed here); tests check the layout against that formula.
+
+
+def _peft_expert_prefix(parameter: str) -> tuple[str, str]:
+    module, _, name = parameter.rpartition(".")
+    wrappers_outside = len(PROJECTIONS) - 1 - PROJECTIONS.index(name)
+    return module, f"{PEFT_PREFIX}{module}{'.base_layer' * wrappers_outside}"
+
+
+def _peft_expert_keys(name: str, value: Tensor, rank: int) -> dict[str, Tensor]:
+    """Our factor `<experts>.<param>.lora_A` [E, r, in] or `.lora_B` [E, out, r] as PEFT's."""
+    parameter, _, factor = name.rpartition(".")
+    _, prefix = _peft_expert_prefix(parameter)
+    if factor == "lora_B":  # -> PEFT lora_A [E * r, out]
+        experts, out_features, _ = value.shape
+        peft = value.permute(0, 2, 1).reshape(experts * rank, out_features)
+        return {f"{prefix}.lora_A.weight": peft.contiguous()}
+    experts, _, in_features = value.shape  # lora_A -> PEFT lora_B [in, r * E]
+    peft = value.permute(2, 1, 0).reshape(in_features, rank * experts)
+    return {f"{prefix}.lora_B.weight": peft.contiguous()}
+
+
+def _internal_expert_factors(
+    parameter: str, peft_A: Tensor, peft_B: Tensor, rank: int
+) -> dict[str, Tensor]:
+    """Inverse of _peft_expert_keys for one expert parameter."""
+    experts = peft_A.shape[0] // rank
+    lora_B = peft_A.reshape(experts, rank, -1).permute(0, 2, 1)
+    lora_A = peft_B.reshape(peft_B.shape[0], rank, experts).permute(2, 1, 0)
+    return {
+        f"{parameter}.lora_A": lora_A.contiguous(),
+        f"{parameter}.lora_B": lora_B.contiguous(),
+    }
 
 
 # ---------------------------------------------------------------- merged model

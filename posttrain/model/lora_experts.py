@@ -55,6 +55,9 @@ def wrappable(module: nn.Module) -> bool:
         return False
     if not getattr(module, "is_concatenated", True) or not getattr(module, "has_gate", True):
         return False
+    # Exactly these parameters, in this order: the PEFT export nests by it (engine/weights.py).
+    if [name for name, _ in module.named_parameters(recurse=False)] != list(PROJECTIONS):
+        return False
     experts, two_inter, hidden = gate_up.shape
     return tuple(down.shape) == (experts, hidden, two_inter // 2) and two_inter % 2 == 0
 

@@ -4,6 +4,7 @@ engine's logprobs in plain transformers."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -129,3 +130,43 @@ def test_merged_export_reproduces_the_engines_logprobs(tmp_path, family):
         logits = merged(input_ids=TOKENS[:, :-1]).logits.float()
     expected = torch.log_softmax(logits, dim=-1)[0].gather(-1, TOKENS[0, 1:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(scored.loss_fn_outputs[0]), expected, rtol=0, atol=1e-5)
+
+
+def test_expert_adapters_export_as_peft_target_parameters(tmp_path):
+    base_dir = save_family_model("qwen3_moe", tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    lora = LoraModel(model)
+    named = lora.add_adapter("a", AdapterSpec(4, 8, 0.0, seed=5, train_unembed=False))
+    with torch.no_grad():
+        for name, p in named:
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    state = lora.adapter_state("a")
+    adapter_dir = save_adapter(lora, state, tmp_path / "adapter")
+    config = json.loads((adapter_dir / weights.PEFT_CONFIG_FILE).read_text())
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert config["target_parameters"] == sorted(
+        f"{m}.{p}" for m in experts for p in ("gate_up_proj", "down_proj")
+    )
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    keys = load_file(str(adapter_dir / weights.PEFT_WEIGHTS_FILE))
+    scale = 2.0
+    for parameter, key_prefix in (
+        ("gate_up_proj", f"base_model.model.{experts[0]}.base_layer"),
+        ("down_proj", f"base_model.model.{experts[0]}"),
+    ):
+        weight = lora.layers[f"{experts[0]}.{parameter}"].weight  # [E, d1, d2]
+        num_experts, d1, d2 = weight.shape
+        peft_A, peft_B = keys[f"{key_prefix}.lora_A.weight"], keys[f"{key_prefix}.lora_B.weight"]
+        assert peft_A.shape == (4 * num_experts, d1) and peft_B.shape == (d2, 4 * num_experts)
+        # PEFT's ParamWrapper.get_delta_weight, written out.
+        peft_delta = torch.einsum(
+            "o r e, e r i -> e i o",
+            peft_B.reshape(d2, -1, num_experts),
+            peft_A.reshape(num_experts, -1, d1),
+        )
+        ours = state[f"{experts[0]}.{parameter}.lora_B"] @ state[f"{experts[0]}.{parameter}.lora_A"]
+        torch.testing.assert_close(scale * peft_delta, scale * ours, rtol=1e-6, atol=1e-7)
+    loaded, loaded_scale = weights.load_peft_adapter(adapter_dir)
+    assert loaded_scale == scale and loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[name], state[name]) for name in state)

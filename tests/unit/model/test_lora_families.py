@@ -22,6 +22,8 @@ from posttrain.types import (
     LoraConfig,
     LossConfig,
     LossType,
+    MuonParams,
+    MuonScaling,
     OptimStepRequest,
     TrainingSample,
 )
@@ -196,3 +198,18 @@ def test_moe_sessions_in_one_shared_pass_match_each_alone(tmp_path):
         for key, want in grads["alone"].items():
             torch.testing.assert_close(grads["shared"][key], want, rtol=1e-4, atol=1e-7)
     assert shared[0].loss != pytest.approx(shared[1].loss)
+
+
+def test_moe_lora_under_muon_updates_each_expert_and_lowers_the_loss(tmp_path):
+    directory = save_family_model("qwen3_moe", tmp_path / "moe")
+    engine = LocalEngine(EngineConfig(device="cpu"), {"moe": directory})
+    engine.load_resource("r", "moe", muon_scaling=MuonScaling.MATCH_ADAM)
+    engine.create_session("r", "a", LoraConfig(rank=4, alpha=8, seed=1))
+    optimizer = engine._session("r", "a")[1].optimizer
+    assert any("experts.gate_up_proj.lora_A" in n for n in optimizer.muon_param_names)
+    request = ce_request([5, 6, 7, 8, 9, 10, 11, 12])
+    losses = []
+    for _ in range(4):
+        losses.append(forward_backward(engine, "r", "a", request).metrics["loss:sum"])
+        engine.optim_step("r", "a", OptimStepRequest(muon=MuonParams(learning_rate=1e-2)))
+    assert losses[-1] < losses[0] - 1.0, losses

@@ -14,12 +14,14 @@ Inference checkpoint of a LoRA session (api.md 1.4.8), in PEFT's LoRA format so
 `peft.PeftModel` and servers that read PEFT adapters load it unchanged:
     adapter_config.json         peft_type LORA, r, lora_alpha, target_modules, ...
     adapter_model.safetensors   `base_model.model.<module>.lora_A.weight` (and lora_B)
+Fused MoE expert weights are PEFT `target_parameters` (its ParamWrapper, see _peft_expert_keys).
 Inference checkpoint of a full-weight session: the model directory below, nothing else.
 
 Merged model (CHECKPOINT_VARIANT_MERGED): the base model with W + (alpha / r) * B @ A folded
-into every adapted Linear (or, for a full-weight session, with its trained parameters),
-written by transformers' save_pretrained next to the base model's tokenizer files, so plain
-`AutoModelForCausalLM.from_pretrained` loads it.
+into every adapted Linear and fused expert parameter (B @ A per expert), or, for a
+full-weight session, with its trained parameters, written by transformers' save_pretrained
+next to the base model's tokenizer files, so plain `AutoModelForCausalLM.from_pretrained`
+loads it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.engine.optim import OptimizerState
 from posttrain.model.lora import LoraModel
+from posttrain.model.lora_experts import PROJECTIONS, ExpertProjection
 from posttrain.types import LoraConfig
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -118,7 +121,8 @@ def internal_name(key: str) -> str:
 def peft_target_modules(lora: LoraModel, adapted: Iterable[str]) -> list[str]:
     """target_modules for adapter_config.json: the short names (`q_proj`, `lm_head`) when
     PEFT's suffix match picks exactly the adapted modules, else every full module name."""
-    adapted_set = set(adapted)
+    # Expert parameters are not modules: they go to target_parameters (save_peft_adapter).
+    adapted_set = {n for n in adapted if not isinstance(lora.layers.get(n), ExpertProjection)}
     short = {name.rsplit(".", 1)[-1] for name in adapted_set}
     # The model as PEFT would see it: each LoraLinear stands where its nn.Linear was.
     names = {
@@ -161,8 +165,18 @@ def save_peft_adapter(
         "alpha_pattern": {},
         "revision": None,
     }
+    experts = sorted({n.rsplit(".", 1)[0] for n, t in tensors.items() if t.ndim == 3})
+    if experts:
+        config["target_parameters"] = experts
+        # PEFT refuses dropout on parameter targets; it only matters in training, not here.
+        config["lora_dropout"] = 0.0
     (directory / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    keyed = {peft_key(name): value for name, value in _cpu(tensors).items()}
+    keyed = {}
+    for name, value in _cpu(tensors).items():
+        if value.ndim == 3:
+            keyed.update(_peft_expert_keys(name, value, lora.rank))
+        else:
+            keyed[peft_key(name)] = value
     save_file(keyed, str(directory / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     _fsync_files(directory, ADAPTER_FILES)
 
@@ -171,30 +185,91 @@ def load_peft_adapter(directory: Path) -> tuple[dict[str, Tensor], float]:
     """The adapter tensors under their internal names, and the scale alpha / r."""
     config = json.loads((directory / PEFT_CONFIG_FILE).read_text())
     tensors = load_file(str(directory / PEFT_WEIGHTS_FILE))
-    scale = float(config["lora_alpha"]) / float(config["r"])
-    return {internal_name(key): value for key, value in tensors.items()}, scale
+    rank = int(config["r"])
+    scale = float(config["lora_alpha"]) / float(rank)
+    internal: dict[str, Tensor] = {}
+    for parameter in config.get("target_parameters") or ():
+        _, prefix = _peft_expert_prefix(parameter)
+        lora_A = tensors.pop(f"{prefix}.lora_A.weight")
+        lora_B = tensors.pop(f"{prefix}.lora_B.weight")
+        internal.update(_internal_expert_factors(parameter, lora_A, lora_B, rank))
+    internal.update({internal_name(key): value for key, value in tensors.items()})
+    return internal, scale
+
+
+# PEFT wraps each targeted parameter of a module in its own ParamWrapper, the first parameter
+# (definition order: gate_up_proj, then down_proj) innermost, so its keys carry one
+# `.base_layer` per wrapper outside it. A ParamWrapper over a [E, d1, d2] parameter has
+# lora_A [E * r, d1] and lora_B [d2, r * E] and adds einsum("o r e, e r i -> e i o", B, A)
+# (B as [d2, r, E], A as [E, r, d1]); with transformers' [E, out, in] experts that is
+# A_peft[e] = B_e^T and B_peft[:, :, e] = A_e^T of ours. Derived from PEFT's source (peft is
+# not installed here); tests check the layout against that formula.
+
+
+def _peft_expert_prefix(parameter: str) -> tuple[str, str]:
+    module, _, name = parameter.rpartition(".")
+    wrappers_outside = len(PROJECTIONS) - 1 - PROJECTIONS.index(name)
+    return module, f"{PEFT_PREFIX}{module}{'.base_layer' * wrappers_outside}"
+
+
+def _peft_expert_keys(name: str, value: Tensor, rank: int) -> dict[str, Tensor]:
+    """Our factor `<experts>.<param>.lora_A` [E, r, in] or `.lora_B` [E, out, r] as PEFT's."""
+    parameter, _, factor = name.rpartition(".")
+    _, prefix = _peft_expert_prefix(parameter)
+    if factor == "lora_B":  # -> PEFT lora_A [E * r, out]
+        experts, out_features, _ = value.shape
+        peft = value.permute(0, 2, 1).reshape(experts * rank, out_features)
+        return {f"{prefix}.lora_A.weight": peft.contiguous()}
+    experts, _, in_features = value.shape  # lora_A -> PEFT lora_B [in, r * E]
+    peft = value.permute(2, 1, 0).reshape(in_features, rank * experts)
+    return {f"{prefix}.lora_B.weight": peft.contiguous()}
+
+
+def _internal_expert_factors(
+    parameter: str, peft_A: Tensor, peft_B: Tensor, rank: int
+) -> dict[str, Tensor]:
+    """Inverse of _peft_expert_keys for one expert parameter."""
+    experts = peft_A.shape[0] // rank
+    lora_B = peft_A.reshape(experts, rank, -1).permute(0, 2, 1)
+    lora_A = peft_B.reshape(peft_B.shape[0], rank, experts).permute(2, 1, 0)
+    return {
+        f"{parameter}.lora_A": lora_A.contiguous(),
+        f"{parameter}.lora_B": lora_B.contiguous(),
+    }
 
 
 # ---------------------------------------------------------------- merged model
 
 
 def merge_adapter_(model: nn.Module, tensors: dict[str, Tensor], scale: float) -> None:
-    """Fold W <- W + scale * B @ A into each adapted nn.Linear of a plain HF model, in place.
+    """Fold W <- W + scale * B @ A into each adapted weight of a plain HF model, in place:
+    an nn.Linear's [out, in] weight, or a fused 3-D expert parameter [E, out, in] with one
+    pair per expert (A [E, R, in], B [E, out, R]; model/lora_experts.py).
 
     The sum is formed in float64 and rounded once to W's dtype, so the merged weights are as
     close to the adapter-applied forward as the storage dtype allows."""
     modules = sorted({name.rsplit(".", 1)[0] for name in tensors})
     for module in modules:
-        linear = model.get_submodule(module)
-        assert isinstance(linear, nn.Linear), f"{module} is {type(linear).__name__}, not Linear"
-        if linear is model.get_output_embeddings() and _head_is_tied(model):
-            _untie_head(model)
-            linear = model.get_submodule(module)
+        weight = _adapted_weight(model, module)
         A = tensors[f"{module}.lora_A"].double()
         B = tensors[f"{module}.lora_B"].double()
+        assert weight.shape == (*B.shape[:-1], A.shape[-1]), f"{module}: adapter shape mismatch"
         with torch.no_grad():
-            merged = linear.weight.double() + scale * (B.to(A.device) @ A)
-            linear.weight.copy_(merged.to(linear.weight.dtype))
+            merged = weight.double() + scale * (B.to(A.device) @ A)
+            weight.copy_(merged.to(weight.dtype))
+
+
+def _adapted_weight(model: nn.Module, name: str) -> Tensor:
+    """The weight an adapter named `name` trains: a Linear's, or an expert parameter itself."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        return model.get_parameter(name)
+    assert isinstance(linear, nn.Linear), f"{name} is {type(linear).__name__}, not Linear"
+    if linear is model.get_output_embeddings() and _head_is_tied(model):
+        _untie_head(model)
+        linear = model.get_submodule(name)
+    return linear.weight
 
 
 def _head_is_tied(model: nn.Module) -> bool:

@@ -1,7 +1,10 @@
 """LoRA adapters with per-row adapter selection, so one forward pass can serve many sessions.
 
-Every linear layer of attention and MLP (and the output head, for adapters with
-train_unembed) is wrapped in a LoraLinear that holds any number of named adapters. Before a
+Every linear layer of attention and MLP in the decoder layers, whatever the family calls it
+(`q_proj`, fused `qkv_proj` / `gate_up_proj`, GPT-NeoX's `query_key_value`, ...), and the
+output head for adapters with train_unembed, is wrapped in a LoraLinear that holds any number
+of named adapters. Fused 3-D MoE expert weights get one pair per expert (model/lora_experts.py);
+embeddings and MoE routers are never adapted. Before a
 forward pass the caller routes rows of the batch to adapters with `LoraModel.route`: each
 adapter's low-rank delta is added only to its rows. Base weights are shared and frozen.
 
@@ -24,9 +27,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-# Linear layers inside decoder blocks (attention and MLP projections) get adapters; the output
-# head gets one only when the adapter asks for train_unembed.
-HEAD_NAME = "lm_head"
+from posttrain.model.lora_experts import ExpertProjection, LoraExperts, wrappable
+
+# Names of MoE routers: a Linear by that name next to an `experts` module picks experts and
+# stays frozen (the router of recent transformers is not a Linear at all).
+ROUTER_NAMES = frozenset({"gate", "router"})
 
 
 @dataclass
@@ -88,18 +93,26 @@ class LoraModel:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.layers: dict[str, LoraLinear] = {}
-        targets = [
-            (name, module)
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == HEAD_NAME)
-        ]
-        for name, module in targets:
-            wrapper = LoraLinear(module)
+        # Target name -> its adapters; an expert projection is named after its parameter
+        # (`model.layers.0.mlp.experts.gate_up_proj`).
+        self.layers: dict[str, LoraLinear | ExpertProjection] = {}
+        head = model.get_output_embeddings()
+        self.head_name = next((n for n, m in model.named_modules() if m is head), None)
+        for name, module in list(model.named_modules()):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, wrapper)
-            self.layers[name] = wrapper
+            if name != self.head_name and ".layers." not in f".{name}":
+                continue
+            if isinstance(module, nn.Linear) and not _is_router(parent, child):
+                wrapper = LoraLinear(module)
+                setattr(parent, child, wrapper)
+                self.layers[name] = wrapper
+            elif wrappable(module):
+                experts = LoraExperts(module)
+                setattr(parent, child, experts)
+                parent.register_forward_pre_hook(experts.record_rows, with_kwargs=True)
+                for projection_name, projection in experts.projections.items():
+                    self.layers[f"{name}.{projection_name}"] = projection
 
     def add_adapter(self, key: str, spec: AdapterSpec) -> list[tuple[str, nn.Parameter]]:
         """Create adapter `key` on every target layer; returns its named trainable parameters."""
@@ -107,16 +120,16 @@ class LoraModel:
         generator = torch.Generator().manual_seed(spec.seed)
         named: list[tuple[str, nn.Parameter]] = []
         for name, layer in self.layers.items():
-            if name == HEAD_NAME and not spec.train_unembed:
+            if name == self.head_name and not spec.train_unembed:
                 continue
-            base = layer.base
-            lora_A = torch.empty(spec.rank, base.in_features)
+            *experts, out_features, in_features = _weight_shape(layer)
+            lora_A = torch.empty(*experts, spec.rank, in_features)
             # Kaiming-uniform A as in PEFT; drawn on CPU from the seed so results do not depend
             # on the device.
-            bound = 1.0 / math.sqrt(base.in_features)
+            bound = 1.0 / math.sqrt(in_features)
             lora_A.uniform_(-bound, bound, generator=generator)
-            lora_B = torch.zeros(base.out_features, spec.rank)
-            device = base.weight.device
+            lora_B = torch.zeros(*experts, out_features, spec.rank)
+            device = _weight(layer).device
             weights = AdapterWeights(
                 lora_A=nn.Parameter(lora_A.to(device)),
                 lora_B=nn.Parameter(lora_B.to(device)),
@@ -175,3 +188,16 @@ class LoraModel:
         finally:
             for layer, routing in zip(self.layers.values(), previous, strict=True):
                 layer.routing = routing
+
+
+def _is_router(parent: nn.Module, child: str) -> bool:
+    return child in ROUTER_NAMES and hasattr(parent, "experts")
+
+
+def _weight(layer: LoraLinear | ExpertProjection) -> Tensor:
+    return layer.base.weight if isinstance(layer, LoraLinear) else layer.weight
+
+
+def _weight_shape(layer: LoraLinear | ExpertProjection) -> tuple[int, ...]:
+    """[out, in] of a Linear, [E, out, in] of an expert projection."""
+    return tuple(_weight(layer).shape)

@@ -106,12 +106,7 @@ def ce_request(tokens: list[int], *, forward_only: bool = False) -> ForwardBackw
     )
 
 
-# The engine's own logits equal transformers' for these; Granite's logit scaling and loading
-# eager-only Gemma 2 are issue 13 items 1-2 (another branch), so they join once that lands.
-EXACT_ENGINE_FAMILIES = [f for f in FAMILIES if f not in ("granite", "gemma2")]
-
-
-@pytest.mark.parametrize("family", EXACT_ENGINE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_merged_export_reproduces_the_engines_logprobs(tmp_path, family):
     base_dir = save_family_model(family, tmp_path / "base")
     engine = LocalEngine(EngineConfig(device="cpu"), {family: base_dir})

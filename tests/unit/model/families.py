@@ -55,6 +55,14 @@ FAMILIES: dict[str, dict[str, object]] = {
     "olmo2": {},
     "gpt_neox": {"num_key_value_heads": None, "rotary_pct": 0.5},
     "granite": {"logits_scaling": 4.0, "embedding_multiplier": 3.0, "residual_multiplier": 0.5},
+    "qwen3_moe": {
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
 }
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -90,11 +90,7 @@ def ce_request(tokens: list[int]) -> ForwardBackwardRequest:
     return ForwardBackwardRequest((sample,), LossConfig(LossType.CROSS_ENTROPY))
 
 
-# Gemma 2 is eager-attention only; loading it in the engine is issue 13 item 1 (another branch).
-ENGINE_FAMILIES = [f for f in FAMILIES if f != "gemma2"]
-
-
-@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_lora_training_through_the_engine_lowers_the_loss(tmp_path, family):
     directory = save_family_model(family, tmp_path / family)
     engine = LocalEngine(EngineConfig(device="cpu"), {family: directory})

@@ -276,21 +276,16 @@ AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 AttentionMaskInterface.register(EAGER_IMPLEMENTATION, eager_mask)
 
 
-def shares_prefix_fused(model: PreTrainedModel) -> bool:
-    """Whether the sampler's shared-prefix attention runs its own kernels (sdpa models), not
-    the generic materialised path."""
-    return model.config._attn_implementation == IMPLEMENTATION
+# The attention implementations posttrain serves, each with the one it installs for it.
+SERVED = {"sdpa": IMPLEMENTATION, "eager": EAGER_IMPLEMENTATION}
 
 
 def install(model: PreTrainedModel) -> None:
     """Make `model` attend with IMPLEMENTATION (sdpa models) or EAGER_IMPLEMENTATION (eager
     ones); idempotent. Outside sampler passes each is exactly what the model ran before."""
     current = model.config._attn_implementation
-    if current in (IMPLEMENTATION, EAGER_IMPLEMENTATION):
+    if current in SERVED.values():
         return
-    if current == "sdpa":
-        model.set_attn_implementation(IMPLEMENTATION)
-    elif current == "eager":
-        model.set_attn_implementation(EAGER_IMPLEMENTATION)
-    else:
+    if current not in SERVED:
         raise ValueError(f"attention implementation {current!r} cannot be served (sdpa, eager)")
+    model.set_attn_implementation(SERVED[current])

@@ -100,7 +100,7 @@ def servable_problem(path: Path) -> str | None:
     except Exception as exc:  # noqa: BLE001
         return f"transformers cannot build a model from its config ({type(exc).__name__}: {exc})"
     implementation = model.config._attn_implementation
-    if implementation not in ("sdpa", "eager"):
+    if implementation not in attention.SERVED:
         return f"attention {implementation!r} cannot be served (sdpa or eager)"
     try:
         AutoTokenizer.from_pretrained(path)

@@ -94,6 +94,22 @@ class SchedulerConfig(BaseModel):
     )
 
 
+class RoutedExpertsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # An RL step samples, then trains on what it sampled within seconds to minutes; an hour
+    # covers slow off-policy loops too. 256 MiB holds about 5,000 sequences of 1,000 tokens
+    # on a 48-layer top-8 model (2 bytes per token, layer and expert slot).
+    ttl_s: float = Field(
+        3600.0, gt=0, description="how long a routed_experts_key stays usable after sampling"
+    )
+    memory_mib: int = Field(
+        256,
+        ge=0,
+        description="memory for recorded expert routes, all sessions together; the least"
+        " recently used keys are forgotten first when it is full",
+    )
+
+
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -133,6 +149,10 @@ class ServerConfig(BaseModel):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="sample defaults")
     scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig, description="how queued operations share engine passes"
+    )
+    routed_experts: RoutedExpertsConfig = Field(
+        default_factory=RoutedExpertsConfig,
+        description="the store of expert routes behind routed_experts_key (MoE routing replay)",
     )
 
 

@@ -169,12 +169,37 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """What an expert route of a mixture-of-experts model holds per token."""
+
+    num_layers: int  # MoE layers, in model order
+    top_k: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class ExpertRoutes:
+    """The top-k experts of every token in every MoE layer of a model (routing replay):
+    little-endian uint16, row-major over [num_tokens, num_layers, top_k] (api.md 5.2)."""
+
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class TrainingSample:
     """One sample: `tokens` is the model input ((prompt + completion)[:-1]); every
-    `loss_fn_inputs` value has exactly len(tokens) entries (checked by the api layer)."""
+    `loss_fn_inputs` value has exactly len(tokens) entries (checked by the api layer).
+
+    `routed_experts_key` names routes the sampler recorded; the service resolves it into
+    `routed_experts` at submit, so the engine only ever reads the routes."""
 
     tokens: tuple[int, ...]
     loss_fn_inputs: dict[str, tuple[float, ...]]
+    routed_experts_key: str | None = None
+    routed_experts: ExpertRoutes | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +272,7 @@ class SampleRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    return_routed_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,6 +326,10 @@ class SampledSequence:
     logprobs: list[float]
     stop_reason: StopReason
     prompt_cache_hit_tokens: int = 0
+    # return_routed_experts on an MoE model: the engine returns the routes of prompt and
+    # completion (all but the last token); the service stores them and answers with the key.
+    routed_experts: ExpertRoutes | None = None
+    routed_experts_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from posttrain.types import (
     OperationRecord,
     OptimStepOutput,
     ResourceRecord,
+    SampledSequence,
     SampleOutput,
     SampleResult,
     SessionRecord,
@@ -155,20 +156,24 @@ def _forward_backward_output(result: ForwardBackwardResult) -> dict[str, Any]:
     }
 
 
+def _sequence(sequence: SampledSequence) -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "tokens": sequence.tokens,
+        "logprobs": sequence.logprobs,
+        "stop_reason": sequence.stop_reason.value,
+        "prompt_cache_hit_tokens": sequence.prompt_cache_hit_tokens,
+    }
+    if sequence.routed_experts_key is not None:
+        item["routed_experts_key"] = sequence.routed_experts_key
+    return item
+
+
 def _sample_result(result: SampleResult) -> dict[str, Any]:
     item: dict[str, Any] = {
         "policy_segments": [
             {"start_token": s.start_token, "version": s.version} for s in result.policy_segments
         ],
-        "sequences": [
-            {
-                "tokens": s.tokens,
-                "logprobs": s.logprobs,
-                "stop_reason": s.stop_reason.value,
-                "prompt_cache_hit_tokens": s.prompt_cache_hit_tokens,
-            }
-            for s in result.sequences
-        ],
+        "sequences": [_sequence(s) for s in result.sequences],
     }
     if result.prompt_logprobs is not None:
         item["prompt_logprobs"] = result.prompt_logprobs

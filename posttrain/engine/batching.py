@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from posttrain.engine.losses import LossBatch
-from posttrain.types import TrainingSample
+from posttrain.types import ExpertRoutes, TrainingSample
 
 FLOAT_KEYS = {
     "weights": "weights_ST",
@@ -32,6 +32,8 @@ class PackedBatch:
     attention_mask_ST: Tensor  # int64 1 on real positions
     lengths_S: list[int]
     loss_batch: LossBatch
+    # Per sample, the expert routes its forward replays (MoE routing replay); None: free.
+    routes_S: list[ExpertRoutes | None]
 
 
 def _pad(rows: list[tuple[float, ...]], width: int, dtype: torch.dtype) -> Tensor:
@@ -65,6 +67,7 @@ def pack(samples: tuple[TrainingSample, ...], device: torch.device) -> PackedBat
         attention_mask_ST=valid_ST.to(device=device, dtype=torch.int64),
         lengths_S=lengths_S,
         loss_batch=loss_batch,
+        routes_S=[s.routed_experts for s in samples],
     )
 
 

@@ -91,6 +91,7 @@ def sample_batch(
         eos_token_ids=loaded.eos_token_ids,
         prefix_cache=resource.prefix_cache,
         logprob_chunk_tokens=config.logprob_chunk_tokens,
+        moe=loaded.moe,
     )
     requests = []
     for session, request in items:
@@ -103,6 +104,7 @@ def sample_batch(
                 session.generator_key,
                 prompt_logprobs=request.prompt_logprobs,
                 topk_prompt_logprobs=request.topk_prompt_logprobs,
+                return_routed_experts=request.return_routed_experts,
             )
             for prompt in request.prompts
         )

@@ -16,6 +16,7 @@ from posttrain.types import (
     ForwardBackwardRequest,
     ForwardBackwardResult,
     LoraConfig,
+    MoeShape,
     MuonScaling,
     OptimStepRequest,
     SampleRequest,
@@ -30,6 +31,7 @@ class ModelInfo:
     max_seq_length: int  # tokens of one training sample (N + 1)
     max_batch_size: int
     max_lora_rank: int
+    moe: MoeShape | None = None  # expert routes of an MoE model; None: dense
 
 
 class Engine(Protocol):

@@ -35,7 +35,7 @@ from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import InvalidRequest, NotFound
-from posttrain.model.loader import load_model, resolve_device, resolve_dtype
+from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     CustomForwardBackwardRequest,
@@ -78,6 +78,7 @@ class LocalEngine:
                 max_seq_length=min(self.config.max_seq_length, context_length),
                 max_batch_size=self.config.max_batch_size,
                 max_lora_rank=self.config.max_lora_rank,
+                moe=route_shape(self.model_paths[base_model]),
             )
         return self._info[base_model]
 

@@ -12,6 +12,7 @@ in a pass, V = vocab, H = hidden size.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -21,12 +22,12 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine.logprobs import log_softmax_float32
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.model import attention
+from posttrain.model import attention, routing
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache
 from posttrain.model.logit_head import output_head
 from posttrain.model.lora import LoraModel
-from posttrain.types import TopkPromptLogprobs
+from posttrain.types import MoeShape, TopkPromptLogprobs
 
 # Query positions of one prefill pass, summed over its rows: bounds activation memory for many
 # or long prompts while keeping passes large enough to be efficient.
@@ -43,6 +44,7 @@ class GeneratorModel:
     eos_token_ids: frozenset[int]
     prefix_cache: PrefixCache
     logprob_chunk_tokens: int
+    moe: MoeShape | None = None  # the model's expert-route shape; None: dense
 
 
 @dataclass
@@ -57,6 +59,9 @@ class PromptGroup:
     cache_hit_tokens: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)
     topk_prompt_logprobs: list[TopkPromptLogprobs] = field(default_factory=list)
+    # return_routed_experts: the experts of each prompt position, [Q, L, K] pieces in order.
+    wants_routes: bool = False
+    routes: list[Tensor] = field(default_factory=list)
 
 
 def _routing(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, Tensor | None]]:
@@ -98,8 +103,10 @@ def forward_rows(
     tokens_BQ: Tensor,
     num_new_B: Tensor,
     keys_B: list[str],
+    routes_out: list[Tensor] | None = None,
 ) -> Tensor:
-    """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H]."""
+    """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H].
+    With `routes_out`, also append the experts every position used, [B, Q, L, K]."""
     config = gm.model.config
     positions_BQ = cache.begin(num_new_B)
     kinds = layer_types(config)
@@ -113,6 +120,7 @@ def forward_rows(
     with (
         gm.lora.route(_routing(keys_B, tokens_BQ.device)),
         attention.pass_layout([masks[kind] for kind in kinds]),
+        routing.capture() if routes_out is not None else nullcontext() as captured,
     ):
         hidden_BQH = gm.model.base_model(
             input_ids=tokens_BQ,
@@ -122,6 +130,9 @@ def forward_rows(
             use_cache=True,
         ).last_hidden_state
     cache.commit()
+    if routes_out is not None:
+        # One [B * Q, K] entry per MoE layer, tokens flattened row-major as the blocks see them.
+        routes_out.append(torch.stack(captured, dim=1).view(rows, width, len(captured), -1))
     return hidden_BQH
 
 
@@ -135,11 +146,13 @@ def extend_rows(
     cache: KVCache | FanoutKVCache,
     tokens_B: list[Sequence[int]],
     keys_B: list[str],
+    routes_out: list[Tensor] | None = None,
 ) -> Iterator[tuple[Tensor, list[int], list[int]]]:
     """Append tokens_B[b] to row b in passes of at most PREFILL_TOKENS_PER_PASS positions.
 
     Yields (hidden [B, Q, H], start offset into tokens_B[b], count) per pass, so callers can
-    read the hidden states of the positions they need."""
+    read the hidden states of the positions they need; with `routes_out`, each pass's routes
+    are its last entry when the pass is yielded (forward_rows)."""
     device = gm.model.get_input_embeddings().weight.device
     done = [0] * len(tokens_B)
     width_limit = max(1, PREFILL_TOKENS_PER_PASS // max(1, len(tokens_B)))
@@ -150,7 +163,7 @@ def extend_rows(
         for b, (tokens, start, count) in enumerate(zip(tokens_B, done, counts, strict=True)):
             batch_BQ[b, :count] = torch.tensor(tokens[start : start + count], dtype=torch.int64)
         num_new_B = torch.tensor(counts, dtype=torch.int64, device=device)
-        hidden_BQH = forward_rows(gm, cache, batch_BQ.to(device), num_new_B, keys_B)
+        hidden_BQH = forward_rows(gm, cache, batch_BQ.to(device), num_new_B, keys_B, routes_out)
         yield hidden_BQH, list(done), counts
         done = [d + c for d, c in zip(done, counts, strict=True)]
 
@@ -164,8 +177,8 @@ def prefill(
     cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
     for row, group in enumerate(groups):
         group.cache_hit_tokens = 0
-        if group.wants_prompt_logprobs or not gm.prefix_cache.enabled:
-            continue  # prompt logprobs need every position's hidden state
+        if group.wants_prompt_logprobs or group.wants_routes or not gm.prefix_cache.enabled:
+            continue  # prompt logprobs and routes need every position to run
         namespace = (group.adapter_key, group.generation)
         # At most len - 1: the last prompt token must run to give the first logits.
         spans = gm.prefix_cache.lookup(namespace, group.prompt, max_tokens=len(group.prompt) - 1)
@@ -175,10 +188,14 @@ def prefill(
     keys = [g.adapter_key for g in groups]
     suffixes = [g.prompt[g.cache_hit_tokens :] for g in groups]
     last_hidden: list[Tensor | None] = [None] * len(groups)
-    for hidden_BQH, starts, counts in extend_rows(gm, cache, suffixes, keys):
+    routes_out = [] if any(g.wants_routes for g in groups) else None
+    for hidden_BQH, starts, counts in extend_rows(gm, cache, suffixes, keys, routes_out):
         for row, group in enumerate(groups):
             if counts[row] == 0:
                 continue
+            if group.wants_routes:
+                assert routes_out is not None
+                group.routes.append(routes_out[-1][row, : counts[row]])
             first = group.cache_hit_tokens + starts[row]  # prompt position of hidden[row, 0]
             if first + counts[row] == len(group.prompt):
                 last_hidden[row] = hidden_BQH[row, counts[row] - 1]

@@ -55,6 +55,7 @@ from posttrain.engine.model_passes import (
     new_cache,
     prefill,
 )
+from posttrain.engine.routes import to_routes
 from posttrain.engine.sampling_math import choose_tokens, hit_stop_string, row_seed
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
@@ -82,6 +83,7 @@ class GenerationRequest:
     adapter_key: str
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    return_routed_experts: bool = False  # ignored by a dense model (api.md 1.4.6)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: StopReason | None = None
+    # return_routed_experts: the experts of each generated token fed back, [L, K] each.
+    routes: list[Tensor] | None = None
 
 
 # ---------------------------------------------------------------- the decode loop
@@ -154,9 +158,12 @@ def generate(
 
 
 def _plan(
-    requests: list[GenerationRequest], versions: Mapping[str, WeightsVersion]
+    gm: GeneratorModel,
+    requests: list[GenerationRequest],
+    versions: Mapping[str, WeightsVersion],
 ) -> tuple[list[PromptGroup], list[int], list[_Row]]:
     """Groups (distinct adapter + prompt), the group of each request, and the rows."""
+    wants_routes = [q.return_routed_experts and gm.moe is not None for q in requests]
     groups: list[PromptGroup] = []
     group_of_request: list[int] = []
     index: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -171,12 +178,14 @@ def _plan(
         group = groups[index[key]]
         group.topk = max(group.topk, request.topk_prompt_logprobs)
         group.wants_prompt_logprobs |= request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        group.wants_routes |= wants_routes[r]
         params = request.params
         for j in range(request.num_samples):
             generator = None
             if params.temperature > 0:
                 generator = torch.Generator().manual_seed(row_seed(params.seed, j))
-            rows.append(_Row(r, index[key], params, generator))
+            routes: list[Tensor] | None = [] if wants_routes[r] else None
+            rows.append(_Row(r, index[key], params, generator, routes=routes))
     return groups, group_of_request, rows
 
 
@@ -214,7 +223,7 @@ def _generate(
     between_tokens: Callable[[], None] | None,
 ) -> list[SampleResult]:
     device = gm.model.get_input_embeddings().weight.device
-    groups, group_of_request, rows = _plan(requests, versions)
+    groups, group_of_request, rows = _plan(gm, requests, versions)
     segments = [[PolicySegment(0, versions[q.adapter_key].version)] for q in requests]
     prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
     assert first_logits_GV is not None
@@ -239,7 +248,12 @@ def _generate(
         keys = [groups[rows[r].group].adapter_key for r in batch.live]
         last_B1 = torch.tensor([[rows[r].tokens[-1]] for r in batch.live], device=device)
         num_new_B = torch.ones(len(batch.live), dtype=torch.int64, device=device)
-        hidden_B1H = forward_rows(gm, cache, last_B1, num_new_B, keys)
+        routes_out = [] if any(rows[r].routes is not None for r in batch.live) else None
+        hidden_B1H = forward_rows(gm, cache, last_B1, num_new_B, keys, routes_out)
+        if routes_out is not None:
+            for i, r in enumerate(batch.live):
+                if rows[r].routes is not None:
+                    rows[r].routes.append(routes_out[0][i, 0])
         keep = _sample_step(gm, batch, head_logits(gm, hidden_B1H[:, -1], keys))
         if len(keep) < len(batch.live):
             order = _fill_holes(keep)
@@ -318,9 +332,15 @@ def _results(
     sequences: list[list[SampledSequence]] = [[] for _ in requests]
     for row in rows:
         assert row.stop_reason is not None, "every row ends with a stop reason"
-        hits = groups[row.group].cache_hit_tokens
+        group = groups[row.group]
+        routes = None
+        if row.routes is not None:
+            # Every position that ran: the prompt's and each generated token but the last.
+            routes = to_routes(torch.cat([*group.routes, *(r[None] for r in row.routes)]))
         sequences[row.request].append(
-            SampledSequence(row.tokens, row.logprobs, row.stop_reason, hits)
+            SampledSequence(
+                row.tokens, row.logprobs, row.stop_reason, group.cache_hit_tokens, routes
+            )
         )
     results = []
     for r, request in enumerate(requests):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,7 @@ from posttrain.engine.batching import PackedBatch, member_loss_batch, pack, unpa
 from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buckets
 from posttrain.engine.logprobs import target_logprobs
 from posttrain.engine.losses import LOSSES
+from posttrain.engine.routes import forced_routes
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import NonFiniteLoss
 from posttrain.model.logit_head import output_head
@@ -216,7 +217,11 @@ def _bucket_logprobs(
         for key, local in routing
     ]
     model, lora = resource.loaded.model, resource.lora
-    with lora.route(assignments):
+    forced = None
+    if resource.loaded.moe is not None:
+        routes_B = [packed.routes_S[row] for row in rows]
+        forced = forced_routes(routes_B, width, resource.loaded.moe, device)
+    with lora.route(assignments), routing.replay(forced) if forced else nullcontext():
         hidden_BLH = model.base_model(
             input_ids=take(packed.tokens_ST), attention_mask=take(packed.attention_mask_ST)
         ).last_hidden_state

@@ -21,7 +21,8 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from posttrain.model import attention
+from posttrain.model import attention, routing
+from posttrain.types import MoeShape
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class LoadedModel:
     vocab_size: int
     context_length: int
     eos_token_ids: frozenset[int]
+    moe: MoeShape | None = None  # the shape of its expert routes; None: dense
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,6 +64,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()
     attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
+    routing.install(model)  # routing capture and replay of MoE routers
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -77,7 +80,17 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         vocab_size=int(config.vocab_size),
         context_length=int(getattr(config, "max_position_embeddings", 2048)),
         eos_token_ids=frozenset(eos_ids),
+        moe=routing.moe_shape(model),
     )
+
+
+def route_shape(path: Path) -> MoeShape | None:
+    """The expert-route shape of the model in `path` (None: dense), from a meta-device build:
+    no weights are read or allocated."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return routing.moe_shape(AutoModelForCausalLM.from_config(config))
 
 
 def servable_problem(path: Path) -> str | None:

@@ -20,6 +20,7 @@ from posttrain.service.metrics import MetricsService
 from posttrain.service.operations import OperationService
 from posttrain.service.payloads import PayloadService
 from posttrain.service.resources import ResourceService
+from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.scheduler import Scheduler
 from posttrain.service.sessions import SessionService
 from posttrain.service.signing import UrlSigner
@@ -65,7 +66,17 @@ def build_services(config: ServerConfig) -> Services:
     engine = LocalEngine(config.engine, {spec.id: spec.path for spec in config.models})
     signer = UrlSigner(config.signing_key, config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
-    scheduler = Scheduler(repo, engine, checkpoints=checkpoints, limits=config.scheduler)
+    routed_experts = RoutedExpertsStore(
+        ttl_s=config.routed_experts.ttl_s,
+        budget_bytes=config.routed_experts.memory_mib << 20,
+    )
+    scheduler = Scheduler(
+        repo,
+        engine,
+        checkpoints=checkpoints,
+        limits=config.scheduler,
+        routed_experts=routed_experts,
+    )
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
     operations = OperationService(repo, scheduler, sessions, resources)

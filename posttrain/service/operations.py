@@ -10,9 +10,11 @@ Imports: store, engine.interface.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from posttrain.engine.optim import resolve_step_settings
+from posttrain.engine.routes import check_routes
 from posttrain.errors import Conflict, InvalidRequest, NotFound
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
@@ -71,6 +73,10 @@ class OperationService:
                 )
             self._check_sample(session.base_model, request)
         if isinstance(request, ForwardBackwardRequest | CustomForwardBackwardRequest):
+            # Keys become the routes they name now: a key that expires while the operation
+            # is queued cannot fail it later.
+            samples = self.scheduler.routed_experts.resolved(session_id, request.samples)
+            request = dataclasses.replace(request, samples=samples)
             self._check_samples(session.base_model, request.samples)
         if kind == OperationKind.OPTIM_STEP:
             # muon_params on an Adam resource (or adam_params on a Muon one) is a 400 here,
@@ -137,6 +143,16 @@ class OperationService:
             engine.check_tokens(
                 base_model, targets, f"samples[{index}].loss_fn_inputs.target_tokens"
             )
+            if sample.routed_experts is not None:
+                # A key's routes, or the seed-era buffer (api.md 5.2).
+                field = (
+                    "routed_experts_key"
+                    if sample.routed_experts_key
+                    else "loss_inputs.routed_experts"
+                )
+                check_routes(
+                    sample.routed_experts, info.moe, len(sample.tokens), f"samples[{index}].{field}"
+                )
 
     def _check_sample(self, base_model: str, request: SampleRequest) -> None:
         engine = self.resources.engine

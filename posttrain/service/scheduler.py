@@ -29,6 +29,7 @@ from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.publishing import PublishMailbox, is_deferred
 from posttrain.service.recording import OperationRecorder, Outcome
+from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.worker import Job, OnFailure, QueuedOperation, ResourceWorker
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -77,9 +78,12 @@ class Scheduler:
         checkpoints: CheckpointService | None = None,
         arrivals: Arrivals | None = None,
         limits: SchedulerConfig | None = None,
+        routed_experts: RoutedExpertsStore | None = None,
     ) -> None:
         self.repo = repo
         self.engine = engine
+        # Routes of sampled sequences behind their routed_experts_key (service/routed_experts.py).
+        self.routed_experts = routed_experts or RoutedExpertsStore(ttl_s=3600, budget_bytes=0)
         self.arrivals = arrivals or Arrivals()
         self.limits = limits or SchedulerConfig()
         self._resource_of_session: dict[str, str] = {}
@@ -232,7 +236,10 @@ class Scheduler:
                 _requests(ready, SampleRequest),
                 between_tokens=lambda: self.mailbox.publish_in_flight(resource_id),
             )
-            return [SampleOutput(tuple(per_op)) for per_op in results]
+            return [
+                SampleOutput(self.routed_experts.keyed(session.id, per_op))
+                for (_, session, _), per_op in zip(ready, results, strict=True)
+            ]
         ((_, session, request),) = ready
         return [self._alone[kind](session, request)]
 

@@ -252,6 +252,7 @@ class SessionService:
 
         def teardown() -> None:
             self.engine.drop_session(session.resource_id, session_id)
+            self.scheduler.routed_experts.drop_session(session_id)
             self.repo.update_session(
                 session_id,
                 lambda s: dataclasses.replace(

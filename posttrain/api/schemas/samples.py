@@ -11,14 +11,15 @@ Imports: api.schemas.wire, loss_specs, types, errors.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 import math
-from typing import Any
 
 from posttrain.api.schemas.wire import Int64, Int64List, Wire
 from posttrain.errors import InvalidRequest
 from posttrain.loss_specs import INPUT_SPECS, LOSS_FN_INPUT_KEYS, LOSS_SPECS, required_inputs
-from posttrain.types import LossConfig, LossType, TrainingSample
+from posttrain.types import ExpertRoutes, LossConfig, LossType, TrainingSample
 
 
 class EncodedTextIn(Wire):
@@ -98,6 +99,33 @@ class GrpoInputsIn(PolicyInputsIn):
         return out
 
 
+class RoutedExpertsIn(Wire):
+    """Seed-era routes (api.md 5.2): base64 of a contiguous little-endian uint16 buffer,
+    row-major over `shape` = [num_tokens, num_layers, topk]; shape items may be strings."""
+
+    data: str
+    shape: list[Int64]
+
+    def to_domain(self, param: str) -> ExpertRoutes:
+        if len(self.shape) != 3 or min(self.shape) < 0:
+            raise InvalidRequest(
+                f"shape {self.shape} must be [num_tokens, num_layers, topk]",
+                param=f"{param}.shape",
+            )
+        try:
+            data = base64.b64decode(self.data, validate=True)
+        except binascii.Error:
+            raise InvalidRequest("data is not base64", param=f"{param}.data") from None
+        tokens, layers, top_k = self.shape
+        if len(data) != 2 * tokens * layers * top_k:
+            raise InvalidRequest(
+                f"data holds {len(data)} bytes; shape {self.shape} of uint16 needs"
+                f" {2 * tokens * layers * top_k}",
+                param=f"{param}.data",
+            )
+        return ExpertRoutes(tokens, layers, top_k, data)
+
+
 class LossInputsIn(Wire):
     """Seed-era structured inputs (api.md 5.2)."""
 
@@ -110,7 +138,7 @@ class LossInputsIn(Wire):
     cispo_inputs: PolicyInputsIn | None = None
     dro_inputs: PolicyInputsIn | None = None
     dppo_inputs: PolicyInputsIn | None = None  # see loss_specs: accepted for symmetry
-    routed_experts: dict[str, Any] | None = None
+    routed_experts: RoutedExpertsIn | None = None
 
     def blocks(self) -> dict[LossType, PolicyInputsIn]:
         """The per-loss blocks this sample sent, by the loss each belongs to (LOSS_SPECS)."""
@@ -124,11 +152,6 @@ class LossInputsIn(Wire):
     def sent(self, path: str, loss_type: LossType | None) -> dict[str, tuple[TensorIn, str]]:
         """3.1.1 key -> (tensor, field path) for a request whose loss is `loss_type` (None:
         custom-forward-backward, which reads no inputs block)."""
-        if self.routed_experts is not None:
-            raise InvalidRequest(
-                "routed_experts is only meaningful for mixture-of-experts models",
-                param=f"{path}.routed_experts",
-            )
         fields = {"target_tokens": self.target_tokens, "weights": self.weights}
         out = {k: (t, f"{path}.{k}") for k, t in fields.items() if t is not None}
         if self.loss_mask is not None:
@@ -240,11 +263,12 @@ def sample_to_domain(
     where = f"samples[{index}]"
     if not tokens:
         raise InvalidRequest(f"{where}.model_input has no tokens", param=f"{where}.model_input")
-    if sample.routed_experts_key is not None:
-        raise InvalidRequest(
-            "routed_experts_key is only meaningful for mixture-of-experts models",
-            param=f"{where}.routed_experts_key",
-        )
+    routes = None
+    if sample.loss_inputs is not None and sample.loss_inputs.routed_experts is not None:
+        param = f"{where}.loss_inputs.routed_experts"
+        if sample.routed_experts_key is not None:
+            raise InvalidRequest("send routed_experts_key or routed_experts, not both", param=param)
+        routes = sample.loss_inputs.routed_experts.to_domain(param)
     inputs: dict[str, tuple[float, ...]] = {}
     for key, (tensor, param) in sample.sent(where, loss_type).items():
         if key not in LOSS_FN_INPUT_KEYS:
@@ -257,7 +281,12 @@ def sample_to_domain(
         )
     if "weights" in inputs and "mask" in inputs:
         raise InvalidRequest("send weights or mask, not both", param=f"{where}.loss_fn_inputs.mask")
-    return TrainingSample(tokens=tokens, loss_fn_inputs=inputs)
+    return TrainingSample(
+        tokens=tokens,
+        loss_fn_inputs=inputs,
+        routed_experts_key=sample.routed_experts_key,
+        routed_experts=routes,
+    )
 
 
 def check_required_inputs(

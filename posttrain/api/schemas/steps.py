@@ -143,6 +143,7 @@ class SampleIn(Wire):
             sampling_params=SamplingParams(**given),
             prompt_logprobs=bool(self.prompt_logprobs),
             topk_prompt_logprobs=self.topk_prompt_logprobs or 0,
+            return_routed_experts=bool(self.return_routed_experts),
         )
 
 

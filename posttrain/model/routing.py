@@ -1,0 +1,130 @@
+"""Mixture-of-experts routing: record which experts each token used, and replay them.
+
+RL on a mixture-of-experts model scores a sampled sequence with the trainer's forward, whose
+router may pick other experts than the sampler's did (the weights moved, or numerics differ):
+then the trainer's logprobs are of another function than the one that produced the tokens.
+Routing replay removes that: the sampler records the top-k experts of every token in every MoE
+layer, and the trainer's forward of that sequence uses exactly those experts, with their gate
+weights taken from the current router over the chosen experts (so the router still learns).
+
+Both happen inside the router module, which this wraps (`install`): outside a `capture` or
+`replay` block the wrapped router is the original, op for op. A router qualifies when it is
+one of the softmax top-k routers listed in SOFTMAX_TOP_K_ROUTERS (transformers' Qwen2/Qwen3-MoE,
+Mixtral, OLMoE): their gate weights are the softmax of the router logits at the chosen experts,
+renormalised when the router's `norm_topk_prob` is set (Mixtral always renormalises). Other
+routers (sigmoid, grouped, biased) would need their own replay rule: such models are served
+without routing replay.
+
+A pass sees tokens flattened to [N, H] (batch rows times positions); routes are given and
+returned in that order, per MoE layer in model order. Legend: N = tokens of a pass,
+L = MoE layers, K = experts per token.
+
+Imports: torch, types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from posttrain.types import MoeShape
+
+SOFTMAX_TOP_K_ROUTERS = frozenset(
+    {"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter"}
+)
+# Routes travel as uint16 on the wire (api.md 5.2): no model served has more experts.
+MAX_EXPERTS = 1 << 16
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The model's replayable routers, one per MoE layer, in model order."""
+    return [m for m in model.modules() if type(m).__name__ in SOFTMAX_TOP_K_ROUTERS]
+
+
+def moe_shape(model: nn.Module) -> MoeShape | None:
+    """The route shape of `model`; None for a dense model (or one whose routers replay cannot
+    serve, see the module docstring)."""
+    found = routers(model)
+    if not found:
+        return None
+    top_k = {int(r.top_k) for r in found}
+    experts = {int(r.num_experts) for r in found}
+    if len(top_k) != 1 or len(experts) != 1 or max(experts) > MAX_EXPERTS:
+        return None
+    return MoeShape(len(found), top_k.pop(), experts.pop())
+
+
+@dataclass
+class _Pass:
+    captured: list[Tensor] | None  # filled per layer: the [N, K] experts each token used
+    forced: list[Tensor] | None  # per layer [N, K] experts to use; rows of -1 route freely
+
+
+_current: ContextVar[_Pass | None] = ContextVar("posttrain_routing_pass", default=None)
+
+
+@contextmanager
+def capture() -> Iterator[list[Tensor]]:
+    """Inside, every router call appends the experts its tokens used ([N, K] int64, after any
+    replay) to the yielded list: one entry per MoE layer and model forward, in call order."""
+    captured: list[Tensor] = []
+    token = _current.set(_Pass(captured, None))
+    try:
+        yield captured
+    finally:
+        _current.reset(token)
+
+
+@contextmanager
+def replay(forced_LNK: list[Tensor]) -> Iterator[None]:
+    """Inside, MoE layer l routes token n to forced_LNK[l][n] (int64 expert ids); a token whose
+    first id is -1 routes freely. Every forward inside must have the N of these tensors."""
+    token = _current.set(_Pass(None, forced_LNK))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def install(model: nn.Module) -> None:
+    """Hook the routers of `model` so capture and replay reach them; idempotent. A forward
+    hook (not a replaced forward) so a deep copy of the model (a full-weight generator) hooks
+    its own routers."""
+    for layer, router in enumerate(routers(model)):
+        if getattr(router, "_posttrain_layer", None) is not None:
+            continue
+        router._posttrain_layer = layer
+        router.register_forward_hook(_routed)
+
+
+def _routed(
+    router: nn.Module, _args: tuple, output: tuple[Tensor, Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    state = _current.get()
+    if state is None:
+        return None  # the router's own output, untouched
+    logits_NE, scores_NK, experts_NK = output
+    if state.forced is not None:
+        forced_NK = state.forced[router._posttrain_layer].to(experts_NK.device)
+        if forced_NK.shape != experts_NK.shape:
+            raise ValueError(
+                f"replayed routes have shape {tuple(forced_NK.shape)}, the pass routes"
+                f" {tuple(experts_NK.shape)}"
+            )
+        replayed_N = forced_NK[:, 0] >= 0
+        # The softmax over every expert, as the router's own top-k reads it, at the chosen ones.
+        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float)
+        chosen_NK = probs_NE.gather(-1, forced_NK.clamp(min=0))
+        if getattr(router, "norm_topk_prob", True):
+            chosen_NK = chosen_NK / chosen_NK.sum(dim=-1, keepdim=True)
+        scores_NK = torch.where(replayed_N[:, None], chosen_NK.to(scores_NK.dtype), scores_NK)
+        experts_NK = torch.where(replayed_N[:, None], forced_NK, experts_NK)
+    if state.captured is not None:
+        state.captured.append(experts_NK.detach())
+    return logits_NE, scores_NK, experts_NK

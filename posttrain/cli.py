@@ -16,6 +16,7 @@ from posttrain.config import (
     BUILTIN_MODEL_ID,
     EngineConfig,
     ModelSpec,
+    RoutedExpertsConfig,
     build_config,
     model_spec_from_path,
 )
@@ -75,6 +76,20 @@ def parser() -> argparse.ArgumentParser:
         help="an operation GET waits up to S seconds for a pending or running operation to"
         " finish before answering (10; 0 answers at once)",
     )
+    serve.add_argument(
+        "--routed-experts-ttl-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="how long a routed_experts_key (MoE routing replay) stays usable (3600)",
+    )
+    serve.add_argument(
+        "--routed-experts-mib",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="memory for recorded expert routes; least recently used keys go first (256)",
+    )
     serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
     demo = commands.add_parser(
         "demo", help="warm up then GRPO-train the built-in model on addition; plot the reward"
@@ -92,6 +107,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     }
     given = {key: value for key, value in given.items() if value is not None}
     return EngineConfig(**given) if given else None
+
+
+def routed_experts_config(args: argparse.Namespace) -> RoutedExpertsConfig | None:
+    given = {"ttl_s": args.routed_experts_ttl_s, "memory_mib": args.routed_experts_mib}
+    given = {key: value for key, value in given.items() if value is not None}
+    return RoutedExpertsConfig(**given) if given else None
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -116,6 +137,7 @@ def serve(args: argparse.Namespace) -> None:
         poll_hold_seconds=args.poll_hold_seconds,
         models=tuple(models),
         engine=engine_config(args),
+        routed_experts=routed_experts_config(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     run_server(create_app(config), host=config.host, port=config.port, log_level=args.log_level)

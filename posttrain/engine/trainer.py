@@ -33,6 +33,7 @@ from posttrain.engine.routes import forced_routes
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import NonFiniteLoss
 from posttrain.model.logit_head import output_head
+from posttrain.model.routing import replay as replay_routes
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
@@ -221,7 +222,7 @@ def _bucket_logprobs(
     if resource.loaded.moe is not None:
         routes_B = [packed.routes_S[row] for row in rows]
         forced = forced_routes(routes_B, width, resource.loaded.moe, device)
-    with lora.route(assignments), routing.replay(forced) if forced else nullcontext():
+    with lora.route(assignments), replay_routes(forced) if forced else nullcontext():
         hidden_BLH = model.base_model(
             input_ids=take(packed.tokens_ST), attention_mask=take(packed.attention_mask_ST)
         ).last_hidden_state

@@ -72,9 +72,11 @@ _current: ContextVar[_Pass | None] = ContextVar("posttrain_routing_pass", defaul
 @contextmanager
 def capture() -> Iterator[list[Tensor]]:
     """Inside, every router call appends the experts its tokens used ([N, K] int64, after any
-    replay) to the yielded list: one entry per MoE layer and model forward, in call order."""
+    replay) to the yielded list: one entry per MoE layer and model forward, in call order.
+    Nests with `replay` either way round."""
     captured: list[Tensor] = []
-    token = _current.set(_Pass(captured, None))
+    outer = _current.get()
+    token = _current.set(_Pass(captured, outer.forced if outer else None))
     try:
         yield captured
     finally:
@@ -85,7 +87,8 @@ def capture() -> Iterator[list[Tensor]]:
 def replay(forced_LNK: list[Tensor]) -> Iterator[None]:
     """Inside, MoE layer l routes token n to forced_LNK[l][n] (int64 expert ids); a token whose
     first id is -1 routes freely. Every forward inside must have the N of these tensors."""
-    token = _current.set(_Pass(None, forced_LNK))
+    outer = _current.get()
+    token = _current.set(_Pass(outer.captured if outer else None, forced_LNK))
     try:
         yield
     finally:

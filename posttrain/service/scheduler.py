@@ -83,7 +83,9 @@ class Scheduler:
         self.repo = repo
         self.engine = engine
         # Routes of sampled sequences behind their routed_experts_key (service/routed_experts.py).
-        self.routed_experts = routed_experts or RoutedExpertsStore(ttl_s=3600, budget_bytes=0)
+        if routed_experts is None:  # not `or`: an empty store is falsy (it has a len)
+            routed_experts = RoutedExpertsStore(ttl_s=3600, budget_bytes=0)
+        self.routed_experts = routed_experts
         self.arrivals = arrivals or Arrivals()
         self.limits = limits or SchedulerConfig()
         self._resource_of_session: dict[str, str] = {}

@@ -7,6 +7,7 @@ Two samples of lengths 4 and 2, so an error must name the sample it is about.
 
 from __future__ import annotations
 
+import base64
 import math
 from typing import Any
 
@@ -153,3 +154,63 @@ def test_a_negative_weight_names_its_sample() -> None:
 def test_a_valid_forward_backward_becomes_a_request(request_body: dict[str, Any]) -> None:
     request = to_domain(request_body)
     assert [len(s.tokens) for s in request.samples] == [4, 2]
+
+
+# ---------------------------------------------------------------- routed experts (api.md 5.2)
+
+
+def seed_routes_body(routed_experts: dict[str, Any], **sample_extra: Any) -> dict[str, Any]:
+    inputs = {
+        "target_tokens": {"data": [6, 7, 8]},
+        "weights": {"data": [1, 1, 1]},
+        "routed_experts": routed_experts,
+    }
+    model_input = {"chunks": [{"encoded_text": {"tokens": [5, 6, 7]}}]}
+    sample = {"model_input": model_input, "loss_inputs": inputs, **sample_extra}
+    return {"loss": CE, "samples": [sample]}
+
+
+def test_the_seed_era_routes_buffer_becomes_the_samples_routes() -> None:
+    values = list(range(12))  # [3 tokens, 2 layers, top-2], row-major
+    data = base64.b64encode(b"".join(v.to_bytes(2, "little") for v in values)).decode()
+    (sample,) = to_domain(seed_routes_body({"data": data, "shape": ["3", 2, "2"]})).samples
+    routes = sample.routed_experts
+    assert (routes.num_tokens, routes.num_layers, routes.top_k) == (3, 2, 2)
+    assert [int.from_bytes(routes.data[i : i + 2], "little") for i in range(0, 24, 2)] == values
+    assert sample.routed_experts_key is None
+
+
+def test_a_routed_experts_key_travels_to_the_service() -> None:
+    request = body(CE, weights=ALL)
+    request["samples"][0]["routed_experts_key"] = "re_abc"
+    first, second = to_domain(request).samples
+    assert first.routed_experts_key == "re_abc" and first.routed_experts is None
+    assert second.routed_experts_key is None
+
+
+BUFFER = "samples[0].loss_inputs.routed_experts"
+
+
+@pytest.mark.parametrize(
+    ("routed_experts", "extra", "param"),
+    [
+        ({"data": "AAAA", "shape": [1, 2]}, {}, "samples[0].loss_inputs.routed_experts.shape"),
+        (
+            {"data": "not base64!", "shape": [1, 1, 1]},
+            {},
+            "samples[0].loss_inputs.routed_experts.data",
+        ),
+        ({"data": "AAAA", "shape": [1, 1, 1]}, {}, "samples[0].loss_inputs.routed_experts.data"),
+        (
+            {"data": "AAA=", "shape": [1, 1, 1]},
+            {"routed_experts_key": "re_abc"},
+            "samples[0].loss_inputs.routed_experts",
+        ),
+    ],
+)
+def test_a_bad_routes_buffer_names_its_field(
+    routed_experts: dict[str, Any], extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(InvalidRequest) as raised:
+        to_domain(seed_routes_body(routed_experts, **extra))
+    assert raised.value.param == param

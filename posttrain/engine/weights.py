@@ -199,11 +199,11 @@ def load_peft_adapter(directory: Path) -> tuple[dict[str, Tensor], float]:
 
 # PEFT wraps each targeted parameter of a module in its own ParamWrapper, the first parameter
 # (definition order: gate_up_proj, then down_proj) innermost, so its keys carry one
-# `.base_layer` per wrapper outside it. A ParamWrapper over a [E, d1, d2] parameter has
-# lora_A [E * r, d1] and lora_B [d2, r * E] and adds einsum("o r e, e r i -> e i o", B, A)
-# (B as [d2, r, E], A as [E, r, d1]); with transformers' [E, out, in] experts that is
-# A_peft[e] = B_e^T and B_peft[:, :, e] = A_e^T of ours. Derived from PEFT's source (peft is
-# not installed here); tests check the layout against that formula.
+# `.base_layer` per wrapper outside it. For a 3-D [E, out, in] parameter (transformers' experts,
+# not `is_transposed`) a ParamWrapper has lora_A [E * r, in] and lora_B [out, r * E] and adds
+# einsum("o r e, e r i -> e o i", B, A) (B as [out, r, E], A as [E, r, in]): A_peft is our
+# A [E, r, in] flattened, and B_peft[o, r * E + e] = B_e[o, r] of ours (peft 0.21,
+# tuners/lora/layer.py ParamWrapper; tests load the export in PEFT).
 
 
 def _peft_expert_prefix(parameter: str) -> tuple[str, str]:
@@ -216,12 +216,12 @@ def _peft_expert_keys(name: str, value: Tensor, rank: int) -> dict[str, Tensor]:
     """Our factor `<experts>.<param>.lora_A` [E, r, in] or `.lora_B` [E, out, r] as PEFT's."""
     parameter, _, factor = name.rpartition(".")
     _, prefix = _peft_expert_prefix(parameter)
-    if factor == "lora_B":  # -> PEFT lora_A [E * r, out]
-        experts, out_features, _ = value.shape
-        peft = value.permute(0, 2, 1).reshape(experts * rank, out_features)
+    if factor == "lora_A":  # -> PEFT lora_A [E * r, in]
+        experts, _, in_features = value.shape
+        peft = value.reshape(experts * rank, in_features)
         return {f"{prefix}.lora_A.weight": peft.contiguous()}
-    experts, _, in_features = value.shape  # lora_A -> PEFT lora_B [in, r * E]
-    peft = value.permute(2, 1, 0).reshape(in_features, rank * experts)
+    experts, out_features, _ = value.shape  # lora_B -> PEFT lora_B [out, r * E]
+    peft = value.permute(1, 2, 0).reshape(out_features, rank * experts)
     return {f"{prefix}.lora_B.weight": peft.contiguous()}
 
 
@@ -230,8 +230,8 @@ def _internal_expert_factors(
 ) -> dict[str, Tensor]:
     """Inverse of _peft_expert_keys for one expert parameter."""
     experts = peft_A.shape[0] // rank
-    lora_B = peft_A.reshape(experts, rank, -1).permute(0, 2, 1)
-    lora_A = peft_B.reshape(peft_B.shape[0], rank, experts).permute(2, 1, 0)
+    lora_A = peft_A.reshape(experts, rank, -1)
+    lora_B = peft_B.reshape(peft_B.shape[0], rank, experts).permute(2, 0, 1)
     return {
         f"{parameter}.lora_A": lora_A.contiguous(),
         f"{parameter}.lora_B": lora_B.contiguous(),

@@ -153,15 +153,48 @@ def test_expert_adapters_export_as_peft_target_parameters(tmp_path):
         weight = lora.layers[f"{experts[0]}.{parameter}"].weight  # [E, d1, d2]
         num_experts, d1, d2 = weight.shape
         peft_A, peft_B = keys[f"{key_prefix}.lora_A.weight"], keys[f"{key_prefix}.lora_B.weight"]
-        assert peft_A.shape == (4 * num_experts, d1) and peft_B.shape == (d2, 4 * num_experts)
-        # PEFT's ParamWrapper.get_delta_weight, written out.
+        assert peft_A.shape == (4 * num_experts, d2) and peft_B.shape == (d1, 4 * num_experts)
+        # PEFT's ParamWrapper.get_delta_weight for [E, out, in] experts, written out.
         peft_delta = torch.einsum(
-            "o r e, e r i -> e i o",
-            peft_B.reshape(d2, -1, num_experts),
-            peft_A.reshape(num_experts, -1, d1),
+            "o r e, e r i -> e o i",
+            peft_B.reshape(d1, -1, num_experts),
+            peft_A.reshape(num_experts, -1, d2),
         )
         ours = state[f"{experts[0]}.{parameter}.lora_B"] @ state[f"{experts[0]}.{parameter}.lora_A"]
         torch.testing.assert_close(scale * peft_delta, scale * ours, rtol=1e-6, atol=1e-7)
     loaded, loaded_scale = weights.load_peft_adapter(adapter_dir)
     assert loaded_scale == scale and loaded.keys() == state.keys()
     assert all(torch.equal(loaded[name], state[name]) for name in state)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_loads_the_adapter_export_and_gives_the_engines_logprobs(tmp_path, family):
+    """The adapter export is PEFT's format, fused experts included: PeftModel.from_pretrained
+    over the plain base model scores like the engine's trained session."""
+    from peft import PeftModel
+
+    base_dir = save_family_model(family, tmp_path / "base")
+    engine = LocalEngine(EngineConfig(device="cpu"), {family: base_dir})
+    engine.load_resource("r", family, muon_scaling=None)
+    engine.create_session("r", "a", LORA)
+    tokens = TOKENS[0].tolist()
+    for _ in range(3):
+        forward_backward(engine, "r", "a", ce_request(tokens))
+        engine.optim_step("r", "a", OptimStepRequest(adam=AdamParams(learning_rate=1e-2)))
+    scored = torch.tensor(
+        forward_backward(engine, "r", "a", ce_request(tokens, forward_only=True)).loss_fn_outputs[0]
+    )
+    (tmp_path / "adapter").mkdir()
+    engine.save_adapter("r", "a", tmp_path / "adapter", lora=LORA, base_model=family)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(input_ids=TOKENS[:, :-1]).logits.float()
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        logits = peft_model(input_ids=TOKENS[:, :-1]).logits.float()
+
+    def target_logprobs(logits_BTV: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits_BTV, dim=-1)[0].gather(-1, TOKENS[0, 1:, None])[:, 0]
+
+    torch.testing.assert_close(target_logprobs(logits), scored, rtol=0, atol=1e-5)
+    assert (target_logprobs(plain) - scored).abs().max() > 1e-3  # the adapter is applied

@@ -94,6 +94,33 @@ class SchedulerConfig(BaseModel):
     )
 
 
+class LimitsConfig(BaseModel):
+    """What one request may ask for, checked before anything runs (400 or 413 naming it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # The SDK offloads any operation body over 0.5 MiB to a payload upload (api.md 1.6), so
+    # inline bodies stay small; other clients may send whole batches inline.
+    max_body_mib: int = Field(
+        64, ge=1, description="largest request body, except payload uploads (MiB)"
+    )
+    # The SDK refuses payloads over 4.995 GiB; 1 GiB holds a 256 x 32k-token batch with its
+    # loss inputs as JSON several times over.
+    max_payload_mib: int = Field(
+        1024, ge=1, description="largest payload upload (PUT of a signed URL, MiB)"
+    )
+    max_sequences: int = Field(
+        4096,
+        ge=1,
+        description="most sequences one sample operation generates (prompts x num_samples)",
+    )
+    max_operation_tokens: int = Field(
+        1 << 21,
+        ge=1,
+        description="most tokens one operation processes: a forward-backward's sample tokens,"
+        " or a sample operation's sequences x (prompt + max_tokens)",
+    )
+
+
 class RoutedExpertsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     # An RL step samples, then trains on what it sampled within seconds to minutes; an hour
@@ -149,6 +176,9 @@ class ServerConfig(BaseModel):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="sample defaults")
     scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig, description="how queued operations share engine passes"
+    )
+    limits: LimitsConfig = Field(
+        default_factory=LimitsConfig, description="what one request may ask for"
     )
     routed_experts: RoutedExpertsConfig = Field(
         default_factory=RoutedExpertsConfig,

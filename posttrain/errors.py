@@ -56,6 +56,14 @@ class Unsupported(posttrainError):
     error_code = INVALID_INPUT
 
 
+class PayloadTooLarge(posttrainError):
+    """A request body over the server's size limit; refused before the rest is read."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+    error_code = INVALID_INPUT
+
+
 class Unauthorized(posttrainError):
     """Missing or unknown API key."""
 
@@ -91,7 +99,18 @@ def operation_error_code(exc: BaseException) -> str:
     if isinstance(exc, posttrainError):
         return exc.error_code
     # Host memory, or torch's device OutOfMemoryError (a RuntimeError, matched by name since
-    # this module imports no torch).
+    # this module imports no torch); torch's CPU allocator and C++'s operator new fail with a
+    # plain RuntimeError whose message names them.
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return RESOURCE_EXHAUSTED
+    if isinstance(exc, RuntimeError) and any(m in str(exc) for m in ALLOCATOR_FAILURES):
+        return RESOURCE_EXHAUSTED
     return INTERNAL_ERROR
+
+
+ALLOCATOR_FAILURES = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "std::bad_alloc",
+    "CUDA out of memory",
+    "out of memory",
+)

@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from posttrain.api.arrivals import ArrivalsMiddleware
+from posttrain.api.guard import RequestGuard
+from posttrain.api.responses import error_response
 from posttrain.api.routes import (
     checkpoints,
     dashboard,
@@ -42,11 +44,6 @@ HTTP_KINDS = {
 }
 
 
-def error_response(status: int, kind: str, message: str, param: str | None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(status_code=status, content=body)
-
-
 def create_app(config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,6 +55,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="posttrain", lifespan=lifespan)
     app.add_middleware(ArrivalsMiddleware)
+    app.add_middleware(RequestGuard)  # added last: it runs first, before any body is read
 
     @app.exception_handler(posttrainError)
     async def handle_posttrain_error(request: Request, exc: posttrainError) -> JSONResponse:

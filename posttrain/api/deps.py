@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
+from posttrain.config import ServerConfig
 from posttrain.errors import InvalidRequest, Unauthorized
 from posttrain.service import Services
 
@@ -23,14 +24,13 @@ async def services(request: Request) -> Services:
     return request.app.state.services
 
 
-async def current_user(request: Request) -> str:
-    """The user id of the caller's bearer key. Single-user mode (no keys configured) accepts
-    any non-empty key as config.user_id; otherwise only configured keys, each as its user."""
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
+def authenticate(config: ServerConfig, authorization: str) -> str:
+    """The user id of an Authorization header's bearer key. Single-user mode (no keys
+    configured) accepts any non-empty key as config.user_id; otherwise only configured keys,
+    each as its user. Called before a body is read (api/guard.py) and by every route."""
+    scheme, _, key = authorization.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise Unauthorized("missing bearer API key", param="Authorization")
-    config = request.app.state.services.config
     if not config.api_keys:
         return config.user_id
     user = config.api_keys.get(key.strip())
@@ -39,19 +39,31 @@ async def current_user(request: Request) -> str:
     return user
 
 
+async def current_user(request: Request) -> str:
+    config = request.app.state.services.config
+    return authenticate(config, request.headers.get("authorization", ""))
+
+
 def _reject_constant(name: str) -> Any:
     raise InvalidRequest(f"non-standard JSON number {name} is not allowed", param="body")
 
 
 def loads_strict(raw: bytes) -> dict[str, Any]:
     """JSON object from a request body; empty means {} (the SDK POSTs some routes bodiless);
-    NaN and Infinity are rejected."""
+    NaN and Infinity are rejected (numbers that overflow to inf, like 1e400, are refused by the
+    wire models, which name the field)."""
     if not raw.strip():
         return {}
     try:
         value = json.loads(raw, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", param="body") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", param="body") from None
+    except ValueError as exc:  # an integer over Python's 4,300-digit conversion limit
+        raise InvalidRequest(
+            f"request body has an unreadable number: {exc}", param="body"
+        ) from None
     if not isinstance(value, dict):
         raise InvalidRequest("request body must be a JSON object", param="body")
     return value

@@ -9,6 +9,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 from posttrain.types import (
     CheckpointOutput,
     CheckpointRecord,
@@ -229,3 +231,9 @@ def page(items: list[dict[str, Any]], *, limit: int, after: str | None) -> dict[
             "next_cursor": chunk[-1]["id"] if has_more and chunk else "",
         },
     }
+
+
+def error_response(status: int, kind: str, message: str, param: str | None) -> JSONResponse:
+    """The error envelope of every 4xx and 5xx (api.md 6.1)."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(status_code=status, content=body)

@@ -79,7 +79,7 @@ def build_services(config: ServerConfig) -> Services:
     )
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
-    operations = OperationService(repo, scheduler, sessions, resources)
+    operations = OperationService(repo, scheduler, sessions, resources, config.limits)
     payloads = PayloadService(config.data_dir, repo, sessions, signer)
     failed = repo.fail_unfinished_operations(RESTART_MESSAGE, time.time())
     if failed:

@@ -237,11 +237,9 @@ class MetricsService:
         lines += _family(
             "posttrain_worker_busy_seconds_total",
             "counter",
-            "Seconds each model resource's worker spent running jobs (the engine's busy time).",
-            (
-                f"posttrain_worker_busy_seconds_total{_labels(model_resource=rid)} {seconds}"
-                for rid, seconds in sorted(self.busy_seconds().items())
-            ),
+            "Seconds the model resources' workers spent running jobs (the engine's busy time),"
+            " all resources together.",
+            [f"posttrain_worker_busy_seconds_total {sum(self.busy_seconds().values())}"],
         )
         lines += _family(
             "posttrain_held_polls",
@@ -252,11 +250,10 @@ class MetricsService:
         lines += _family(
             "posttrain_sessions",
             "gauge",
-            "Training sessions per model resource and status.",
+            "Training sessions by status.",
             (
-                "posttrain_sessions"
-                f"{_labels(model_resource=resource, status=_short(status))} {count}"
-                for resource, status, count in self.repo.count_sessions()
+                f"posttrain_sessions{_labels(status=_short(status))} {count}"
+                for status, count in self.repo.count_sessions()
             ),
         )
         lines += _family(

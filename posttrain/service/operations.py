@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from posttrain.config import LimitsConfig
 from posttrain.engine.optim import resolve_step_settings
 from posttrain.engine.routes import check_routes
 from posttrain.errors import Conflict, InvalidRequest, NotFound
@@ -42,7 +43,9 @@ class OperationService:
         scheduler: Scheduler,
         sessions: SessionService,
         resources: ResourceService,
+        limits: LimitsConfig | None = None,
     ) -> None:
+        self.limits = limits or LimitsConfig()
         self.repo = repo
         self.scheduler = scheduler
         self.sessions = sessions
@@ -126,6 +129,13 @@ class OperationService:
         """Limits that need the model: batch size, sequence length, vocabulary."""
         engine = self.resources.engine
         info = engine.model_info(base_model)
+        tokens = sum(len(sample.tokens) for sample in samples)
+        if tokens > self.limits.max_operation_tokens:
+            raise InvalidRequest(
+                f"samples hold {tokens} tokens; one operation may hold at most"
+                f" {self.limits.max_operation_tokens}",
+                param="samples",
+            )
         if len(samples) > info.max_batch_size:
             raise InvalidRequest(
                 f"samples has {len(samples)} entries; the maximum is {info.max_batch_size}",
@@ -157,6 +167,23 @@ class OperationService:
     def _check_sample(self, base_model: str, request: SampleRequest) -> None:
         engine = self.resources.engine
         info = engine.model_info(base_model)
+        sequences = len(request.prompts) * request.num_samples
+        if sequences > self.limits.max_sequences:
+            raise InvalidRequest(
+                f"{len(request.prompts)} prompts x num_samples {request.num_samples} is"
+                f" {sequences} sequences; one operation may generate at most"
+                f" {self.limits.max_sequences}",
+                param="num_samples",
+            )
+        tokens = request.num_samples * sum(
+            len(prompt) + request.sampling_params.max_tokens for prompt in request.prompts
+        )
+        if tokens > self.limits.max_operation_tokens:
+            raise InvalidRequest(
+                f"num_samples x (prompt + max_tokens) is {tokens} tokens; one operation may"
+                f" hold at most {self.limits.max_operation_tokens}",
+                param="sampling_params.max_tokens",
+            )
         for index, prompt in enumerate(request.prompts):
             engine.check_tokens(base_model, prompt, f"model_inputs[{index}]")
             total = len(prompt) + request.sampling_params.max_tokens

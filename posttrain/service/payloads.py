@@ -9,11 +9,9 @@ Imports: store.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.service.ids import new_id
@@ -63,8 +61,9 @@ class PayloadService:
         temporary.write_bytes(body)
         os.replace(temporary, path)
 
-    def load(self, session_id: str, payload_id: str) -> dict[str, Any]:
-        """The uploaded body of `payload_id`, which must belong to `session_id`."""
+    def read(self, session_id: str, payload_id: str) -> bytes:
+        """The uploaded body of `payload_id`, which must belong to `session_id`, as sent (the
+        api layer parses it like any request body)."""
         found = self.repo.get_payload(payload_id)
         if found is None or found[0] != session_id:
             raise InvalidRequest(
@@ -74,11 +73,4 @@ class PayloadService:
         path = Path(found[1])
         if not path.is_file():
             raise InvalidRequest(f"payload {payload_id} was never uploaded", param="payload_id")
-        body = json.loads(path.read_bytes(), parse_constant=_reject_constant)
-        if not isinstance(body, dict):
-            raise InvalidRequest("an uploaded payload must be a JSON object", param="payload_id")
-        return body
-
-
-def _reject_constant(name: str) -> Any:
-    raise InvalidRequest(f"non-finite number {name} in payload", param="payload_id")
+        return path.read_bytes()

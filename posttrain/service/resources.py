@@ -60,12 +60,7 @@ class ResourceService:
         inactive_timeout: int,
         muon_scaling: MuonScaling | None,
     ) -> ResourceRecord:
-        if base_model not in self.base_models:
-            known = ", ".join(sorted(self.base_models))
-            raise InvalidRequest(
-                f"base_model {base_model!r} is not supported; supported: {known}",
-                param="base_model",
-            )
+        self.check_base_model(base_model)
         self.check_inactive_timeout(inactive_timeout)
         now = time.time()
         record = ResourceRecord(
@@ -119,6 +114,14 @@ class ResourceService:
             resource_id,
             lambda r: dataclasses.replace(r, status=ResourceStatus.ERROR, error=error),
         )
+
+    def check_base_model(self, base_model: str) -> None:
+        if base_model not in self.base_models:
+            known = ", ".join(sorted(self.base_models))
+            raise InvalidRequest(
+                f"base_model {base_model!r} is not supported; supported: {known}",
+                param="base_model",
+            )
 
     def check_inactive_timeout(self, seconds: int) -> None:
         """api.md 1.2: 300-86400 s; the lower bound is config.min_inactive_timeout_s."""

@@ -348,13 +348,10 @@ class Repo:
         )
         return [(row[0], row[1], row[2]) for row in rows]
 
-    def count_sessions(self) -> list[tuple[str, str, int]]:
-        """(resource_id, status, count) over every stored session."""
-        rows = self._query(
-            "SELECT resource_id, status, COUNT(*) FROM sessions GROUP BY resource_id, status"
-            " ORDER BY resource_id, status"
-        )
-        return [(row[0], row[1], row[2]) for row in rows]
+    def count_sessions(self) -> list[tuple[str, int]]:
+        """(status, count) over every stored session."""
+        rows = self._query("SELECT status, COUNT(*) FROM sessions GROUP BY status ORDER BY status")
+        return [(row[0], row[1]) for row in rows]
 
     def count_resources(self) -> list[tuple[str, int]]:
         """(status, count) over every stored model resource."""

@@ -1,7 +1,7 @@
 """GET /metrics: Prometheus text exposition (service/metrics.py).
 
-Unauthenticated, as Prometheus scrapers expect: it carries counts, durations and resource ids,
-never keys, prompts or outputs. Bind the server to a private address if that is too much.
+Unauthenticated, as Prometheus scrapers expect, so it carries aggregates only: counts and
+durations over all users, never a resource or session id, key, prompt or output.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ def estimate_cost(
 ) -> dict[str, Any]:
     request = parse(ResourceCreateIn, body)
     request.check_supported()
+    svc.resources.check_base_model(request.base_model)
     if request.inactive_timeout is not None:
         svc.resources.check_inactive_timeout(request.inactive_timeout)
     # Self-hosted: the hardware is already paid for.

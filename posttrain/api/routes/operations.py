@@ -96,7 +96,13 @@ def submit(
         return rendered(replayed)
     full = body
     if isinstance(payload_id := body.get("payload_id"), str):
-        full = {**body, **svc.payloads.load(session_id, payload_id)}
+        try:
+            payload = loads_strict(svc.payloads.read(session_id, payload_id))
+        except InvalidRequest as exc:  # the payload's own problem: name the field that sent it
+            raise InvalidRequest(
+                f"payload {payload_id}: {exc.message}", param="payload_id"
+            ) from None
+        full = {**body, **payload}
     request = to_request(kind, full, svc)
     record = svc.operations.submit(
         user, session_id, kind, idempotency_key=key, fingerprint=fingerprint, request=request

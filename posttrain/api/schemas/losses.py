@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from posttrain.api.schemas.samples import (
     TrainingSampleIn,
@@ -256,6 +256,9 @@ class ForwardBackwardIn(Wire):
 
 
 class GradientIn(Wire):
+    # Values are checked by parse_numbers, which names the index (as TensorIn's).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=True)
+
     data: list[float | int | str]
     dtype: str | None = None  # D_TYPE_* even in 3.1.1; absent means float32
 

@@ -16,6 +16,8 @@ import binascii
 import itertools
 import math
 
+from pydantic import ConfigDict
+
 from posttrain.api.schemas.wire import Int64, Int64List, Wire
 from posttrain.errors import InvalidRequest
 from posttrain.loss_specs import INPUT_SPECS, LOSS_FN_INPUT_KEYS, LOSS_SPECS, required_inputs
@@ -54,7 +56,10 @@ def wire_dtype(name: str | None, key: str, param: str) -> str:
 
 
 class TensorIn(Wire):
-    """TensorData (api.md 4.1); seed-era tensors have the same fields."""
+    """TensorData (api.md 4.1); seed-era tensors have the same fields. Its values are checked
+    by parse_numbers (finite, integral where asked), which names the index."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=True)
 
     data: list[float | int | str]
     dtype: str | None = None

@@ -30,9 +30,14 @@ def status_filter(values: list[str] | None, statuses: type[StrEnum]) -> set[str]
     return wanted or None
 
 
+# One process serves every generator of a resource (replicas share its model); the bound
+# keeps a typo from being recorded as a billion replicas.
+MAX_GENERATOR_REPLICAS = 8
+
+
 class ComputeConfigIn(Wire):
     gpu_type: str | None = None
-    num_generator_replicas: int | None = Field(None, ge=0)
+    num_generator_replicas: int | None = Field(None, ge=0, le=MAX_GENERATOR_REPLICAS)
 
 
 class MuonConfigIn(Wire):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 def _int64(value: Any) -> Any:
@@ -27,7 +27,9 @@ def _int64(value: Any) -> Any:
     return value
 
 
-Int64 = Annotated[int, BeforeValidator(_int64)]
+# Seeds and ids go to torch, whose generators take int64: a larger number is a 400 here, not a
+# failure later.
+Int64 = Annotated[int, BeforeValidator(_int64), Field(ge=-(2**63), lt=2**63)]
 
 
 def _int64_list(value: Any) -> Any:
@@ -48,15 +50,16 @@ Int64List = Annotated[list[int], BeforeValidator(_int64_list)]
 
 
 class Wire(BaseModel):
-    """Request objects reject unknown fields, so a typo is a 400 naming it."""
+    """Request objects reject unknown fields, so a typo is a 400 naming it, and non-finite
+    numbers (JSON's 1e400 reads as inf) likewise."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Lenient(BaseModel):
     """Objects whose unknown fields are ignored (api.md 5.5 for optim-step)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 def given_fields(model: BaseModel | None) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def test_counts_group_by_their_labels(tmp_path):
         ("optim-step", OperationStatus.FAILED.value, 1),
     ]
     running = SessionStatus.RUNNING.value
-    assert repo.count_sessions() == [("mr-a", running, 2), ("mr-b", running, 1)]
+    assert repo.count_sessions() == [(running, 3)]
     assert repo.count_resources() == [
         (ResourceStatus.READY.value, 1),
         (ResourceStatus.STOPPED.value, 1),

@@ -15,6 +15,7 @@ from posttrain.config import (
     BUILTIN_MODEL_DIR,
     BUILTIN_MODEL_ID,
     EngineConfig,
+    LimitsConfig,
     ModelSpec,
     RoutedExpertsConfig,
     build_config,
@@ -90,6 +91,20 @@ def parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="memory for recorded expert routes; least recently used keys go first (256)",
     )
+    serve.add_argument(
+        "--max-body-mib",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="largest request body, payload uploads aside (64); larger ones get a 413",
+    )
+    serve.add_argument(
+        "--max-payload-mib",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="largest payload upload, the SDK's offload of large operation bodies (1024)",
+    )
     serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
     demo = commands.add_parser(
         "demo", help="warm up then GRPO-train the built-in model on addition; plot the reward"
@@ -107,6 +122,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     }
     given = {key: value for key, value in given.items() if value is not None}
     return EngineConfig(**given) if given else None
+
+
+def limits_config(args: argparse.Namespace) -> LimitsConfig | None:
+    given = {"max_body_mib": args.max_body_mib, "max_payload_mib": args.max_payload_mib}
+    given = {key: value for key, value in given.items() if value is not None}
+    return LimitsConfig(**given) if given else None
 
 
 def routed_experts_config(args: argparse.Namespace) -> RoutedExpertsConfig | None:
@@ -138,6 +159,7 @@ def serve(args: argparse.Namespace) -> None:
         models=tuple(models),
         engine=engine_config(args),
         routed_experts=routed_experts_config(args),
+        limits=limits_config(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     run_server(create_app(config), host=config.host, port=config.port, log_level=args.log_level)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from posttrain.engine.muon import is_muon_param, muon_update_
+from posttrain.engine.muon import is_muon_param, lr_scale, muon_update_
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
 
@@ -91,6 +91,14 @@ def global_grad_norm(grads: list[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+# Far below float32's 3.4e38, so the rounding of the bound's own arithmetic never matters.
+OVERFLOW_FREE_BOUND = 1e30
+
+
+def grads_of(named_params: list[tuple[str, nn.Parameter]]) -> list[nn.Parameter]:
+    return [p for _, p in named_params if p.grad is not None]
+
+
 def clip_grads_(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
     """Scale every gradient in place by min(1, max_norm / (G + 1e-6)) (losses.md 12.1)."""
     coef = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
@@ -124,6 +132,10 @@ class SessionOptimizer:
         self._muon_named = [pair for pair, m in zip(named_params, is_muon, strict=True) if m]
         self._adam_named = [pair for pair, m in zip(named_params, is_muon, strict=True) if not m]
         self._momentum_buffers: dict[str, Tensor] = {}
+        # Overflow bounds (_overflow_free): the largest weight magnitude and the largest
+        # gradient norm a moment may hold; None until measured.
+        self._weight_bound: float | None = None
+        self._grad_bound = 0.0
         # torch.optim.AdamW is exactly 12.2's update; it refuses an empty parameter list, which a
         # Muon session training only LoRA factors of hidden layers has.
         self._adamw: torch.optim.AdamW | None = None
@@ -151,9 +163,10 @@ class SessionOptimizer:
 
         Raises:
             InvalidRequest: the request carries the other optimizer family's parameters.
-            NonFiniteLoss: the global gradient norm is NaN or infinite. Nothing is touched:
-                parameters, optimizer state and the gradients stay as they were, so the caller
-                decides whether to discard the accumulated gradients (zero_grad) or not.
+            NonFiniteLoss: the global gradient norm is NaN or infinite, or the step would make
+                a weight or optimizer moment non-finite. Nothing is touched: parameters,
+                optimizer state and the gradients stay as they were, so the caller decides
+                whether to discard the accumulated gradients (zero_grad) or not.
         """
         settings = resolve_step_settings(request, self.muon_scaling)
         grads = [p.grad for _, p in self.named_params if p.grad is not None]
@@ -162,13 +175,119 @@ class SessionOptimizer:
         total_norm = global_grad_norm(grads)
         if not math.isfinite(float(total_norm)):
             raise NonFiniteLoss("gradient norm is not finite; optim-step discarded")
-        if settings.grad_clip_norm > 0:
-            clip_grads_(grads, settings.grad_clip_norm, total_norm)
+        clip = settings.grad_clip_norm
+        norm = min(float(total_norm), clip) if clip > 0 else float(total_norm)  # after clipping
+        # A finite gradient can still overflow the weights (a learning rate of 1e308). When
+        # the bounds below cannot rule that out, the step runs on a copy-backed path: if any
+        # weight or moment then is non-finite, everything is put back from the copy.
+        safe, weight_bound = self._overflow_free(settings, norm)
+        if safe:
+            if clip > 0:
+                clip_grads_(grads, clip, total_norm)
+            self._update(settings)
+            self._weight_bound = weight_bound
+            self._grad_bound = max(self._grad_bound, norm)
+            self.zero_grad()
+            return
+        stepped = [(p, p.detach().clone(), p.grad.clone()) for p in grads_of(self.named_params)]
+        before = self.state_dict()
+        try:
+            if clip > 0:
+                clip_grads_(grads, clip, total_norm)
+            self._update(settings)
+            finite = self._all_finite([p for p, _, _ in stepped])
+        except RuntimeError as exc:
+            if "overflow" not in str(exc):  # torch refuses a step size past float's range
+                self._put_back(stepped, before)
+                raise
+            finite = False
+        if not finite:
+            self._put_back(stepped, before)
+            raise NonFiniteLoss(
+                "the step would make weights or optimizer state non-finite (learning rate too"
+                " large?); weights, optimizer state and gradients are unchanged"
+            )
+        self._measure_bounds()
+        self.zero_grad()
+
+    def _update(self, settings: StepSettings) -> None:
         if settings.muon is not None:
             self._muon_step(settings.muon)
         if self._adamw is not None:
             self._adam_step(settings.adam)
-        self.zero_grad()
+
+    def _overflow_free(self, settings: StepSettings, grad_norm: float) -> tuple[bool, float]:
+        """Whether this step provably leaves every weight and moment finite, and a bound on
+        the weights' magnitude after it. From bounds kept across steps, no pass over the
+        tensors: a moment is a convex combination of past gradients, so |m| <= G, the largest
+        (clipped) gradient norm seen; an AdamW update is at most lr / (1 - beta1) * G / eps
+        per entry (torch's bias corrections only shrink it); a Muon update at most
+        lr * s(R, C) * 4 (Newton-Schulz output entries are under its spectral norm, about 1);
+        decay multiplies by |1 - lr * weight_decay|. Sane steps are many orders of magnitude
+        below the limit, so only absurd settings take the copy-backed path."""
+        if self._weight_bound is None:
+            self._measure_bounds()
+        assert self._weight_bound is not None
+        gradient = max(self._grad_bound, grad_norm)
+        grow, add = 1.0, 0.0
+        if self._adamw is not None:
+            adam = settings.adam
+            if adam.eps <= 0 or adam.beta1 >= 1:
+                return False, math.inf
+            grow = abs(1 - adam.learning_rate * adam.weight_decay)
+            add = adam.learning_rate / (1 - adam.beta1) * gradient / adam.eps
+        if settings.muon is not None and self._muon_named:
+            muon = settings.muon
+            scale = max(lr_scale(*p.shape[-2:], self.muon_scaling) for _, p in self._muon_named)
+            grow = max(grow, abs(1 - muon.learning_rate * muon.weight_decay))
+            add = max(add, muon.learning_rate * scale * 4.0)
+        # Parameters without a gradient keep their weights: the bound never shrinks.
+        bound = max(self._weight_bound, grow * self._weight_bound + add)
+        return bound < OVERFLOW_FREE_BOUND and gradient < OVERFLOW_FREE_BOUND, bound
+
+    def _measure_bounds(self) -> None:
+        """The bounds from the tensors themselves: at the first step, after a state load, and
+        after a copy-backed step (one pass over weights and moments)."""
+        weights = [p.detach().abs().max() for _, p in self.named_params if p.numel()]
+        self._weight_bound = float(torch.stack(weights).max()) if weights else 0.0
+        moments = [t for t in self._moment_tensors() if t.numel()]
+        self._grad_bound = (
+            float(torch.stack([t.abs().max() for t in moments]).max()) if moments else 0.0
+        )
+
+    def _moment_tensors(self) -> list[Tensor]:
+        tensors = list(self._momentum_buffers.values())
+        if self._adamw is not None:
+            for entry in self._adamw.state.values():
+                tensors += [entry[k] for k in ("exp_avg",) if k in entry]
+        return tensors
+
+    def _put_back(
+        self, stepped: list[tuple[Tensor, Tensor, Tensor]], state: OptimizerState
+    ) -> None:
+        with torch.no_grad():
+            for p, weights, grad in stepped:
+                p.copy_(weights)
+                p.grad = grad
+        self._restore_state(state)
+
+    def _all_finite(self, params: list[Tensor]) -> bool:
+        """Whether every parameter and optimizer moment is finite. One sum per tensor: 20x
+        cheaper than isfinite().all() on a CPU, and a sum is non-finite exactly when an entry
+        is, unless the sum itself overflows, which takes entries near 1e32 (weights that large
+        are broken anyway)."""
+        tensors = list(params) + list(self._momentum_buffers.values())
+        if self._adamw is not None:
+            tensors += [t for entry in self._adamw.state.values() for t in entry.values()]
+        sums = [t.sum() for t in tensors if t.is_floating_point() and t.numel()]
+        return not sums or bool(torch.stack(sums).isfinite().all())
+
+    def _restore_state(self, state: OptimizerState) -> None:
+        """Back to `state` (a state_dict()), including parameters that had no state then."""
+        if self._adamw is not None:
+            self._adamw.state = defaultdict(dict)
+        self._momentum_buffers = {}
+        self.load_state_dict(state)
 
     def _muon_step(self, muon: MuonParams) -> None:
         assert self.muon_scaling is not None, "Muon step on an AdamW optimizer"
@@ -228,6 +347,7 @@ class SessionOptimizer:
             InvalidRequest: the state names a parameter this optimizer does not hold in that
                 group, or a tensor's shape differs from its parameter's.
         """
+        self._weight_bound = None  # re-measured from the loaded moments at the next step
         adam_params = dict(self._adam_named)
         muon_params = dict(self._muon_named)
         _check_state(state[ADAM_STATE], adam_params, "AdamW", ("exp_avg", "exp_avg_sq"))

@@ -248,6 +248,38 @@ def test_non_finite_gradient_raises_and_touches_nothing(
     assert snapshot(opt) == before  # parameters, state and the gradients themselves
 
 
+@pytest.mark.parametrize("scaling", [None, MuonScaling.MATCH_ADAM])
+@pytest.mark.parametrize("first_step", [False, True])
+def test_a_step_that_would_overflow_the_weights_raises_and_touches_nothing(
+    scaling: MuonScaling | None, first_step: bool
+) -> None:
+    """A finite gradient and a huge learning rate: the weights would become inf. The step fails
+    and parameters, optimizer state (none yet, on a first step) and gradients stay bit-exact;
+    the next sane step then runs as if the bad one never happened."""
+    named, twin = make_params(), make_params()
+    optimizers = [SessionOptimizer(n, muon_scaling=scaling) for n in (named, twin)]
+    for step in range(0 if first_step else 2):
+        for params, opt in zip((named, twin), optimizers, strict=True):
+            set_grads(params, make_grads(params, step))
+            opt.step(OptimStepRequest())
+    opt = optimizers[0]
+    set_grads(named, make_grads(named, 2))
+    before = snapshot(opt)
+    huge = AdamParams(learning_rate=1e308, grad_clip_norm=0.5)
+    request = (
+        OptimStepRequest(muon=MuonParams(learning_rate=1e308, adam=huge))
+        if scaling
+        else (OptimStepRequest(adam=huge))
+    )
+    with pytest.raises(NonFiniteLoss, match="unchanged"):
+        opt.step(request)
+    assert snapshot(opt) == before
+    opt.step(OptimStepRequest())
+    set_grads(twin, make_grads(twin, 2))
+    optimizers[1].step(OptimStepRequest())
+    assert snapshot(opt) == snapshot(optimizers[1])
+
+
 def test_family_mismatch_is_invalid_request() -> None:
     named = make_params()
     set_grads(named, make_grads(named, 0))

@@ -92,6 +92,12 @@ def parser() -> argparse.ArgumentParser:
         help="memory for recorded expert routes; least recently used keys go first (256)",
     )
     serve.add_argument(
+        "--signing-key",
+        default=None,
+        help="HMAC key of signed URLs (or POSTTRAIN_SIGNING_KEY; default: a random key kept in"
+        " the data directory, so URLs survive restarts)",
+    )
+    serve.add_argument(
         "--max-body-mib",
         type=int,
         default=None,
@@ -156,6 +162,7 @@ def serve(args: argparse.Namespace) -> None:
         min_inactive_timeout_s=args.min_inactive_timeout_s,
         expiry_check_interval_s=args.expiry_check_interval_s,
         poll_hold_seconds=args.poll_hold_seconds,
+        signing_key=args.signing_key,
         models=tuple(models),
         engine=engine_config(args),
         routed_experts=routed_experts_config(args),

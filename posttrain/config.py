@@ -152,7 +152,11 @@ class ServerConfig(BaseModel):
         (ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR),),
         description="base models this server can train",
     )
-    signing_key: str = Field("", description="HMAC key for signed URLs; empty = random per run")
+    signing_key: str = Field(
+        "",
+        description="HMAC key for signed URLs; empty = a random key kept in data_dir/signing.key,"
+        " so URLs survive restarts",
+    )
     url_ttl_s: int = Field(3600, ge=1, description="lifetime of signed download/upload URLs")
     min_inactive_timeout_s: int = Field(
         300,
@@ -244,7 +248,8 @@ def build_config(
     *, api_key: str | None = None, keys_file: str | Path | None = None, **overrides: object
 ) -> ServerConfig:
     """ServerConfig from POSTTRAIN_* env (HOST, PORT, DATA_DIR, API_KEY, KEYS_FILE,
-    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S, POLL_HOLD_SECONDS) and explicit arguments.
+    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S, POLL_HOLD_SECONDS, SIGNING_KEY) and explicit
+    arguments.
 
     Explicit arguments win; an invalid value raises ConfigError naming the field."""
     values: dict[str, object] = {}
@@ -255,6 +260,7 @@ def build_config(
         "MIN_INACTIVE_TIMEOUT_S": "min_inactive_timeout_s",
         "EXPIRY_CHECK_INTERVAL_S": "expiry_check_interval_s",
         "POLL_HOLD_SECONDS": "poll_hold_seconds",
+        "SIGNING_KEY": "signing_key",
     }
     for env_name, field_name in env_fields.items():
         if (value := os.environ.get(ENV_PREFIX + env_name)) is not None:

@@ -23,7 +23,7 @@ from posttrain.service.resources import ResourceService
 from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.scheduler import Scheduler
 from posttrain.service.sessions import SessionService
-from posttrain.service.signing import UrlSigner
+from posttrain.service.signing import UrlSigner, signing_key
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
 
@@ -64,7 +64,7 @@ def build_services(config: ServerConfig) -> Services:
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
     engine = LocalEngine(config.engine, {spec.id: spec.path for spec in config.models})
-    signer = UrlSigner(config.signing_key, config.url_ttl_s)
+    signer = UrlSigner(signing_key(config.signing_key, config.data_dir), config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
     routed_experts = RoutedExpertsStore(
         ttl_s=config.routed_experts.ttl_s,

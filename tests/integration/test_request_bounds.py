@@ -162,3 +162,23 @@ def test_a_step_that_would_overflow_the_weights_changes_nothing(server):
         twin.trainer.optim_step(adam_params={"learning_rate": 1e-2}, interval=FAST)
     twin_scored = twin.trainer.forward(samples=[sft_sample(TOKENS, 2)], loss=CE, interval=FAST)
     assert scored() == twin_scored.loss_fn_outputs[0].tensors["logprobs"].data
+
+
+def test_signed_urls_survive_a_restart(tmp_path):
+    proc = ServerProcess.started(tmp_path, "--poll-hold-seconds", "0")
+    try:
+        _, session = open_session(proc.base_url)
+        grant = httpx.post(
+            f"{proc.base_url}/v1/rl/training-sessions/{session.session_id}/payloads/upload-url",
+            headers=HEADERS,
+        ).json()
+        proc.stop(kill=True)
+        proc.start()  # same data directory, a new port; the URL is relative to the server
+        upload = httpx.put(f"{proc.base_url}{grant['upload_url']}", content=b'{"samples": []}')
+        assert upload.status_code == 200, upload.text
+        tampered = grant["upload_url"].replace("sig=", "sig=0")
+        assert httpx.put(f"{proc.base_url}{tampered}", content=b"{}").status_code == 404
+    finally:
+        proc.stop()
+    key_file = tmp_path / "data" / "signing.key"
+    assert key_file.stat().st_mode & 0o077 == 0  # readable by its owner only

@@ -250,7 +250,14 @@ def accumulate_many(items: list[tuple[SessionState, Tensor]]) -> list[NonFiniteL
         stashed.append((params, [p.grad for p in params]))
         for p in params:
             p.grad = None
-    torch.stack([loss for _, loss in items]).sum().backward()
+    try:
+        torch.stack([loss for _, loss in items]).sum().backward()
+    except BaseException:
+        # Out of memory mid-backward, say: the items fail, their earlier gradients stay.
+        for params, earlier in stashed:
+            for p, g in zip(params, earlier, strict=True):
+                p.grad = g
+        raise
     errors: list[NonFiniteLoss | None] = []
     for params, earlier in stashed:
         new = [p.grad for p in params]

@@ -172,3 +172,26 @@ def test_a_step_after_a_rejected_batch_equals_a_step_without_it(engine):
     assert [t.shape for t in adapters[0].values()] == [t.shape for t in adapters[1].values()]
     for (name, a), b in zip(adapters[0].items(), adapters[1].values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_an_allocator_failure_mid_backward_keeps_the_earlier_gradients(trained):
+    """Out of memory in the backward (here: torch's CPU allocator message, raised from a hook
+    on the first adapter's gradient): the item fails RESOURCE_EXHAUSTED and the gradients the
+    session accumulated before are all still there, bit for bit."""
+    from posttrain.errors import RESOURCE_EXHAUSTED, operation_error_code
+
+    before = state_hash(trained)
+    _, parameter = trained._session("r", "s")[1].optimizer.named_params[0]
+
+    def fail(_grad):
+        raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")
+
+    handle = parameter.register_hook(fail)
+    try:
+        request = ForwardBackwardRequest((sample(weights=(1.0,) * N),), CE)
+        with pytest.raises(RuntimeError) as info:
+            forward_backward(trained, "r", "s", request)
+    finally:
+        handle.remove()
+    assert operation_error_code(info.value) == RESOURCE_EXHAUSTED
+    assert state_hash(trained) == before

@@ -45,8 +45,11 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        self.port = free_port()
+    def start(self, *, keep_port: bool = False) -> None:
+        """Start (or restart) the server; `keep_port` reuses the last port, so clients bound
+        to its URL carry on across a restart."""
+        if not (keep_port and self.port):
+            self.port = free_port()
         log = self.log_path.open("ab")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(

@@ -6,10 +6,10 @@ protocol later. Imports: types.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from posttrain.types import (
     CustomForwardBackwardRequest,
@@ -84,6 +84,22 @@ class Engine(Protocol):
     ) -> list[list[SampleResult]]: ...
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
+
+    # A LoRA session's live state (engine/durable.py): the named parts, with the service's
+    # record, written atomically into a directory the service chose; and read back into a
+    # freshly created session after a restart (its generator serving policy version `version`).
+    def persist_session(
+        self,
+        resource_id: str,
+        session_id: str,
+        directory: Path,
+        parts: Collection[str],
+        record: dict[str, Any],
+    ) -> None: ...
+
+    def restore_session(
+        self, resource_id: str, session_id: str, directory: Path, *, version: int
+    ) -> dict[str, Any]: ...
 
     # Checkpoints: files go into a directory the service chose (engine/weights.py formats).
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None: ...

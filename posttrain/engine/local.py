@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
-from posttrain.engine import full_weight, generator, trainer, weights
+from posttrain.engine import durable, full_weight, generator, trainer, weights
 from posttrain.engine.footprint import (
     ResourceFootprint,
     SessionFootprint,
@@ -33,6 +34,7 @@ from posttrain.engine.footprint import (
 from posttrain.engine.interface import ModelInfo
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
+from posttrain.engine.sampler import WeightsVersion
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
@@ -246,6 +248,54 @@ class LocalEngine:
     def session_footprint(self, resource_id: str, session_id: str) -> SessionFootprint:
         """Exact tensor bytes one session holds: weights, generator, optimizer, gradients."""
         return session_footprint(*self._session(resource_id, session_id))
+
+    # ------------------------------------------------------------ live state (engine/durable.py)
+
+    def persist_session(
+        self,
+        resource_id: str,
+        session_id: str,
+        directory: Path,
+        parts: Collection[str],
+        record: dict[str, Any],
+    ) -> None:
+        """Write the named parts of a LoRA session's state, with `record`, atomically."""
+        resource, session = self._session(resource_id, session_id)
+        assert not session.is_full_weight, "full-weight sessions are not kept live on disk"
+        named = session.optimizer.named_params
+        values: dict[str, Any] = {}
+        for part in parts:
+            if part == "trainer":
+                values[part] = dict(named)
+            elif part == "generator":
+                values[part] = dict(resource.lora.adapter_parameters(session.generator_key))
+            elif part == "optimizer":
+                values[part] = {
+                    "optimizer": session.optimizer.state_dict(),
+                    "rng": weights.rng_state(),
+                }
+            elif part == "gradients":
+                values[part] = durable.gradients(named)
+        durable.write(directory, values, record)
+
+    def restore_session(
+        self, resource_id: str, session_id: str, directory: Path, *, version: int
+    ) -> dict[str, Any]:
+        """A freshly created LoRA session takes the state persist_session wrote (its
+        generator serving policy version `version`); returns the record written with it."""
+        resource, session = self._session(resource_id, session_id)
+        parts, record = durable.read(directory)
+        named = session.optimizer.named_params
+        _copy_into(named, parts["trainer"])
+        _copy_into(resource.lora.adapter_parameters(session.generator_key), parts["generator"])
+        session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
+        weights.restore_rng(parts["optimizer"]["rng"])
+        saved = parts.get("gradients", {})
+        for name, p in named:
+            p.grad = saved[name].to(device=p.device, dtype=p.dtype) if name in saved else None
+        resource.served[session.generator_key] = WeightsVersion(next(resource.generations), version)
+        resource.prefix_cache.drop_owner(session.generator_key)
+        return record
 
     # ------------------------------------------------------------ checkpoints (engine/weights.py)
 

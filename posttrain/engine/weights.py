@@ -75,7 +75,7 @@ def save_training_state(
     The RNG state is the one dropout draws from (model/lora.py uses torch's global
     generator), so a resumed session with dropout replays the same masks."""
     save_file(_cpu(tensors), str(directory / TRAINABLE_FILE), metadata={"format": "pt"})
-    torch.save({"optimizer": optimizer, "rng": _rng_state()}, directory / TRAINING_STATE_FILE)
+    torch.save({"optimizer": optimizer, "rng": rng_state()}, directory / TRAINING_STATE_FILE)
     _fsync_files(directory, (TRAINABLE_FILE, TRAINING_STATE_FILE))
 
 
@@ -85,7 +85,7 @@ def load_training_state(directory: Path) -> TrainingState:
     return TrainingState(tensors=tensors, optimizer=state["optimizer"], rng=state["rng"])
 
 
-def _rng_state() -> dict[str, Tensor | list[Tensor]]:
+def rng_state() -> dict[str, Tensor | list[Tensor]]:
     state: dict[str, Tensor | list[Tensor]] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()

@@ -15,6 +15,7 @@ from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.completion import CompletionWatch
 from posttrain.service.dashboard import DashboardService
+from posttrain.service.durability import SessionDurability
 from posttrain.service.expiry import ExpiryReaper
 from posttrain.service.metrics import MetricsService
 from posttrain.service.operations import OperationService
@@ -76,15 +77,17 @@ def build_services(config: ServerConfig) -> Services:
         checkpoints=checkpoints,
         limits=config.scheduler,
         routed_experts=routed_experts,
+        durability=SessionDurability(config.data_dir, repo, engine),
     )
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
     operations = OperationService(repo, scheduler, sessions, resources, config.limits)
     payloads = PayloadService(config.data_dir, repo, sessions, signer)
+    # First the sessions: an operation whose state reached the disk completes from it.
+    sessions.recover_after_restart()
     failed = repo.fail_unfinished_operations(RESTART_MESSAGE, time.time())
     if failed:
         log.warning("marked %d unfinished operations FAILED after a restart", failed)
-    sessions.recover_after_restart()
     checkpoints.remove_partial()
     resources.recover_after_restart()
     expiry = ExpiryReaper(

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from posttrain.engine.interface import Engine
 from posttrain.errors import SessionNotActive
 from posttrain.service import policy
+from posttrain.service.durability import changed_parts
 from posttrain.service.recording import OperationRecorder
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -204,7 +205,10 @@ class PublishMailbox:
         entry.version = version
         now = time.time()
         self.repo.update_session(entry.session_id, lambda s: policy.targeted(s, version, now))
-        self.recorder.finish([(op, WeightsSyncOutput(weights_version=version))])
+        self.recorder.finish(
+            [(op, WeightsSyncOutput(weights_version=version))],
+            {op.id: changed_parts(op.kind, None)},
+        )
 
     def _publish(self, resource_id: str, entry: _Entry) -> None:
         assert entry.version is not None

@@ -14,6 +14,7 @@ import logging
 import time
 
 from posttrain.errors import operation_error_code, posttrainError
+from posttrain.service.durability import SessionDurability
 from posttrain.service.metrics import OperationMetrics
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -37,9 +38,13 @@ def _message(exc: BaseException) -> str:
 
 
 class OperationRecorder:
-    def __init__(self, repo: Repo, metrics: OperationMetrics) -> None:
+    def __init__(
+        self, repo: Repo, metrics: OperationMetrics, durability: SessionDurability | None = None
+    ) -> None:
         self.repo = repo
         self.metrics = metrics
+        # None: nothing is kept live on disk (tests with a fake engine).
+        self.durability = durability
 
     def start(self, ops: list[OperationRecord]) -> list[OperationRecord]:
         """Mark the operations RUNNING (updated_at is when they started: the run-time metric)."""
@@ -51,10 +56,20 @@ class OperationRecorder:
             self.repo.put_operations(running)
         return running
 
-    def finish(self, outcomes: list[tuple[OperationRecord, Outcome]]) -> None:
-        """Record each operation COMPLETED with its output or FAILED with its error's code."""
+    def finish(
+        self,
+        outcomes: list[tuple[OperationRecord, Outcome]],
+        changed: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        """Record each operation COMPLETED with its output or FAILED with its error's code.
+
+        `changed` names, per operation id, the parts of its session's state it changed: they
+        are made durable first (service/durability.py), so nothing reported COMPLETED is lost
+        by a crash; an operation whose state cannot be written fails instead."""
         if not outcomes:
             return
+        if changed and self.durability is not None:
+            outcomes = [(op, self._persisted(op, outcome, changed)) for op, outcome in outcomes]
         now = time.time()
         finished = []
         for op, outcome in outcomes:
@@ -80,6 +95,19 @@ class OperationRecorder:
         self.repo.put_operations(finished)
         for op, outcome in outcomes:
             self.metrics.operation_finished(op, is_failed=isinstance(outcome, Exception))
+
+    def _persisted(
+        self, op: OperationRecord, outcome: Outcome, changed: dict[str, tuple[str, ...]]
+    ) -> Outcome:
+        parts = changed.get(op.id, ())
+        if isinstance(outcome, Exception) or not parts:
+            return outcome
+        assert self.durability is not None
+        try:
+            self.durability.persist(op.session_id, parts, op, outcome)
+        except Exception as exc:  # noqa: BLE001 - the operation fails with it, logged below
+            return exc
+        return outcome
 
     def fail_unfinished(self, operation_ids: list[str], exc: Exception) -> None:
         """Record `exc` on those of the operations that are still PENDING or RUNNING (a job

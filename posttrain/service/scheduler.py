@@ -26,6 +26,7 @@ from posttrain.errors import SessionNotActive
 from posttrain.service import policy
 from posttrain.service.arrivals import Arrivals, end_current_arrival
 from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.durability import SessionDurability, changed_parts
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.publishing import PublishMailbox, is_deferred
 from posttrain.service.recording import OperationRecorder, Outcome
@@ -79,6 +80,7 @@ class Scheduler:
         arrivals: Arrivals | None = None,
         limits: SchedulerConfig | None = None,
         routed_experts: RoutedExpertsStore | None = None,
+        durability: SessionDurability | None = None,
     ) -> None:
         self.repo = repo
         self.engine = engine
@@ -94,7 +96,9 @@ class Scheduler:
         self._workers: dict[str, ResourceWorker] = {}
         self._lock = threading.Lock()
         self.metrics = OperationMetrics()  # what /metrics reports (service/metrics.py)
-        self.recorder = OperationRecorder(repo, self.metrics)
+        # Live LoRA session state on disk (service/durability.py); None with a fake engine.
+        self.durability = durability
+        self.recorder = OperationRecorder(repo, self.metrics, durability)
         # Deferred weights-syncs (service/publishing.py); the enqueue lock keeps the mailbox's
         # ticket order equal to the FIFO order.
         self.mailbox = PublishMailbox(repo, engine, self.recorder)
@@ -197,7 +201,8 @@ class Scheduler:
             if not isinstance(outcome, Exception):
                 self.metrics.count_tokens(op.kind, request, outcome)
         self.recorder.finish(
-            [(op, outcome) for (op, _, _), outcome in zip(ready, outcomes, strict=True)]
+            [(op, outcome) for (op, _, _), outcome in zip(ready, outcomes, strict=True)],
+            {op.id: changed_parts(op.kind, request) for op, _, request in ready},
         )
 
     def _start(self, group: list[QueuedOperation]) -> list[Ready]:

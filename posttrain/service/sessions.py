@@ -21,6 +21,7 @@ from pathlib import Path
 from posttrain.engine.interface import Engine
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.service.checkpoints import ResumePlan, plan_resume
+from posttrain.service.durability import EVERYTHING
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
@@ -160,6 +161,8 @@ class SessionService:
         self.engine.create_session(resource.id, session_id, session.lora_config)
         if resume is not None:
             self._load_checkpoint(resource.id, session_id, resume)
+        if self.scheduler.durability is not None:  # a RUNNING session always has its state
+            self.scheduler.durability.persist(session_id, EVERYTHING)
         self.repo.update_session(
             session_id,
             lambda s: dataclasses.replace(s, status=SessionStatus.RUNNING, updated_at=time.time()),
@@ -253,6 +256,8 @@ class SessionService:
         def teardown() -> None:
             self.engine.drop_session(session.resource_id, session_id)
             self.scheduler.routed_experts.drop_session(session_id)
+            if self.scheduler.durability is not None:
+                self.scheduler.durability.forget(session_id)
             self.repo.update_session(
                 session_id,
                 lambda s: dataclasses.replace(
@@ -268,17 +273,34 @@ class SessionService:
         return self.get(user, session_id)
 
     def recover_after_restart(self) -> None:
-        """Sessions that were alive when the process died lost their in-memory adapter and
-        optimizer state: they end in ERROR saying so (their records and checkpoints remain)."""
+        """Live LoRA sessions come back RUNNING with the state of their last completed
+        operation (service/durability.py): rebuilt on their resource's worker before any new
+        operation runs there. Sessions without kept state (full weight, or set up when the
+        process died) end in ERROR saying so; their records and checkpoints remain."""
         message = (
             "the server restarted; this session's in-memory training state was lost."
             " Resume from a training checkpoint in a new session."
         )
+        durability = self.scheduler.durability
         for user_session in self.repo.all_sessions():
             if user_session.status in SESSION_TERMINAL:
+                if durability is not None:
+                    durability.forget(user_session.id)  # an expired session's leftovers
                 continue
             if user_session.status == SessionStatus.STOPPING:
                 status, error = SessionStatus.STOPPED, None
+            elif (
+                user_session.status == SessionStatus.RUNNING
+                and durability is not None
+                and durability.reconcile(user_session)
+            ):
+                sid, rid = user_session.id, user_session.resource_id
+                self.scheduler.run_job(
+                    rid,
+                    lambda sid=sid: self._restore(sid),
+                    lambda exc, rid=rid, sid=sid: self._setup_failed(rid, sid, exc),
+                )
+                continue
             else:
                 code = SessionErrorCode.SESSION_FAILED.value
                 status, error = SessionStatus.ERROR, ErrorInfo(code, message, time.time())
@@ -286,3 +308,13 @@ class SessionService:
                 user_session.id,
                 lambda s, st=status, er=error: dataclasses.replace(s, status=st, error=er),
             )
+
+    def _restore(self, session_id: str) -> None:
+        """Worker thread: load the resource, create the session and give it its kept state."""
+        session = self.repo.get_session(session_id)
+        assert session is not None and self.scheduler.durability is not None
+        resource = self.repo.get_resource(session.resource_id)
+        assert resource is not None
+        self.resources.ensure_loaded(resource)
+        self.engine.create_session(resource.id, session_id, session.lora_config)
+        self.scheduler.durability.restore(session)

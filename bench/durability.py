@@ -1,0 +1,126 @@
+"""What durable LoRA sessions cost: one RL-style step (forward-backward, optim-step,
+weights-sync) with and without writing the state each operation changed, as the server does
+before it reports the operation COMPLETED (service/durability.py, engine/durable.py).
+
+Runs at engine level in one process, so the ratio is the persistence alone (no HTTP, no
+polling): the step's engine time, then the same step plus persist_session of the parts each
+operation changed (gradients; adapter, moments and gradients; the generator's adapter) into a
+directory on the same disk as --data-dir would be. Variants alternate, medians of --steps.
+
+    OMP_NUM_THREADS=1 python bench/durability.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
+
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
+from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.types import (  # noqa: E402
+    AdamParams,
+    ForwardBackwardRequest,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    OptimStepRequest,
+    TrainingSample,
+)
+
+CE = LossConfig(LossType.CROSS_ENTROPY)
+PARTS = {
+    "forward-backward": ("gradients",),
+    "optim-step": ("trainer", "optimizer", "gradients"),
+    "weights-sync": ("generator",),
+}
+
+
+def step(engine: LocalEngine, samples, state_dir: Path | None, version: int) -> dict[str, float]:
+    """One step; seconds per operation, persistence included when `state_dir` is set."""
+    times = {}
+    record = {"step": version}
+    start = time.perf_counter()
+    (outcome,) = engine.forward_backward_batch("r", [("s", ForwardBackwardRequest(samples, CE))])
+    assert not isinstance(outcome, Exception), outcome
+    if state_dir is not None:
+        engine.persist_session("r", "s", state_dir, PARTS["forward-backward"], record)
+    times["forward-backward"] = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.optim_step("r", "s", OptimStepRequest(adam=AdamParams(learning_rate=1e-4)))
+    if state_dir is not None:
+        engine.persist_session("r", "s", state_dir, PARTS["optim-step"], record)
+    times["optim-step"] = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.publish("r", "s", version=version)
+    if state_dir is not None:
+        engine.persist_session("r", "s", state_dir, PARTS["weights-sync"], record)
+    times["weights-sync"] = time.perf_counter() - start
+    return times
+
+
+def measure(name: str, model_id: str, model_dir: Path, rank: int, lengths, steps: int) -> None:
+    engine = LocalEngine(EngineConfig(device="cpu"), {model_id: model_dir})
+    engine.load_resource("r", model_id, muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=rank, alpha=2 * rank))
+    samples = make_samples(lengths, seed=0) if model_id == MODEL_ID else builtin_samples(lengths)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as root:
+        state_dir = Path(root) / "state"
+        engine.persist_session(
+            "r", "s", state_dir, ("trainer", "generator", "optimizer", "gradients"), {}
+        )
+        step(engine, samples, None, 0)  # warm-up
+        runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+        for index in range(steps):
+            for on in (False, True) if index % 2 == 0 else (True, False):
+                runs[on].append(step(engine, samples, state_dir if on else None, index))
+        size = sum(p.stat().st_size for p in state_dir.iterdir())
+    tokens = sum(lengths)
+    print(
+        f"\n{name}: LoRA rank {rank}, {len(lengths)} samples, {tokens} tokens; state on disk"
+        f" {size / 2**20:.1f} MiB"
+    )
+    print(f"{'operation':<18}{'off (ms)':>10}{'on (ms)':>10}{'ratio':>8}")
+    totals = {on: [sum(r.values()) for r in runs[on]] for on in (False, True)}
+    for op in PARTS:
+        off = statistics.median(r[op] for r in runs[False]) * 1e3
+        on = statistics.median(r[op] for r in runs[True]) * 1e3
+        print(f"{op:<18}{off:>10.1f}{on:>10.1f}{on / off:>8.2f}")
+    off, on = (statistics.median(totals[d]) * 1e3 for d in (False, True))
+    print(f"{'whole step':<18}{off:>10.1f}{on:>10.1f}{on / off:>8.2f}")
+
+
+def builtin_samples(lengths):
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for length in lengths:
+        tokens = torch.randint(3, 99, (length + 1,), generator=generator).tolist()
+        inputs = {"target_tokens": tuple(float(t) for t in tokens[1:]), "weights": (1.0,) * length}
+        out.append(TrainingSample(tuple(tokens[:-1]), inputs))
+    return tuple(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, the built-in only")
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args()
+    steps = args.steps or (3 if args.quick else 7)
+    print(f"torch threads: {torch.get_num_threads()}; medians of {steps} steps per variant")
+    measure("built-in tiny-qwen3", BUILTIN_MODEL_ID, BUILTIN_MODEL_DIR, 32, [64] * 8, steps)
+    if not args.quick:
+        with tempfile.TemporaryDirectory() as directory:
+            write_model(Path(directory))
+            measure("qwen3-40m", MODEL_ID, Path(directory), 32, [256] * 8, steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -47,7 +47,7 @@ HTTP_KINDS = {
 def create_app(config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.services = build_services(config)
+        app.state.services = build_services(config, operations.reparsed)
         try:
             yield
         finally:

@@ -6,7 +6,7 @@ build_services(config) wires the store, the engine and the scheduler. Imports: s
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
@@ -27,10 +27,9 @@ from posttrain.service.sessions import SessionService
 from posttrain.service.signing import UrlSigner, signing_key
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
+from posttrain.types import OperationRecord, OperationRequest
 
 log = logging.getLogger("posttrain")
-
-RESTART_MESSAGE = "the server restarted while this operation was pending or running"
 
 
 @dataclass
@@ -60,7 +59,13 @@ class Services:
         self.scheduler.close()
 
 
-def build_services(config: ServerConfig) -> Services:
+def build_services(
+    config: ServerConfig,
+    reparse: Callable[[Services, OperationRecord, bytes], OperationRequest] | None = None,
+) -> Services:
+    """Every service over config.data_dir, recovered from what a previous process left there.
+    `reparse` (the api layer's request parser) lets unfinished operations run again; without
+    it they fail."""
     repo = Repo(connect(config.data_dir))
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
@@ -83,18 +88,10 @@ def build_services(config: ServerConfig) -> Services:
     sessions = SessionService(repo, engine, scheduler, resources)
     operations = OperationService(repo, scheduler, sessions, resources, config.limits)
     payloads = PayloadService(config.data_dir, repo, sessions, signer)
-    # First the sessions: an operation whose state reached the disk completes from it.
-    sessions.recover_after_restart()
-    failed = repo.fail_unfinished_operations(RESTART_MESSAGE, time.time())
-    if failed:
-        log.warning("marked %d unfinished operations FAILED after a restart", failed)
-    checkpoints.remove_partial()
-    resources.recover_after_restart()
     expiry = ExpiryReaper(
         repo, engine, scheduler, resources, interval_s=config.expiry_check_interval_s
     )
-    expiry.start()
-    return Services(
+    services = Services(
         config,
         repo,
         engine,
@@ -116,3 +113,13 @@ def build_services(config: ServerConfig) -> Services:
         ),
         watch=watch,
     )
+    # First the sessions (an operation whose state reached the disk completes from it), then
+    # the operations that had not finished: they run again behind the sessions' restores.
+    sessions.recover_after_restart()
+    operations.resume_after_restart(
+        None if reparse is None else lambda op, raw: reparse(services, op, raw)
+    )
+    checkpoints.remove_partial()
+    resources.recover_after_restart()
+    expiry.start()
+    return services

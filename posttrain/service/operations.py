@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from posttrain.config import LimitsConfig
 from posttrain.engine.optim import resolve_step_settings
 from posttrain.engine.routes import check_routes
-from posttrain.errors import Conflict, InvalidRequest, NotFound
+from posttrain.errors import Conflict, EngineFailure, InvalidRequest, NotFound, posttrainError
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
@@ -31,9 +32,12 @@ from posttrain.types import (
     OperationRequest,
     OperationStatus,
     SampleRequest,
+    SessionRecord,
     SessionStatus,
     TrainingSample,
 )
+
+RESTART_MESSAGE = "the server restarted while this operation was pending or running"
 
 
 class OperationService:
@@ -60,13 +64,74 @@ class OperationService:
         idempotency_key: str,
         fingerprint: str,
         request: OperationRequest,
+        body: bytes | None = None,
     ) -> OperationRecord:
+        """Register and queue an operation. `body` is the request as it arrived, kept until
+        the operation finishes so that it runs again after a restart (resume_after_restart)."""
         session = self.sessions.get(user, session_id)
         if not idempotency_key:
             raise InvalidRequest(
                 "the Idempotency-Key header is required on operation POSTs",
                 param="Idempotency-Key",
             )
+        request = self._prepared(user, session, kind, request)
+        now = time.time()
+        active = session.status == SessionStatus.RUNNING
+        op = OperationRecord(
+            id=new_id("op"),
+            session_id=session_id,
+            kind=kind,
+            status=OperationStatus.PENDING if active else OperationStatus.FAILED,
+            created_at=now,
+            updated_at=now,
+            idempotency_key=idempotency_key,
+            fingerprint=fingerprint,
+            created_by=user,
+            error_code=None if active else OperationErrorCode.SESSION_NOT_ACTIVE,
+            error_message=None if active else f"session {session_id} is {session.status}",
+        )
+        stored = self.repo.insert_operation(op, body if active else None)
+        if stored.id != op.id:  # a concurrent submission with the same key won the insert
+            return self.replay(session_id, kind, idempotency_key, fingerprint) or stored
+        if active:
+            self.resources.touch(session.resource_id)
+            self.scheduler.enqueue(session.resource_id, op.id, request)
+            # A deferred weights-sync may have completed inside enqueue (service/publishing.py).
+            return self.repo.get_operation(op.id) or op
+        return op
+
+    def resume_after_restart(
+        self, reparse: Callable[[OperationRecord, bytes], OperationRequest] | None
+    ) -> None:
+        """Operations that had not finished when the process died run again, in submission
+        order, on the sessions that came back (service/durability.py), their requests parsed
+        from the bodies they arrived with (`reparse`, the api layer's parser) and checked as
+        at submit. The others fail, saying why."""
+        for op, body in self.repo.unfinished_with_bodies():
+            session = self.repo.get_session(op.session_id)
+            outcome: Exception | None = None
+            if reparse is None or body is None or session is None:
+                outcome = EngineFailure(RESTART_MESSAGE)
+            elif session.status != SessionStatus.RUNNING:
+                message = f"{RESTART_MESSAGE}; session {session.id} is {session.status}"
+                outcome = EngineFailure(message)
+            else:
+                try:
+                    request = reparse(op, body)
+                    request = self._prepared(session.created_by, session, op.kind, request)
+                except posttrainError as exc:
+                    outcome = exc
+            if outcome is not None:
+                self.scheduler.recorder.finish([(op, outcome)])
+                continue
+            self.repo.put_operation(dataclasses.replace(op, status=OperationStatus.PENDING))
+            self.scheduler.enqueue(session.resource_id, op.id, request)
+
+    def _prepared(
+        self, user: str, session: SessionRecord, kind: OperationKind, request: OperationRequest
+    ) -> OperationRequest:
+        """The checks that need the session and the model, and routed-experts keys resolved."""
+        session_id = session.id
         if isinstance(request, SampleRequest):
             resource = self.resources.get(user, session.resource_id)
             if resource.num_generator_replicas == 0:
@@ -86,30 +151,7 @@ class OperationService:
             # before anything is recorded (api.md 1.4.4).
             resource = self.resources.get(user, session.resource_id)
             resolve_step_settings(request, resource.muon_scaling)
-        now = time.time()
-        active = session.status == SessionStatus.RUNNING
-        op = OperationRecord(
-            id=new_id("op"),
-            session_id=session_id,
-            kind=kind,
-            status=OperationStatus.PENDING if active else OperationStatus.FAILED,
-            created_at=now,
-            updated_at=now,
-            idempotency_key=idempotency_key,
-            fingerprint=fingerprint,
-            created_by=user,
-            error_code=None if active else OperationErrorCode.SESSION_NOT_ACTIVE,
-            error_message=None if active else f"session {session_id} is {session.status}",
-        )
-        stored = self.repo.insert_operation(op)
-        if stored.id != op.id:  # a concurrent submission with the same key won the insert
-            return self.replay(session_id, kind, idempotency_key, fingerprint) or stored
-        if active:
-            self.resources.touch(session.resource_id)
-            self.scheduler.enqueue(session.resource_id, op.id, request)
-            # A deferred weights-sync may have completed inside enqueue (service/publishing.py).
-            return self.repo.get_operation(op.id) or op
-        return op
+        return request
 
     def replay(
         self, session_id: str, kind: OperationKind, idempotency_key: str, fingerprint: str

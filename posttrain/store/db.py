@@ -44,4 +44,14 @@ def connect(data_dir: Path) -> sqlite3.Connection:
     connection.execute("PRAGMA journal_mode=WAL")
     connection.execute("PRAGMA synchronous=NORMAL")
     connection.executescript(SCHEMA)
+    _migrate(connection)
     return connection
+
+
+def _migrate(connection: sqlite3.Connection) -> None:
+    """Columns added since the first schema, for stores made by an older version."""
+    columns = {row[1] for row in connection.execute("PRAGMA table_info(operations)")}
+    if "body" not in columns:
+        # An unfinished operation's request as it arrived, so it can run again after a
+        # restart; cleared when it finishes.
+        connection.execute("ALTER TABLE operations ADD COLUMN body BLOB")

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from posttrain.types import (
+    OPERATION_TERMINAL,
     CheckpointOutput,
     CheckpointRecord,
     CustomForwardBackwardOutput,
@@ -216,15 +217,17 @@ class Repo:
 
     # ------------------------------------------------------------ operations
 
-    def insert_operation(self, op: OperationRecord) -> OperationRecord:
-        """Register an operation under its Idempotency-Key atomically.
+    def insert_operation(self, op: OperationRecord, body: bytes | None = None) -> OperationRecord:
+        """Register an operation under its Idempotency-Key atomically, with the request `body`
+        it arrived with (kept until it finishes: it runs again after a restart).
 
         Returns the stored record: `op` itself, or the one that already holds the key."""
         with self._lock:
             try:
                 self._db.execute(
-                    "INSERT INTO operations (id, session_id, kind, idempotency_key, status, data)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO operations"
+                    " (id, session_id, kind, idempotency_key, status, data, body)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         op.id,
                         op.session_id,
@@ -232,6 +235,7 @@ class Repo:
                         op.idempotency_key,
                         op.status.value,
                         to_json(op),
+                        body,
                     ),
                 )
                 return op
@@ -259,9 +263,14 @@ class Repo:
         with self._lock:
             self._db.execute("BEGIN")
             try:
+                # A finished operation will not run again: its request body goes.
                 self._db.executemany(
-                    "UPDATE operations SET status = ?, data = ? WHERE id = ?",
-                    [(op.status.value, to_json(op), op.id) for op in ops],
+                    "UPDATE operations SET status = ?, data = ?,"
+                    " body = CASE WHEN ? THEN NULL ELSE body END WHERE id = ?",
+                    [
+                        (op.status.value, to_json(op), op.status in OPERATION_TERMINAL, op.id)
+                        for op in ops
+                    ],
                 )
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -283,6 +292,14 @@ class Repo:
             args += (session_id,)
         rows = self._query(sql + " ORDER BY seq", args)
         return [operation_from_dict(json.loads(row[0])) for row in rows]
+
+    def unfinished_with_bodies(self) -> list[tuple[OperationRecord, bytes | None]]:
+        """Every PENDING/RUNNING operation, in submission order, with its request body."""
+        rows = self._query(
+            "SELECT data, body FROM operations WHERE status IN (?, ?) ORDER BY seq",
+            (OperationStatus.PENDING.value, OperationStatus.RUNNING.value),
+        )
+        return [(operation_from_dict(json.loads(row[0])), row[1]) for row in rows]
 
     def fail_unfinished_operations(self, message: str, now: float) -> int:
         """Mark every PENDING/RUNNING operation FAILED (INTERNAL_ERROR); returns how many."""

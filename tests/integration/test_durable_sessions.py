@@ -5,6 +5,11 @@ saw the crash. Through the SDK against a real server."""
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+
+import httpx
 import pytest
 from conftest import ServerProcess
 from helpers import open_session, sft_sample
@@ -72,3 +77,35 @@ def test_a_live_session_survives_kill_9_and_carries_on_exactly(restarted):
     before_the_crash(twin)
     assert after_the_crash(twin) == crashed  # moments, gradients and generator included
     assert twin.retrieve().step == session.retrieve().step
+
+
+def running_samples(base_url: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    match = re.search(r'^posttrain_operations\{kind="sample",status="running"\} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_an_sdk_call_in_flight_across_kill_9_returns_its_result(restarted):
+    """The user's loop is inside `sample` (polling) when the server dies: the SDK retries
+    through the restart, the operation runs again, and the call returns its result."""
+    server = restarted
+    _, session = open_session(server.base_url, lora_config=LORA)
+    params = {"max_tokens": 200, "temperature": 0.0, "stop": []}
+    result = {}
+
+    def call() -> None:
+        result["sample"] = session.generator.sample(
+            PROMPT, num_samples=32, sampling_params=params, interval=FAST
+        )
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    while running_samples(server.base_url) < 1:
+        assert thread.is_alive(), "the sample finished before the server could be killed"
+        time.sleep(0.02)
+    server.stop(kill=True)
+    server.start(keep_port=True)
+    thread.join(timeout=600)
+    assert not thread.is_alive() and "sample" in result
+    again = session.generator.sample(PROMPT, num_samples=32, sampling_params=params, interval=FAST)
+    assert [s.tokens for s in result["sample"].sequences] == [s.tokens for s in again.sequences]

@@ -94,6 +94,21 @@ def submit(
     replayed = svc.operations.replay(session_id, kind, key, fingerprint)
     if replayed is not None:
         return rendered(replayed)
+    request = parsed(svc, session_id, kind, body)
+    record = svc.operations.submit(
+        user,
+        session_id,
+        kind,
+        idempotency_key=key,
+        fingerprint=fingerprint,
+        request=request,
+        body=raw,
+    )
+    return rendered(record)
+
+
+def parsed(svc: Services, session_id: str, kind: OperationKind, body: dict[str, Any]):
+    """The domain request of an inline body, its offloaded payload merged in (api.md 1.6)."""
     full = body
     if isinstance(payload_id := body.get("payload_id"), str):
         try:
@@ -103,11 +118,13 @@ def submit(
                 f"payload {payload_id}: {exc.message}", param="payload_id"
             ) from None
         full = {**body, **payload}
-    request = to_request(kind, full, svc)
-    record = svc.operations.submit(
-        user, session_id, kind, idempotency_key=key, fingerprint=fingerprint, request=request
-    )
-    return rendered(record)
+    return to_request(kind, full, svc)
+
+
+def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest:
+    """After a restart: the request of an operation that had not finished, from the body it
+    arrived with, parsed exactly as at submit."""
+    return parsed(svc, op.session_id, op.kind, loads_strict(raw))
 
 
 @router.post("/{session_id}:sample")

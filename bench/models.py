@@ -1,0 +1,258 @@
+"""Throughput of every model family at one size, so that a regression in one family shows
+(a benchmark, not a timed test; issue 13).
+
+Every family of tests/unit/model/families.py (the random-init configs the family tests use, with
+their sliding windows, soft-capping and logit scaling) is built at the same size, --hidden
+(128) wide and --layers (4) deep, with the built-in tokenizer's 99-token vocabulary, and served
+by one LocalEngine, one model resource per family, one LoRA session each (rank 8, every
+projection and the output head, the API's default). Measured through the engine's public
+methods, as the scheduler calls them:
+
+- forward-backward: `forward_backward_batch` of --rows x --tokens tokens (8 x 128) of random
+  ids, cross-entropy on every token, then `discard_gradients`; tokens/s.
+- sample: `sample_batch` of --prompts prompts (8) of --prompt-tokens random ids (16), each
+  --samples times (4), up to --new-tokens tokens (32), temperature 1; generated tokens/s
+  (EOS ends a row early, counted with its EOS). Fresh prompts every repetition, so the prefix
+  cache only pays for its insertions.
+
+Each repetition runs every family once, in table order, after one small warm-up each; printed
+are medians over --reps repetitions (5), and each family's ratio to Llama, the baseline run in
+the same process: the ratio of medians and, in brackets, the median of per-repetition ratios
+(the runs of one repetition are close in time, so that ratio is robust to a shared machine's
+drifting load).
+
+    OMP_NUM_THREADS=1 python bench/models.py               # CPU, float32, one thread
+    python bench/models.py --quick                         # a smoke run (tiny shapes, 1 rep)
+    python bench/models.py --device cuda --dtype bfloat16  # the issue's GPU family check
+
+VARIANTS holds the rows: one per family, plus rows whose runs are not measurable yet (printed
+as "pending"); qwen3_moe+replay is the MoE forward-backward with routed-expert replay, to be
+filled in when `return_routed_experts` exists (see `replay_samples`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "model"))
+import families  # noqa: E402
+
+from posttrain.config import EngineConfig  # noqa: E402
+from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.types import (  # noqa: E402
+    ForwardBackwardRequest,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    SampleRequest,
+    SamplingParams,
+    TrainingSample,
+)
+
+BASELINE = "llama"
+SESSION = "s"
+CE = LossConfig(LossType.CROSS_ENTROPY)
+FIRST_ID = 3  # random ids from here up: past the built-in tokenizer's special tokens
+
+Samples = tuple[TrainingSample, ...]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    rows: int
+    tokens: int
+    prompts: int
+    prompt_tokens: int
+    samples: int
+    new_tokens: int
+
+
+FULL = Shapes(rows=8, tokens=128, prompts=8, prompt_tokens=16, samples=4, new_tokens=32)
+QUICK = Shapes(rows=2, tokens=16, prompts=2, prompt_tokens=8, samples=2, new_tokens=4)
+WARM_UP = Shapes(rows=1, tokens=8, prompts=1, prompt_tokens=4, samples=1, new_tokens=2)
+
+
+def plain_samples(engine: LocalEngine, resource: str, samples: Samples) -> Samples:
+    return samples
+
+
+def replay_samples(engine: LocalEngine, resource: str, samples: Samples) -> Samples:
+    """The hook for routed-expert replay: the same samples, each carrying the routing its
+    tokens took when the session sampled them (a `sample_batch` with return_routed_experts,
+    then each sample's routed_experts_key). Not measurable before replay exists."""
+    raise NotImplementedError("routed-expert replay (issue 13, item 4) is not in the engine yet")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: a family, and how its forward-backward samples are made from the
+    plain cross-entropy batch. `is_pending` rows print without numbers."""
+
+    family: str
+    training_samples: Callable[[LocalEngine, str, Samples], Samples] = plain_samples
+    is_pending: bool = False
+
+
+VARIANTS: dict[str, Variant] = {family: Variant(family) for family in families.FAMILIES}
+VARIANTS["qwen3_moe+replay"] = Variant("qwen3_moe", replay_samples, is_pending=True)
+
+
+def random_ids(generator: torch.Generator, rows: int, length: int) -> list[list[int]]:
+    return torch.randint(FIRST_ID, families.VOCAB, (rows, length), generator=generator).tolist()
+
+
+def ce_batch(generator: torch.Generator, shapes: Shapes) -> Samples:
+    """Cross-entropy on every token of shapes.rows random sequences of shapes.tokens tokens."""
+    samples = []
+    for ids in random_ids(generator, shapes.rows, shapes.tokens + 1):
+        targets = tuple(float(t) for t in ids[1:])
+        inputs = {"target_tokens": targets, "weights": (1.0,) * shapes.tokens}
+        samples.append(TrainingSample(tuple(ids[:-1]), inputs))
+    return tuple(samples)
+
+
+def forward_backward(engine: LocalEngine, resource: str, samples: Samples) -> int:
+    """One forward-backward, its gradients dropped; the number of tokens it trained on."""
+    (outcome,) = engine.forward_backward_batch(
+        resource, [(SESSION, ForwardBackwardRequest(samples, CE))]
+    )
+    assert not isinstance(outcome, Exception), outcome
+    engine.discard_gradients(resource, SESSION)
+    return sum(len(s.tokens) for s in samples)
+
+
+def sample(engine: LocalEngine, resource: str, prompts: list[list[int]], shapes: Shapes) -> int:
+    """One sample operation; the number of tokens it generated."""
+    params = SamplingParams(max_tokens=shapes.new_tokens, temperature=1.0, seed=0)
+    request = SampleRequest(tuple(tuple(p) for p in prompts), shapes.samples, params)
+    (results,) = engine.sample_batch(resource, [(SESSION, request)])
+    return sum(len(s.tokens) for r in results for s in r.sequences)
+
+
+def timed(run: Callable[[], int], device: torch.device) -> float:
+    """Tokens per second of one run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - start)
+
+
+def measure(
+    engine: LocalEngine, rows: dict[str, Variant], shapes: Shapes, reps: int
+) -> dict[str, dict[str, list[float]]]:
+    """Per row and measurement ("fb", "sample"), tokens/s of every repetition."""
+    generator = torch.Generator().manual_seed(0)
+    for label, variant in rows.items():
+        batch = variant.training_samples(engine, label, ce_batch(generator, WARM_UP))
+        forward_backward(engine, label, batch)
+        sample(engine, label, random_ids(generator, 1, WARM_UP.prompt_tokens), WARM_UP)
+    speeds = {label: {"fb": [], "sample": []} for label in rows}
+    for _ in range(reps):
+        batch = ce_batch(generator, shapes)
+        prompts = random_ids(generator, shapes.prompts, shapes.prompt_tokens)
+        for label, variant in rows.items():
+            samples = variant.training_samples(engine, label, batch)
+            fb = partial(forward_backward, engine, label, samples)
+            generate = partial(sample, engine, label, prompts, shapes)
+            speeds[label]["fb"].append(timed(fb, engine.device))
+            speeds[label]["sample"].append(timed(generate, engine.device))
+    return speeds
+
+
+def ratio_text(values: list[float], baseline: list[float]) -> str:
+    ratio = statistics.median(values) / statistics.median(baseline)
+    paired = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
+    return f"{ratio:.2f}x ({paired:.2f}x)"
+
+
+def print_table(
+    speeds: dict[str, dict[str, list[float]]], parameters: dict[str, int], labels: list[str]
+) -> None:
+    header = (
+        f"{'family':<17} {'params':>8} {'fb tokens/s':>12} {'fb / llama':>15}"
+        f" {'sample tokens/s':>16} {'sample / llama':>15}"
+    )
+    print(header)
+    base = speeds[BASELINE]
+    for label in labels:
+        family = VARIANTS[label].family
+        size = f"{parameters[family] / 1e6:.2f}M" if family in parameters else "-"
+        if label not in speeds:
+            print(f"{label:<17} {size:>8} {'pending':>12}")
+            continue
+        fb, generated = speeds[label]["fb"], speeds[label]["sample"]
+        print(
+            f"{label:<17} {size:>8} {statistics.median(fb):12.1f} {ratio_text(fb, base['fb']):>15}"
+            f" {statistics.median(generated):16.1f}"
+            f" {ratio_text(generated, base['sample']):>15}"
+        )
+    print("\nruns (tokens/s, forward-backward | sample):")
+    for label, runs in speeds.items():
+        fb = ", ".join(f"{v:.0f}" for v in runs["fb"])
+        generated = ", ".join(f"{v:.0f}" for v in runs["sample"])
+        print(f"  {label:<17} {fb} | {generated}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one repetition")
+    parser.add_argument("--reps", type=int, help="repetitions (default 5; --quick: 1)")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size of every family")
+    parser.add_argument("--layers", type=int, default=4, help="layers of every family")
+    parser.add_argument("--families", nargs="+", choices=list(VARIANTS), help="rows to run")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = QUICK if args.quick else FULL
+    reps = args.reps or (1 if args.quick else 5)
+    labels = [BASELINE, *[f for f in args.families or VARIANTS if f != BASELINE]]
+    size = families.Size(args.hidden, args.layers)
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f" (OMP_NUM_THREADS={omp}), {args.device}, {args.dtype}"
+    )
+    print(
+        f"every family: hidden {size.hidden_size}, {size.num_hidden_layers} layers,"
+        f" vocabulary {families.VOCAB}, LoRA rank 8; {reps} repetitions of forward-backward"
+        f" {shapes.rows} x {shapes.tokens} tokens and sample {shapes.prompts} prompts x"
+        f" {shapes.prompt_tokens} tokens x {shapes.samples} samples x {shapes.new_tokens}"
+        " new tokens\n"
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        needed = {VARIANTS[label].family for label in labels}
+        paths = {f: families.build(f, Path(directory) / f, size=size) for f in needed}
+        engine = LocalEngine(EngineConfig(device=args.device, dtype=args.dtype), paths)
+        rows = {label: VARIANTS[label] for label in labels if not VARIANTS[label].is_pending}
+        for label, variant in rows.items():
+            engine.load_resource(label, variant.family, muon_scaling=None)
+            engine.create_session(label, SESSION, LoraConfig(rank=8, alpha=16, seed=0))
+        parameters = {
+            variant.family: engine.resource_footprint(label).base_parameters
+            for label, variant in rows.items()
+        }
+        speeds = measure(engine, rows, shapes, reps)
+    print_table(speeds, parameters, labels)
+
+
+if __name__ == "__main__":
+    main()

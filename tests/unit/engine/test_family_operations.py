@@ -1,0 +1,223 @@
+"""Every operation on every decoder family (tests/unit/model/families.py) at engine level, beyond
+the parity tests (test_family_parity.py): full-weight sessions train, a publish while a
+generation runs (a PIPELINE weights-sync) switches it to the trained weights, and the session's
+end restores the base weights; training
+checkpoints of LoRA and full-weight sessions resume exactly, and a full-weight export is the
+trained model; every sampling parameter (seed, top_k, top_p, stop, prompt_logprobs,
+topk_prompt_logprobs) holds against plain transformers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_calls import forward_backward, sample
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+import families  # noqa: E402
+
+from posttrain.config import EngineConfig  # noqa: E402
+from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.types import (  # noqa: E402
+    AdamParams,
+    ForwardBackwardRequest,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    OptimStepRequest,
+    SampleRequest,
+    SamplingParams,
+    StopReason,
+    TrainingSample,
+)
+
+CE = LossConfig(LossType.CROSS_ENTROPY)
+TOKENS = (1, 40, 41, 42, 50, 60, 70, 80, 33, 34, 35, 36, 90, 91, 92, 20)
+PROMPT = TOKENS[:9]  # longer than the sliding windows
+STEP = OptimStepRequest(adam=AdamParams(learning_rate=1e-2, weight_decay=0.0))
+LORA = LoraConfig(rank=4, alpha=8, seed=1)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+ALL = list(families.FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: families.build(f, root / f) for f in families.FAMILIES}
+
+
+def engine_for(directory: Path, lora: LoraConfig | None) -> LocalEngine:
+    engine = LocalEngine(EngineConfig(device="cpu", logprob_chunk_tokens=5), {"m": directory})
+    engine.load_resource("r", "m", muon_scaling=None)
+    engine.create_session("r", "s", lora)
+    return engine
+
+
+def ce_sample(tokens: tuple[int, ...]) -> TrainingSample:
+    return TrainingSample(
+        tokens=tokens[:-1],
+        loss_fn_inputs={
+            "target_tokens": tuple(float(t) for t in tokens[1:]),
+            "weights": (1.0,) * (len(tokens) - 1),
+        },
+    )
+
+
+def scored(engine: LocalEngine, tokens: tuple[int, ...]) -> tuple[float, list[float]]:
+    """forward_only: the loss and the per-token logprobs of tokens[1:]."""
+    request = ForwardBackwardRequest((ce_sample(tokens),), CE, True, return_loss_fn_outputs=True)
+    result = forward_backward(engine, "r", "s", request)
+    return result.loss, result.loss_fn_outputs[0]
+
+
+def train(engine: LocalEngine, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        request = ForwardBackwardRequest((ce_sample(TOKENS),), CE)
+        losses.append(forward_backward(engine, "r", "s", request).loss)
+        engine.optim_step("r", "s", STEP)
+    return losses
+
+
+def plain_logprobs(directory: Path, tokens: tuple[int, ...]) -> torch.Tensor:
+    """log_softmax of plain transformers' logits over `tokens`: [T, V]."""
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits.float(), -1)
+
+
+# ---------------------------------------------------------------- full weights and weights-sync
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_full_weight_training_lowers_the_loss_and_a_publish_mid_generation_serves_it(
+    family, family_dirs
+):
+    engine = engine_for(family_dirs[family], None)
+    before, base_logprobs = scored(engine, TOKENS)
+    train(engine, 3)
+    after, _ = scored(engine, TOKENS)
+    assert after < before
+
+    calls = []
+
+    def publish_on_the_third_boundary() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            engine.publish("r", "s", version=3)
+
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2)
+    request = SampleRequest((PROMPT,), 2, params)
+    (result,) = sample(engine, "r", "s", request, between_tokens=publish_on_the_third_boundary)
+    switched = [(p.start_token, p.version) for p in result.policy_segments]
+    assert switched[0] == (0, 0)
+    for sequence in result.sequences:
+        if len(sequence.tokens) <= 3:  # ended before the switch: one segment
+            continue
+        assert switched == [(0, 0), (3, 3)]
+        # After the switch the rows decode on the trained weights: the trainer's forward_only.
+        _, forward = scored(engine, PROMPT + tuple(sequence.tokens))
+        torch.testing.assert_close(
+            torch.tensor(sequence.logprobs[3:]),
+            torch.tensor(forward[len(PROMPT) + 2 :]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+    # Ending the session puts the base weights back for the resource's next session.
+    engine.drop_session("r", "s")
+    engine.create_session("r", "s", None)
+    assert scored(engine, TOKENS)[1] == base_logprobs
+
+
+# ---------------------------------------------------------------- checkpoints and exports
+
+
+@pytest.mark.parametrize("is_full_weight", [False, True], ids=["lora", "full"])
+@pytest.mark.parametrize("family", ALL)
+def test_a_training_checkpoint_resumes_with_identical_logprobs_and_steps(
+    family, is_full_weight, family_dirs, tmp_path
+):
+    lora = None if is_full_weight else LORA
+    engine = engine_for(family_dirs[family], lora)
+    train(engine, 2)
+    (tmp_path / "state").mkdir()
+    engine.save_training_state("r", "s", tmp_path / "state")
+    _, served = scored(engine, TOKENS)
+
+    # Another adapter seed: every weight must come from the checkpoint.
+    resumed = engine_for(family_dirs[family], lora and LoraConfig(rank=4, alpha=8, seed=99))
+    resumed.load_training_state("r", "s", tmp_path / "state", load_optimizer=True)
+    assert scored(resumed, TOKENS)[1] == served
+    assert train(resumed, 2) == train(engine, 2)  # the optimizer state came back too
+
+    if is_full_weight:  # the MERGED export of a full-weight session is the trained model
+        engine.save_full_model("r", "s", tmp_path / "model", base_model="m")
+        exported = plain_logprobs(tmp_path / "model", TOKENS[:-1])
+        expected = exported.gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+        _, trained = scored(engine, TOKENS)
+        torch.testing.assert_close(torch.tensor(trained), expected, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- sampling parameters
+
+
+def first_stop_cut(decode, tokens: list[int], stop: str) -> int:
+    """How many tokens a sequence keeps when `stop` ends it: up to the token that completes the
+    first occurrence of `stop` in the decoded text."""
+    return next(n for n in range(1, len(tokens) + 1) if stop in decode(tokens[:n]))
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_every_sampling_parameter_holds(family, family_dirs):
+    engine = engine_for(family_dirs[family], LORA)  # a fresh adapter: the base model's outputs
+    (greedy,) = sample(engine, "r", "s", SampleRequest((PROMPT,), 1, GREEDY))
+    greedy_tokens = greedy.sequences[0].tokens
+
+    # top_k 1 and a nucleus of one token both leave only the argmax, at any temperature.
+    for narrow in (
+        SamplingParams(max_tokens=8, top_k=1, seed=5),
+        SamplingParams(max_tokens=8, temperature=1.5, top_p=1e-6),
+    ):
+        (result,) = sample(engine, "r", "s", SampleRequest((PROMPT,), 2, narrow))
+        assert [s.tokens for s in result.sequences] == [greedy_tokens] * 2
+
+    # A seed reproduces its samples; another seed draws others.
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    first, again = (
+        sample(engine, "r", "s", SampleRequest((PROMPT,), 3, seeded))[0] for _ in range(2)
+    )
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    other = SamplingParams(max_tokens=8, temperature=1.0, seed=12)
+    (reseeded,) = sample(engine, "r", "s", SampleRequest((PROMPT,), 3, other))
+    assert [s.tokens for s in reseeded.sequences] != [s.tokens for s in first.sequences]
+
+    # A stop string ends the sequence at the token that completes it.
+    tokenizer = engine._resource("r").loaded.tokenizer
+    stop = next(t for t in (tokenizer.decode(greedy_tokens[i : i + 1]) for i in (2, 3)) if t)
+    cut = first_stop_cut(tokenizer.decode, greedy_tokens, stop)
+    stopping = SamplingParams(max_tokens=8, temperature=0.0, stop=(stop,))
+    (stopped,) = sample(engine, "r", "s", SampleRequest((PROMPT,), 1, stopping))
+    assert stopped.sequences[0].tokens == greedy_tokens[:cut]
+    assert stopped.sequences[0].stop_reason == StopReason.STOP
+
+    # prompt_logprobs and topk_prompt_logprobs are plain transformers' over the prompt.
+    request = SampleRequest((PROMPT,), 1, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=3)
+    (scored_prompt,) = sample(engine, "r", "s", request)
+    expected_TV = plain_logprobs(family_dirs[family], PROMPT)
+    expected = expected_TV[:-1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+    assert scored_prompt.prompt_logprobs[0] == 0.0
+    torch.testing.assert_close(
+        torch.tensor(scored_prompt.prompt_logprobs[1:]), expected, atol=1e-5, rtol=0
+    )
+    topk = scored_prompt.topk_prompt_logprobs
+    assert topk[0].token_ids == [] and len(topk) == len(PROMPT)
+    for position in range(1, len(PROMPT)):
+        reference = torch.topk(expected_TV[position - 1], 3)
+        torch.testing.assert_close(
+            torch.tensor(topk[position].logprobs), reference.values, atol=1e-5, rtol=0
+        )

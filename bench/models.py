@@ -15,11 +15,11 @@ methods, as the scheduler calls them:
   (EOS ends a row early, counted with its EOS). Fresh prompts every repetition, so the prefix
   cache only pays for its insertions.
 
-Each repetition runs every family once, in table order, after one small warm-up each; printed
-are medians over --reps repetitions (5), and each family's ratio to Llama, the baseline run in
-the same process: the ratio of medians and, in brackets, the median of per-repetition ratios
-(the runs of one repetition are close in time, so that ratio is robust to a shared machine's
-drifting load).
+Each repetition runs every family once, in table order, each right after a Llama run of the
+same work, after one small warm-up each; printed are medians over --reps repetitions (7), and
+each family's ratio to Llama, the baseline run in the same process: the ratio of medians and,
+in brackets, the median of the ratios to the adjacent Llama run (robust to a shared machine's
+drifting load, which moves single runs here by up to 2x).
 
     OMP_NUM_THREADS=1 python bench/models.py               # CPU, float32, one thread
     python bench/models.py --quick                         # a smoke run (tiny shapes, 1 rep)
@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -151,59 +151,77 @@ def timed(run: Callable[[], int], device: torch.device) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+@dataclass
+class Runs:
+    """Tokens/s of one row's runs, and of the Llama run just before each (its pair)."""
+
+    fb: list[float] = field(default_factory=list)
+    sample: list[float] = field(default_factory=list)
+    paired_fb: list[float] = field(default_factory=list)
+    paired_sample: list[float] = field(default_factory=list)
+
+
 def measure(
     engine: LocalEngine, rows: dict[str, Variant], shapes: Shapes, reps: int
-) -> dict[str, dict[str, list[float]]]:
-    """Per row and measurement ("fb", "sample"), tokens/s of every repetition."""
+) -> dict[str, Runs]:
+    """Runs of every row. Each repetition runs every row once, each right after a Llama run of
+    the same work, so a row's ratio to Llama pairs runs that are adjacent in time."""
     generator = torch.Generator().manual_seed(0)
     for label, variant in rows.items():
         batch = variant.training_samples(engine, label, ce_batch(generator, WARM_UP))
         forward_backward(engine, label, batch)
         sample(engine, label, random_ids(generator, 1, WARM_UP.prompt_tokens), WARM_UP)
-    speeds = {label: {"fb": [], "sample": []} for label in rows}
+    runs = {label: Runs() for label in rows}
     for _ in range(reps):
         batch = ce_batch(generator, shapes)
         prompts = random_ids(generator, shapes.prompts, shapes.prompt_tokens)
+        base_batch = VARIANTS[BASELINE].training_samples(engine, BASELINE, batch)
         for label, variant in rows.items():
             samples = variant.training_samples(engine, label, batch)
-            fb = partial(forward_backward, engine, label, samples)
-            generate = partial(sample, engine, label, prompts, shapes)
-            speeds[label]["fb"].append(timed(fb, engine.device))
-            speeds[label]["sample"].append(timed(generate, engine.device))
-    return speeds
+            base_fb = timed(partial(forward_backward, engine, BASELINE, base_batch), engine.device)
+            fb = timed(partial(forward_backward, engine, label, samples), engine.device)
+            base_sample = timed(partial(sample, engine, BASELINE, prompts, shapes), engine.device)
+            generated = timed(partial(sample, engine, label, prompts, shapes), engine.device)
+            row = runs[label]
+            row.fb.append(fb)
+            row.sample.append(generated)
+            # The baseline's own row is its pair: its ratios are 1 by definition.
+            row.paired_fb.append(fb if label == BASELINE else base_fb)
+            row.paired_sample.append(generated if label == BASELINE else base_sample)
+    return runs
 
 
-def ratio_text(values: list[float], baseline: list[float]) -> str:
+def ratio_text(values: list[float], paired: list[float], baseline: list[float]) -> str:
+    """The ratio of medians to the baseline's, and the median of ratios to adjacent runs."""
     ratio = statistics.median(values) / statistics.median(baseline)
-    paired = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
-    return f"{ratio:.2f}x ({paired:.2f}x)"
+    per_pair = statistics.median(v / b for v, b in zip(values, paired, strict=True))
+    return f"{ratio:.2f}x ({per_pair:.2f}x)"
 
 
-def print_table(
-    speeds: dict[str, dict[str, list[float]]], parameters: dict[str, int], labels: list[str]
-) -> None:
+def print_table(runs: dict[str, Runs], parameters: dict[str, int], labels: list[str]) -> None:
     header = (
         f"{'family':<17} {'params':>8} {'fb tokens/s':>12} {'fb / llama':>15}"
         f" {'sample tokens/s':>16} {'sample / llama':>15}"
     )
     print(header)
-    base = speeds[BASELINE]
+    base = runs[BASELINE]
     for label in labels:
         family = VARIANTS[label].family
         size = f"{parameters[family] / 1e6:.2f}M" if family in parameters else "-"
-        if label not in speeds:
+        if label not in runs:
             print(f"{label:<17} {size:>8} {'pending':>12}")
             continue
-        fb, generated = speeds[label]["fb"], speeds[label]["sample"]
+        row = runs[label]
+        fb_ratio = ratio_text(row.fb, row.paired_fb, base.fb)
+        sample_ratio = ratio_text(row.sample, row.paired_sample, base.sample)
         print(
-            f"{label:<17} {size:>8} {statistics.median(fb):12.1f} {ratio_text(fb, base['fb']):>15}"
-            f" {statistics.median(generated):16.1f}"
-            f" {ratio_text(generated, base['sample']):>15}"
+            f"{label:<17} {size:>8} {statistics.median(row.fb):12.1f} {fb_ratio:>15}"
+            f" {statistics.median(row.sample):16.1f} {sample_ratio:>15}"
         )
     print("\nruns (tokens/s, forward-backward | sample):")
-    for label, runs in speeds.items():
-        fb = ", ".join(f"{v:.0f}" for v in runs["fb"])
-        generated = ", ".join(f"{v:.0f}" for v in runs["sample"])
+    for label, row in runs.items():
+        fb = ", ".join(f"{v:.0f}" for v in row.fb)
+        generated = ", ".join(f"{v:.0f}" for v in row.sample)
         print(f"  {label:<17} {fb} | {generated}")
 
 
@@ -212,7 +230,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repetition")
-    parser.add_argument("--reps", type=int, help="repetitions (default 5; --quick: 1)")
+    parser.add_argument("--reps", type=int, help="repetitions (default 7; --quick: 1)")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size of every family")
     parser.add_argument("--layers", type=int, default=4, help="layers of every family")
     parser.add_argument("--families", nargs="+", choices=list(VARIANTS), help="rows to run")
@@ -223,7 +241,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = QUICK if args.quick else FULL
-    reps = args.reps or (1 if args.quick else 5)
+    reps = args.reps or (1 if args.quick else 7)
     labels = [BASELINE, *[f for f in args.families or VARIANTS if f != BASELINE]]
     size = families.Size(args.hidden, args.layers)
     omp = os.environ.get("OMP_NUM_THREADS", "unset")
@@ -250,8 +268,8 @@ def main() -> None:
             variant.family: engine.resource_footprint(label).base_parameters
             for label, variant in rows.items()
         }
-        speeds = measure(engine, rows, shapes, reps)
-    print_table(speeds, parameters, labels)
+        runs = measure(engine, rows, shapes, reps)
+    print_table(runs, parameters, labels)
 
 
 if __name__ == "__main__":

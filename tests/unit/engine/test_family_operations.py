@@ -21,6 +21,7 @@ import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.muon import is_muon_param  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,
@@ -132,6 +133,18 @@ def test_full_weight_training_lowers_the_loss_and_a_publish_mid_generation_serve
     engine.drop_session("r", "s")
     engine.create_session("r", "s", None)
     assert scored(engine, TOKENS)[1] == base_logprobs
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_muon_leaves_the_embeddings_and_the_head_of_every_family_to_adamw(family, family_dirs):
+    """losses.md 12.3: whatever the family names them (GPT-NeoX: embed_in, embed_out)."""
+    model = AutoModelForCausalLM.from_pretrained(family_dirs[family])
+    names = {id(p): name for name, p in model.named_parameters()}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        name = names[id(module.weight)]
+        assert not is_muon_param(name, 2), name
+        assert not is_muon_param(name.removesuffix(".weight") + ".lora_B", 2), name
+    assert any(is_muon_param(name, p.ndim) for name, p in model.named_parameters())
 
 
 # ---------------------------------------------------------------- checkpoints and exports

@@ -1,5 +1,6 @@
 """Every operation on every decoder family (tests/unit/model/families.py) at engine level, beyond
-the parity tests (test_family_parity.py): full-weight sessions train, a publish while a
+the parity tests (test_family_parity.py): custom forward-backward is cross-entropy with weights
+-g; Muon leaves embeddings and heads to AdamW; full-weight sessions train, a publish while a
 generation runs (a PIPELINE weights-sync) switches it to the trained weights, and the session's
 end restores the base weights; training
 checkpoints of LoRA and full-weight sessions resume exactly, and a full-weight export is the
@@ -24,6 +25,7 @@ from posttrain.engine.local import LocalEngine  # noqa: E402
 from posttrain.engine.muon import is_muon_param  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
+    CustomForwardBackwardRequest,
     ForwardBackwardRequest,
     LoraConfig,
     LossConfig,
@@ -89,6 +91,38 @@ def plain_logprobs(directory: Path, tokens: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tokens])).logits[0]
     return torch.log_softmax(logits.float(), -1)
+
+
+# ---------------------------------------------------------------- custom losses
+
+
+def gradients(engine: LocalEngine) -> dict[str, torch.Tensor]:
+    named = engine._session("r", "s")[1].optimizer.named_params
+    return {name: p.grad.clone() for name, p in named if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_custom_forward_backward_equals_cross_entropy_with_weights_minus_g(family, family_dirs):
+    engine = engine_for(family_dirs[family], LORA)
+    train(engine, 1)  # lora_B moves off zero, so every factor has a gradient
+    g = tuple(-0.1 * (1 + i % 3) for i in range(len(TOKENS) - 1))
+    weighted = TrainingSample(
+        tokens=TOKENS[:-1],
+        loss_fn_inputs={
+            "target_tokens": tuple(float(t) for t in TOKENS[1:]),
+            "weights": tuple(-x for x in g),  # CE's gradient coefficient is -w
+        },
+    )
+    forward_backward(engine, "r", "s", ForwardBackwardRequest((weighted,), CE))
+    via_ce = gradients(engine)
+    engine.discard_gradients("r", "s")
+    engine.custom_forward_backward(
+        "r", "s", CustomForwardBackwardRequest((ce_sample(TOKENS),), (g,))
+    )
+    custom = gradients(engine)
+    assert custom.keys() == via_ce.keys() and len(custom) > 0
+    for name in via_ce:
+        torch.testing.assert_close(custom[name], via_ce[name], rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------- full weights and weights-sync

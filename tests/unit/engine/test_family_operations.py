@@ -1,11 +1,14 @@
 """Every operation on every decoder family (tests/unit/model/families.py) at engine level, beyond
-the parity tests (test_family_parity.py): custom forward-backward is cross-entropy with weights
--g; Muon leaves embeddings and heads to AdamW; full-weight sessions train, a publish while a
-generation runs (a PIPELINE weights-sync) switches it to the trained weights, and the session's
-end restores the base weights; training
-checkpoints of LoRA and full-weight sessions resume exactly, and a full-weight export is the
-trained model; every sampling parameter (seed, top_k, top_p, stop, prompt_logprobs,
-topk_prompt_logprobs) holds against plain transformers."""
+the parity tests (test_family_parity.py):
+
+- custom forward-backward is cross-entropy with weights -g;
+- Muon leaves every family's embeddings and head to AdamW, and trains full weights;
+- full-weight sessions train, a publish while a generation runs (a PIPELINE weights-sync)
+  switches it to the trained weights, and the session's end restores the base weights;
+- training checkpoints of LoRA and full-weight sessions resume exactly, and a full-weight
+  export is the trained model;
+- every sampling parameter (seed, top_k, top_p, stop, prompt_logprobs, topk_prompt_logprobs)
+  holds against plain transformers."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from posttrain.types import (  # noqa: E402
     LoraConfig,
     LossConfig,
     LossType,
+    MuonParams,
+    MuonScaling,
     OptimStepRequest,
     SampleRequest,
     SamplingParams,
@@ -179,6 +184,20 @@ def test_muon_leaves_the_embeddings_and_the_head_of_every_family_to_adamw(family
         assert not is_muon_param(name, 2), name
         assert not is_muon_param(name.removesuffix(".weight") + ".lora_B", 2), name
     assert any(is_muon_param(name, p.ndim) for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_full_weight_training_under_muon_lowers_the_loss(family, family_dirs):
+    engine = LocalEngine(EngineConfig(device="cpu"), {"m": family_dirs[family]})
+    engine.load_resource("r", "m", muon_scaling=MuonScaling.MATCH_ADAM)
+    engine.create_session("r", "s", None)
+    assert engine._session("r", "s")[1].optimizer.muon_param_names
+    losses = []
+    for _ in range(3):
+        request = ForwardBackwardRequest((ce_sample(TOKENS),), CE)
+        losses.append(forward_backward(engine, "r", "s", request).loss)
+        engine.optim_step("r", "s", OptimStepRequest(muon=MuonParams(learning_rate=0.02)))
+    assert scored(engine, TOKENS)[0] < losses[0], losses
 
 
 # ---------------------------------------------------------------- checkpoints and exports

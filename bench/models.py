@@ -13,7 +13,8 @@ methods, as the scheduler calls them:
 - sample: `sample_batch` of --prompts prompts (8) of --prompt-tokens random ids (16), each
   --samples times (4), up to --new-tokens tokens (32), temperature 1; generated tokens/s
   (EOS ends a row early, counted with its EOS). Fresh prompts every repetition, so the prefix
-  cache only pays for its insertions.
+  cache only pays for its insertions. The table also shows how many tokens a row generated on
+  average (of --new-tokens).
 
 Each repetition runs every family once, in table order, each right after a Llama run of the
 same work, after one small warm-up each; printed are medians over --reps repetitions (7), and
@@ -140,15 +141,15 @@ def sample(engine: LocalEngine, resource: str, prompts: list[list[int]], shapes:
     return sum(len(s.tokens) for r in results for s in r.sequences)
 
 
-def timed(run: Callable[[], int], device: torch.device) -> float:
-    """Tokens per second of one run."""
+def timed(run: Callable[[], int], device: torch.device) -> tuple[int, float]:
+    """The tokens of one run, and tokens per second."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     tokens = run()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - start)
+    return tokens, tokens / (time.perf_counter() - start)
 
 
 @dataclass
@@ -159,6 +160,9 @@ class Runs:
     sample: list[float] = field(default_factory=list)
     paired_fb: list[float] = field(default_factory=list)
     paired_sample: list[float] = field(default_factory=list)
+    # EOS ends a row early, at a rate that differs between random-init families; fewer live
+    # rows make a decode pass cheaper, so the table shows how long rows ran.
+    new_tokens_per_row: list[float] = field(default_factory=list)
 
 
 def measure(
@@ -167,6 +171,7 @@ def measure(
     """Runs of every row. Each repetition runs every row once, each right after a Llama run of
     the same work, so a row's ratio to Llama pairs runs that are adjacent in time."""
     generator = torch.Generator().manual_seed(0)
+    device = engine.device
     for label, variant in rows.items():
         batch = variant.training_samples(engine, label, ce_batch(generator, WARM_UP))
         forward_backward(engine, label, batch)
@@ -178,11 +183,12 @@ def measure(
         base_batch = VARIANTS[BASELINE].training_samples(engine, BASELINE, batch)
         for label, variant in rows.items():
             samples = variant.training_samples(engine, label, batch)
-            base_fb = timed(partial(forward_backward, engine, BASELINE, base_batch), engine.device)
-            fb = timed(partial(forward_backward, engine, label, samples), engine.device)
-            base_sample = timed(partial(sample, engine, BASELINE, prompts, shapes), engine.device)
-            generated = timed(partial(sample, engine, label, prompts, shapes), engine.device)
+            _, base_fb = timed(partial(forward_backward, engine, BASELINE, base_batch), device)
+            _, fb = timed(partial(forward_backward, engine, label, samples), device)
+            _, base_sample = timed(partial(sample, engine, BASELINE, prompts, shapes), device)
+            new_tokens, generated = timed(partial(sample, engine, label, prompts, shapes), device)
             row = runs[label]
+            row.new_tokens_per_row.append(new_tokens / (shapes.prompts * shapes.samples))
             row.fb.append(fb)
             row.sample.append(generated)
             # The baseline's own row is its pair: its ratios are 1 by definition.
@@ -201,7 +207,7 @@ def ratio_text(values: list[float], paired: list[float], baseline: list[float]) 
 def print_table(runs: dict[str, Runs], parameters: dict[str, int], labels: list[str]) -> None:
     header = (
         f"{'family':<17} {'params':>8} {'fb tokens/s':>12} {'fb / llama':>15}"
-        f" {'sample tokens/s':>16} {'sample / llama':>15}"
+        f" {'sample tokens/s':>16} {'sample / llama':>15} {'new tokens/row':>15}"
     )
     print(header)
     base = runs[BASELINE]
@@ -217,6 +223,7 @@ def print_table(runs: dict[str, Runs], parameters: dict[str, int], labels: list[
         print(
             f"{label:<17} {size:>8} {statistics.median(row.fb):12.1f} {fb_ratio:>15}"
             f" {statistics.median(row.sample):16.1f} {sample_ratio:>15}"
+            f" {statistics.mean(row.new_tokens_per_row):15.1f}"
         )
     print("\nruns (tokens/s, forward-backward | sample):")
     for label, row in runs.items():

@@ -18,7 +18,8 @@ import families  # noqa: E402
 
 NUMBER = r"(\d+\.\d+)"
 ROW = re.compile(
-    rf"^(\S+) +\d+\.\d+M +{NUMBER} +{NUMBER}x \({NUMBER}x\) +{NUMBER} +{NUMBER}x \({NUMBER}x\)$",
+    rf"^(\S+) +\d+\.\d+M +{NUMBER} +{NUMBER}x \({NUMBER}x\) +{NUMBER} +{NUMBER}x \({NUMBER}x\)"
+    rf" +{NUMBER}$",
     re.MULTILINE,
 )
 

@@ -3,7 +3,8 @@ families (random-init, tests/unit/model/families.py; every family is covered at 
 tests/unit/engine/test_family_*.py), one server for all: the server's logprobs are plain
 transformers', LoRA and full-weight training lower the loss, every weights-sync mode serves the
 trained weights (the sampler's logprobs equal forward_only's), a training checkpoint resumes
-with identical logprobs, and the sampling parameters hold."""
+with identical logprobs, a full-weight export is the trained model, and the sampling
+parameters hold."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from conftest import ServerProcess
 from helpers import API_KEY, sft_sample
-from together.post_training import ModelResourcesClient
+from together import Together
+from together.post_training import ModelResourcesClient, download_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "model"))
@@ -102,7 +104,9 @@ def train_step(session) -> None:
 
 
 @pytest.mark.parametrize("family", SERVED)
-def test_full_weights_train_sync_in_every_mode_and_resume_from_a_checkpoint(family, family_server):
+def test_full_weights_train_sync_in_every_mode_export_and_resume_from_a_checkpoint(
+    family, family_server, tmp_path
+):
     server, _ = family_server
     resources = ModelResourcesClient.create(
         base_url=server.base_url,
@@ -118,6 +122,15 @@ def test_full_weights_train_sync_in_every_mode_and_resume_from_a_checkpoint(fami
     after, at_checkpoint = scored(session, TOKENS, 1)
     assert after < before
     training = session.create_training_checkpoint()
+    inference = session.create_inference_checkpoint()
+    sdk = Together(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    download_checkpoint(sdk, inference.id, output_dir=tmp_path)  # MERGED: the trained model
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        logits = merged(input_ids=torch.tensor([TOKENS[:-1]])).logits[0]
+    exported = torch.log_softmax(logits.float(), -1)
+    exported = exported.gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+    torch.testing.assert_close(exported, torch.tensor(at_checkpoint), atol=1e-5, rtol=0)
 
     params = {"max_tokens": 6, "temperature": 1.0, "seed": 3}
     for step, mode in enumerate(SYNC_MODES, start=3):

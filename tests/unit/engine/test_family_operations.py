@@ -2,6 +2,7 @@
 the parity tests (test_family_parity.py):
 
 - custom forward-backward is cross-entropy with weights -g;
+- two sessions in one shared forward pass, and in one generation, get what each gets alone;
 - Muon leaves every family's embeddings and head to AdamW, and trains full weights;
 - full-weight sessions train, a publish while a generation runs (a PIPELINE weights-sync)
   switches it to the trained weights, and the session's end restores the base weights;
@@ -128,6 +129,35 @@ def test_custom_forward_backward_equals_cross_entropy_with_weights_minus_g(famil
     assert custom.keys() == via_ce.keys() and len(custom) > 0
     for name in via_ce:
         torch.testing.assert_close(custom[name], via_ce[name], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- sessions in shared passes
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_two_sessions_in_shared_passes_score_and_sample_as_each_alone(family, family_dirs):
+    engine = engine_for(family_dirs[family], LORA)
+    engine.create_session("r", "t", LoraConfig(rank=4, alpha=8, seed=2))
+    for session, tokens in (("s", TOKENS), ("t", TOKENS[::-1])):
+        request = ForwardBackwardRequest((ce_sample(tokens),), CE)
+        forward_backward(engine, "r", session, request)
+        engine.optim_step("r", session, OptimStepRequest(adam=AdamParams(learning_rate=5e-2)))
+        engine.publish("r", session, version=1)
+    score = ForwardBackwardRequest((ce_sample(TOKENS),), CE, True, return_loss_fn_outputs=True)
+    alone = [forward_backward(engine, "r", s, score).loss_fn_outputs[0] for s in ("s", "t")]
+    shared = engine.forward_backward_batch("r", [("s", score), ("t", score)])
+    for result, expected in zip(shared, alone, strict=True):
+        assert not isinstance(result, Exception)
+        assert result.loss_fn_outputs[0] == pytest.approx(expected, abs=1e-5)
+    assert alone[0] != pytest.approx(alone[1], abs=1e-3)  # the sessions' weights differ
+
+    generate = SampleRequest((PROMPT,), 2, GREEDY)
+    alone_sampled = [sample(engine, "r", s, generate)[0] for s in ("s", "t")]
+    together = engine.sample_batch("r", [("s", generate), ("t", generate)])
+    for (result,), expected in zip(together, alone_sampled, strict=True):
+        for got, want in zip(result.sequences, expected.sequences, strict=True):
+            assert got.tokens == want.tokens
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
 
 
 # ---------------------------------------------------------------- full weights and weights-sync

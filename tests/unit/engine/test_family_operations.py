@@ -6,8 +6,8 @@ the parity tests (test_family_parity.py):
 - Muon leaves every family's embeddings and head to AdamW, and trains full weights;
 - full-weight sessions train, a publish while a generation runs (a PIPELINE weights-sync)
   switches it to the trained weights, and the session's end restores the base weights;
-- training checkpoints of LoRA and full-weight sessions resume exactly, and a full-weight
-  export is the trained model;
+- training checkpoints of LoRA and full-weight sessions resume exactly, a LoRA inference
+  checkpoint resumes the weights, and a full-weight export is the trained model;
 - every sampling parameter (seed, top_k, top_p, stop, prompt_logprobs, topk_prompt_logprobs)
   holds against plain transformers."""
 
@@ -257,6 +257,13 @@ def test_a_training_checkpoint_resumes_with_identical_logprobs_and_steps(
         expected = exported.gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
         _, trained = scored(engine, TOKENS)
         torch.testing.assert_close(torch.tensor(trained), expected, atol=1e-5, rtol=0)
+    else:  # an inference checkpoint's PEFT adapter resumes the weights alone
+        (tmp_path / "adapter").mkdir()
+        engine.save_adapter("r", "s", tmp_path / "adapter", lora=LORA, base_model="m")
+        _, trained = scored(engine, TOKENS)
+        weights_only = engine_for(family_dirs[family], LoraConfig(rank=4, alpha=8, seed=99))
+        weights_only.load_adapter("r", "s", tmp_path / "adapter")
+        assert scored(weights_only, TOKENS)[1] == trained
 
 
 # ---------------------------------------------------------------- sampling parameters

@@ -94,6 +94,14 @@ def test_a_family_trains_scores_and_samples_through_the_sdk(family, family_serve
         model_input(PROMPT), num_samples=2, sampling_params=params, interval=FAST
     )
     assert_sampler_logprobs_are_forward_only(session, result.sequences)
+    for step, mode in enumerate(SYNC_MODES[1:], start=4):  # the deferred modes serve them too
+        train_step(session)
+        session.trainer.weights_sync(weight_sync_type=mode, interval=FAST)
+        result = session.generator.sample(
+            model_input(PROMPT), num_samples=2, sampling_params=params, interval=FAST
+        )
+        assert [(p.start_token, p.version) for p in result.policy_segments] == [(0, step)]
+        assert_sampler_logprobs_are_forward_only(session, result.sequences)
     session.stop()
     resources.stop()
 

@@ -24,15 +24,20 @@ from torch import nn
 from posttrain.model.loader import load_model
 from posttrain.model.lora import LoraModel
 
-# model/lora.py wraps each target nn.Linear as `<layer>.base`.
+# model/lora.py wraps each target nn.Linear as `<layer>.base` (its layer key `<layer>`), and
+# each MoE experts module as `<experts>.base` (layer keys `<experts>.<fused 3-D parameter>`).
 WRAPPED_BASE = ".base"
 
 
 def hf_parameter_name(lora: LoraModel, name: str) -> str:
-    """`<layer>.base.weight` -> `<layer>.weight` for layers wrapped by `lora`; others unchanged."""
+    """`<layer>.base.weight` -> `<layer>.weight` and `<experts>.base.gate_up_proj` ->
+    `<experts>.gate_up_proj` for modules wrapped by `lora`; other names unchanged."""
     module, _, leaf = name.rpartition(".")
-    if module.endswith(WRAPPED_BASE) and module.removesuffix(WRAPPED_BASE) in lora.layers:
-        return f"{module.removesuffix(WRAPPED_BASE)}.{leaf}"
+    if not module.endswith(WRAPPED_BASE):
+        return name
+    unwrapped = module.removesuffix(WRAPPED_BASE)
+    if unwrapped in lora.layers or f"{unwrapped}.{leaf}" in lora.layers:
+        return f"{unwrapped}.{leaf}"
     return name
 
 

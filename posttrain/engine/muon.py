@@ -24,6 +24,8 @@ NS_EPS = 1e-7
 # Substrings of a parameter name that send a >= 2-D tensor to AdamW instead (losses.md 12.3,
 # after XORL's classifier). "gate.weight" is the MoE router (`mlp.gate.weight`, also
 # `shared_expert_gate.weight`); the dense `mlp.gate_proj.weight` does not contain it.
+# "embed_in" and "embed_out" are GPT-NeoX's embedding and output head (`gpt_neox.embed_in`,
+# `embed_out`), its model-specific names for what the others call embed_tokens and lm_head.
 ADAM_NAME_PATTERNS = (
     "embed_tokens",
     "embeddings",
@@ -31,9 +33,15 @@ ADAM_NAME_PATTERNS = (
     "norm",
     "gate.weight",
     "mixer.conv1d",
+    "embed_in",
+    "embed_out",
 )
 
 _LORA_FACTORS = frozenset({"lora_A", "lora_B"})
+# A fused [gate | up] projection (Phi-3's `mlp.gate_up_proj.weight`, the MoE experts'
+# `experts.gate_up_proj`) stacks two matrices on its rows, gate first (the forward chunks its
+# output in two): Muon orthogonalises and scales each half with its own shape (12.3, XORL).
+_FUSED_GATE_UP = "gate_up_proj"
 
 
 def _base_weight_name(name: str) -> str:
@@ -53,6 +61,15 @@ def is_muon_param(name: str, ndim: int) -> bool:
         return False
     base_name = _base_weight_name(name)
     return not any(pattern in base_name for pattern in ADAM_NAME_PATTERNS)
+
+
+def num_row_blocks(name: str) -> int:
+    """How many matrices a Muon parameter stacks on its rows: 2 for a fused [gate | up]
+    projection, else 1. A LoRA factor on one is a single matrix of its own (12.3)."""
+    parts = name.split(".")
+    if _LORA_FACTORS.intersection(parts):
+        return 1
+    return 2 if _FUSED_GATE_UP in parts else 1
 
 
 def lr_scale(num_rows: int, num_cols: int, scaling: MuonScaling) -> float:
@@ -94,16 +111,20 @@ def muon_update_(
     weight_decay: float,
     num_ns_steps: int,
     scaling: MuonScaling,
+    num_blocks: int = 1,
 ) -> None:
     """One Muon step of one tensor, in place on `param` and `momentum_buffer` (losses.md 12.3).
 
     EMA momentum with nesterov (TORCH-MUON's lerp form), NS of each trailing R x C matrix,
     decoupled decay W (1 - lr lambda) with the unscaled lr, then W - lr s(R, C) O. A tensor with
-    more than two dims is a batch of R x C matrices (stacked MoE experts), each with its own scale.
+    more than two dims is a batch of R x C matrices (stacked MoE experts), each with its own scale;
+    `num_blocks` (num_row_blocks) splits each matrix's rows into that many matrices first.
     """
     momentum_buffer.lerp_(grad, 1 - momentum)
     nesterov_update = grad.lerp(momentum_buffer, momentum)
     num_rows, num_cols = param.shape[-2:]
+    assert num_rows % num_blocks == 0, f"{num_rows} rows do not split into {num_blocks} blocks"
+    num_rows //= num_blocks
     ortho_BRC = newton_schulz(nesterov_update.reshape(-1, num_rows, num_cols), num_ns_steps)
     param.mul_(1 - learning_rate * weight_decay)
     step_size = learning_rate * lr_scale(num_rows, num_cols, scaling)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from posttrain.engine.muon import is_muon_param, lr_scale, muon_update_
+from posttrain.engine.muon import is_muon_param, lr_scale, muon_update_, num_row_blocks
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
 
@@ -307,6 +307,7 @@ class SessionOptimizer:
                 weight_decay=muon.weight_decay,
                 num_ns_steps=muon.newton_schulz_steps,
                 scaling=self.muon_scaling,
+                num_blocks=num_row_blocks(name),
             )
 
     def _adam_step(self, adam: AdamParams) -> None:

@@ -511,3 +511,38 @@ def test_state_of_another_family_is_rejected() -> None:
     muon_opt = SessionOptimizer(clone_params(named), muon_scaling=MuonScaling.MATCH_ADAM)
     with pytest.raises(InvalidRequest, match="AdamW state for unknown parameter"):
         muon_opt.load_state_dict(adam_opt.state_dict())
+
+
+@pytest.mark.parametrize("scaling", list(MuonScaling))
+@pytest.mark.parametrize(
+    ("prefix", "suffix", "shape"),
+    [("model.layers.0.mlp.", ".weight", (12, 4)), ("model.layers.0.mlp.experts.", "", (3, 8, 6))],
+    ids=["dense", "experts"],
+)
+def test_muon_updates_a_fused_gate_up_projection_as_its_two_halves(
+    scaling: MuonScaling, prefix: str, suffix: str, shape: tuple[int, ...]
+) -> None:
+    """losses.md 12.3: [gate | up] is split in two before orthogonalisation, each half scaled
+    by its own shape: the fused parameter moves exactly as separate gate and up would."""
+    gen = torch.Generator().manual_seed(3)
+    half = shape[-2] // 2
+    fused = nn.Parameter(torch.randn(shape, generator=gen))
+    unsplit = nn.Parameter(fused.detach().clone())  # the same matrix under a plain name
+    gate = nn.Parameter(fused.detach()[..., :half, :].clone())
+    up = nn.Parameter(fused.detach()[..., half:, :].clone())
+    fused_opt = SessionOptimizer([(f"{prefix}gate_up_proj{suffix}", fused)], muon_scaling=scaling)
+    unsplit_opt = SessionOptimizer([(f"{prefix}w_proj{suffix}", unsplit)], muon_scaling=scaling)
+    split_opt = SessionOptimizer(
+        [(f"{prefix}gate_proj{suffix}", gate), (f"{prefix}up_proj{suffix}", up)],
+        muon_scaling=scaling,
+    )
+    assert len(fused_opt.muon_param_names) == 1 and len(split_opt.muon_param_names) == 2
+    request = OptimStepRequest(muon=MuonParams(learning_rate=0.05, grad_clip_norm=0.0))
+    for _ in range(3):
+        grad = torch.randn(shape, generator=gen)
+        fused.grad, unsplit.grad = grad.clone(), grad.clone()
+        gate.grad, up.grad = grad[..., :half, :].clone(), grad[..., half:, :].clone()
+        for optimizer in (fused_opt, unsplit_opt, split_opt):
+            optimizer.step(request)
+    torch.testing.assert_close(fused.detach(), torch.cat([gate, up], -2).detach())
+    assert not torch.allclose(fused, unsplit, atol=1e-3)  # the split changes the update

@@ -4,11 +4,13 @@ enough to matter, and each family's logit post-processing switched on (Granite's
 Gemma 2's final and attention soft-capping, Gemma's scaled embeddings and tied heads).
 
 `build(family, directory)` writes a model with save_pretrained plus the built-in tokenizer
-files; `load(family, directory)` loads it through posttrain's own loader."""
+files; `load(family, directory)` loads it through posttrain's own loader. `size=Size(...)`
+builds every family at another common size (bench/models.py); the default is the tests'."""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,34 +21,58 @@ from posttrain.model.loader import LoadedModel, load_model
 
 VOCAB = 99  # the built-in tokenizer's
 WINDOW = 4  # sliding windows shorter than the test sequences
+NUM_HEADS = 4
+
+
+@dataclass(frozen=True)
+class Size:
+    """The dimensions every family shares: MLPs are 2x hidden wide (MoE experts 1/2x), heads
+    hidden / NUM_HEADS wide."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    max_position_embeddings: int = 256
+
+    def settings(self) -> dict[str, object]:
+        return dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=2 * self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // NUM_HEADS
+
+
+TESTS = Size()  # two layers, hidden 64
 _COMMON = dict(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
+    num_attention_heads=NUM_HEADS,
     num_key_value_heads=2,
-    max_position_embeddings=256,
     bos_token_id=1,
     eos_token_id=0,
     pad_token_id=0,
 )
+HEAD_DIM = object()  # a family setting that takes the size's head width
+MOE_WIDTH = object()  # a family setting that takes the size's expert width
 
 # model_type -> config overrides beyond _COMMON.
 FAMILIES: dict[str, dict[str, object]] = {
     "llama": {"tie_word_embeddings": False},
     "mistral": {"sliding_window": WINDOW},
     "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
-    "qwen3": {"head_dim": 16},
-    "gemma": {"head_dim": 16},
+    "qwen3": {"head_dim": HEAD_DIM},
+    "gemma": {"head_dim": HEAD_DIM},
     "gemma2": {
-        "head_dim": 16,
+        "head_dim": HEAD_DIM,
         "sliding_window": WINDOW,
         "final_logit_softcapping": 2.0,
         "attn_logit_softcapping": 3.0,
     },
     "gemma3_text": {
-        "head_dim": 16,
+        "head_dim": HEAD_DIM,
         "sliding_window": WINDOW,
         "sliding_window_pattern": 2,
         "final_logit_softcapping": 5.0,
@@ -56,8 +82,8 @@ FAMILIES: dict[str, dict[str, object]] = {
     "gpt_neox": {"num_key_value_heads": None, "rotary_pct": 0.5},
     "granite": {"logits_scaling": 4.0, "embedding_multiplier": 3.0, "residual_multiplier": 0.5},
     "qwen3_moe": {
-        "head_dim": 16,
-        "moe_intermediate_size": 32,
+        "head_dim": HEAD_DIM,
+        "moe_intermediate_size": MOE_WIDTH,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,
@@ -68,16 +94,24 @@ FAMILIES: dict[str, dict[str, object]] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def config(family: str):
-    settings = {**_COMMON, **FAMILIES[family]}
-    settings = {k: v for k, v in settings.items() if v is not None}
+def _sized(value: object, size: Size) -> object:
+    if value is HEAD_DIM:
+        return size.head_dim
+    if value is MOE_WIDTH:
+        return size.hidden_size // 2
+    return value
+
+
+def config(family: str, size: Size = TESTS):
+    settings = {**_COMMON, **size.settings(), **FAMILIES[family]}
+    settings = {k: _sized(v, size) for k, v in settings.items() if v is not None}
     return AutoConfig.for_model(family, **settings)
 
 
-def build(family: str, directory: Path, *, seed: int = 0) -> Path:
+def build(family: str, directory: Path, *, seed: int = 0, size: Size = TESTS) -> Path:
     """A random-init `family` model with the built-in tokenizer, saved in `directory`."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(family))
+    model = AutoModelForCausalLM.from_config(config(family, size))
     # Random-init norms are ones and biases zeros; perturb every parameter so that no family
     # feature (a norm's offset, a bias) is invisible to the comparisons.
     with torch.no_grad():

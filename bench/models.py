@@ -26,9 +26,9 @@ drifting load, which moves single runs here by up to 2x).
     python bench/models.py --quick                         # a smoke run (tiny shapes, 1 rep)
     python bench/models.py --device cuda --dtype bfloat16  # the issue's GPU family check
 
-VARIANTS holds the rows: one per family, plus rows whose runs are not measurable yet (printed
-as "pending"); qwen3_moe+replay is the MoE forward-backward with routed-expert replay, to be
-filled in when `return_routed_experts` exists (see `replay_samples`).
+VARIANTS holds the rows: one per family, plus qwen3_moe+replay, the MoE forward-backward with
+routed-expert replay (every sample carries the routes of its tokens, `replay_samples`; its
+sampling column is plain sampling). A row marked `is_pending` prints without numbers.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -89,10 +89,20 @@ def plain_samples(engine: LocalEngine, resource: str, samples: Samples) -> Sampl
 
 
 def replay_samples(engine: LocalEngine, resource: str, samples: Samples) -> Samples:
-    """The hook for routed-expert replay: the same samples, each carrying the routing its
-    tokens took when the session sampled them (a `sample_batch` with return_routed_experts,
-    then each sample's routed_experts_key). Not measurable before replay exists."""
-    raise NotImplementedError("routed-expert replay (issue 13, item 4) is not in the engine yet")
+    """The same samples, each carrying the expert routes its tokens take now (a greedy
+    one-token sample of each with return_routed_experts: its routes cover the whole prompt),
+    so the forward-backward replays them in every MoE layer (model/routing.py). Untimed."""
+    request = SampleRequest(
+        prompts=tuple(s.tokens for s in samples),
+        num_samples=1,
+        sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+        return_routed_experts=True,
+    )
+    (results,) = engine.sample_batch(resource, [(SESSION, request)])
+    return tuple(
+        replace(s, routed_experts=r.sequences[0].routed_experts)
+        for s, r in zip(samples, results, strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,7 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {family: Variant(family) for family in families.FAMILIES}
-VARIANTS["qwen3_moe+replay"] = Variant("qwen3_moe", replay_samples, is_pending=True)
+VARIANTS["qwen3_moe+replay"] = Variant("qwen3_moe", replay_samples)
 
 
 def random_ids(generator: torch.Generator, rows: int, length: int) -> list[list[int]]:

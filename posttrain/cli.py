@@ -12,13 +12,11 @@ import sys
 from pathlib import Path
 
 from posttrain.config import (
-    BUILTIN_MODEL_DIR,
-    BUILTIN_MODEL_ID,
     EngineConfig,
     LimitsConfig,
-    ModelSpec,
     RoutedExpertsConfig,
     build_config,
+    builtin_model_specs,
     model_spec_from_path,
 )
 from posttrain.demo.command import add_demo_arguments, run_demo_command
@@ -113,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
     demo = commands.add_parser(
-        "demo", help="warm up then GRPO-train the built-in model on addition; plot the reward"
+        "demo", help="warm up then GRPO-train a built-in model on addition; plot the reward"
     )
     add_demo_arguments(demo)
     return root
@@ -147,9 +145,9 @@ def serve(args: argparse.Namespace) -> None:
     from posttrain.api.server import serve as run_server
     from posttrain.model.loader import servable_problem
 
-    models = [ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR)]
-    models += [model_spec_from_path(path) for path in args.model]
-    for spec in models[1:]:
+    # The built-ins are known to be servable; only the user's directories are checked.
+    user_models = [model_spec_from_path(path) for path in args.model]
+    for spec in user_models:
         problem = servable_problem(spec.path)
         if problem is not None:
             raise ConfigError(f"--model {spec.path}: {problem}", param="models")
@@ -163,7 +161,7 @@ def serve(args: argparse.Namespace) -> None:
         expiry_check_interval_s=args.expiry_check_interval_s,
         poll_hold_seconds=args.poll_hold_seconds,
         signing_key=args.signing_key,
-        models=tuple(models),
+        models=(*builtin_model_specs(), *user_models),
         engine=engine_config(args),
         routed_experts=routed_experts_config(args),
         limits=limits_config(args),

@@ -14,15 +14,28 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from posttrain.errors import ConfigError
 
-BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
-BUILTIN_MODEL_DIR = Path(__file__).parent / "model" / "builtin" / "tiny-qwen3"
 ENV_PREFIX = "POSTTRAIN_"
+
+# The built-in models, shipped as package data (built by scripts/build_tiny_model.py): id ->
+# directory. Every server offers all of them; BUILTIN_MODEL_ID (the dense one) is the default
+# of the demo, the examples and the tests.
+BUILTIN_MODELS: dict[str, Path] = {
+    f"posttrain/{name}": Path(__file__).parent / "model" / "builtin" / name
+    for name in ("tiny-qwen3", "tiny-qwen3-moe")
+}
+BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
+BUILTIN_MODEL_DIR = BUILTIN_MODELS[BUILTIN_MODEL_ID]
 
 
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     id: str = Field(description="base_model id clients pass to model-resources create")
     path: Path = Field(description="local Hugging Face causal-LM directory")
+
+
+def builtin_model_specs() -> tuple[ModelSpec, ...]:
+    """One ModelSpec per built-in model, the default first."""
+    return tuple(ModelSpec(id=model_id, path=path) for model_id, path in BUILTIN_MODELS.items())
 
 
 class EngineConfig(BaseModel):
@@ -149,8 +162,7 @@ class ServerConfig(BaseModel):
     )
     user_id: str = Field("user_local", description="the user of single-user mode and of --api-key")
     models: tuple[ModelSpec, ...] = Field(
-        (ModelSpec(id=BUILTIN_MODEL_ID, path=BUILTIN_MODEL_DIR),),
-        description="base models this server can train",
+        default_factory=builtin_model_specs, description="base models this server can train"
     )
     signing_key: str = Field(
         "",

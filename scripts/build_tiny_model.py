@@ -1,7 +1,9 @@
-"""Build the built-in tiny causal LM ``posttrain/tiny-qwen3``.
+"""Build the built-in tiny causal LMs ``posttrain/tiny-qwen3`` and ``posttrain/tiny-qwen3-moe``.
 
-What: a ~0.8M-parameter ``Qwen3ForCausalLM`` plus a character-level tokenizer, written in
-Hugging Face format to ``posttrain/model/builtin/tiny-qwen3/`` (package data).
+What: ``--arch dense`` (the default) writes a ~0.8M-parameter ``Qwen3ForCausalLM``,
+``--arch moe`` a ~1.4M-parameter ``Qwen3MoeForCausalLM`` (8 experts, top-2); both with the
+same character-level tokenizer, in Hugging Face format under ``posttrain/model/builtin/``
+(package data).
 
 Why: the server's tests, examples and CPU demos need a real causal LM that loads with the
 stock ``AutoModelForCausalLM`` / ``AutoTokenizer`` code paths, fits in the repository (< 4 MB),
@@ -11,12 +13,20 @@ string reversal, counting, words). That gives it the character distribution and 
 line formats, while leaving multi-digit addition clearly imperfect so that SFT warm-up + RL
 demos have something measurable to improve.
 
+The MoE model exists for routed-expert replay: its router must spread tokens over the
+experts, so its pretraining adds transformers' load-balancing loss (``output_router_logits``
+while training; the saved config has it off, so serving computes no auxiliary loss), and its
+README records the tokens each expert receives on the demo's prompts.
+
+Both share the tokenizer, the data, the optimizer and the training loop; the dense path is
+unchanged by the MoE one (it reproduces the committed ``model.safetensors`` byte for byte).
 Everything is generated from fixed seeds on one CPU thread, so rebuilding produces a
 byte-identical ``model.safetensors``.
 
 Rebuild with::
 
-    python scripts/build_tiny_model.py            # default --out and --steps
+    python scripts/build_tiny_model.py                # dense: default --out and --steps
+    python scripts/build_tiny_model.py --arch moe     # MoE: default --out and --steps
 """
 
 from __future__ import annotations
@@ -26,15 +36,24 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "posttrain" / "model" / "builtin" / "tiny-qwen3"
-MODEL_NAME = "posttrain/tiny-qwen3"
+BUILTIN_DIR = REPO_ROOT / "posttrain" / "model" / "builtin"
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -45,7 +64,8 @@ SPECIAL_TOKENS = [EOS, IM_START, IM_END]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 
 SEED = 0
-DEFAULT_STEPS = 500
+MOE_STEPS = 500
+NUM_LOAD_LINES = 64  # demo lines the README's expert-load table routes
 BATCH_SIZE = 32
 LR = 3e-3
 WARMUP_STEPS = 30
@@ -131,9 +151,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
-    """Small Qwen3 config whose vocab matches the tokenizer exactly."""
+def _special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    return dict(
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        # Every training sequence starts with <|im_start|>, so it is the natural BOS for
+        # unconditional generation; the tokenizer itself never adds it.
+        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START),
+    )
+
+
+def dense_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+    """Small Qwen3 config whose vocab matches the tokenizer exactly."""
     return Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -145,13 +175,81 @@ def build_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
         max_position_embeddings=MAX_LEN,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        # Every training sequence starts with <|im_start|>, so it is the natural BOS for
-        # unconditional generation; the tokenizer itself never adds it.
-        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START),
+        **_special_ids(tokenizer),
         dtype="float32",
     )
+
+
+# The load-balancing loss's weight in pretraining. transformers' default (0.001) is tuned for
+# 128 experts over long runs; this short run needs a firmer push to keep all 8 experts in use.
+MOE_AUX_LOSS_COEF = 0.01
+
+
+def moe_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3MoeConfig:
+    """Small Qwen3-MoE config: the dense model's attention, every layer's MLP a sparse block."""
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        # Unused (every layer is sparse), but the config's default of 6144 would mislead.
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=MOE_AUX_LOSS_COEF,
+        # Off in the saved config: serving and the trainer never want the auxiliary loss;
+        # pretraining asks for router logits per call instead.
+        output_router_logits=False,
+        max_position_embeddings=MAX_LEN,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **_special_ids(tokenizer),
+        dtype="float32",
+    )
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One built-in model: its id, directory, config and the README's architecture line."""
+
+    model_id: str
+    directory: str
+    default_steps: int
+    build_config: Callable[[PreTrainedTokenizerFast], PretrainedConfig]
+    model_class: type[PreTrainedModel]
+    architecture: str
+    is_moe: bool
+
+
+ARCHS = {
+    "dense": Arch(
+        model_id="posttrain/tiny-qwen3",
+        directory="tiny-qwen3",
+        default_steps=500,
+        build_config=dense_config,
+        model_class=Qwen3ForCausalLM,
+        architecture="`Qwen3ForCausalLM` (hidden 128, 4 layers, 4 heads / 2 KV heads,"
+        " head_dim 32,\n  intermediate 384, untied embeddings)",
+        is_moe=False,
+    ),
+    "moe": Arch(
+        model_id="posttrain/tiny-qwen3-moe",
+        directory="tiny-qwen3-moe",
+        default_steps=MOE_STEPS,
+        build_config=moe_config,
+        model_class=Qwen3MoeForCausalLM,
+        architecture="`Qwen3MoeForCausalLM` (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim\n"
+        "  32; every layer a sparse MoE block of 8 experts, top-2 with `norm_topk_prob`,\n"
+        "  moe_intermediate 96; untied embeddings)",
+        is_moe=True,
+    ),
+}
 
 
 def _number(rng: random.Random) -> int:
@@ -198,10 +296,17 @@ def make_batch(
     return input_ids, attention_mask, labels
 
 
+@dataclass(frozen=True)
+class TrainingLog:
+    last: float  # cross-entropy of the last step
+    mean_tail: float  # mean cross-entropy of the last 50 steps
+    aux_tail: float | None  # MoE only: mean load-balancing loss of the last 50 steps
+
+
 def pretrain(
-    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int
-) -> tuple[float, float]:
-    """Plain next-token cross-entropy; returns (last-step loss, mean of last 50 steps)."""
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, steps: int, *, is_moe: bool
+) -> TrainingLog:
+    """Next-token cross-entropy, plus the weighted load-balancing loss for MoE models."""
     rng = random.Random(SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
@@ -213,47 +318,128 @@ def pretrain(
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    # The dense forward takes no router flag; the MoE one adds coef * aux_loss to .loss.
+    forward_kwargs = {"output_router_logits": True} if is_moe else {}
     model.train()
     losses: list[float] = []
+    aux_losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
         input_ids, attention_mask, labels = make_batch(rng, tokenizer, BATCH_SIZE)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        output = model(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels, **forward_kwargs
+        )
+        loss = output.loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        if is_moe:
+            aux_losses.append(output.aux_loss.item())
+            losses.append(loss.item() - MOE_AUX_LOSS_COEF * aux_losses[-1])
+        else:
+            losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.1f}s)")
+            aux = f"  aux {aux_losses[-1]:.4f}" if is_moe else ""
+            elapsed = time.perf_counter() - t0
+            print(f"step {step:4d}  loss {losses[-1]:.4f}{aux}  ({elapsed:.1f}s)")
     model.eval()
     tail = losses[-50:]
-    return losses[-1], sum(tail) / len(tail)
+    aux_tail = sum(aux_losses[-50:]) / len(aux_losses[-50:]) if is_moe else None
+    return TrainingLog(losses[-1], sum(tail) / len(tail), aux_tail)
 
 
-def write_readme(out: Path, n_params: int, steps: int, last: float, avg: float) -> None:
+def demo_lines(count: int) -> list[str]:
+    """`count` lines in the demo's format (posttrain/demo/task.py): a two-digit addition prompt
+    `<|im_start|>a+b=` with its correct answer, as a sampled completion would follow it."""
+    rng = random.Random(SEED + 1)
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(count)]
+    return [f"{IM_START}{a}+{b}={a + b}\n{EOS}" for a, b in pairs]
+
+
+@torch.no_grad()
+def expert_load(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:
+    """Tokens routed to each expert, per layer ([layer][expert]), over 64 demo lines.
+
+    Counts the router's top-k choices (each token counts once per chosen expert). One line per
+    forward, so no padding token is counted."""
+    top_k = model.config.num_experts_per_tok
+    num_experts = model.config.num_experts
+    counts_LE = torch.zeros(model.config.num_hidden_layers, num_experts, dtype=torch.long)
+    for line in demo_lines(NUM_LOAD_LINES):
+        ids_BT = torch.tensor([tokenizer.encode(line)])
+        output = model(input_ids=ids_BT, output_router_logits=True)
+        for layer, logits_TE in enumerate(output.router_logits):
+            chosen_TK = logits_TE.topk(top_k, dim=-1).indices
+            counts_LE[layer] += torch.bincount(chosen_TK.flatten(), minlength=num_experts)
+    return counts_LE.tolist()
+
+
+def load_table(counts: list[list[int]]) -> str:
+    """Markdown table: one row per layer, one column per expert."""
+    header = "| layer | " + " | ".join(f"e{e}" for e in range(len(counts[0]))) + " |"
+    rule = "|---" * (len(counts[0]) + 1) + "|"
+    rows = [f"| {layer} | " + " | ".join(map(str, row)) + " |" for layer, row in enumerate(counts)]
+    return "\n".join([header, rule, *rows])
+
+
+def write_readme(
+    out: Path,
+    arch: Arch,
+    n_params: int,
+    steps: int,
+    log: TrainingLog,
+    counts: list[list[int]] | None,
+) -> None:
     """Describe provenance next to the weights (no timestamps, so the file is reproducible)."""
-    text = f"""# {MODEL_NAME}
+    moe_training = (
+        f"\n  The load-balancing loss of transformers' Qwen3-MoE (weight {MOE_AUX_LOSS_COEF}) is"
+        "\n  added while training; the saved config has `output_router_logits` off."
+        if arch.is_moe
+        else ""
+    )
+    aux = (
+        f"\n- Final load-balancing loss: {log.aux_tail:.4f} (mean of last 50 steps; 2.0 at uniform"
+        " routing)."
+        if arch.is_moe
+        else ""
+    )
+    arch_flag = " --arch moe" if arch.is_moe else ""
+    purpose = (
+        "\nThe mixture-of-experts sibling of `posttrain/tiny-qwen3`, for what only MoE models\n"
+        "have: LoRA on the experts and routed-expert replay.\n"
+        if arch.is_moe
+        else ""
+    )
+    text = f"""# {arch.model_id}
 
 Built-in tiny causal LM for tests, examples and CPU demos of posttrain. Not a useful
 language model: it only knows printable-ASCII characters and a few synthetic line formats.
-
-- Architecture: `Qwen3ForCausalLM` (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32,
-  intermediate 384, untied embeddings), float32, {n_params:,} parameters.
+{purpose}
+- Architecture: {arch.architecture}, float32, {n_params:,} parameters.
 - Tokenizer: character-level (one token per printable ASCII character plus newline) with
   special tokens `{EOS}` (eos and pad), `{IM_START}`, `{IM_END}`; vocab size
   {len(SPECIAL_TOKENS) + len(CHARS)}. Encoding adds no BOS/EOS.
 - Training: {steps} steps of next-token cross-entropy (AdamW, lr {LR}, batch {BATCH_SIZE})
   on synthetic lines generated from seed {SEED}: additions (`12+34=46`), string reversal
   (`reverse abc: cba`), counting (`1 2 3 4`) and words, each wrapped as
-  `{IM_START}` + text + `{EOS}`. Multi-digit addition is deliberately left imperfect.
-- Final training loss: {last:.4f} (last step), {avg:.4f} (mean of last 50 steps).
+  `{IM_START}` + text + `{EOS}`. Multi-digit addition is deliberately left imperfect.{moe_training}
+- Final training loss: {log.last:.4f} (last step), {log.mean_tail:.4f} (mean of last 50 steps).{aux}
+"""
+    if counts is not None:
+        text += f"""
+Expert load: tokens routed to each expert (top-2, so each token counts twice) in every layer,
+over {NUM_LOAD_LINES} demo lines `{IM_START}a+b=c\\n{EOS}` (two-digit additions with their answers:
+{sum(counts[0]) // 2} tokens, {sum(counts[0])} choices per layer):
 
+{load_table(counts)}
+"""
+    text += f"""
 Rebuild (deterministic; produces a byte-identical `model.safetensors`):
 
 ```
-python scripts/build_tiny_model.py --steps {steps}
+python scripts/build_tiny_model.py{arch_flag} --steps {steps}
 ```
 """
     (out / "README.md").write_text(text)
@@ -261,9 +447,12 @@ python scripts/build_tiny_model.py --steps {steps}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="pretraining steps")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="dense", help="which model")
+    parser.add_argument("--out", type=Path, default=None, help="output directory")
+    parser.add_argument("--steps", type=int, default=None, help="pretraining steps")
     args = parser.parse_args()
+    arch = ARCHS[args.arch]
+    steps = arch.default_steps if args.steps is None else args.steps
 
     # One thread and deterministic kernels: multi-threaded CPU reductions can change the
     # floating-point summation order, which would make the weights differ between runs.
@@ -272,22 +461,26 @@ def main() -> None:
     torch.manual_seed(SEED)
 
     tokenizer = build_tokenizer()
-    config = build_config(tokenizer)
-    model = Qwen3ForCausalLM(config)
+    config = arch.build_config(tokenizer)
+    model = arch.model_class(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(tokenizer)}  parameters {n_params:,}")
 
-    last, avg = pretrain(model, tokenizer, args.steps)
-    print(f"final training loss {last:.4f} (mean of last 50 steps {avg:.4f})")
+    log = pretrain(model, tokenizer, steps, is_moe=arch.is_moe)
+    print(f"final training loss {log.last:.4f} (mean of last 50 steps {log.mean_tail:.4f})")
+    counts = None
+    if arch.is_moe:
+        counts = expert_load(model, tokenizer)
+        print(f"expert load on demo lines:\n{load_table(counts)}")
 
-    out: Path = args.out
+    out: Path = args.out or BUILTIN_DIR / arch.directory
     out.mkdir(parents=True, exist_ok=True)
     # transformers 5 always writes safetensors (the old safe_serialization flag is gone).
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    write_readme(out, n_params, args.steps, last, avg)
+    write_readme(out, arch, n_params, steps, log, counts)
     summary = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     print(json.dumps(summary, indent=2))
 

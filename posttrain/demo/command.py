@@ -12,6 +12,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
+from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.demo.loop import QUICK, DemoConfig, StepRecord, require_sdk, run_demo
 
 DEFAULT_OUT = Path("posttrain-demo")
@@ -34,6 +35,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a shortened run (fewer steps, smaller eval)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of data, LoRA and sampling")
+    parser.add_argument(
+        "--model",
+        choices=tuple(BUILTIN_MODELS),
+        default=BUILTIN_MODEL_ID,
+        help="the built-in base model to train (%(default)s)",
+    )
 
 
 class ProgressBar:
@@ -62,27 +69,34 @@ class ProgressBar:
         self.bar.close()
 
 
+def demo_config(args: argparse.Namespace) -> DemoConfig:
+    """The DemoConfig the flags ask for."""
+    config = QUICK if args.quick else DemoConfig()
+    config = replace(config, seed=args.seed, base_model=args.model)
+    if args.steps is not None:
+        if args.steps < 1:
+            sys.exit("posttrain demo: --steps must be at least 1")
+        config = replace(config, rl_steps=args.steps)
+    return config
+
+
 def run_demo_command(args: argparse.Namespace) -> None:
     require_sdk()
     from posttrain.demo.report import closing_text, write_outputs
     from posttrain.demo.server import local_server
 
-    config = QUICK if args.quick else DemoConfig()
-    config = replace(config, seed=args.seed)
-    if args.steps is not None:
-        if args.steps < 1:
-            sys.exit("posttrain demo: --steps must be at least 1")
-        config = replace(config, rl_steps=args.steps)
+    config = demo_config(args)
     out_dir: Path = args.out.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     api_key = os.environ.get("TOGETHER_API_KEY", "local-key")
     with ExitStack() as stack:
         base_url = args.base_url
         if base_url is None:
-            print("starting posttrain serve with the built-in model ...", file=sys.stderr)
+            print("starting posttrain serve with the built-in models ...", file=sys.stderr)
             base_url = stack.enter_context(local_server(log_path=out_dir / "server.log"))
         print(
             f"server {base_url} (dashboard: {base_url}/)\n"
+            f"model: {config.base_model}\n"
             f"task: two-digit addition, reward 1 for the exact answer\n"
             f"warm-up: {config.warmup_steps} cross-entropy steps x {config.warmup_batch_size} "
             f"problems; GRPO: {config.rl_steps} steps x {config.prompts_per_step} prompts x "

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
+from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.demo.task import Problem, group_advantages, reward, split_problems
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ POLL_INTERVAL_S = 0.02
 class DemoConfig:
     """Every knob of the demo. The defaults are the tuned full run (README, "Demo")."""
 
+    base_model: str = BUILTIN_MODEL_ID  # a built-in model (its tokenizer is read locally)
     seed: int = 0
     lora_rank: int = 64
     lora_alpha: int = 64
@@ -123,12 +124,14 @@ def require_sdk() -> None:
 
 
 class Tokens:
-    """The built-in model's character-level tokenizer, loaded once on the client."""
+    """A built-in model's character-level tokenizer, loaded once on the client."""
 
-    def __init__(self) -> None:
+    def __init__(self, base_model: str) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            BUILTIN_MODELS[base_model]
+        )
         self.eos = int(self.tokenizer.eos_token_id)
 
     def encode(self, text: str) -> list[int]:
@@ -372,7 +375,7 @@ def run_demo(
     started = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     log = StepLog(out_dir / "steps.jsonl")
-    tokens = Tokens()
+    tokens = Tokens(config.base_model)
     train, heldout = split_problems(config.seed, config.num_heldout)
     rng = random.Random(config.seed + 1)
     total = config.warmup_steps + config.rl_steps
@@ -385,7 +388,7 @@ def run_demo(
     lora = {"rank": config.lora_rank, "alpha": config.lora_alpha, "seed": config.seed}
     with sdk_quiet():
         resources = ModelResourcesClient.create(
-            base_url=base_url, api_key=api_key, base_model=BUILTIN_MODEL_ID, interval=0.2
+            base_url=base_url, api_key=api_key, base_model=config.base_model, interval=0.2
         )
     with resources:
         with sdk_quiet():

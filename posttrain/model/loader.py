@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from posttrain.errors import EngineFailure
 from posttrain.model import attention, routing
 from posttrain.types import MoeShape
 
@@ -61,7 +62,16 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     whatever the weights' dtype (engine/logprobs.py), and so are LoRA adapters (model/lora.py)."""
     # Never reach for a hub: every model is a local directory.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # The start-up check (servable_problem) reads no weights, so a missing, truncated or
+    # mismatched weight file surfaces here, at resource create: name the directory and the
+    # reason (transformers and safetensors raise OSError, SafetensorError, RuntimeError, ...).
+    except Exception as exc:  # noqa: BLE001
+        raise EngineFailure(
+            f"model {path}: its weights cannot be loaded ({type(exc).__name__}: {exc})"
+        ) from exc
+    model = model.to(device)
     model.eval()
     attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
     routing.install(model)  # routing capture and replay of MoE routers

@@ -154,9 +154,23 @@ class LoraExperts(nn.Module):
             if adapter.dropout > 0 and torch.is_grad_enabled():
                 x_sel = F.dropout(x_sel, adapter.dropout)
             offsets = _offsets(expert_ids_S.index_select(0, sel), num_experts)
-            low_rank = _grouped_linear(x_sel, adapter.lora_A, offsets)
-            delta = _grouped_linear(low_rank, adapter.lora_B, offsets)
+            lora_A, lora_B = _rank_padded(adapter.lora_A, adapter.lora_B)
+            low_rank = _grouped_linear(x_sel, lora_A, offsets)
+            delta = _grouped_linear(low_rank, lora_B, offsets)
             out.index_add_(0, sel, delta.to(out.dtype), alpha=adapter.scale)
+
+
+def _rank_padded(lora_A: Tensor, lora_B: Tensor) -> tuple[Tensor, Tensor]:
+    """A [E, R, in] and B [E, out, R] with R padded by zeros to a multiple of 16 bytes.
+
+    grouped_mm needs every stride a multiple of 16 bytes, and the rank is the inner dimension
+    of B and of the low-rank activations: a float32 rank that is not a multiple of 4 would
+    fail. The zero rows of A and columns of B add exact zeros, and their gradients are sliced
+    away by the pad's backward."""
+    pad = -lora_A.shape[-2] % (16 // lora_A.element_size())
+    if pad == 0:
+        return lora_A, lora_B
+    return F.pad(lora_A, (0, 0, 0, pad)), F.pad(lora_B, (0, pad))
 
 
 def _offsets(sorted_expert_ids: Tensor, num_experts: int) -> Tensor:

@@ -2,6 +2,8 @@
 
 This is the README's first command, shortened: the same warm-up then GRPO loop with fewer
 steps, run as a user runs it (the `posttrain` console script) against the module's server.
+The MoE built-in runs the same loop, much shortened, in-process (`--model` only chooses the
+DemoConfig's base_model: tests/unit/demo/test_command.py).
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import os
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from helpers import API_KEY
+from helpers import API_KEY, low_level
 
-from posttrain.demo.loop import QUICK
+from posttrain.demo.loop import QUICK, run_demo
+
+MOE_MODEL = "posttrain/tiny-qwen3-moe"
 
 
 def test_quick_demo_raises_reward_and_heldout_accuracy(shared_server, tmp_path: Path):
@@ -64,3 +69,30 @@ def test_quick_demo_raises_reward_and_heldout_accuracy(shared_server, tmp_path: 
     assert "after GRPO" in completed.stdout
     # The progress bar went to stderr with the step's numbers.
     assert "reward=" in completed.stderr and "kl=" in completed.stderr
+
+
+def test_the_demo_loop_runs_end_to_end_on_the_moe_built_in(shared_server, tmp_path: Path):
+    config = replace(
+        QUICK,
+        base_model=MOE_MODEL,
+        num_heldout=16,
+        warmup_steps=20,
+        warmup_batch_size=32,
+        rl_steps=3,
+        prompts_per_step=32,
+    )
+    result = run_demo(shared_server.base_url, API_KEY, config, tmp_path / "demo")
+
+    phases = [s.phase for s in result.steps]
+    assert phases == ["warmup"] * 20 + ["rl"] * 3
+    # Per-step losses are of different batches: compare the first and last five.
+    warmup_losses = [s.loss for s in result.steps if s.phase == "warmup"]
+    assert sum(warmup_losses[-5:]) < sum(warmup_losses[:5]), warmup_losses
+    # A step whose groups all agree trains nothing and measures no KL; some step here trains.
+    kls = [s.kl for s in result.steps if s.phase == "rl" and s.kl is not None]
+    assert kls and all(kl >= 0 for kl in kls), result.steps[-2:]
+    for accuracy in (result.accuracy_base, result.accuracy_warmup, result.accuracy_rl):
+        assert 0 <= accuracy <= 1
+    assert result.summary()["config"]["base_model"] == MOE_MODEL
+    resources = low_level(shared_server.base_url).post_training.model_resources.list()
+    assert MOE_MODEL in {r.base_model for r in resources.data}

@@ -22,8 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "model"))
 import families  # noqa: E402
 
-# The common one, the eager soft-capped one, NeoX's fused qkv, Granite's logit scaling, Phi-3's
-# fused qkv and gate_up, the mixture of experts.
+# Every family serves LoRA sessions through the SDK; the full-weight and sampling-parameter
+# tests take the common one, the eager soft-capped one, NeoX's fused qkv, Granite's logit
+# scaling, Phi-3's fused qkv and gate_up, and the mixture of experts.
+ALL = tuple(families.FAMILIES)
 SERVED = ("llama", "gemma2", "gpt_neox", "granite", "phi3", "qwen3_moe")
 SYNC_MODES = (
     "WEIGHT_SYNC_TYPE_SYNCHRONOUS",
@@ -39,7 +41,7 @@ PROMPT = TOKENS[:9]
 @pytest.fixture(scope="module")
 def family_server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("families")
-    dirs = {f: families.build(f, root / "models" / f) for f in SERVED}
+    dirs = {f: families.build(f, root / "models" / f) for f in ALL}
     model_args = [arg for d in dirs.values() for arg in ("--model", str(d))]
     proc = ServerProcess.started(root, "--poll-hold-seconds", "0", *model_args)
     yield proc, dirs
@@ -66,7 +68,7 @@ def assert_sampler_logprobs_are_forward_only(session, sequences) -> None:
         assert max(diffs) <= 1e-4, diffs
 
 
-@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize("family", ALL)
 def test_a_family_trains_scores_and_samples_through_the_sdk(family, family_server):
     server, dirs = family_server
     resources = ModelResourcesClient.create(

@@ -1,7 +1,7 @@
-"""Every dense decoder family (tests/unit/model/families.py) at engine level: the trainer's
-logprobs are the model's own (log_softmax of plain transformers' logits), and sampling works:
-the sampler's logprobs equal a forward_only of the sampled sequence, greedy KV-cache decode
-equals full recompute, and a prefix-cache hit gives the same tokens."""
+"""Every decoder family (tests/unit/model/families.py) and both built-in models at engine level:
+the trainer's logprobs are the model's own (log_softmax of plain transformers' logits), and
+sampling works: the sampler's logprobs equal a forward_only of the sampled sequence, greedy
+KV-cache decode equals full recompute, and a prefix-cache hit gives the same tokens."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
-from posttrain.config import EngineConfig  # noqa: E402
+from posttrain.config import BUILTIN_MODELS, EngineConfig  # noqa: E402
 from posttrain.engine.local import LocalEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     ForwardBackwardRequest,
@@ -30,12 +30,14 @@ from posttrain.types import (  # noqa: E402
 
 CE = LossConfig(LossType.CROSS_ENTROPY)
 TOKENS = [1, 40, 41, 42, 50, 60, 70, 80, 33, 34, 35, 36, 90, 91, 92, 20]
+# The random-init families, then the built-in models (pretrained, dense and MoE) by their ids.
+MODELS = [*families.FAMILIES, *BUILTIN_MODELS]
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {f: families.build(f, root / f) for f in families.FAMILIES}
+    return {**{f: families.build(f, root / f) for f in families.FAMILIES}, **BUILTIN_MODELS}
 
 
 def engine_for(directory: Path) -> LocalEngine:
@@ -58,7 +60,7 @@ def trainer_logprobs(engine: LocalEngine, tokens: list[int]) -> list[float]:
     return row
 
 
-@pytest.mark.parametrize("family", list(families.FAMILIES))
+@pytest.mark.parametrize("family", MODELS)
 def test_trainer_logprobs_are_the_models_own(family, family_dirs):
     plain = AutoModelForCausalLM.from_pretrained(family_dirs[family])
     with torch.no_grad():
@@ -71,7 +73,7 @@ def test_trainer_logprobs_are_the_models_own(family, family_dirs):
 PROMPT = (1, 40, 41, 42, 50, 60, 70, 80, 33)  # longer than the sliding windows
 
 
-@pytest.mark.parametrize("family", list(families.FAMILIES))
+@pytest.mark.parametrize("family", MODELS)
 def test_sampler_and_prompt_logprobs_equal_forward_only_for_any_settings(family, family_dirs):
     engine = engine_for(family_dirs[family])
     for params in (
@@ -94,7 +96,7 @@ def test_sampler_and_prompt_logprobs_equal_forward_only_for_any_settings(family,
             )
 
 
-@pytest.mark.parametrize("family", list(families.FAMILIES))
+@pytest.mark.parametrize("family", MODELS)
 def test_greedy_decode_equals_full_recompute_and_a_prefix_cache_hit_the_same(family, family_dirs):
     plain = AutoModelForCausalLM.from_pretrained(family_dirs[family])
     tokens = list(PROMPT)

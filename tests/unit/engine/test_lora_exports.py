@@ -1,6 +1,6 @@
-"""Adapter and merged exports of every family: PEFT's key layout, and merged models (fused
-projections and MoE experts included) that reproduce the adapter-applied model and the
-engine's logprobs in plain transformers."""
+"""Adapter and merged exports of every family: PEFT's key layout, adapters that PEFT loads and
+merged models (fused projections and MoE experts included) that reproduce the adapter-applied
+model and the engine's logprobs in PEFT and in plain transformers."""
 
 from __future__ import annotations
 
@@ -106,8 +106,17 @@ def ce_request(tokens: list[int], *, forward_only: bool = False) -> ForwardBackw
     )
 
 
+def target_logprobs(logits_BTV: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits_BTV.float(), dim=-1)[0].gather(-1, TOKENS[0, 1:, None])[:, 0]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merged_export_reproduces_the_engines_logprobs(tmp_path, family):
+    """A session trained 3 steps: its merged export in plain transformers, and its adapter
+    export in PEFT (PeftModel.from_pretrained over the base, fused experts included), score
+    like the engine."""
+    from peft import PeftModel
+
     base_dir = save_family_model(family, tmp_path / "base")
     engine = LocalEngine(EngineConfig(device="cpu"), {family: base_dir})
     engine.load_resource("r", family, muon_scaling=None)
@@ -117,14 +126,23 @@ def test_merged_export_reproduces_the_engines_logprobs(tmp_path, family):
         forward_backward(engine, "r", "a", ce_request(tokens))
         engine.optim_step("r", "a", OptimStepRequest(adam=AdamParams(learning_rate=1e-2)))
     scored = forward_backward(engine, "r", "a", ce_request(tokens, forward_only=True))
+    engine_logprobs = torch.tensor(scored.loss_fn_outputs[0])
     (tmp_path / "adapter").mkdir()
     engine.save_adapter("r", "a", tmp_path / "adapter", lora=LORA, base_model=family)
     engine.export_merged(family, tmp_path / "adapter", tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         logits = merged(input_ids=TOKENS[:, :-1]).logits.float()
-    expected = torch.log_softmax(logits, dim=-1)[0].gather(-1, TOKENS[0, 1:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(scored.loss_fn_outputs[0]), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(engine_logprobs, target_logprobs(logits), rtol=0, atol=1e-5)
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = target_logprobs(base(input_ids=TOKENS[:, :-1]).logits)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        adapted = target_logprobs(peft_model(input_ids=TOKENS[:, :-1]).logits)
+    torch.testing.assert_close(adapted, engine_logprobs, rtol=0, atol=1e-5)
+    assert (plain - engine_logprobs).abs().max() > 1e-3  # PEFT applied the adapter
 
 
 def test_expert_adapters_export_as_peft_target_parameters(tmp_path):
@@ -165,36 +183,3 @@ def test_expert_adapters_export_as_peft_target_parameters(tmp_path):
     loaded, loaded_scale = weights.load_peft_adapter(adapter_dir)
     assert loaded_scale == scale and loaded.keys() == state.keys()
     assert all(torch.equal(loaded[name], state[name]) for name in state)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_peft_loads_the_adapter_export_and_gives_the_engines_logprobs(tmp_path, family):
-    """The adapter export is PEFT's format, fused experts included: PeftModel.from_pretrained
-    over the plain base model scores like the engine's trained session."""
-    from peft import PeftModel
-
-    base_dir = save_family_model(family, tmp_path / "base")
-    engine = LocalEngine(EngineConfig(device="cpu"), {family: base_dir})
-    engine.load_resource("r", family, muon_scaling=None)
-    engine.create_session("r", "a", LORA)
-    tokens = TOKENS[0].tolist()
-    for _ in range(3):
-        forward_backward(engine, "r", "a", ce_request(tokens))
-        engine.optim_step("r", "a", OptimStepRequest(adam=AdamParams(learning_rate=1e-2)))
-    scored = torch.tensor(
-        forward_backward(engine, "r", "a", ce_request(tokens, forward_only=True)).loss_fn_outputs[0]
-    )
-    (tmp_path / "adapter").mkdir()
-    engine.save_adapter("r", "a", tmp_path / "adapter", lora=LORA, base_model=family)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        plain = base(input_ids=TOKENS[:, :-1]).logits.float()
-    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        logits = peft_model(input_ids=TOKENS[:, :-1]).logits.float()
-
-    def target_logprobs(logits_BTV: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits_BTV, dim=-1)[0].gather(-1, TOKENS[0, 1:, None])[:, 0]
-
-    torch.testing.assert_close(target_logprobs(logits), scored, rtol=0, atol=1e-5)
-    assert (target_logprobs(plain) - scored).abs().max() > 1e-3  # the adapter is applied

@@ -52,7 +52,9 @@ OTHER_MOE = {
 def build_moe(family: str, directory: Path) -> Path:
     if family in families.FAMILIES:
         return families.build(family, directory)
-    config = AutoConfig.for_model(family, **{**families._COMMON, **OTHER_MOE[family]})
+    settings = {**families._COMMON, **families.TESTS.settings(), **OTHER_MOE[family]}
+    config = AutoConfig.for_model(family, **settings)
+    assert config.num_hidden_layers == 2 and config.hidden_size == 64  # never a default size
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

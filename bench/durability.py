@@ -33,7 +33,6 @@ from posttrain.types import (  # noqa: E402
     LossConfig,
     LossType,
     OptimStepRequest,
-    TrainingSample,
 )
 
 CE = LossConfig(LossType.CROSS_ENTROPY)
@@ -71,7 +70,8 @@ def measure(name: str, model_id: str, model_dir: Path, rank: int, lengths, steps
     engine = LocalEngine(EngineConfig(device="cpu"), {model_id: model_dir})
     engine.load_resource("r", model_id, muon_scaling=None)
     engine.create_session("r", "s", LoraConfig(rank=rank, alpha=2 * rank))
-    samples = make_samples(lengths, seed=0) if model_id == MODEL_ID else builtin_samples(lengths)
+    vocab = engine.model_info(model_id).vocab_size
+    samples = make_samples(lengths, seed=0, vocab=vocab)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as root:
         state_dir = Path(root) / "state"
         engine.persist_session(
@@ -96,16 +96,6 @@ def measure(name: str, model_id: str, model_dir: Path, rank: int, lengths, steps
         print(f"{op:<18}{off:>10.1f}{on:>10.1f}{on / off:>8.2f}")
     off, on = (statistics.median(totals[d]) * 1e3 for d in (False, True))
     print(f"{'whole step':<18}{off:>10.1f}{on:>10.1f}{on / off:>8.2f}")
-
-
-def builtin_samples(lengths):
-    generator = torch.Generator().manual_seed(0)
-    out = []
-    for length in lengths:
-        tokens = torch.randint(3, 99, (length + 1,), generator=generator).tolist()
-        inputs = {"target_tokens": tuple(float(t) for t in tokens[1:]), "weights": (1.0,) * length}
-        out.append(TrainingSample(tuple(tokens[:-1]), inputs))
-    return tuple(out)
 
 
 def restart_to_serving(sessions: int) -> None:

@@ -96,12 +96,12 @@ def make_engine(setup: Setup) -> LocalEngine:
     return engine
 
 
-def make_samples(lengths: list[int], seed: int) -> tuple[TrainingSample, ...]:
+def make_samples(lengths: list[int], seed: int, vocab: int = VOCAB) -> tuple[TrainingSample, ...]:
     """Random token ids (from 3 up: past the special tokens), CE weight 1 on every token."""
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for length in lengths:
-        tokens = torch.randint(3, VOCAB, (length + 1,), generator=generator).tolist()
+        tokens = torch.randint(3, vocab, (length + 1,), generator=generator).tolist()
         inputs = {"target_tokens": tuple(float(t) for t in tokens[1:]), "weights": (1.0,) * length}
         samples.append(TrainingSample(tuple(tokens[:-1]), inputs))
     return tuple(samples)

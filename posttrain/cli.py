@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from posttrain.config import (
     EngineConfig,
@@ -21,6 +22,8 @@ from posttrain.config import (
 )
 from posttrain.demo.command import add_demo_arguments, run_demo_command
 from posttrain.errors import ConfigError
+
+C = TypeVar("C")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -117,27 +120,17 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def given_config(cls: type[C], **flags: object) -> C | None:
+    """`cls` from the flags that were given, or None (its defaults) when none was."""
+    given = {key: value for key, value in flags.items() if value is not None}
+    return cls(**given) if given else None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     """The engine flags given, or None for the engine defaults."""
-    given = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "loss_fn_outputs": args.loss_fn_outputs,
-    }
-    given = {key: value for key, value in given.items() if value is not None}
-    return EngineConfig(**given) if given else None
-
-
-def limits_config(args: argparse.Namespace) -> LimitsConfig | None:
-    given = {"max_body_mib": args.max_body_mib, "max_payload_mib": args.max_payload_mib}
-    given = {key: value for key, value in given.items() if value is not None}
-    return LimitsConfig(**given) if given else None
-
-
-def routed_experts_config(args: argparse.Namespace) -> RoutedExpertsConfig | None:
-    given = {"ttl_s": args.routed_experts_ttl_s, "memory_mib": args.routed_experts_mib}
-    given = {key: value for key, value in given.items() if value is not None}
-    return RoutedExpertsConfig(**given) if given else None
+    return given_config(
+        EngineConfig, device=args.device, dtype=args.dtype, loss_fn_outputs=args.loss_fn_outputs
+    )
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -163,8 +156,14 @@ def serve(args: argparse.Namespace) -> None:
         signing_key=args.signing_key,
         models=(*builtin_model_specs(), *user_models),
         engine=engine_config(args),
-        routed_experts=routed_experts_config(args),
-        limits=limits_config(args),
+        routed_experts=given_config(
+            RoutedExpertsConfig,
+            ttl_s=args.routed_experts_ttl_s,
+            memory_mib=args.routed_experts_mib,
+        ),
+        limits=given_config(
+            LimitsConfig, max_body_mib=args.max_body_mib, max_payload_mib=args.max_payload_mib
+        ),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     run_server(create_app(config), host=config.host, port=config.port, log_level=args.log_level)

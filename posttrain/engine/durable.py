@@ -13,7 +13,8 @@ Parts: `trainer` (the trainer adapter), `generator` (the generator adapter), `op
 moments and the RNG state dropout draws from), `gradients` (accumulated since the last step;
 none is an empty file).
 
-Imports: engine.optim, engine.weights (RNG state), model.lora (through the state).
+Imports: nothing from posttrain (torch and safetensors only); engine/local.py gathers the
+parts from a session and puts them back.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from posttrain.types import (
     CheckpointRecord,
     CustomForwardBackwardOutput,
     ForwardBackwardResult,
-    OperationErrorCode,
     OperationKind,
     OperationRecord,
     OperationStatus,
@@ -300,21 +299,6 @@ class Repo:
             (OperationStatus.PENDING.value, OperationStatus.RUNNING.value),
         )
         return [(operation_from_dict(json.loads(row[0])), row[1]) for row in rows]
-
-    def fail_unfinished_operations(self, message: str, now: float) -> int:
-        """Mark every PENDING/RUNNING operation FAILED (INTERNAL_ERROR); returns how many."""
-        unfinished = self.unfinished_operations()
-        for op in unfinished:
-            self.put_operation(
-                dataclasses.replace(
-                    op,
-                    status=OperationStatus.FAILED,
-                    updated_at=now,
-                    error_code=OperationErrorCode.INTERNAL_ERROR,
-                    error_message=message,
-                )
-            )
-        return len(unfinished)
 
     # ------------------------------------------------------------ checkpoints
 

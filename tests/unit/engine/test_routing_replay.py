@@ -9,7 +9,6 @@ the sample or the model are refused naming the field."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -17,7 +16,6 @@ import pytest
 import torch
 from engine_calls import forward_backward, sample
 from torch.nn import functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
@@ -42,38 +40,14 @@ CE = LossConfig(LossType.CROSS_ENTROPY)
 PROMPT = (1, 40, 41, 42, 50, 60, 70)
 
 
-# The replayable router families beyond families.FAMILIES' qwen3_moe: their config overrides.
-OTHER_MOE = {
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
-}
-
-
-def build_moe(family: str, directory: Path) -> Path:
-    if family in families.FAMILIES:
-        return families.build(family, directory)
-    settings = {**families._COMMON, **families.TESTS.settings(), **OTHER_MOE[family]}
-    config = AutoConfig.for_model(family, **settings)
-    assert config.num_hidden_layers == 2 and config.hidden_size == 64  # never a default size
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    model.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(families.BUILTIN_MODEL_DIR / name, directory / name)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
     return families.build("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", *OTHER_MOE])
+@pytest.fixture(scope="module", params=["qwen3_moe", *families.REPLAY_FAMILIES])
 def any_moe_dir(request, tmp_path_factory) -> Path:
-    return build_moe(request.param, tmp_path_factory.mktemp("moe") / request.param)
+    return families.build(request.param, tmp_path_factory.mktemp("moe") / request.param)
 
 
 def engine_for(directory: Path) -> LocalEngine:

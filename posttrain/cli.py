@@ -134,16 +134,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from posttrain.api.app import create_app
-    from posttrain.api.server import serve as run_server
-    from posttrain.model.loader import servable_problem
+    from posttrain.api.listen import listening_socket
 
-    # The built-ins are known to be servable; only the user's directories are checked.
     user_models = [model_spec_from_path(path) for path in args.model]
-    for spec in user_models:
-        problem = servable_problem(spec.path)
-        if problem is not None:
-            raise ConfigError(f"--model {spec.path}: {problem}", param="models")
     config = build_config(
         host=args.host,
         port=args.port,
@@ -165,8 +158,26 @@ def serve(args: argparse.Namespace) -> None:
             LimitsConfig, max_body_mib=args.max_body_mib, max_payload_mib=args.max_payload_mib
         ),
     )
+    # Listening before torch is imported: clients that retry across a restart queue instead of
+    # being refused (api/listen.py).
+    try:
+        sock = listening_socket(config.host, config.port)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {config.host}:{config.port}: {exc}", param="port"
+        ) from exc
+
+    from posttrain.api.app import create_app
+    from posttrain.api.server import serve as run_server
+    from posttrain.model.loader import servable_problem
+
+    # The built-ins are known to be servable; only the user's directories are checked.
+    for spec in user_models:
+        problem = servable_problem(spec.path)
+        if problem is not None:
+            raise ConfigError(f"--model {spec.path}: {problem}", param="models")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    run_server(create_app(config), host=config.host, port=config.port, log_level=args.log_level)
+    run_server(create_app(config), sock=sock, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

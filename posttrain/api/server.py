@@ -23,5 +23,6 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app: FastAPI, *, host: str, port: int, log_level: str) -> None:
-    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+def serve(app: FastAPI, *, sock: socket.socket, log_level: str) -> None:
+    """Serve `app` on `sock`, already listening (api/listen.py says why)."""
+    Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])

@@ -75,6 +75,7 @@ def build_services(
     routed_experts = RoutedExpertsStore(
         ttl_s=config.routed_experts.ttl_s,
         budget_bytes=config.routed_experts.memory_mib << 20,
+        directory=config.data_dir / "routed_experts",
     )
     scheduler = Scheduler(
         repo,

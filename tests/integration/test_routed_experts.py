@@ -232,3 +232,37 @@ def test_a_dense_model_ignores_return_routed_experts(moe_server):
     assert [s.routed_experts_key for s in result.sequences] == [None, None]
     message = refused(session, ce_sample(PROMPT, routed_experts_key="re_anything"))
     assert "samples[0].routed_experts_key" in message
+
+
+def test_keys_a_completed_sample_reported_survive_kill_9(tmp_path):
+    """The loop sampled with return_routed_experts, the server died before it trained on the
+    routes: after the restart the keys still replay exactly the routes they named."""
+    server = ServerProcess.started(tmp_path, "--poll-hold-seconds", "0")
+    try:
+        resources = ModelResourcesClient.create(
+            base_url=server.base_url,
+            api_key=API_KEY,
+            base_model="posttrain/tiny-qwen3-moe",
+            interval=0.2,
+        )
+        session = resources.create_session(interval=0.2, lora_config={"rank": 4, "seed": 2})
+        result = session.generator.sample(
+            model_input(PROMPT),
+            num_samples=2,
+            sampling_params={"max_tokens": 6, "seed": 4},
+            return_routed_experts=True,
+            interval=FAST,
+        )
+        samples = [
+            ce_sample(PROMPT + list(s.tokens), routed_experts_key=s.routed_experts_key)
+            for s in result.sequences
+        ]
+        session.trainer.forward_backward(samples=[samples[1]], loss=CE, interval=FAST)
+        session.trainer.optim_step(adam_params={"learning_rate": 5e-2}, interval=FAST)
+        before = [scored(session, sample) for sample in samples]
+
+        server.stop(kill=True)
+        server.start(keep_port=True)
+        assert [scored(session, sample) for sample in samples] == before
+    finally:
+        server.stop()

@@ -29,7 +29,8 @@ from posttrain.types import (
 )
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-from lora_families import FAMILIES, save_family_model  # noqa: E402
+import families  # noqa: E402
+from families import FAMILIES  # noqa: E402
 
 TOKENS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
 LORA = LoraConfig(rank=4, alpha=8, seed=1)
@@ -49,7 +50,7 @@ def save_adapter(lora: LoraModel, tensors: dict[str, torch.Tensor], directory: P
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_merged_export_equals_the_adapter_applied_model(tmp_path, family):
-    base_dir = save_family_model(family, tmp_path / "base")
+    base_dir = families.build(family, tmp_path / "base")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     lora = LoraModel(model)
     named = lora.add_adapter("a", AdapterSpec(4, 8, 0.0, seed=5, train_unembed=True))
@@ -71,7 +72,7 @@ def test_merged_export_equals_the_adapter_applied_model(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "gpt_neox"])
 def test_adapter_export_follows_peft_naming(tmp_path, family):
-    base_dir = save_family_model(family, tmp_path / "base")
+    base_dir = families.build(family, tmp_path / "base")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     modules = dict(model.named_modules())
     lora = LoraModel(model)
@@ -117,7 +118,7 @@ def test_merged_export_reproduces_the_engines_logprobs(tmp_path, family):
     like the engine."""
     from peft import PeftModel
 
-    base_dir = save_family_model(family, tmp_path / "base")
+    base_dir = families.build(family, tmp_path / "base")
     engine = LocalEngine(EngineConfig(device="cpu"), {family: base_dir})
     engine.load_resource("r", family, muon_scaling=None)
     engine.create_session("r", "a", LORA)
@@ -146,7 +147,7 @@ def test_merged_export_reproduces_the_engines_logprobs(tmp_path, family):
 
 
 def test_expert_adapters_export_as_peft_target_parameters(tmp_path):
-    base_dir = save_family_model("qwen3_moe", tmp_path / "base")
+    base_dir = families.build("qwen3_moe", tmp_path / "base")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     lora = LoraModel(model)
     named = lora.add_adapter("a", AdapterSpec(4, 8, 0.0, seed=5, train_unembed=False))

@@ -117,17 +117,22 @@ def config(family: str, size: Size = TESTS):
     return AutoConfig.for_model(family, **settings)
 
 
-def build(family: str, directory: Path, *, seed: int = 0, size: Size = TESTS) -> Path:
-    """A random-init `family` model with the built-in tokenizer, saved in `directory`."""
+def model(family: str, *, seed: int = 0, size: Size = TESTS) -> torch.nn.Module:
+    """A random-init `family` model (float32, eval mode)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(family, size))
+    built = AutoModelForCausalLM.from_config(config(family, size), dtype=torch.float32)
     # Random-init norms are ones and biases zeros; perturb every parameter so that no family
     # feature (a norm's offset, a bias) is invisible to the comparisons.
     with torch.no_grad():
-        for parameter in model.parameters():
+        for parameter in built.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
+    return built.eval()
+
+
+def build(family: str, directory: Path, *, seed: int = 0, size: Size = TESTS) -> Path:
+    """A random-init `family` model with the built-in tokenizer, saved in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
+    model(family, seed=seed, size=size).save_pretrained(directory)
     for name in _TOKENIZER_FILES:
         shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
     return directory

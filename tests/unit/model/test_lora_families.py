@@ -8,9 +8,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import families
 import pytest
 import torch
-from lora_families import FAMILIES, build_family_model, save_family_model
+from families import FAMILIES
 from torch.nn import functional as F
 
 from posttrain.config import EngineConfig
@@ -36,6 +37,7 @@ LLAMA_STYLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # Adapted projections of decoder layer 0, by family (attention then MLP).
 EXPECTED = {
     **{f: LLAMA_STYLE for f in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")},
+    "gemma3_text": LLAMA_STYLE,
     **{f: LLAMA_STYLE for f in ("olmo2", "granite")},
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
@@ -53,7 +55,7 @@ def layer0_targets(lora: LoraModel) -> set[str]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_adapter_attaches_to_every_projection_of_the_family(family):
-    lora = LoraModel(build_family_model(family))
+    lora = LoraModel(families.model(family))
     assert layer0_targets(lora) == set(EXPECTED[family])
     assert lora.head_name == "lm_head"
     names = {name for name, _ in lora.add_adapter("a", SPEC)}
@@ -65,7 +67,7 @@ def test_adapter_attaches_to_every_projection_of_the_family(family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fresh_adapter_leaves_logits_bit_identical(family):
-    model = build_family_model(family)
+    model = families.model(family)
     with torch.no_grad():
         base = model(input_ids=TOKENS).logits
     lora = LoraModel(model)
@@ -92,7 +94,7 @@ def ce_request(tokens: list[int]) -> ForwardBackwardRequest:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_training_through_the_engine_lowers_the_loss(tmp_path, family):
-    directory = save_family_model(family, tmp_path / family)
+    directory = families.build(family, tmp_path / family)
     engine = LocalEngine(EngineConfig(device="cpu"), {family: directory})
     engine.load_resource("r", family, muon_scaling=None)
     engine.create_session("r", "a", LoraConfig(rank=4, alpha=8, seed=1))
@@ -131,7 +133,7 @@ def explicit_moe_block(block, hidden_BTH, adapters_by_row):
 # Ranks whose float32 rows are not a multiple of 16 bytes (1, 3) are padded for grouped_mm.
 @pytest.mark.parametrize("rank", [4, 3, 1])
 def test_expert_adapters_match_an_explicit_per_expert_computation(rank):
-    model = build_family_model("qwen3_moe")
+    model = families.model("qwen3_moe")
     lora = LoraModel(model)
     block = model.model.layers[0].mlp
     factors = {}
@@ -163,7 +165,7 @@ def test_expert_adapters_match_an_explicit_per_expert_computation(rank):
 
 
 def test_moe_sessions_in_one_shared_pass_match_each_alone(tmp_path):
-    directory = save_family_model("qwen3_moe", tmp_path / "moe")
+    directory = families.build("qwen3_moe", tmp_path / "moe")
 
     def engine_with_sessions() -> LocalEngine:
         engine = LocalEngine(EngineConfig(device="cpu"), {"moe": directory})
@@ -199,7 +201,7 @@ def test_moe_sessions_in_one_shared_pass_match_each_alone(tmp_path):
 
 
 def test_moe_lora_under_muon_updates_each_expert_and_lowers_the_loss(tmp_path):
-    directory = save_family_model("qwen3_moe", tmp_path / "moe")
+    directory = families.build("qwen3_moe", tmp_path / "moe")
     engine = LocalEngine(EngineConfig(device="cpu"), {"moe": directory})
     engine.load_resource("r", "moe", muon_scaling=MuonScaling.MATCH_ADAM)
     engine.create_session("r", "a", LoraConfig(rank=4, alpha=8, seed=1))

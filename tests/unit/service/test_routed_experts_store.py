@@ -80,3 +80,58 @@ def test_an_ended_session_leaves_no_routes():
     store.drop_session("s1")
     assert len(store) == 1 and store.size_bytes() == len(routes(3).data)
     store.get("s2", kept, "p")
+
+
+def distinct(tokens: int, fill: int) -> ExpertRoutes:
+    return ExpertRoutes(tokens, 2, 2, bytes([fill]) * (8 * tokens))
+
+
+def test_keys_on_disk_outlive_the_store_that_made_them(tmp_path):
+    """A restarted server's store serves the keys a COMPLETED sample reported, bit for bit,
+    with the TTL they had; one file per sample operation."""
+    clock = Clock()
+    first = RoutedExpertsStore(ttl_s=60, budget_bytes=1 << 20, clock=clock, directory=tmp_path)
+    sequences = [
+        SampledSequence([7, 8], [-0.1, -0.2], StopReason.LENGTH, 0, distinct(4, 1)),
+        SampledSequence([9], [-0.3], StopReason.STOP, 0, distinct(2, 2)),
+    ]
+    (result,) = first.keyed("s", [SampleResult(sequences, [])])
+    made = {
+        seq.routed_experts_key: routes
+        for seq, routes in zip(result.sequences, (distinct(4, 1), distinct(2, 2)), strict=True)
+    }
+    other = first.put("t", distinct(5, 9))
+    assert len(list(tmp_path.iterdir())) == 2
+
+    clock.now += 30
+    again = RoutedExpertsStore(ttl_s=60, budget_bytes=1 << 20, clock=clock, directory=tmp_path)
+    for key, value in made.items():
+        assert again.get("s", key, "p") == value
+    refused(again, "s", other)  # still another session's
+    assert again.get("t", other, "p") == distinct(5, 9)
+    clock.now += 30.1  # the TTL runs from when the key was made, not from the restart
+    for key in made:
+        refused(again, "s", key)
+    assert list(tmp_path.iterdir()) == []  # expired keys leave no files
+
+
+def test_a_file_goes_when_its_last_key_does(tmp_path):
+    store = RoutedExpertsStore(ttl_s=60, budget_bytes=2 * 8 * 4, directory=tmp_path)
+    store.put_many("s", [distinct(4, 1), distinct(4, 2)])  # one file, 64 bytes of routes
+    (path,) = tmp_path.iterdir()
+    store.put("s", distinct(4, 3))  # over budget: the oldest key goes, its file stays
+    assert path.exists() and len(store) == 2
+    store.put("s", distinct(4, 4))
+    assert not path.exists() and len(store) == 2
+    store.drop_session("s")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_crash_mid_write_leaves_no_key_and_no_litter(tmp_path):
+    store = RoutedExpertsStore(ttl_s=60, budget_bytes=1 << 20, directory=tmp_path)
+    kept = store.put("s", distinct(3, 5))
+    (tmp_path / "b_cut.routes.tmp").write_bytes(b'{"session_id": "s"')  # killed mid-write
+    (tmp_path / "b_bad.routes").write_bytes(b"not a header\n")
+    again = RoutedExpertsStore(ttl_s=60, budget_bytes=1 << 20, directory=tmp_path)
+    assert again.get("s", kept, "p") == distinct(3, 5) and len(again) == 1
+    assert [p.suffix for p in tmp_path.iterdir()] == [".routes"]

@@ -41,6 +41,15 @@ def builtin_model_specs() -> tuple[ModelSpec, ...]:
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     device: str = Field("auto", description="torch device: auto (cuda if present), cpu, cuda")
+    # Measured (bench/process_boundary.py, docs/benchmarks.md): a process boundary adds a pipe
+    # round trip and pickling per engine call; threads share the API process's memory and
+    # start instantly, so they stay the default until the trainer and generators run apart.
+    workers: Literal["thread", "process"] = Field(
+        "thread",
+        description="where each model resource's engine runs: a thread of the API process, or"
+        " a worker process of its own (engine/process.py: a crash or out-of-memory there fails"
+        " that resource's operations, not the server, and its sessions are restored)",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="base weights' dtype: auto = bfloat16 on CUDA, float32 on CPU; float32 on"

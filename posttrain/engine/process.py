@@ -36,16 +36,14 @@ from typing import Any
 from posttrain.config import EngineConfig
 from posttrain.engine.interface import ModelInfo
 from posttrain.engine.local import LocalEngine
-from posttrain.errors import EngineFailure
+from posttrain.errors import EngineFailure, WorkerDied
 
 # Served in the API process: they read a base model's files, never a resource's state.
 CATALOG = ("device_name", "model_info", "check_tokens", "export_merged")
+# Calls that only drop state: on a dead worker there is nothing left to drop.
+FORGETTING = ("drop_session",)
 # A worker answers within this many seconds of being asked to stop, or is killed.
 STOP_GRACE_S = 10.0
-
-
-class WorkerDied(EngineFailure):
-    """The worker process of a model resource ended while (or before) serving a call."""
 
 
 class _Callback:
@@ -195,6 +193,8 @@ class ProcessEngine:
                 worker = self._workers.get(resource_id)
             if worker is None:
                 return getattr(self._catalog, method)(resource_id, *args, **kwargs)  # NotFound
+            if worker.dead is not None and method in FORGETTING:
+                return None  # what it would drop died with the worker
             return worker.call(method, (resource_id, *args), kwargs)
 
         return forwarded

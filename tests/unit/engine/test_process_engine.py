@@ -16,8 +16,8 @@ from engine_calls import forward_backward, sample
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import durable
 from posttrain.engine.local import LocalEngine
-from posttrain.engine.process import ProcessEngine, WorkerDied
-from posttrain.errors import InvalidRequest, NotFound
+from posttrain.engine.process import ProcessEngine
+from posttrain.errors import InvalidRequest, NotFound, WorkerDied
 from posttrain.types import (
     AdamParams,
     CustomForwardBackwardRequest,

@@ -41,9 +41,10 @@ def builtin_model_specs() -> tuple[ModelSpec, ...]:
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     device: str = Field("auto", description="torch device: auto (cuda if present), cpu, cuda")
-    # Measured (bench/process_boundary.py, docs/benchmarks.md): a process boundary adds a pipe
-    # round trip and pickling per engine call; threads share the API process's memory and
-    # start instantly, so they stay the default until the trainer and generators run apart.
+    # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs about 0.5 ms a
+    # call, within the noise of every operation but a publish; a worker process costs a start
+    # (spawn, import torch, load the model: seconds) and its own copy of the libraries. Threads
+    # stay the default until the trainer and generators run apart (issue 15).
     workers: Literal["thread", "process"] = Field(
         "thread",
         description="where each model resource's engine runs: a thread of the API process, or"

@@ -58,6 +58,12 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", default=None, help="auto, cpu or cuda")
     serve.add_argument(
+        "--workers",
+        choices=("thread", "process"),
+        default=None,
+        help="run each model resource's engine in a thread (default) or a worker process",
+    )
+    serve.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default=None,
@@ -129,7 +135,11 @@ def given_config(cls: type[C], **flags: object) -> C | None:
 def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     """The engine flags given, or None for the engine defaults."""
     return given_config(
-        EngineConfig, device=args.device, dtype=args.dtype, loss_fn_outputs=args.loss_fn_outputs
+        EngineConfig,
+        device=args.device,
+        dtype=args.dtype,
+        loss_fn_outputs=args.loss_fn_outputs,
+        workers=args.workers,
     )
 
 

@@ -41,6 +41,16 @@ def builtin_model_specs() -> tuple[ModelSpec, ...]:
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     device: str = Field("auto", description="torch device: auto (cuda if present), cpu, cuda")
+    # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs about 0.5 ms a
+    # call, within the noise of every operation but a publish; a worker process costs a start
+    # (spawn, import torch, load the model: seconds) and its own copy of the libraries. Threads
+    # stay the default until the trainer and generators run apart (issue 15).
+    workers: Literal["thread", "process"] = Field(
+        "thread",
+        description="where each model resource's engine runs: a thread of the API process, or"
+        " a worker process of its own (engine/process.py: a crash or out-of-memory there fails"
+        " that resource's operations, not the server, and its sessions are restored)",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="base weights' dtype: auto = bfloat16 on CUDA, float32 on CPU; float32 on"

@@ -75,6 +75,11 @@ class EngineFailure(posttrainError):
     """The engine failed while running an operation."""
 
 
+class WorkerDied(EngineFailure):
+    """The worker process of a model resource ended while (or before) serving a call
+    (engine/process.py); the service reloads the resource and restores its sessions."""
+
+
 class NonFiniteLoss(EngineFailure):
     """A loss or gradient was NaN or infinite; the operation's contribution was discarded."""
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
+from posttrain.engine.process import ProcessEngine
 from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.completion import CompletionWatch
@@ -36,7 +37,7 @@ log = logging.getLogger("posttrain")
 class Services:
     config: ServerConfig
     repo: Repo
-    engine: LocalEngine
+    engine: LocalEngine | ProcessEngine
     scheduler: Scheduler
     resources: ResourceService
     sessions: SessionService
@@ -57,6 +58,8 @@ class Services:
         self.watch.close()
         self.expiry.close()
         self.scheduler.close()
+        if isinstance(self.engine, ProcessEngine):
+            self.engine.close()  # after the threads that call it: no orphan worker processes
 
 
 def build_services(
@@ -69,7 +72,9 @@ def build_services(
     repo = Repo(connect(config.data_dir))
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
-    engine = LocalEngine(config.engine, {spec.id: spec.path for spec in config.models})
+    model_paths = {spec.id: spec.path for spec in config.models}
+    engine_class = ProcessEngine if config.engine.workers == "process" else LocalEngine
+    engine = engine_class(config.engine, model_paths)
     signer = UrlSigner(signing_key(config.signing_key, config.data_dir), config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
     routed_experts = RoutedExpertsStore(
@@ -117,6 +122,7 @@ def build_services(
     # First the sessions (an operation whose state reached the disk completes from it), then
     # the operations that had not finished: they run again behind the sessions' restores.
     sessions.recover_after_restart()
+    scheduler.on_worker_lost = sessions.recover_worker
     operations.resume_after_restart(
         None if reparse is None else lambda op, raw: reparse(services, op, raw)
     )

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from posttrain.config import SchedulerConfig
 from posttrain.engine.interface import Engine
-from posttrain.errors import SessionNotActive
+from posttrain.errors import SessionNotActive, WorkerDied
 from posttrain.service import policy
 from posttrain.service.arrivals import Arrivals, end_current_arrival
 from posttrain.service.checkpoints import CheckpointService
@@ -98,6 +98,9 @@ class Scheduler:
         self.metrics = OperationMetrics()  # what /metrics reports (service/metrics.py)
         # Live LoRA session state on disk (service/durability.py); None with a fake engine.
         self.durability = durability
+        # Set by build_services: reloads a resource whose worker process died and restores
+        # its sessions (SessionService.recover_worker).
+        self.on_worker_lost: Callable[[str], None] | None = None
         self.recorder = OperationRecorder(repo, self.metrics, durability)
         # Deferred weights-syncs (service/publishing.py); the enqueue lock keeps the mailbox's
         # ticket order equal to the FIFO order.
@@ -118,7 +121,7 @@ class Scheduler:
                 self._workers[resource_id] = ResourceWorker(
                     f"worker-{resource_id}",
                     lambda group, rid=resource_id: self._run_group(rid, group),
-                    self._fail_group,
+                    lambda group, exc, rid=resource_id: self._fail_group(rid, group, exc),
                     max_batch=self.limits.max_batch,
                     max_sample_rows=self.limits.max_sample_rows,
                     arriving=lambda rid=resource_id: self._arriving(rid),
@@ -228,8 +231,12 @@ class Scheduler:
         running = self.recorder.start([op for op, _, _ in ready])
         return [(op, s, r) for op, (_, s, r) in zip(running, ready, strict=True)]
 
-    def _fail_group(self, group: list[QueuedOperation], exc: Exception) -> None:
+    def _fail_group(self, resource_id: str, group: list[QueuedOperation], exc: Exception) -> None:
         self.recorder.fail_unfinished([item.operation_id for item in group], exc)
+        if isinstance(exc, WorkerDied) and self.on_worker_lost is not None:
+            # On this worker thread, before the next queued operation: it finds its session
+            # restored, not a dead process (engine/process.py).
+            self.on_worker_lost(resource_id)
 
     def _pass(self, resource_id: str, kind: OperationKind, ready: list[Ready]) -> list[Outcome]:
         """One engine pass over the group; per member an output or an error."""

@@ -13,6 +13,7 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -37,6 +38,8 @@ from posttrain.types import (
     SessionRecord,
     SessionStatus,
 )
+
+log = logging.getLogger("posttrain.sessions")
 
 SETUP_WAIT_S = 30.0
 STOP_WAIT_S = 5.0
@@ -308,6 +311,27 @@ class SessionService:
                 user_session.id,
                 lambda s, st=status, er=error: dataclasses.replace(s, status=st, error=er),
             )
+
+    def recover_worker(self, resource_id: str) -> None:
+        """Worker thread, right after the resource's worker process died and the operations in
+        flight failed (Scheduler._fail_group): load the resource again and give each live
+        session the state of its last completed operation, as after a server restart; a
+        session without kept state ends in ERROR saying why."""
+        durability = self.scheduler.durability
+        for session in self.repo.sessions_of_resource(resource_id):
+            if session.status != SessionStatus.RUNNING:
+                continue
+            try:
+                if durability is None or not durability.reconcile(session):
+                    raise RuntimeError(
+                        f"the worker process of model resource {resource_id} died and this"
+                        " session's training state was not kept. Resume from a training"
+                        " checkpoint in a new session."
+                    )
+                self._restore(session.id)
+            except Exception as exc:  # noqa: BLE001 - the failure is the session's record
+                log.warning("session %s not restored after its worker died: %s", session.id, exc)
+                self._setup_failed(resource_id, session.id, exc)
 
     def _restore(self, session_id: str) -> None:
         """Worker thread: load the resource, create the session and give it its kept state."""

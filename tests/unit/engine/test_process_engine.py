@@ -1,0 +1,167 @@
+"""ProcessEngine (engine/process.py): the same calls give the same results, bit for bit, as the
+in-process LocalEngine, errors keep their class and field, a mid-sample callback publishes
+across the pipe, and a worker that is killed fails its calls without taking this process with
+it, and can be loaded again."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from engine_calls import forward_backward, sample
+
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
+from posttrain.engine import durable
+from posttrain.engine.local import LocalEngine
+from posttrain.engine.process import ProcessEngine
+from posttrain.errors import InvalidRequest, NotFound, WorkerDied
+from posttrain.types import (
+    AdamParams,
+    CustomForwardBackwardRequest,
+    ForwardBackwardRequest,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    OptimStepRequest,
+    SampleRequest,
+    SamplingParams,
+    TrainingSample,
+)
+
+CONFIG = EngineConfig(device="cpu")
+MODELS = {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
+CE = LossConfig(LossType.CROSS_ENTROPY)
+LORA = LoraConfig(rank=4, alpha=8, seed=1)
+
+
+def ce_sample(tokens: list[int]) -> TrainingSample:
+    return TrainingSample(
+        tokens=tuple(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tuple(float(t) for t in tokens[1:]),
+            "weights": (1.0,) * (len(tokens) - 1),
+        },
+    )
+
+
+BATCH = (ce_sample([5, 6, 7, 8, 9, 10]), ce_sample([11, 12, 13, 14]))
+STEP = OptimStepRequest(adam=AdamParams(learning_rate=5e-2))
+PROMPT = SampleRequest(
+    prompts=((1, 40, 41, 42),),
+    num_samples=2,
+    sampling_params=SamplingParams(max_tokens=6, temperature=1.0, seed=3),
+)
+
+
+def script(engine, directory: Path) -> list:
+    """A session's life: train, publish, sample (publishing again mid-sample), custom
+    forward-backward, persist; everything a caller reads back."""
+    seen: list = []
+    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    engine.create_session("r", "s", LORA)
+    request = ForwardBackwardRequest(BATCH, CE, return_loss_fn_outputs=True)
+    seen.append(forward_backward(engine, "r", "s", request))
+    engine.optim_step("r", "s", STEP)
+    engine.publish("r", "s", version=1)
+    seen.append(sample(engine, "r", "s", PROMPT))
+    forward_backward(engine, "r", "s", ForwardBackwardRequest(BATCH, CE))
+    engine.optim_step("r", "s", STEP)
+    published = []
+
+    def between_tokens() -> None:  # a PIPELINE weights-sync lands after the second token
+        published.append(None)
+        if len(published) == 2:
+            engine.publish("r", "s", version=2)
+
+    seen.append(sample(engine, "r", "s", PROMPT, between_tokens=between_tokens))
+    seen.append(len(published))
+    gradients = tuple(tuple(0.5 for _ in s.tokens) for s in BATCH)
+    engine.custom_forward_backward("r", "s", CustomForwardBackwardRequest(BATCH, gradients))
+    engine.persist_session("r", "s", directory, ("trainer", "optimizer", "gradients"), {"n": 1})
+    engine.optim_step("r", "s", STEP)
+    scored = ForwardBackwardRequest(BATCH, CE, forward_only=True, return_loss_fn_outputs=True)
+    seen.append(forward_backward(engine, "r", "s", scored))
+    return seen
+
+
+def test_a_worker_process_computes_exactly_what_the_local_engine_does(tmp_path):
+    torch.manual_seed(0)
+    expected = script(LocalEngine(CONFIG, MODELS), tmp_path / "local")
+    engine = ProcessEngine(CONFIG, MODELS)
+    try:
+        assert script(engine, tmp_path / "process") == expected
+        assert engine.model_info(BUILTIN_MODEL_ID) == LocalEngine(CONFIG, MODELS).model_info(
+            BUILTIN_MODEL_ID
+        )
+        # What the worker persisted is what the local engine persisted.
+        local_parts, local_record = durable.read(tmp_path / "local")
+        parts, record = durable.read(tmp_path / "process")
+        assert record == local_record and parts.keys() == local_parts.keys()
+        for name in ("trainer", "gradients"):
+            assert parts[name].keys() == local_parts[name].keys()
+            for key, tensor in local_parts[name].items():
+                assert torch.equal(parts[name][key], tensor), (name, key)
+        # The optimizer's moments; not the process's global RNG state, which dropout (0 here)
+        # would draw from and which the two processes were never meant to share.
+        assert str(parts["optimizer"]["optimizer"]) == str(local_parts["optimizer"]["optimizer"])
+    finally:
+        engine.close()
+
+
+def test_errors_cross_the_pipe_with_their_class_and_field(tmp_path):
+    engine = ProcessEngine(CONFIG, MODELS)
+    try:
+        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+        with pytest.raises(NotFound, match="session nope"):
+            engine.optim_step("r", "nope", STEP)
+        with pytest.raises(InvalidRequest) as info:
+            engine.check_tokens(BUILTIN_MODEL_ID, (1, 10**6), "samples[0].tokens")
+        assert info.value.param == "samples[0].tokens"
+        with pytest.raises(NotFound):  # a resource no worker holds
+            engine.optim_step("other", "s", STEP)
+        engine.create_session("r", "s", LORA)
+        (outcome,) = engine.forward_backward_batch(
+            "r", [("ghost", ForwardBackwardRequest(BATCH, CE))]
+        )
+        assert isinstance(outcome, NotFound)  # a failed item is returned, not raised
+    finally:
+        engine.close()
+
+
+def test_a_killed_worker_fails_its_calls_and_the_resource_loads_again(tmp_path):
+    engine = ProcessEngine(CONFIG, MODELS)
+    try:
+        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+        engine.create_session("r", "s", LORA)
+        first = engine.worker_pid("r")
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(
+            WorkerDied, match=f"model resource r \\(pid {first}\\) was killed by signal 9"
+        ):
+            forward_backward(engine, "r", "s", ForwardBackwardRequest(BATCH, CE))
+        assert not engine.is_loaded("r")
+        with pytest.raises(WorkerDied):  # and every later call, until it is loaded again
+            engine.optim_step("r", "s", STEP)
+
+        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+        assert engine.is_loaded("r") and engine.worker_pid("r") != first
+        engine.create_session("r", "s", LORA)
+        request = ForwardBackwardRequest(BATCH, CE, forward_only=True)
+        assert forward_backward(engine, "r", "s", request).loss > 0
+    finally:
+        engine.close()
+
+
+def test_close_leaves_no_worker_process():
+    engine = ProcessEngine(CONFIG, MODELS)
+    engine.load_resource("a", BUILTIN_MODEL_ID, muon_scaling=None)
+    engine.load_resource("b", BUILTIN_MODEL_ID, muon_scaling=None)
+    processes = [engine._workers[r].process for r in ("a", "b")]
+    engine.unload_resource("a")
+    assert not processes[0].is_alive() and processes[1].is_alive()
+    engine.close()
+    assert not any(p.is_alive() for p in processes)
+    assert not engine.is_loaded("b")

@@ -25,8 +25,12 @@ the catalog engine.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import pickle
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -65,7 +69,7 @@ class WorkerProcess:
             target=_serve,
             args=(child, config, model_paths),
             name=f"posttrain-worker-{resource_id}",
-            daemon=True,  # dies with the API process: no orphans even on kill -9 of the parent
+            daemon=True,  # stopped at the API process's normal exit; kill -9: _die_with_parent
         )
         self.process.start()
         child.close()
@@ -200,8 +204,24 @@ class ProcessEngine:
         return forwarded
 
 
+def _die_with_parent() -> None:
+    """A worker must not outlive a killed API process: idle, it would see its pipe close, but
+    in the middle of a long sample it would hold its memory (a GPU's) while the restarted
+    server loads the model again. On Linux the kernel kills it when its parent does
+    (PR_SET_PDEATHSIG; the parent is the thread that started it, the resource's worker thread,
+    which lives as long as the resource). Elsewhere the closed pipe ends it at its next call."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(1)
+
+
 def _serve(conn: Connection, config: EngineConfig, model_paths: dict[str, Path]) -> None:
     """A worker's loop: run each command on its LocalEngine and answer it, until told to stop."""
+    _die_with_parent()
     engine = LocalEngine(config, model_paths)
 
     def receive() -> tuple[str, tuple, dict[str, Any]]:

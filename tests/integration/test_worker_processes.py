@@ -7,9 +7,13 @@ session carries on from its last completed operation; shutdown leaves no worker 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import ServerProcess
 from helpers import open_session, sft_sample
@@ -117,3 +121,33 @@ def test_a_killed_worker_fails_its_operation_and_the_session_carries_on(process_
     train(twin, 2)
     assert train(twin, 1) == after
     assert scored(twin) == scored(session)
+
+
+def running(base_url: str, kind: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    pattern = rf'^posttrain_operations\{{kind="{kind}",status="running"\}} (\S+)$'
+    match = re.search(pattern, text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_worker_does_not_outlive_a_killed_server(process_server):
+    """Killed mid forward-backward (a long one, with no call back to the API process between
+    its steps), the API process takes its worker with it (PR_SET_PDEATHSIG): a restarted
+    server's new worker never shares the machine with an orphan still computing."""
+    server = process_server
+    _, session = open_session(server.base_url, lora_config=LORA)
+    tokens = [(i * 7) % 90 + 5 for i in range(500)]
+    threading.Thread(
+        target=lambda: session.trainer.forward_backward(
+            samples=[sft_sample(tokens, 2)] * 256, loss=CE, interval=FAST
+        ),
+        daemon=True,  # its SDK call fails once the server is gone: nobody waits for it
+    ).start()
+    while running(server.base_url, "forward-backward") < 1:
+        time.sleep(0.02)
+    (worker,) = workers_of(server.process.pid)
+    server.stop(kill=True)
+    deadline = time.monotonic() + 20  # a safety net for the assertion, not a speed bound
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker)

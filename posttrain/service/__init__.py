@@ -82,7 +82,9 @@ def build_services(
         checkpoints=checkpoints,
         limits=config.scheduler,
         routed_experts=routed_experts,
-        durability=SessionDurability(config.data_dir, repo, engine),
+        durability=SessionDurability(
+            config.data_dir, repo, engine, persist_every=config.persist_every
+        ),
     )
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
@@ -113,12 +115,12 @@ def build_services(
         ),
         watch=watch,
     )
-    # First the sessions (an operation whose state reached the disk completes from it), then
-    # the operations that had not finished: they run again behind the sessions' restores.
-    sessions.recover_after_restart()
-    operations.resume_after_restart(
-        None if reparse is None else lambda op, raw: reparse(services, op, raw)
-    )
+    # First the sessions (an operation whose state reached the disk completes from it; a
+    # full-weight session's journal replays), then the operations that had not finished: they
+    # run again behind the sessions' restores.
+    parse = None if reparse is None else lambda op, raw: reparse(services, op, raw)
+    sessions.recover_after_restart(parse)
+    operations.resume_after_restart(parse)
     checkpoints.remove_partial()
     resources.recover_after_restart()
     expiry.start()

@@ -36,6 +36,7 @@ TRAIN = {"samples": [SAMPLE], "loss": CE}
 SCORE = {**TRAIN, "forward_only": True, "return_loss_fn_outputs": True}
 STEP = {"adam_params": {"learning_rate": 1e-2}}
 SYNC = {"weight_sync_type": "WEIGHT_SYNC_TYPE_SYNCHRONOUS"}
+BACKGROUND = {"weight_sync_type": "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"}
 GREEDY = {
     "prompts": [{"chunks": [{"encoded_text": {"tokens": TOKENS[:3]}}]}],
     "num_samples": 1,
@@ -96,13 +97,13 @@ def observed(services: Services, session_id: str) -> tuple[Any, ...]:
 
 
 def before_the_crash(services: Services, session_id: str) -> dict[str, str]:
-    """persist_every 2: steps 1 and 2 (a snapshot), step 3, a weights-sync and gradients
-    accumulated after them (the journal)."""
+    """persist_every 2: steps 1 and 2 (a snapshot), step 3, a deferred weights-sync and
+    gradients accumulated after them (the journal)."""
     ops = {}
     for index in range(3):
         ops[f"fb{index + 1}"] = run(services, session_id, FB, TRAIN)
         ops[f"step{index + 1}"] = run(services, session_id, OPTIM, STEP)
-    ops["sync"] = run(services, session_id, WSYNC, SYNC)
+    ops["sync"] = run(services, session_id, WSYNC, BACKGROUND)
     ops["fb"] = run(services, session_id, FB, TRAIN)
     return ops
 
@@ -138,7 +139,7 @@ def test_the_journal_keeps_what_the_last_snapshot_does_not_cover(tmp_path):
         assert record["record"]["operation"] == ops["step2"] and record["record"]["step"] == 2
         journal = services.repo.journal(session_id, after=None)
         assert [op.id for op, _ in journal] == [ops["fb3"], ops["step3"], ops["sync"], ops["fb"]]
-        assert [json.loads(body) for _, body in journal] == [TRAIN, STEP, SYNC, TRAIN]
+        assert [json.loads(body) for _, body in journal] == [TRAIN, STEP, BACKGROUND, TRAIN]
         observed(services, session_id)  # scoring and sampling change nothing: not journaled
         assert len(services.repo.journal(session_id, after=None)) == 4
         run(services, session_id, OPTIM, STEP)  # step 4: a snapshot covers them all
@@ -165,6 +166,24 @@ def test_a_restart_replays_the_journal_on_the_snapshot_exactly(tmp_path):
         crashed = after_the_crash(restarted, session_id)
     finally:
         restarted.close()
+
+    # The last forward-backward was running when the process died: its gradients were in
+    # memory only, so it runs again after the journal (its body kept, as any unfinished one's).
+    again = start(tmp_path / "again")
+    try:
+        again_id = full_weight_session(again)
+        last = before_the_crash(again, again_id)["fb"]
+        observed(again, again_id)
+        running = again.repo.get_operation(last)
+        again.close()
+        again.repo.put_operation(
+            dataclasses.replace(running, status=OperationStatus.RUNNING, output=None)
+        )
+        again = start(tmp_path / "again")
+        assert after_the_crash(again, again_id) == crashed
+        assert again.repo.get_operation(last).output == running.output
+    finally:
+        again.close()
 
     twin = start(tmp_path / "twin")
     try:
@@ -196,5 +215,7 @@ def test_a_step_snapshotted_but_not_recorded_completes_after_a_restart(tmp_path)
         session = restarted.repo.get_session(session_id)
         assert session.status == SessionStatus.RUNNING and session.step == 2
         assert restarted.repo.journal(session_id, after=None) == []
+        run(restarted, session_id, OPTIM, STEP)  # the session's restore ran before it
+        assert restarted.repo.get_session(session_id).step == 3
     finally:
         restarted.close()

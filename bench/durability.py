@@ -1,6 +1,9 @@
-"""What durable LoRA sessions cost: one RL-style step (forward-backward, optim-step,
-weights-sync) with and without writing the state each operation changed, as the server does
-before it reports the operation COMPLETED (service/durability.py, engine/durable.py).
+"""What durable sessions cost: one RL-style step (forward-backward, optim-step, weights-sync)
+with and without writing the state each operation changed, as the server does before it
+reports the operation COMPLETED (service/durability.py, engine/durable.py); and for a
+full-weight session, with a snapshot of its whole state every N steps
+(service/full_weight_durability.py; the journal between snapshots costs no write: the request
+bodies are in the store already), and how long a restart's snapshot load takes.
 
 Runs at engine level in one process, so the ratio is the persistence alone (no HTTP, no
 polling): the step's engine time, then the same step plus persist_session of the parts each
@@ -36,6 +39,7 @@ from posttrain.types import (  # noqa: E402
 )
 
 CE = LossConfig(LossType.CROSS_ENTROPY)
+EVERYTHING = ("trainer", "generator", "optimizer", "gradients")
 PARTS = {
     "forward-backward": ("gradients",),
     "optim-step": ("trainer", "optimizer", "gradients"),
@@ -74,9 +78,7 @@ def measure(name: str, model_id: str, model_dir: Path, rank: int, lengths, steps
     samples = make_samples(lengths, seed=0, vocab=vocab)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as root:
         state_dir = Path(root) / "state"
-        engine.persist_session(
-            "r", "s", state_dir, ("trainer", "generator", "optimizer", "gradients"), {}
-        )
+        engine.persist_session("r", "s", state_dir, EVERYTHING, {})
         step(engine, samples, None, 0)  # warm-up
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         for index in range(steps):
@@ -96,6 +98,63 @@ def measure(name: str, model_id: str, model_dir: Path, rank: int, lengths, steps
         print(f"{op:<18}{off:>10.1f}{on:>10.1f}{on / off:>8.2f}")
     off, on = (statistics.median(totals[d]) * 1e3 for d in (False, True))
     print(f"{'whole step':<18}{off:>10.1f}{on:>10.1f}{on / off:>8.2f}")
+
+
+def full_weight_step(
+    engine: LocalEngine, samples, snapshot_dir: Path | None, version: int
+) -> tuple[float, float]:
+    """One full-weight step: (seconds, of which the snapshot's) with a snapshot of every part
+    when `snapshot_dir` is set (the generator is dirty too: the previous step synced)."""
+    start = time.perf_counter()
+    (outcome,) = engine.forward_backward_batch("f", [("s", ForwardBackwardRequest(samples, CE))])
+    assert not isinstance(outcome, Exception), outcome
+    engine.optim_step("f", "s", OptimStepRequest(adam=AdamParams(learning_rate=1e-4)))
+    snapshot = 0.0
+    if snapshot_dir is not None:
+        began = time.perf_counter()
+        engine.persist_session("f", "s", snapshot_dir, EVERYTHING, {"step": version})
+        snapshot = time.perf_counter() - began
+    engine.publish("f", "s", version=version)
+    return time.perf_counter() - start, snapshot
+
+
+def measure_full_weight(
+    name: str, model_id: str, model_dir: Path, lengths, steps: int, every: tuple[int, ...]
+) -> None:
+    """Steps without a snapshot and with one (alternating, medians): N = 1 as measured; a
+    snapshot every N steps costs the snapshot's median over N steps (the journal writes
+    nothing: the request bodies are in the store already)."""
+    engine = LocalEngine(EngineConfig(device="cpu"), {model_id: model_dir})
+    engine.load_resource("f", model_id, muon_scaling=None)
+    engine.create_session("f", "s", None)
+    vocab = engine.model_info(model_id).vocab_size
+    samples = make_samples(lengths, seed=0, vocab=vocab)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as root:
+        snapshot_dir = Path(root) / "state"
+        full_weight_step(engine, samples, snapshot_dir, 0)  # warm-up, and the first snapshot
+        size = sum(p.stat().st_size for p in snapshot_dir.iterdir())
+        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for index in range(steps):
+            for on in (False, True) if index % 2 == 0 else (True, False):
+                runs[on].append(full_weight_step(engine, samples, snapshot_dir if on else None, 0))
+        loads = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.restore_session("f", "s", snapshot_dir, version=0)
+            loads.append(time.perf_counter() - start)
+    off = statistics.median(t for t, _ in runs[False]) * 1e3
+    on = statistics.median(t for t, _ in runs[True]) * 1e3
+    snapshot = statistics.median(s for _, s in runs[True]) * 1e3
+    print(
+        f"\n{name}: full weight, {len(lengths)} samples, {sum(lengths)} tokens; snapshot on disk"
+        f" {size / 2**20:.1f} MiB, written in {snapshot:.1f} ms, loaded in"
+        f" {statistics.median(loads) * 1e3:.1f} ms"
+    )
+    print(f"{'snapshot every':<18}{'off (ms)':>10}{'on (ms)':>10}{'ratio':>8}")
+    print(f"{'1 step':<18}{off:>10.1f}{on:>10.1f}{on / off:>8.2f}")
+    for n in every:
+        amortized = off + snapshot / n
+        print(f"{f'{n} steps':<18}{off:>10.1f}{amortized:>10.1f}{amortized / off:>8.2f}")
 
 
 def restart_to_serving(sessions: int) -> None:
@@ -169,6 +228,10 @@ def main() -> None:
     steps = args.steps or (3 if args.quick else 7)
     print(f"torch threads: {torch.get_num_threads()}; medians of {steps} steps per variant")
     measure("built-in tiny-qwen3", BUILTIN_MODEL_ID, BUILTIN_MODEL_DIR, 32, [64] * 8, steps)
+    every = (10,) if args.quick else (5, 10, 20)
+    measure_full_weight(
+        "built-in tiny-qwen3", BUILTIN_MODEL_ID, BUILTIN_MODEL_DIR, [64] * 8, steps, every
+    )
     if not args.quick:
         with tempfile.TemporaryDirectory() as directory:
             write_model(Path(directory))

@@ -118,6 +118,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="largest payload upload, the SDK's offload of large operation bodies (1024)",
     )
+    serve.add_argument(
+        "--persist-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="write a full-weight session's state every N optimizer steps, journaling the"
+        " operations between (10; 1: every step)",
+    )
     serve.add_argument("--log-level", default="info", help="uvicorn/posttrain log level")
     demo = commands.add_parser(
         "demo", help="warm up then GRPO-train a built-in model on addition; plot the reward"
@@ -157,6 +165,7 @@ def serve(args: argparse.Namespace) -> None:
         expiry_check_interval_s=args.expiry_check_interval_s,
         poll_hold_seconds=args.poll_hold_seconds,
         signing_key=args.signing_key,
+        persist_every=args.persist_every,
         models=(*builtin_model_specs(), *user_models),
         engine=engine_config(args),
         routed_experts=given_config(

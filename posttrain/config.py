@@ -180,6 +180,12 @@ class ServerConfig(BaseModel):
         " so URLs survive restarts",
     )
     url_ttl_s: int = Field(3600, ge=1, description="lifetime of signed download/upload URLs")
+    persist_every: int = Field(
+        10,
+        ge=1,
+        description="a full-weight session's state is written every this many optimizer steps;"
+        " the operations between are journaled and replayed after a crash (1: every step)",
+    )
     min_inactive_timeout_s: int = Field(
         300,
         ge=1,
@@ -270,7 +276,8 @@ def build_config(
     *, api_key: str | None = None, keys_file: str | Path | None = None, **overrides: object
 ) -> ServerConfig:
     """ServerConfig from POSTTRAIN_* env (HOST, PORT, DATA_DIR, API_KEY, KEYS_FILE,
-    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S, POLL_HOLD_SECONDS, SIGNING_KEY) and explicit
+    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S, POLL_HOLD_SECONDS, SIGNING_KEY,
+    PERSIST_EVERY) and explicit
     arguments.
 
     Explicit arguments win; an invalid value raises ConfigError naming the field."""
@@ -283,6 +290,7 @@ def build_config(
         "EXPIRY_CHECK_INTERVAL_S": "expiry_check_interval_s",
         "POLL_HOLD_SECONDS": "poll_hold_seconds",
         "SIGNING_KEY": "signing_key",
+        "PERSIST_EVERY": "persist_every",
     }
     for env_name, field_name in env_fields.items():
         if (value := os.environ.get(ENV_PREFIX + env_name)) is not None:

@@ -1,5 +1,6 @@
-"""A LoRA session's live state on disk, written after every operation that changes it, so a
-crash loses nothing that was reported complete (service/durability.py decides when).
+"""A session's live state on disk, so a crash loses nothing that was reported complete: a LoRA
+session's after every operation that changes it, a full-weight session's every few optimizer
+steps (service/durability.py and service/full_weight_durability.py decide when).
 
 A session's directory holds one file per part, each written whole under a new name, and a
 manifest naming the current file of each part plus the caller's record (the operation the
@@ -9,7 +10,8 @@ so a crash at any moment leaves either the previous state or the new one, never 
 an operation did not change keep their files (incremental: a forward-backward writes only the
 gradients, an optim-step the adapter, moments and gradients, a weights-sync the generator).
 
-Parts: `trainer` (the trainer adapter), `generator` (the generator adapter), `optimizer` (its
+Parts: `trainer` (the trainer adapter, or a full-weight session's every weight), `generator`
+(the generator adapter, or the full-weight generator's copy of the model), `optimizer` (its
 moments and the RNG state dropout draws from), `gradients` (accumulated since the last step;
 none is an empty file).
 

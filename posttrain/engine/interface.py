@@ -85,7 +85,7 @@ class Engine(Protocol):
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
 
-    # A LoRA session's live state (engine/durable.py): the named parts, with the service's
+    # A session's live state (engine/durable.py): the named parts, with the service's
     # record, written atomically into a directory the service chose; and read back into a
     # freshly created session after a restart (its generator serving policy version `version`).
     def persist_session(

@@ -259,16 +259,15 @@ class LocalEngine:
         parts: Collection[str],
         record: dict[str, Any],
     ) -> None:
-        """Write the named parts of a LoRA session's state, with `record`, atomically."""
+        """Write the named parts of a session's state, with `record`, atomically."""
         resource, session = self._session(resource_id, session_id)
-        assert not session.is_full_weight, "full-weight sessions are not kept live on disk"
         named = session.optimizer.named_params
         values: dict[str, Any] = {}
         for part in parts:
             if part == "trainer":
                 values[part] = dict(named)
             elif part == "generator":
-                values[part] = dict(resource.lora.adapter_parameters(session.generator_key))
+                values[part] = dict(_generator_parameters(resource, session))
             elif part == "optimizer":
                 values[part] = {
                     "optimizer": session.optimizer.state_dict(),
@@ -281,13 +280,13 @@ class LocalEngine:
     def restore_session(
         self, resource_id: str, session_id: str, directory: Path, *, version: int
     ) -> dict[str, Any]:
-        """A freshly created LoRA session takes the state persist_session wrote (its
-        generator serving policy version `version`); returns the record written with it."""
+        """A freshly created session takes the state persist_session wrote (its generator
+        serving policy version `version`); returns the record written with it."""
         resource, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
         named = session.optimizer.named_params
         _copy_into(named, parts["trainer"])
-        _copy_into(resource.lora.adapter_parameters(session.generator_key), parts["generator"])
+        _copy_into(_generator_parameters(resource, session), parts["generator"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         weights.restore_rng(parts["optimizer"]["rng"])
         saved = parts.get("gradients", {})
@@ -365,6 +364,15 @@ class LocalEngine:
                     f"{param}[{index}] = {token} is outside the vocabulary [0, {vocab})",
                     param=param,
                 )
+
+
+def _generator_parameters(
+    resource: ResourceState, session: SessionState
+) -> list[tuple[str, nn.Parameter]]:
+    """What the session's generator serves: its adapter, or a full-weight session's model."""
+    if session.generator_model is not None:
+        return list(session.generator_model.named_parameters())
+    return list(resource.lora.adapter_parameters(session.generator_key))
 
 
 def _copy_into(

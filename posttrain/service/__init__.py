@@ -88,7 +88,9 @@ def build_services(
         checkpoints=checkpoints,
         limits=config.scheduler,
         routed_experts=routed_experts,
-        durability=SessionDurability(config.data_dir, repo, engine),
+        durability=SessionDurability(
+            config.data_dir, repo, engine, persist_every=config.persist_every
+        ),
     )
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
@@ -119,13 +121,13 @@ def build_services(
         ),
         watch=watch,
     )
-    # First the sessions (an operation whose state reached the disk completes from it), then
-    # the operations that had not finished: they run again behind the sessions' restores.
-    sessions.recover_after_restart()
-    scheduler.on_worker_lost = sessions.recover_worker
-    operations.resume_after_restart(
-        None if reparse is None else lambda op, raw: reparse(services, op, raw)
-    )
+    # First the sessions (an operation whose state reached the disk completes from it; a
+    # full-weight session's journal replays), then the operations that had not finished: they
+    # run again behind the sessions' restores.
+    parse = None if reparse is None else lambda op, raw: reparse(services, op, raw)
+    sessions.recover_after_restart(parse)
+    scheduler.on_worker_lost = lambda resource_id: sessions.recover_worker(resource_id, parse)
+    operations.resume_after_restart(parse)
     checkpoints.remove_partial()
     resources.recover_after_restart()
     expiry.start()

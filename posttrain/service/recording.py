@@ -65,11 +65,15 @@ class OperationRecorder:
 
         `changed` names, per operation id, the parts of its session's state it changed: they
         are made durable first (service/durability.py), so nothing reported COMPLETED is lost
-        by a crash; an operation whose state cannot be written fails instead."""
+        by a crash: written, or for a full-weight session between snapshots journaled (its
+        request body stays); an operation whose state cannot be written fails instead."""
         if not outcomes:
             return
+        journaled: set[str] = set()  # their request bodies stay (service/durability.py)
         if changed and self.durability is not None:
-            outcomes = [(op, self._persisted(op, outcome, changed)) for op, outcome in outcomes]
+            outcomes = [
+                (op, self._persisted(op, outcome, changed, journaled)) for op, outcome in outcomes
+            ]
         now = time.time()
         finished = []
         for op, outcome in outcomes:
@@ -92,19 +96,26 @@ class OperationRecorder:
                         op, status=OperationStatus.COMPLETED, updated_at=now, output=outcome
                     )
                 )
-        self.repo.put_operations(finished)
+        self.repo.put_operations(finished, keep_bodies=journaled)
         for op, outcome in outcomes:
             self.metrics.operation_finished(op, is_failed=isinstance(outcome, Exception))
 
     def _persisted(
-        self, op: OperationRecord, outcome: Outcome, changed: dict[str, tuple[str, ...]]
+        self,
+        op: OperationRecord,
+        outcome: Outcome,
+        changed: dict[str, tuple[str, ...]],
+        journaled: set[str],
     ) -> Outcome:
+        """The outcome once its state is durable; `op` joins `journaled` if its request is
+        what keeps it (a full-weight session between snapshots)."""
         parts = changed.get(op.id, ())
         if isinstance(outcome, Exception) or not parts:
             return outcome
         assert self.durability is not None
         try:
-            self.durability.persist(op.session_id, parts, op, outcome)
+            if self.durability.persist(op.session_id, parts, op, outcome):
+                journaled.add(op.id)
         except Exception as exc:  # noqa: BLE001 - the operation fails with it, logged below
             return exc
         return outcome

@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -256,18 +256,24 @@ class Repo:
     def put_operation(self, op: OperationRecord) -> None:
         self.put_operations([op])
 
-    def put_operations(self, ops: list[OperationRecord]) -> None:
+    def put_operations(self, ops: list[OperationRecord], keep_bodies: Collection[str] = ()) -> None:
         """Several operation updates in one transaction (a shared pass's operations start and
-        finish together: one commit, not one per operation)."""
+        finish together: one commit). `keep_bodies`: finished ones that keep their body."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                # A finished operation will not run again: its request body goes.
+                # A finished operation will not run again: its request body goes, unless a
+                # restart must replay it (service/full_weight_durability.py).
                 self._db.executemany(
                     "UPDATE operations SET status = ?, data = ?,"
                     " body = CASE WHEN ? THEN NULL ELSE body END WHERE id = ?",
                     [
-                        (op.status.value, to_json(op), op.status in OPERATION_TERMINAL, op.id)
+                        (
+                            op.status.value,
+                            to_json(op),
+                            op.status in OPERATION_TERMINAL and op.id not in keep_bodies,
+                            op.id,
+                        )
                         for op in ops
                     ],
                 )
@@ -299,6 +305,25 @@ class Repo:
             (OperationStatus.PENDING.value, OperationStatus.RUNNING.value),
         )
         return [(operation_from_dict(json.loads(row[0])), row[1]) for row in rows]
+
+    def journal(self, session_id: str, after: str | None) -> list[tuple[OperationRecord, bytes]]:
+        """The session's COMPLETED operations that kept their body (put_operations'
+        keep_bodies), submitted after operation `after` (None: all), in submission order."""
+        sql, args = self._kept(session_id, after, ">")
+        rows = self._query(f"SELECT data, body FROM operations WHERE {sql} ORDER BY seq", args)
+        return [(operation_from_dict(json.loads(row[0])), row[1]) for row in rows]
+
+    def clear_bodies(self, session_id: str, through: str | None) -> None:
+        """Drop the kept bodies up to and including operation `through` (None: all)."""
+        sql, args = self._kept(session_id, through, "<=")
+        self._execute(f"UPDATE operations SET body = NULL WHERE {sql}", args)
+
+    def _kept(self, session_id: str, op_id: str | None, compare: str) -> tuple[str, tuple]:
+        sql = "session_id = ? AND status = ? AND body IS NOT NULL"
+        args: tuple = (session_id, OperationStatus.COMPLETED.value)
+        if op_id is None:
+            return sql, args
+        return f"{sql} AND seq {compare} (SELECT seq FROM operations WHERE id = ?)", (*args, op_id)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -47,3 +47,17 @@ def test_poll_hold_seconds_defaults_to_ten_and_refuses_what_the_sdk_would_time_o
         with pytest.raises(ConfigError) as refused:
             build_config(poll_hold_seconds=bad)
         assert refused.value.param == "poll_hold_seconds"
+
+
+def test_persist_every_comes_from_the_flag_or_env_and_refuses_zero(monkeypatch):
+    from posttrain.config import build_config
+    from posttrain.errors import ConfigError
+
+    assert build_config().persist_every == 10
+    args = parser().parse_args(["serve", "--persist-every", "1"])
+    assert build_config(persist_every=args.persist_every).persist_every == 1
+    monkeypatch.setenv("POSTTRAIN_PERSIST_EVERY", "4")
+    assert build_config().persist_every == 4
+    with pytest.raises(ConfigError) as refused:
+        build_config(persist_every=0)
+    assert refused.value.param == "persist_every"

@@ -47,3 +47,23 @@ def test_poll_hold_seconds_defaults_to_ten_and_refuses_what_the_sdk_would_time_o
         with pytest.raises(ConfigError) as refused:
             build_config(poll_hold_seconds=bad)
         assert refused.value.param == "poll_hold_seconds"
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [("8GiB", 8 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+)
+def test_memory_limit_flag_takes_bytes_with_a_unit(flag, expected):
+    args = parser().parse_args(["serve", "--memory-limit", flag])
+    assert engine_config(args) == EngineConfig(memory_limit=expected)
+
+
+def test_a_memory_limit_without_a_known_unit_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--memory-limit", "8 parsecs"])
+    assert "--memory-limit" in capsys.readouterr().err
+
+
+def test_memory_limit_config_key_takes_the_same_units():
+    assert EngineConfig(memory_limit="2GiB").memory_limit == 2 << 30
+    assert EngineConfig().memory_limit is None

@@ -283,8 +283,12 @@ class LocalEngine:
                 shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
             )
         if kind == OperationKind.OPTIM_STEP:
-            has_moments = isinstance(session, SessionState) and session.optimizer.has_state()
-            return estimate.optim_step_bytes(trainable[0], has_moments=has_moments)
+            if not isinstance(session, SessionState):
+                return 0
+            params = [p for _, p in session.optimizer.named_params]
+            largest = max((nbytes([p]) for p in params), default=0)
+            has_moments = session.optimizer.has_state()
+            return estimate.optim_step_bytes(trainable[0], largest, has_moments=has_moments)
         return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
 
     def headroom(self, resource_id: str) -> Headroom:

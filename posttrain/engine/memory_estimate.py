@@ -25,8 +25,8 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   rows x vocab float32 logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p
   sorts and masks), and per generated token the Python lists of its token and logprob and its
   share of the recorded result.
-- optim-step's AdamW moments (two per trainable tensor) appear at a session's first step; the
-  copy-backed step of optim.py clones weights, gradients and moments.
+- optim-step's AdamW moments (two per trainable tensor) appear at a session's first step, and
+  each tensor's update allocates temporaries of its size.
 
 Not here: what is free (headroom.py), the refusal (service/admission.py).
 
@@ -234,8 +234,12 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
     )
 
 
-def optim_step_bytes(trainable_bytes: int, *, has_moments: bool) -> int:
-    """AdamW's two moments at the first step, and the copy-backed step's clones of weights,
-    gradients and moments (optim.py) with one tensor's temporaries."""
+def optim_step_bytes(trainable_bytes: int, largest_bytes: int, *, has_moments: bool) -> int:
+    """AdamW's two moments per trainable tensor at the first step, and the single-tensor
+    update's temporaries of the largest tensor (optim.py runs torch's foreach=False path).
+
+    The copy-backed step (optim.py, only for settings that could overflow the weights) clones
+    weights, gradients and moments on top; should that not fit, the allocator's failure fails
+    the step RESOURCE_EXHAUSTED and optim.py puts everything back."""
     moments = 0 if has_moments else 2 * trainable_bytes
-    return moments + 5 * trainable_bytes
+    return moments + 3 * largest_bytes

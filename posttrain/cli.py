@@ -19,6 +19,7 @@ from posttrain.config import (
     build_config,
     builtin_model_specs,
     model_spec_from_path,
+    parse_bytes,
 )
 from posttrain.demo.command import add_demo_arguments, run_demo_command
 from posttrain.errors import ConfigError
@@ -68,6 +69,14 @@ def parser() -> argparse.ArgumentParser:
         choices=("auto", "float32", "bfloat16"),
         default=None,
         help="base weights' dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    serve.add_argument(
+        "--memory-limit",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="memory the server may use, with a unit (8GiB): operations whose estimated peak"
+        " does not fit fail RESOURCE_EXHAUSTED before they run (default: free memory only)",
     )
     serve.add_argument(
         "--loss-fn-outputs",
@@ -148,6 +157,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         dtype=args.dtype,
         loss_fn_outputs=args.loss_fn_outputs,
         workers=args.workers,
+        memory_limit=args.memory_limit,
     )
 
 

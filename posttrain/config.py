@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from posttrain.errors import ConfigError
 
@@ -25,6 +25,35 @@ BUILTIN_MODELS: dict[str, Path] = {
 }
 BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
 BUILTIN_MODEL_DIR = BUILTIN_MODELS[BUILTIN_MODEL_ID]
+
+
+# Unit suffixes of a byte count (`--memory-limit 8GiB`): binary and decimal prefixes.
+BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count with an optional unit suffix: `8GiB`, `512MiB`, `1.5GB`, `4096`."""
+    stripped = text.strip()
+    number = stripped.rstrip("BbIiKkMmGgTt ")
+    unit = stripped[len(number) :].strip().upper()
+    if unit not in BYTE_UNITS:
+        raise ValueError(f"{text!r}: unknown unit {unit!r} (B, KB, MB, GB, TB, KiB .. TiB)")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of bytes with a unit, e.g. 8GiB") from None
+    return int(value * BYTE_UNITS[unit])
 
 
 class ModelSpec(BaseModel):
@@ -86,6 +115,14 @@ class EngineConfig(BaseModel):
         description="memory budget (MiB) per model resource for the sampler's cache of prompt"
         " prefix KV, evicted least recently used first; 0 disables the prefix cache",
     )
+    memory_limit: int | None = Field(
+        None,
+        ge=1,
+        description="bytes the server's process (on CUDA: torch's allocations on the device)"
+        " may use, e.g. 8GiB: an operation whose estimated peak does not fit under it fails"
+        " RESOURCE_EXHAUSTED before it runs; None: only the machine's free memory (and"
+        " RLIMIT_AS) bound it",
+    )
     loss_fn_outputs: Literal["requested", "always"] = Field(
         "requested",
         description="when a forward-backward returns its per-sample loss_fn_outputs (logprobs):"
@@ -93,6 +130,11 @@ class EngineConfig(BaseModel):
         " every forward-backward, for Tinker-style loops (tinker-cookbook) that read them"
         " without asking through the tinker shim",
     )
+
+    @field_validator("memory_limit", mode="before")
+    @classmethod
+    def _memory_limit_with_unit(cls, value: object) -> object:
+        return parse_bytes(value) if isinstance(value, str) else value
 
 
 class SamplerConfig(BaseModel):

@@ -86,6 +86,12 @@ class NonFiniteLoss(EngineFailure):
     error_code = "TRAINING_OPERATION_ERROR_CODE_NON_FINITE_LOSS"
 
 
+class ResourceExhausted(EngineFailure):
+    """The operation needs more memory than is free: refused before it ran, state unchanged."""
+
+    error_code = RESOURCE_EXHAUSTED
+
+
 class SessionNotActive(posttrainError):
     """The session is not RUNNING, so the operation cannot run."""
 

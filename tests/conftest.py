@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -31,6 +32,8 @@ class ServerProcess:
     data_dir: Path
     log_path: Path
     extra_args: tuple[str, ...] = ()
+    # RLIMIT_AS of the server process (bytes); None: no address-space limit.
+    address_space_bytes: int | None = None
     process: subprocess.Popen | None = None
     port: int = 0
 
@@ -69,6 +72,7 @@ class ServerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            preexec_fn=self._limit_address_space if self.address_space_bytes else None,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -80,6 +84,12 @@ class ServerProcess:
             except httpx.HTTPError:
                 time.sleep(0.1)
         raise RuntimeError(f"server did not start:\n{self.log()}")
+
+    def _limit_address_space(self) -> None:
+        """Runs in the child before exec: an allocation past the limit fails (ENOMEM) instead
+        of growing until the kernel's OOM killer picks a process."""
+        limit = self.address_space_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     def stop(self, *, kill: bool = False) -> None:
         if self.process is None:

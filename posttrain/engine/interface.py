@@ -18,6 +18,8 @@ from posttrain.types import (
     LoraConfig,
     MoeShape,
     MuonScaling,
+    OperationKind,
+    OperationRequest,
     OptimStepRequest,
     SampleRequest,
     SampleResult,
@@ -32,6 +34,14 @@ class ModelInfo:
     max_batch_size: int
     max_lora_rank: int
     moe: MoeShape | None = None  # expert routes of an MoE model; None: dense
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """What an operation may allocate now (engine/headroom.py): the tightest bound, named."""
+
+    free_bytes: int
+    bound: str  # which limit it is, for a refusal's message
 
 
 class Engine(Protocol):
@@ -84,6 +94,15 @@ class Engine(Protocol):
     ) -> list[list[SampleResult]]: ...
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
+
+    # Memory admission (service/admission.py): the estimated peak bytes that running these
+    # operations of one kind as one pass adds to what is resident (engine/memory_estimate.py),
+    # and what the resource's device has free now (engine/headroom.py).
+    def peak_bytes(
+        self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
+    ) -> int: ...
+
+    def headroom(self, resource_id: str) -> Headroom: ...
 
     # A session's live state (engine/durable.py): the named parts, with the service's
     # record, written atomically into a directory the service chose; and read back into a

@@ -25,13 +25,16 @@ from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
 from posttrain.engine import durable, full_weight, generator, trainer, weights
+from posttrain.engine import memory_estimate as estimate
 from posttrain.engine.footprint import (
     ResourceFootprint,
     SessionFootprint,
+    nbytes,
     resource_footprint,
     session_footprint,
 )
-from posttrain.engine.interface import ModelInfo
+from posttrain.engine.headroom import headroom
+from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import WeightsVersion
@@ -45,6 +48,8 @@ from posttrain.types import (
     ForwardBackwardResult,
     LoraConfig,
     MuonScaling,
+    OperationKind,
+    OperationRequest,
     OptimStepRequest,
     SampleRequest,
     SampleResult,
@@ -248,6 +253,47 @@ class LocalEngine:
     def session_footprint(self, resource_id: str, session_id: str) -> SessionFootprint:
         """Exact tensor bytes one session holds: weights, generator, optimizer, gradients."""
         return session_footprint(*self._session(resource_id, session_id))
+
+    # ------------------------------------------------------------ memory (memory_estimate.py)
+
+    def peak_bytes(
+        self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
+    ) -> int:
+        """Estimated peak bytes that running `items` of `kind` as one pass adds to what the
+        resource holds now (a session without state here counts no trainable tensors)."""
+        resource = self._resource(resource_id)
+        shape = estimate.model_shape(resource.loaded.model.config, self.dtype.itemsize)
+        sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
+        trainable = [
+            nbytes(p for _, p in s.optimizer.named_params) if isinstance(s, SessionState) else 0
+            for s in sessions
+        ]
+        requests = [request for _, request in items]
+        chunk = self.config.logprob_chunk_tokens
+        if kind == OperationKind.FORWARD_BACKWARD:
+            return estimate.forward_backward_bytes(
+                shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
+            )
+        if kind == OperationKind.SAMPLE:
+            return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
+        ((request,), (session,)) = requests, sessions
+        if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
+            assert isinstance(request, CustomForwardBackwardRequest)
+            return estimate.custom_forward_backward_bytes(
+                shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
+            )
+        if kind == OperationKind.OPTIM_STEP:
+            if not isinstance(session, SessionState):
+                return 0
+            params = [p for _, p in session.optimizer.named_params]
+            largest = max((nbytes([p]) for p in params), default=0)
+            has_moments = session.optimizer.has_state()
+            return estimate.optim_step_bytes(trainable[0], largest, has_moments=has_moments)
+        return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
+
+    def headroom(self, resource_id: str) -> Headroom:
+        """What an operation on the resource's device may allocate now (engine/headroom.py)."""
+        return headroom(self._resource(resource_id).loaded.device, self.config.memory_limit)
 
     # ------------------------------------------------------------ live state (engine/durable.py)
 

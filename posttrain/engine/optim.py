@@ -324,6 +324,11 @@ class SessionOptimizer:
         for _, p in self.named_params:
             p.grad = None
 
+    def has_state(self) -> bool:
+        """True once a step created moments or momentum buffers (memory_estimate.py)."""
+        adam = self._adamw is not None and any(self._adamw.state.values())
+        return adam or bool(self._momentum_buffers)
+
     def state_dict(self) -> OptimizerState:
         """A copy of the optimizer state, keyed by parameter name (layout: ADAM_STATE,
         MUON_STATE). Parameters that never had a gradient have no entry."""

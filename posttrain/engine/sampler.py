@@ -31,7 +31,9 @@ generator so a seed means the same on every device.
 
 Logprobs. A sampled token's logprob is the untempered float32 log-softmax (logprobs.py) of the
 logits it was drawn from, the model's own distribution: what forward-backward computes for the
-same token. Prompt logprobs use the same function.
+same token. Prompt logprobs use the same function. A sampled token's logprob is finite whenever
+the logits are (the draw never picks a token of probability 0); non-finite logits fail the pass
+with NON_FINITE_LOSS instead of answering a null logprob.
 
 Legend: G = prefill groups (distinct prompts), R = rows (sequences), B = rows in a pass,
 Q = new positions per row in a pass, V = vocab, H = hidden size.
@@ -57,6 +59,7 @@ from posttrain.engine.model_passes import (
 )
 from posttrain.engine.routes import to_routes
 from posttrain.engine.sampling_math import choose_tokens, hit_stop_string, row_seed
+from posttrain.errors import NonFiniteLoss
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.types import (
@@ -206,6 +209,14 @@ def _sample_step(gm: GeneratorModel, batch: _Batch, logits_BV: Tensor) -> list[i
         logprobs_BV, batch.temperature_B, batch.top_k_B, batch.top_p_B, batch.uniforms()
     )
     logprobs_B = logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    if not bool(torch.isfinite(logprobs_B).all()):
+        # Finite logits give finite logprobs for every token the draw can pick (it never
+        # picks a zero-probability token), so only non-finite logits get here: NaN or
+        # infinite generator weights, or a forward that overflowed. No sample answers null.
+        raise NonFiniteLoss(
+            "the generator's logits are not finite (non-finite weights?): a sampled token"
+            " would have no logprob, so no sample of this pass is returned"
+        )
     still_live = []
     for i, (r, token, logprob) in enumerate(
         zip(batch.live, tokens_B.tolist(), logprobs_B.tolist(), strict=True)

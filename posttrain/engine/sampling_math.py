@@ -2,9 +2,10 @@
 and whether a stop string has just been completed. Pure functions of their arguments; the
 decode loop that calls them lives in sampler.py.
 
-Temperature 0 is argmax. Otherwise temperature, then top-k, then top-p (the smallest set of most
-likely tokens whose mass reaches top_p), then one draw by inverse CDF: a uniform from the row's
-own torch.Generator against the running sum of its probabilities. Each row's arithmetic depends
+Temperature 0 is argmax (and so is a temperature too small for float32 to temper by).
+Otherwise temperature, then top-k, then top-p (the smallest set of most likely tokens whose
+mass reaches top_p), then one draw by inverse CDF: a uniform from the row's own torch.Generator
+against the running sum of its probabilities. Each row's arithmetic depends
 only on its own settings, never on which other rows share the batch.
 
 Legend: B = rows, V = vocab, N = CDF blocks, K = tokens per block.
@@ -82,7 +83,14 @@ def choose_tokens(
     if bool(shaped.any()):
         tempered_BV = logprobs_BV[shaped] / temperature_B[shaped, None]
         filtered_BV = filter_logits(tempered_BV, top_k_B[shaped], top_p_B[shaped])
-        tokens_B[shaped] = draw_inverse_cdf(torch.softmax(filtered_BV, dim=-1), uniform_B[shaped])
+        drawn_B = draw_inverse_cdf(torch.softmax(filtered_BV, dim=-1), uniform_B[shaped])
+        # A temperature so small that every tempered logprob overflowed to -inf (1e-40 with a
+        # most likely token below -0.04) has no softmax (0/0); its limit, as the temperature
+        # goes to 0, is the most likely token: greedy.
+        collapsed_B = tempered_BV.amax(-1) == float("-inf")
+        if bool(collapsed_B.any()):
+            drawn_B[collapsed_B] = logprobs_BV[shaped][collapsed_B].argmax(-1)
+        tokens_B[shaped] = drawn_B
     return tokens_B
 
 

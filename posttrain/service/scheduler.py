@@ -3,10 +3,12 @@
 An operation is queued on its resource's worker (service/worker.py), which runs it as a group
 of one or more: forward-backwards of several sessions, or samples of any sessions, share one
 engine pass, and every other kind runs alone. A group runs through `_run_group`: the
-pending/running preamble, the engine pass, the finish (service/recording.py). What a group
-raises as a whole is caught by the worker's one job boundary, which fails its unfinished
-operations through the same finish path. Deferred weights-syncs complete through the publish
-mailbox (service/publishing.py), which finishes them through that path too.
+pending/running preamble, memory admission (service/admission.py: what does not fit fails
+RESOURCE_EXHAUSTED before it runs), the engine pass or passes, the finish
+(service/recording.py). What a group raises as a whole is caught by the worker's one job
+boundary, which fails its unfinished operations through the same finish path. Deferred
+weights-syncs complete through the publish mailbox (service/publishing.py), which finishes them
+through that path too.
 
 Imports: store, engine.interface.
 """
@@ -24,6 +26,7 @@ from posttrain.config import SchedulerConfig
 from posttrain.engine.interface import Engine
 from posttrain.errors import SessionNotActive, WorkerDied
 from posttrain.service import policy
+from posttrain.service.admission import plan_passes
 from posttrain.service.arrivals import Arrivals, end_current_arrival
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.durability import SessionDurability, changed_parts
@@ -193,13 +196,28 @@ class Scheduler:
         if not ready:
             return
         kind = group[0].kind
-        started = time.monotonic()
-        outcomes = self._pass(resource_id, kind, ready)
-        if len(ready) > 1:
-            self.metrics.shared_pass(len(ready))
-        log.info(
-            "%d %s operations in one pass, %.3fs", len(ready), kind, time.monotonic() - started
+        passes, refused = plan_passes(
+            kind,
+            ready,
+            lambda members: self.engine.peak_bytes(
+                resource_id, kind, [(session.id, request) for _, session, request in members]
+            ),
+            self.engine.headroom(resource_id),
         )
+        by_id: dict[str, Outcome] = {ready[i][0].id: error for i, error in refused.items()}
+        for members in passes:
+            started = time.monotonic()
+            outcomes = self._pass(resource_id, kind, members)
+            if len(members) > 1:
+                self.metrics.shared_pass(len(members))
+            log.info(
+                "%d %s operations in one pass, %.3fs",
+                len(members),
+                kind,
+                time.monotonic() - started,
+            )
+            by_id.update((op.id, o) for (op, _, _), o in zip(members, outcomes, strict=True))
+        outcomes = [by_id[op.id] for op, _, _ in ready]
         for (op, _, request), outcome in zip(ready, outcomes, strict=True):
             if not isinstance(outcome, Exception):
                 self.metrics.count_tokens(op.kind, request, outcome)

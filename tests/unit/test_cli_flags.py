@@ -61,3 +61,23 @@ def test_persist_every_comes_from_the_flag_or_env_and_refuses_zero(monkeypatch):
     with pytest.raises(ConfigError) as refused:
         build_config(persist_every=0)
     assert refused.value.param == "persist_every"
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [("8GiB", 8 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+)
+def test_memory_limit_flag_takes_bytes_with_a_unit(flag, expected):
+    args = parser().parse_args(["serve", "--memory-limit", flag])
+    assert engine_config(args) == EngineConfig(memory_limit=expected)
+
+
+def test_a_memory_limit_without_a_known_unit_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--memory-limit", "8 parsecs"])
+    assert "--memory-limit" in capsys.readouterr().err
+
+
+def test_memory_limit_config_key_takes_the_same_units():
+    assert EngineConfig(memory_limit="2GiB").memory_limit == 2 << 30
+    assert EngineConfig().memory_limit is None

@@ -12,6 +12,7 @@ from posttrain.engine import sampler
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampling_math import CDF_BLOCK, choose_tokens, draw_inverse_cdf, filter_logits
+from posttrain.errors import NonFiniteLoss
 from posttrain.model.kv_cache import KVCache
 from posttrain.types import (
     AdamParams,
@@ -416,3 +417,36 @@ def test_a_publish_between_tokens_switches_running_rows_to_the_new_weights(engin
         expected = new_logprobs[len(prompt) + 4 : -1].gather(-1, targets[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(sequence.logprobs[5:]), expected, atol=1e-4, rtol=0)
     assert result.sequences[0].tokens != old.tokens  # the new weights really took over
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=8, temperature=1e-40, seed=1),  # every tempered value -inf
+        SamplingParams(max_tokens=8, temperature=1e30, seed=1),  # tempered to uniform
+        SamplingParams(max_tokens=8, temperature=0.7, top_k=1, seed=1),
+        SamplingParams(max_tokens=8, temperature=1.3, top_p=1e-9, seed=1),
+        SamplingParams(max_tokens=8, temperature=2.0, top_k=3, top_p=0.5, seed=1),
+    ],
+    ids=["tiny-temperature", "huge-temperature", "top-k-1", "top-p-tiny", "top-k-and-p"],
+)
+def test_sampled_logprobs_are_finite_at_sampling_edges(engine, params):
+    (result,) = sample(engine, "r", "s", SampleRequest(((5, 6, 7),), 4, params))
+    for sequence in result.sequences:
+        assert len(sequence.tokens) == len(sequence.logprobs) > 0
+        assert all(torch.isfinite(torch.tensor(sequence.logprobs)))
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens(engine):
+    tiny = SamplingParams(max_tokens=8, temperature=1e-40, seed=1)
+    (greedy,) = sample(engine, "r", "s", SampleRequest(((5, 6, 7),), 1, GREEDY))
+    (cold,) = sample(engine, "r", "s", SampleRequest(((5, 6, 7),), 1, tiny))
+    assert cold.sequences[0].tokens == greedy.sequences[0].tokens[:8]
+
+
+def test_non_finite_generator_weights_fail_the_sample_instead_of_null_logprobs(engine):
+    model = engine._resource("r").loaded.model
+    with torch.no_grad():
+        model.get_output_embeddings().base.weight[7].fill_(float("nan"))
+    with pytest.raises(NonFiniteLoss, match="logits are not finite"):
+        sample(engine, "r", "s", SampleRequest(((5, 6, 7),), 2, GREEDY))

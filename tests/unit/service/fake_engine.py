@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import SchedulerConfig, ServerConfig
-from posttrain.engine.interface import ModelInfo
+from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.errors import NonFiniteLoss
 from posttrain.service.operations import OperationService
 from posttrain.service.resources import ResourceService
@@ -66,6 +66,8 @@ class FakeEngine:
     fail_setup: bool = False
     # Called once in the middle of every sample pass, before its one between_tokens.
     mid_sample: Callable[[], None] = lambda: None
+    # Memory admission: a forward-backward's "peak" is its tokens, a sample's its sequences.
+    free_bytes: int = 1 << 62
 
     def _call(self, method: str, resource_id: str, *session_ids: str) -> None:
         self.calls.append((method, resource_id, session_ids))
@@ -110,6 +112,21 @@ class FakeEngine:
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None:
         pass
+
+    def peak_bytes(
+        self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
+    ) -> int:
+        """A sample's sequences, a forward-backward's tokens; 0 for the other kinds."""
+        peak = 0
+        for _, request in items:
+            if isinstance(request, SampleRequest):
+                peak += len(request.prompts) * request.num_samples
+            elif isinstance(request, ForwardBackwardRequest):
+                peak += sum(len(sample.tokens) for sample in request.samples)
+        return peak
+
+    def headroom(self, resource_id: str) -> Headroom:
+        return Headroom(self.free_bytes, "the fake engine's free_bytes")
 
     def forward_backward_batch(
         self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]

@@ -1,0 +1,217 @@
+"""The memory estimate (engine/memory_estimate.py) against what the engine really allocates.
+
+Two measurements, both of the real engine: the bytes autograd saves for backward during a
+forward-backward (saved_tensors_hooks, each storage once, the model's own weights excluded),
+and the peak resident set a pass adds, measured in a fresh subprocess (ru_maxrss after the
+pass less the resident set before it; torch's CPU allocator keeps no statistics). The rule the
+estimate keeps: never below the measured peak, and at most MAX_OVERESTIMATE times it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
+from posttrain.engine import memory_estimate as estimate
+from posttrain.engine.local import LocalEngine
+from posttrain.types import (
+    AdamParams,
+    ForwardBackwardRequest,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    OperationKind,
+    OptimStepRequest,
+    SampleRequest,
+    SamplingParams,
+    TrainingSample,
+)
+
+MAX_OVERESTIMATE = 2.5
+# A model big enough that a pass's activations dwarf allocator noise, small enough for a CPU.
+MLP_HEAVY = {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4}
+ATTENTION_HEAVY = {"hidden_size": 192, "intermediate_size": 256, "num_attention_heads": 8}
+COMMON = {"num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 4096}
+CE = LossConfig(LossType.CROSS_ENTROPY)
+
+
+def build_model(directory: Path, overrides: dict[str, int]) -> Path:
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(BUILTIN_MODEL_DIR)
+    for key, value in {**COMMON, **overrides}.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config)
+    # EOS logits 0 while the other tokens' greedy maximum is positive: rows run to max_tokens,
+    # the sample estimate's worst case.
+    eos = {config.eos_token_id, AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR).eos_token_id}
+    with torch.no_grad():
+        model.get_output_embeddings().weight[sorted(eos)] = 0.0
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
+    return directory
+
+
+def batch(rows: int, tokens: int) -> tuple[TrainingSample, ...]:
+    targets = tuple(float(4 + t % 90) for t in range(tokens))
+    sample = TrainingSample(
+        tuple(3 + t % 90 for t in range(tokens)),
+        {"target_tokens": targets, "weights": (1.0,) * tokens},
+    )
+    return (sample,) * rows
+
+
+def engine_over(directory: Path) -> LocalEngine:
+    engine = LocalEngine(EngineConfig(device="cpu", max_seq_length=4096), {"m": directory})
+    engine.load_resource("r", "m", muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=8, seed=1))
+    return engine
+
+
+@pytest.mark.parametrize("overrides", [MLP_HEAVY, ATTENTION_HEAVY], ids=["mlp", "attention"])
+def test_saved_activations_are_counted_by_the_per_layer_model(tmp_path, overrides):
+    engine = engine_over(build_model(tmp_path, overrides))
+    model = engine._resource("r").loaded.model
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    rows, tokens = 4, 512
+    request = ForwardBackwardRequest(batch(rows, tokens), CE)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        (outcome,) = engine.forward_backward_batch("r", [("s", request)])
+    assert not isinstance(outcome, Exception)
+    shape = estimate.model_shape(model.config, 4)
+    counted = estimate.saved_activation_bytes(shape, rows * tokens)
+    measured = sum(saved.values())
+    assert measured <= counted <= 1.6 * measured, (measured, counted)
+
+
+MEASURE = textwrap.dedent(
+    """
+    import json, resource, sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    from test_memory_estimate import batch, engine_over, CE
+    from posttrain.types import *
+
+    engine = engine_over(Path({directory!r}))
+    kind, rows, tokens = {kind!r}, {rows}, {tokens}
+    if kind == "forward-backward":
+        def request(rows, tokens):
+            return ForwardBackwardRequest(batch(rows, tokens), CE, forward_only={forward_only})
+        run = lambda r: engine.forward_backward_batch("r", [("s", r)])
+    else:
+        def request(rows, tokens):
+            params = SamplingParams(max_tokens=tokens, temperature=0.0)
+            return SampleRequest(((5, 6, 7, 8),), num_samples=rows, sampling_params=params)
+        run = lambda r: engine.sample_batch("r", [("s", r)])
+    run(request(1, 4))  # warm up: first-call allocations are not the pass's
+    big = request(rows, tokens)
+    estimated = engine.peak_bytes("r", OperationKind(kind), [("s", big)])
+    page = resource.getpagesize()
+    before = int(Path("/proc/self/statm").read_text().split()[1]) * page
+    (outcome,) = run(big)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    lengths = [len(q.tokens) for q in outcome[0].sequences] if kind == "sample" else []
+    print(json.dumps({{"added": peak - before, "estimated": estimated, "lengths": lengths}}))
+    """
+)
+
+
+def measure(directory: Path, kind: str, rows: int, tokens: int, *, forward_only=False) -> dict:
+    script = MEASURE.format(
+        tests=str(Path(__file__).parent),
+        directory=str(directory),
+        kind=kind,
+        rows=rows,
+        tokens=tokens,
+        forward_only=forward_only,
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rows", "tokens", "forward_only"),
+    [
+        (MLP_HEAVY, 8, 512, False),
+        (ATTENTION_HEAVY, 4, 1024, False),
+        (MLP_HEAVY, 16, 1024, True),
+    ],
+    ids=["mlp", "attention", "forward-only"],
+)
+def test_forward_backward_estimate_bounds_the_measured_peak(
+    tmp_path, overrides, rows, tokens, forward_only
+):
+    directory = build_model(tmp_path / "model", overrides)
+    result = measure(directory, "forward-backward", rows, tokens, forward_only=forward_only)
+    added, estimated = result["added"], result["estimated"]
+    assert added <= estimated <= MAX_OVERESTIMATE * added, result
+
+
+def test_sample_estimate_bounds_the_measured_peak_of_its_kv_cache(tmp_path):
+    directory = build_model(tmp_path / "model", ATTENTION_HEAVY)
+    rows, tokens = 48, 300
+    result = measure(directory, "sample", rows, tokens)
+    # Greedy rows of this model never meet EOS (build_model): every row reaches max_tokens, so
+    # the comparison is with the pass the estimate describes.
+    assert result["lengths"] == [tokens] * rows
+    added, estimated = result["added"], result["estimated"]
+    assert added <= estimated <= MAX_OVERESTIMATE * added, result
+
+
+def test_kv_cache_term_is_the_formula_of_the_brief():
+    shape = estimate.ModelShape(
+        layers=4, hidden=128, query_width=128, kv_width=64, ffn_width=384, vocab=99, dtype_bytes=2
+    )
+    request = SampleRequest(((1,) * 10,), num_samples=3, sampling_params=SamplingParams(200))
+    none = SampleRequest(((1,) * 10,), num_samples=3, sampling_params=SamplingParams(1))
+    grown = estimate.sample_bytes(shape, [request], chunk_tokens=1024)
+    base = estimate.sample_bytes(shape, [none], chunk_tokens=1024)
+    # 3 rows x 199 more positions x 4 layers x 2 x 64 x 2 bytes, twice (the cache's growth
+    # or compaction copy), plus their tokens' Python objects.
+    per_position = 4 * 2 * 64 * 2
+    python = 3 * 199 * estimate.PYTHON_BYTES_PER_GENERATED_TOKEN
+    assert grown - base == 2 * 3 * 199 * per_position + python
+
+
+def test_optimizer_moments_count_at_the_first_step_only(tmp_path):
+    engine = engine_over(build_model(tmp_path, MLP_HEAVY))
+    sample = ForwardBackwardRequest(batch(1, 8), CE)
+    step = OptimStepRequest(adam=AdamParams(learning_rate=1e-3))
+    kind = OperationKind.OPTIM_STEP
+    engine.forward_backward_batch("r", [("s", sample)])
+    first = engine.peak_bytes("r", kind, [("s", step)])
+    engine.optim_step("r", "s", step)
+    moments = engine.session_footprint("r", "s").optimizer_bytes
+    engine.forward_backward_batch("r", [("s", sample)])
+    later = engine.peak_bytes("r", kind, [("s", step)])
+    # The estimate's moments are what the step then holds, up to AdamW's step counters.
+    assert 0 <= moments - (first - later) < 4096
+
+
+def test_peak_bytes_grows_with_the_batch(tmp_path):
+    engine = engine_over(build_model(tmp_path, MLP_HEAVY))
+    small = ForwardBackwardRequest(batch(2, 64), CE)
+    large = ForwardBackwardRequest(batch(4, 64), CE)
+    kind = OperationKind.FORWARD_BACKWARD
+    small_bytes = engine.peak_bytes("r", kind, [("s", small)])
+    large_bytes = engine.peak_bytes("r", kind, [("s", large)])
+    assert small_bytes < large_bytes < 2 * small_bytes + 4 * 1024 * 1024

@@ -48,9 +48,11 @@ def documented(
     body: type[BaseModel] | None = None,
     body_required: bool = True,
     media_type: str | None = None,
+    errors: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Route decorator arguments documenting a route: its 200 reply model (or, with
-    `media_type`, a file of that type), and its JSON body model."""
+    `media_type`, a file of that type), its JSON body model, and the error statuses that do not
+    follow from its shape (`_errors`), such as a 404 for an id its body names."""
     extra: dict[str, Any] = {}
     if body is not None:
         _BODIES[body.__name__] = body
@@ -66,6 +68,7 @@ def documented(
         arguments["response_class"] = FileResponse  # no JSON content of its own
     else:
         arguments["responses"] = {200: {"description": "Successful Response", "model": reply}}
+    arguments["responses"].update({status: {"description": WHY[status]} for status in errors})
     return arguments
 
 
@@ -131,7 +134,7 @@ def _errors(operation: dict[str, Any], method: str, authenticated: bool) -> None
     route can answer."""
     responses = operation["responses"]
     responses.pop("422", None)  # FastAPI's own validation error, which never answers here
-    statuses = set()
+    statuses = {int(status) for status in responses if int(status) >= 400}
     if authenticated:
         operation["security"] = [{BEARER: []}]
         statuses.add(401)

@@ -18,7 +18,8 @@ from posttrain.types import SessionStatus
 router = APIRouter(prefix="/v1/rl/training-sessions")
 
 
-@router.post("", **documented(o.Session, body=SessionCreateIn))
+# The resource or checkpoint the body names may not exist.
+@router.post("", **documented(o.Session, body=SessionCreateIn, errors=(404,)))
 def create(
     *,
     body: BodyDep,

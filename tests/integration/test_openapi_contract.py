@@ -33,6 +33,7 @@ CHECK_NAMES = (
     "status_code_conformance",
     "content_type_conformance",
     "response_schema_conformance",
+    "negative_data_rejection",  # a request the schema calls invalid is refused (4xx)
 )
 
 
@@ -213,6 +214,10 @@ def test_real_answers_of_an_sdk_loop_match_the_served_schema(server):
     checked("GET", "/v1/rl/training-sessions", "/v1/rl/training-sessions")
     checked("GET", "/v1/rl/supported-models", "/v1/rl/supported-models")
     checked("GET", "/v3/whoami", "/v3/whoami")
+    checked("GET", "/v1/dashboard/overview", "/v1/dashboard/overview")
+    series = "/v1/dashboard/sessions/{session_id}/series"
+    points = checked("GET", series.format(session_id=session_id), series).json()["points"]
+    assert points
     # Errors: each at a documented status, in the envelope.
     missing_key = checked(
         "POST", f"{prefix}/operations/optim-step", f"{base}/operations/optim-step", json={}

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from posttrain.api.arrivals import ArrivalsMiddleware
+from posttrain.api.contract import documented, openapi
 from posttrain.api.guard import RequestGuard
 from posttrain.api.responses import error_response
 from posttrain.api.routes import (
@@ -28,6 +29,7 @@ from posttrain.api.routes import (
     supported_models,
     whoami,
 )
+from posttrain.api.schemas.objects import Health
 from posttrain.config import ServerConfig
 from posttrain.errors import posttrainError
 from posttrain.service import build_services
@@ -91,8 +93,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     ):
         app.include_router(router)
 
-    @app.get("/healthz")
+    @app.get("/healthz", **documented(Health))
     def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    app.openapi = lambda: openapi(app, config.limits)  # type: ignore[method-assign]
 
     return app

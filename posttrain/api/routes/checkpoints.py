@@ -8,13 +8,15 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
 from posttrain.api.responses import checkpoint_json, page
+from posttrain.api.schemas import objects as o
 
 router = APIRouter(prefix="/v1/rl/checkpoints")
 
 
-@router.get("")
+@router.get("", **documented(o.CheckpointsList))
 def list_checkpoints(
     *,
     after: str | None = None,
@@ -31,12 +33,12 @@ def list_checkpoints(
     return page([checkpoint_json(c) for c in records], limit=limit, after=after)
 
 
-@router.get("/{checkpoint_id}")
+@router.get("/{checkpoint_id}", **documented(o.Checkpoint))
 def retrieve(*, checkpoint_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     return checkpoint_json(svc.checkpoints.get(user, checkpoint_id))
 
 
-@router.get("/{checkpoint_id}/download")
+@router.get("/{checkpoint_id}/download", **documented(o.CheckpointDownload))
 def download(
     *,
     checkpoint_id: str,
@@ -48,7 +50,10 @@ def download(
     return {"data": [{"filename": f.filename, "size": f.size, "url": f.url} for f in files]}
 
 
-@router.get("/{checkpoint_id}/files/{part}/{filename}")
+@router.get(
+    "/{checkpoint_id}/files/{part}/{filename}",
+    **documented(None, media_type="application/octet-stream"),
+)
 def get_file(
     *,
     checkpoint_id: str,

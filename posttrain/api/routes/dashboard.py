@@ -14,7 +14,9 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
+from posttrain.api.schemas import dashboard as d
 from posttrain.errors import NotFound
 from posttrain.service.dashboard import OperationDigest, SessionSeries
 from posttrain.types import ResourceRecord, SessionRecord
@@ -91,7 +93,7 @@ def series_json(series: SessionSeries) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/dashboard/overview")
+@router.get("/v1/dashboard/overview", **documented(d.Overview))
 def overview(*, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     view = svc.dashboard.overview(user)
     return {
@@ -102,6 +104,6 @@ def overview(*, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/dashboard/sessions/{session_id}/series")
+@router.get("/v1/dashboard/sessions/{session_id}/series", **documented(d.Series))
 def session_series(session_id: str, *, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     return series_json(svc.dashboard.session_series(user, session_id))

@@ -6,8 +6,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import page, resource_json
+from posttrain.api.schemas import objects as o
 from posttrain.api.schemas.sessions import ExtendExpiryIn, ResourceCreateIn, status_filter
 from posttrain.types import ResourceStatus
 
@@ -16,7 +18,7 @@ router = APIRouter(prefix="/v1/rl/model-resources")
 DEFAULT_INACTIVE_TIMEOUT_S = 3600
 
 
-@router.post("")
+@router.post("", **documented(o.ModelResources, body=ResourceCreateIn))
 def create(
     *,
     body: BodyDep,
@@ -46,7 +48,7 @@ def create(
     return resource_json(record)
 
 
-@router.post("/estimate-cost")
+@router.post("/estimate-cost", **documented(o.EstimateCost, body=ResourceCreateIn))
 def estimate_cost(
     *,
     body: BodyDep,
@@ -62,7 +64,7 @@ def estimate_cost(
     return {"currency": "USD", "price_per_hour": 0.0}
 
 
-@router.get("")
+@router.get("", **documented(o.ModelResourcesList))
 def list_resources(
     *,
     after: str | None = None,
@@ -78,12 +80,12 @@ def list_resources(
     return page([resource_json(r) for r in records], limit=limit, after=after)
 
 
-@router.get("/{resource_id}")
+@router.get("/{resource_id}", **documented(o.ModelResources))
 def retrieve(*, resource_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     return resource_json(svc.resources.get(user, resource_id))
 
 
-@router.post("/{resource_id}/extend-expiry")
+@router.post("/{resource_id}/extend-expiry", **documented(o.ModelResources, body=ExtendExpiryIn))
 def extend_expiry(
     *,
     resource_id: str,
@@ -95,7 +97,7 @@ def extend_expiry(
     return resource_json(svc.resources.extend_expiry(user, resource_id, request.seconds))
 
 
-@router.post("/{resource_id}/stop")
+@router.post("/{resource_id}/stop", **documented(o.ModelResources))
 def stop(
     *,
     resource_id: str,

@@ -17,14 +17,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Header, Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict, parse
 from posttrain.api.responses import operation_json
 from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
+from posttrain.api.schemas.outputs import OPERATION_REPLIES
 from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
 from posttrain.errors import InvalidRequest, NotFound, Unsupported
 from posttrain.service import Services
@@ -127,7 +131,10 @@ def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest
     return parsed(svc, op.session_id, op.kind, loads_strict(raw))
 
 
-@router.post("/{session_id}:sample")
+@router.post(
+    "/{session_id}:sample",
+    **documented(OPERATION_REPLIES[OperationKind.SAMPLE], body=SampleIn),
+)
 def sample_alias(
     *,
     session_id: str,
@@ -140,7 +147,100 @@ def sample_alias(
     return submit(svc, user, session_id, OperationKind.SAMPLE, body, idempotency_key)
 
 
-@router.post("/{session_id}/operations/{kind}")
+async def held(
+    svc: Services, user: str, session_id: str, kind: OperationKind, operation_id: str
+) -> Response:
+    """The operation, answered once it finishes or the poll hold passes."""
+
+    def read() -> OperationRecord:
+        return svc.operations.get(user, session_id, kind, operation_id)
+
+    hold = svc.config.poll_hold_seconds
+    was_held = False
+    # Registered before the first read: a completion between read and wait still wakes it.
+    done = svc.watch.watch(operation_id)
+    try:
+        op = await run_in_threadpool(read)
+        if op.status not in OPERATION_TERMINAL and hold > 0:
+            was_held = True
+            try:
+                await asyncio.wait_for(done.wait(), timeout=hold)
+            except TimeoutError:
+                pass  # the hold passed: answer the current status, the SDK polls again
+            op = await run_in_threadpool(read)
+    finally:
+        svc.watch.forget(operation_id, done)
+    response = await run_in_threadpool(rendered, op)
+    if was_held:
+        # A client with many operations in flight holds a connection per held GET besides
+        # those of its POSTs, and httpx's pool (the SDK's client) scans every idle connection
+        # on each request and response: measured, 64 concurrent one-sample SDK operations
+        # took 1.7-2.4 s with the connections kept and 0.5-0.7 s with held GETs closing theirs
+        # (docs/benchmarks.md). A new loopback connection costs well under a millisecond.
+        response.headers["Connection"] = "close"
+    return response
+
+
+# The body model of each operation kind that takes one; the checkpoints take none.
+BODIES: dict[OperationKind, type[BaseModel]] = {
+    OperationKind.FORWARD_BACKWARD: ForwardBackwardIn,
+    OperationKind.CUSTOM_FORWARD_BACKWARD: CustomForwardBackwardIn,
+    OperationKind.OPTIM_STEP: OptimStepIn,
+    OperationKind.WEIGHTS_SYNC: WeightsSyncIn,
+    OperationKind.SAMPLE: SampleIn,
+}
+
+
+def _poster(kind: OperationKind) -> Callable[..., Response]:
+    def create(
+        *,
+        session_id: str,
+        body: RawBodyDep,
+        idempotency_key: str | None = Header(None, alias="Idempotency-Key"),
+        svc: ServicesDep,
+        user: UserDep,
+    ) -> Response:
+        return submit(svc, user, session_id, kind, body, idempotency_key)
+
+    return create
+
+
+def _getter(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
+    async def retrieve(
+        *, session_id: str, operation_id: str, svc: ServicesDep, user: UserDep
+    ) -> Response:
+        return await held(svc, user, session_id, kind, operation_id)
+
+    return retrieve
+
+
+# One documented path per kind, each with its own body and reply (contract.py); the
+# path-templated routes below answer the same, and a 404 for an unknown kind.
+for _kind_ in OperationKind:
+    _path = f"/{{session_id}}/operations/{_kind_.value}"
+    _reply = OPERATION_REPLIES[_kind_]
+    _name = _kind_.name.lower()
+    router.add_api_route(
+        _path,
+        _poster(_kind_),
+        methods=["POST"],
+        name=f"create_{_name}",
+        **documented(
+            _reply,
+            body=BODIES.get(_kind_),
+            body_required=_kind_ != OperationKind.OPTIM_STEP,
+        ),
+    )
+    router.add_api_route(
+        f"{_path}/{{operation_id}}",
+        _getter(_kind_),
+        methods=["GET"],
+        name=f"retrieve_{_name}",
+        **documented(_reply),
+    )
+
+
+@router.post("/{session_id}/operations/{kind}", include_in_schema=False)
 def create_operation(
     *,
     session_id: str,
@@ -153,7 +253,7 @@ def create_operation(
     return submit(svc, user, session_id, _kind(kind), body, idempotency_key)
 
 
-@router.get("/{session_id}/operations/{kind}/{operation_id}")
+@router.get("/{session_id}/operations/{kind}/{operation_id}", include_in_schema=False)
 async def retrieve_operation(
     *,
     session_id: str,
@@ -162,32 +262,4 @@ async def retrieve_operation(
     svc: ServicesDep,
     user: UserDep,
 ) -> Response:
-    op_kind = _kind(kind)
-
-    def read() -> OperationRecord:
-        return svc.operations.get(user, session_id, op_kind, operation_id)
-
-    hold = svc.config.poll_hold_seconds
-    held = False
-    # Registered before the first read: a completion between read and wait still wakes it.
-    done = svc.watch.watch(operation_id)
-    try:
-        op = await run_in_threadpool(read)
-        if op.status not in OPERATION_TERMINAL and hold > 0:
-            held = True
-            try:
-                await asyncio.wait_for(done.wait(), timeout=hold)
-            except TimeoutError:
-                pass  # the hold passed: answer the current status, the SDK polls again
-            op = await run_in_threadpool(read)
-    finally:
-        svc.watch.forget(operation_id, done)
-    response = await run_in_threadpool(rendered, op)
-    if held:
-        # A client with many operations in flight holds a connection per held GET besides
-        # those of its POSTs, and httpx's pool (the SDK's client) scans every idle connection
-        # on each request and response: measured, 64 concurrent one-sample SDK operations
-        # took 1.7-2.4 s with the connections kept and 0.5-0.7 s with held GETs closing theirs
-        # (docs/benchmarks.md). A new loopback connection costs well under a millisecond.
-        response.headers["Connection"] = "close"
-    return response
+    return await held(svc, user, session_id, _kind(kind), operation_id)

@@ -9,18 +9,24 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
+from posttrain.api.schemas import objects as o
+from posttrain.api.schemas.wire import JsonObject
 
 router = APIRouter(prefix="/v1/rl")
 
 
-@router.post("/training-sessions/{session_id}/payloads/upload-url")
+@router.post("/training-sessions/{session_id}/payloads/upload-url", **documented(o.UploadUrl))
 def upload_url(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     payload_id, url = svc.payloads.create_upload(user, session_id)
     return {"payload_id": payload_id, "upload_url": url}
 
 
-@router.post("/training-sessions/{session_id}/payloads/{payload_id}/download-url")
+@router.post(
+    "/training-sessions/{session_id}/payloads/{payload_id}/download-url",
+    **documented(o.DownloadUrl),
+)
 def download_url(
     *,
     session_id: str,
@@ -31,7 +37,7 @@ def download_url(
     return {"download_url": svc.payloads.download_url(user, session_id, payload_id)}
 
 
-@router.put("/payloads/{payload_id}")
+@router.put("/payloads/{payload_id}", **documented(o.PayloadStored, body=JsonObject))
 async def put_payload(
     *,
     payload_id: str,
@@ -46,7 +52,7 @@ async def put_payload(
     return {"payload_id": payload_id, "size": len(body)}
 
 
-@router.get("/payloads/{payload_id}")
+@router.get("/payloads/{payload_id}", **documented(None, media_type="application/json"))
 def get_payload(
     *,
     payload_id: str,

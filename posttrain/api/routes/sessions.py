@@ -7,8 +7,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import page, session_json
+from posttrain.api.schemas import objects as o
 from posttrain.api.schemas.sessions import SessionCreateIn, SessionUpdateIn, status_filter
 from posttrain.errors import InvalidRequest
 from posttrain.types import SessionStatus
@@ -16,7 +18,8 @@ from posttrain.types import SessionStatus
 router = APIRouter(prefix="/v1/rl/training-sessions")
 
 
-@router.post("")
+# The resource or checkpoint the body names may not exist.
+@router.post("", **documented(o.Session, body=SessionCreateIn, errors=(404,)))
 def create(
     *,
     body: BodyDep,
@@ -45,7 +48,7 @@ def create(
     return session_json(record)
 
 
-@router.get("")
+@router.get("", **documented(o.SessionsList))
 def list_sessions(
     *,
     after: str | None = None,
@@ -64,12 +67,12 @@ def list_sessions(
     return page([session_json(s) for s in records], limit=limit, after=after)
 
 
-@router.get("/{session_id}")
+@router.get("/{session_id}", **documented(o.Session))
 def retrieve(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     return session_json(svc.sessions.get(user, session_id))
 
 
-@router.patch("/{session_id}")
+@router.patch("/{session_id}", **documented(o.Session, body=SessionUpdateIn, body_required=False))
 def update(
     *,
     session_id: str,
@@ -87,6 +90,6 @@ def update(
     return session_json(record)
 
 
-@router.post("/{session_id}/stop")
+@router.post("/{session_id}/stop", **documented(o.Session))
 def stop(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     return session_json(svc.sessions.stop(user, session_id))

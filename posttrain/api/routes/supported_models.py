@@ -10,13 +10,15 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
 from posttrain.api.responses import SUPPORTED_MODELS_GPU_TYPE
+from posttrain.api.schemas import objects as o
 
 router = APIRouter()
 
 
-@router.get("/v1/rl/supported-models")
+@router.get("/v1/rl/supported-models", **documented(o.SupportedModels))
 def supported_models(*, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     sampler = svc.config.sampler
     device = svc.resources.device_name()

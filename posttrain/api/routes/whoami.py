@@ -12,11 +12,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from posttrain.api.contract import documented
 from posttrain.api.deps import UserDep
+from posttrain.api.schemas import objects as o
 
 router = APIRouter()
 
 
-@router.get("/v3/whoami")
+@router.get("/v3/whoami", **documented(o.Whoami))
 def whoami(*, user: UserDep) -> dict[str, Any]:
     return {"type": "user_jwt", "user": {"id": user}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 
 def _int64(value: Any) -> Any:
@@ -29,7 +29,19 @@ def _int64(value: Any) -> Any:
 
 # Seeds and ids go to torch, whose generators take int64: a larger number is a 400 here, not a
 # failure later.
-Int64 = Annotated[int, BeforeValidator(_int64), Field(ge=-(2**63), lt=2**63)]
+Int64 = Annotated[
+    int,
+    BeforeValidator(_int64),
+    Field(ge=-(2**63), lt=2**63),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+                {"type": "string", "pattern": "^-?[0-9]{1,18}$"},
+            ]
+        }
+    ),
+]
 
 
 def _int64_list(value: Any) -> Any:
@@ -65,3 +77,7 @@ class Lenient(BaseModel):
 def given_fields(model: BaseModel | None) -> dict[str, Any]:
     """The fields the client set (nulls mean absent, api.md 0.3); {} for a missing object."""
     return {} if model is None else model.model_dump(exclude_none=True)
+
+
+class JsonObject(Lenient):
+    """Any JSON object: an uploaded payload, parsed when the operation naming it is."""

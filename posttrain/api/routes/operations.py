@@ -214,30 +214,31 @@ def _getter(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
     return retrieve
 
 
-# One documented path per kind, each with its own body and reply (contract.py); the
-# path-templated routes below answer the same, and a 404 for an unknown kind.
-for _kind_ in OperationKind:
-    _path = f"/{{session_id}}/operations/{_kind_.value}"
-    _reply = OPERATION_REPLIES[_kind_]
-    _name = _kind_.name.lower()
-    router.add_api_route(
-        _path,
-        _poster(_kind_),
-        methods=["POST"],
-        name=f"create_{_name}",
-        **documented(
-            _reply,
-            body=BODIES.get(_kind_),
-            body_required=_kind_ != OperationKind.OPTIM_STEP,
-        ),
-    )
-    router.add_api_route(
-        f"{_path}/{{operation_id}}",
-        _getter(_kind_),
-        methods=["GET"],
-        name=f"retrieve_{_name}",
-        **documented(_reply),
-    )
+def _add_kind_routes() -> None:
+    """One documented path per kind, each with its own body and reply (contract.py); the
+    path-templated routes below answer the same, and a 404 for an unknown kind."""
+    for kind in OperationKind:
+        path = f"/{{session_id}}/operations/{kind.value}"
+        reply = OPERATION_REPLIES[kind]
+        name = kind.name.lower()
+        body_required = kind != OperationKind.OPTIM_STEP  # `{}` or nothing: the defaults
+        router.add_api_route(
+            path,
+            _poster(kind),
+            methods=["POST"],
+            name=f"create_{name}",
+            **documented(reply, body=BODIES.get(kind), body_required=body_required),
+        )
+        router.add_api_route(
+            f"{path}/{{operation_id}}",
+            _getter(kind),
+            methods=["GET"],
+            name=f"retrieve_{name}",
+            **documented(reply),
+        )
+
+
+_add_kind_routes()  # before the templated routes, which would match the same paths
 
 
 @router.post("/{session_id}/operations/{kind}", include_in_schema=False)

@@ -190,8 +190,9 @@ class Scheduler:
     # ------------------------------------------------------------ the one operation path
 
     def _run_group(self, resource_id: str, group: list[QueuedOperation]) -> None:
-        """Operations of one kind in one engine pass (a group of one for most kinds); each
-        completes or fails on its own."""
+        """Operations of one kind in one engine pass (a group of one for most kinds), or in
+        consecutive passes where memory admission splits it; each completes or fails on its
+        own, and each pass is recorded before the next runs."""
         ready = self._start(group)
         if not ready:
             return
@@ -204,20 +205,18 @@ class Scheduler:
             ),
             self.engine.headroom(resource_id),
         )
-        by_id: dict[str, Outcome] = {ready[i][0].id: error for i, error in refused.items()}
+        self.recorder.finish([(ready[i][0], error) for i, error in refused.items()])
         for members in passes:
-            started = time.monotonic()
-            outcomes = self._pass(resource_id, kind, members)
-            if len(members) > 1:
-                self.metrics.shared_pass(len(members))
-            log.info(
-                "%d %s operations in one pass, %.3fs",
-                len(members),
-                kind,
-                time.monotonic() - started,
-            )
-            by_id.update((op.id, o) for (op, _, _), o in zip(members, outcomes, strict=True))
-        outcomes = [by_id[op.id] for op, _, _ in ready]
+            self._run_pass(resource_id, kind, members)
+
+    def _run_pass(self, resource_id: str, kind: OperationKind, ready: list[Ready]) -> None:
+        started = time.monotonic()
+        outcomes = self._pass(resource_id, kind, ready)
+        if len(ready) > 1:
+            self.metrics.shared_pass(len(ready))
+        log.info(
+            "%d %s operations in one pass, %.3fs", len(ready), kind, time.monotonic() - started
+        )
         for (op, _, request), outcome in zip(ready, outcomes, strict=True):
             if not isinstance(outcome, Exception):
                 self.metrics.count_tokens(op.kind, request, outcome)

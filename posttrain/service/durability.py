@@ -168,7 +168,9 @@ class SessionDurability:
                 )
             )
             log.info("operation %s completed before the restart: recorded from its state", op.id)
-        if session.lora_config is None:  # a crash between a snapshot and its clearing
+        if session.lora_config is None and op_id is not None:
+            # A crash between a snapshot and its clearing. The setup snapshot (no operation)
+            # covers nothing: the journal after it is the whole journal, and must stay.
             self.repo.clear_bodies(session.id, through=op_id)
         return True
 

@@ -3,7 +3,9 @@ unmodified SDK loop (training steps, weights-syncs, samples, a training checkpoi
 on the same port, and the loop carries on without an exception and ends with exactly the
 results of a loop that never saw a crash.
 
-CI runs `KILL_TRIALS` trials (each kill point drawn from a seeded generator, so a failure
+Sessions of both kinds: LoRA (durable after every operation) and full weight (a snapshot every
+--persist-every steps, 3 here so the loop crosses one, and a journal replayed after it). CI
+runs `KILL_TRIALS` trials of each (each kill point drawn from a seeded generator, so a failure
 reproduces); set POSTTRAIN_KILL_TRIALS=N for many more. The reference is a twin session on the
 same server, run first, whose wall time also gives the window the kill point is drawn from."""
 
@@ -17,10 +19,10 @@ from typing import Any
 
 import pytest
 from conftest import ServerProcess
-from helpers import open_session, sft_sample
-from together.post_training import SessionClient
+from helpers import API_KEY, BASE_MODEL, open_session, sft_sample
+from together.post_training import ModelResourcesClient, SessionClient
 
-KILL_TRIALS = int(os.environ.get("POSTTRAIN_KILL_TRIALS", "2"))
+KILL_TRIALS = int(os.environ.get("POSTTRAIN_KILL_TRIALS", "1"))
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
 FAST = 0.05
 LORA = {"rank": 4, "seed": 11}
@@ -58,9 +60,18 @@ def loop(session: SessionClient) -> list[Any]:
     return seen
 
 
+def new_session(base_url: str, kind: str) -> SessionClient:
+    if kind == "lora":
+        return open_session(base_url, lora_config=LORA)[1]
+    resources = ModelResourcesClient.create(
+        base_url=base_url, api_key=API_KEY, base_model=BASE_MODEL, lora_enabled=False, interval=0.2
+    )
+    return resources.create_session(interval=0.2)
+
+
 @pytest.fixture
 def restartable(tmp_path, request):
-    proc = ServerProcess.started(tmp_path, "--poll-hold-seconds", "0")
+    proc = ServerProcess.started(tmp_path, "--poll-hold-seconds", "0", "--persist-every", "3")
     yield proc
     proc.stop()
     report = getattr(request.node, "rep_call", None)
@@ -69,15 +80,16 @@ def restartable(tmp_path, request):
 
 
 @pytest.mark.parametrize("trial", range(KILL_TRIALS))
-def test_kill_9_at_a_random_moment_of_an_sdk_loop_loses_nothing(restartable, trial):
+@pytest.mark.parametrize("kind", ["lora", "full-weight"])
+def test_kill_9_at_a_random_moment_of_an_sdk_loop_loses_nothing(restartable, kind, trial):
     server = restartable
-    rng = random.Random(1000 + trial)
-    _, twin = open_session(server.base_url, lora_config=LORA)
+    rng = random.Random(f"{kind}-{trial}")
+    twin = new_session(server.base_url, kind)
     started = time.monotonic()
     expected = loop(twin)
     window = time.monotonic() - started
 
-    _, session = open_session(server.base_url, lora_config=LORA)
+    session = new_session(server.base_url, kind)
     outcome: dict[str, Any] = {}
 
     def run() -> None:

@@ -219,3 +219,31 @@ def test_a_step_snapshotted_but_not_recorded_completes_after_a_restart(tmp_path)
         assert restarted.repo.get_session(session_id).step == 3
     finally:
         restarted.close()
+
+
+def test_a_restart_before_the_first_periodic_snapshot_replays_the_whole_journal(tmp_path):
+    """Only the setup snapshot is on disk (no operation): the journal since it is the whole
+    journal, and survives the restart's reconcile (it once cleared it)."""
+    services = start(tmp_path)
+    session_id = full_weight_session(services)
+    run(services, session_id, FB, TRAIN)
+    run(services, session_id, OPTIM, STEP)  # step 1 of persist_every 2: journaled
+    run(services, session_id, WSYNC, SYNC)
+    run(services, session_id, FB, TRAIN)
+    seen = observed(services, session_id)
+    record = services.repo.get_session(session_id)
+    assert (
+        durable.read_manifest(services.scheduler.durability.directory(session_id))["record"][
+            "operation"
+        ]
+        is None
+    )
+    services.close()
+
+    restarted = start(tmp_path)
+    try:
+        after = restarted.repo.get_session(session_id)
+        assert (after.step, after.policy_state) == (record.step, record.policy_state)
+        assert observed(restarted, session_id) == seen
+    finally:
+        restarted.close()

@@ -2,8 +2,9 @@
 
 Two measurements, both of the real engine: the bytes autograd saves for backward during a
 forward-backward (saved_tensors_hooks, each storage once, the model's own weights excluded),
-and the peak resident set a pass adds, measured in a fresh subprocess (ru_maxrss after the
-pass less the resident set before it; torch's CPU allocator keeps no statistics). The rule the
+and the peak resident set a pass adds, measured in a fresh subprocess (the kernel's resident
+high-water mark, reset just before the pass, less the resident set then; torch's CPU
+allocator keeps no statistics). The rule the
 estimate keeps: never below the measured peak, and at most MAX_OVERESTIMATE times it.
 """
 
@@ -103,7 +104,7 @@ def test_saved_activations_are_counted_by_the_per_layer_model(tmp_path, override
 
 MEASURE = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     from pathlib import Path
     sys.path.insert(0, {tests!r})
     from test_memory_estimate import batch, engine_over, CE
@@ -123,10 +124,16 @@ MEASURE = textwrap.dedent(
     run(request(1, 4))  # warm up: first-call allocations are not the pass's
     big = request(rows, tokens)
     estimated = engine.peak_bytes("r", OperationKind(kind), [("s", big)])
-    page = resource.getpagesize()
-    before = int(Path("/proc/self/statm").read_text().split()[1]) * page
+    def status_bytes(field):
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                    if x.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+    # Reset the resident high-water mark to now (clear_refs 5), so an earlier peak (loading
+    # the model, the warm-up) cannot count as the pass's.
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status_bytes("VmRSS")
     (outcome,) = run(big)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status_bytes("VmHWM")
     lengths = [len(q.tokens) for q in outcome[0].sequences] if kind == "sample" else []
     print(json.dumps({{"added": peak - before, "estimated": estimated, "lengths": lengths}}))
     """

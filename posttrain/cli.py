@@ -65,6 +65,20 @@ def parser() -> argparse.ArgumentParser:
         help="run each model resource's engine in a thread (default) or a worker process",
     )
     serve.add_argument(
+        "--generators",
+        choices=("inline", "process"),
+        default=None,
+        help="run each model resource's generators inline on its trainer (default) or as"
+        " compute_config.num_generator_replicas processes sampling beside it",
+    )
+    serve.add_argument(
+        "--max-generator-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most generator replicas a model resource may ask for (8)",
+    )
+    serve.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default=None,
@@ -157,6 +171,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         dtype=args.dtype,
         loss_fn_outputs=args.loss_fn_outputs,
         workers=args.workers,
+        generators=args.generators,
+        max_generator_replicas=args.max_generator_replicas,
         memory_limit=args.memory_limit,
     )
 

@@ -80,6 +80,23 @@ class EngineConfig(BaseModel):
         " a worker process of its own (engine/process.py: a crash or out-of-memory there fails"
         " that resource's operations, not the server, and its sessions are restored)",
     )
+    # Measured (bench/scale_out.py, docs/benchmarks.md): a replica process costs a start
+    # (spawn, import torch, load the model: seconds) and a copy of the model, and each
+    # weights-sync pickles the published tensors across a pipe. It pays where samples are long
+    # and several sessions train while others sample; on the built-in model and in the tests
+    # the inline generator is faster, so it stays the default.
+    generators: Literal["inline", "process"] = Field(
+        "inline",
+        description="where each model resource's generators run: inline, on the trainer's"
+        " model and lane (a sample waits for the trainer and the trainer for it), or as"
+        " compute_config.num_generator_replicas replica processes that sample beside the"
+        " trainer (engine/replicas.py)",
+    )
+    max_generator_replicas: int = Field(
+        8,
+        ge=1,
+        description="the most compute_config.num_generator_replicas a model resource may ask for",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="base weights' dtype: auto = bfloat16 on CUDA, float32 on CPU; float32 on"

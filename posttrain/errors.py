@@ -80,6 +80,11 @@ class WorkerDied(EngineFailure):
     (engine/process.py); the service reloads the resource and restores its sessions."""
 
 
+class GeneratorReplicaDied(EngineFailure):
+    """A generator replica process ended while serving a sample (engine/replicas.py); the
+    trainer is untouched and the next sample starts a new replica."""
+
+
 class NonFiniteLoss(EngineFailure):
     """A loss or gradient was NaN or infinite; the operation's contribution was discarded."""
 

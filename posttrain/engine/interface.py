@@ -50,8 +50,15 @@ class Engine(Protocol):
 
     def model_info(self, base_model: str) -> ModelInfo: ...
 
+    # `generator_replicas`: the resource's compute_config.num_generator_replicas, which an
+    # engine with generators apart (replicas.py) starts; the others serve from the trainer.
     def load_resource(
-        self, resource_id: str, base_model: str, *, muon_scaling: MuonScaling | None
+        self,
+        resource_id: str,
+        base_model: str,
+        *,
+        muon_scaling: MuonScaling | None,
+        generator_replicas: int = 1,
     ) -> None: ...
 
     def unload_resource(self, resource_id: str) -> None: ...
@@ -79,7 +86,19 @@ class Engine(Protocol):
 
     # The generator serves a copy of the trainer's weights, which are policy version `version`.
     # May be called from inside `between_tokens` of a running sample (PIPELINE weights-sync).
-    def publish(self, resource_id: str, session_id: str, *, version: int) -> None: ...
+    # `mid_generation` (PIPELINE): a generator apart may switch a running generation's rows to
+    # these weights at its next token boundary.
+    def publish(
+        self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
+    ) -> None: ...
+
+    # Generators apart from the trainer (engine/replicas.py): how many generations may run
+    # beside it (0: samples run on the trainer's lane), and the fence of what the generators
+    # must serve for a sample queued now; sample_batch(fence=, lane=) applies exactly that on
+    # the lane's generator.
+    def generator_lanes(self, resource_id: str) -> int: ...
+
+    def generator_fence(self, resource_id: str) -> int: ...
 
     # Several sample operations (any sessions of the resource) in one generation: one result
     # list per item, in order. policy_segments come from the engine, which knows what each
@@ -91,6 +110,8 @@ class Engine(Protocol):
         items: list[tuple[str, SampleRequest]],
         *,
         between_tokens: Callable[[], None] | None = None,
+        fence: int = 0,
+        lane: int = 0,
     ) -> list[list[SampleResult]]: ...
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
@@ -102,7 +123,7 @@ class Engine(Protocol):
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
     ) -> int: ...
 
-    def headroom(self, resource_id: str) -> Headroom: ...
+    def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom: ...
 
     # A session's live state (engine/durable.py): the named parts, with the service's
     # record, written atomically into a directory the service chose; and read back into a

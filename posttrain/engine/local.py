@@ -90,8 +90,16 @@ class LocalEngine:
         return self._info[base_model]
 
     def load_resource(
-        self, resource_id: str, base_model: str, *, muon_scaling: MuonScaling | None
+        self,
+        resource_id: str,
+        base_model: str,
+        *,
+        muon_scaling: MuonScaling | None,
+        generator_replicas: int = 1,
     ) -> None:
+        """Load the base model for a resource. Its generator runs here, on the trainer's
+        model and thread, whatever `generator_replicas` says (engine/replicas.py runs them
+        apart)."""
         with self._lock:
             if resource_id in self._resources:
                 return
@@ -222,10 +230,40 @@ class LocalEngine:
 
     # ------------------------------------------------------------ sampling (generator.py)
 
-    def publish(self, resource_id: str, session_id: str, *, version: int) -> None:
+    def publish(
+        self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
+    ) -> None:
         """weights-sync: the generator serves a copy of the trainer's weights, which are policy
-        version `version`. Safe between decode passes (PIPELINE)."""
+        version `version`. Safe between decode passes (PIPELINE); `mid_generation` matters to
+        generators that run apart (engine/replicas.py), not to this one, which the decode
+        loop's `between_tokens` publishes into directly."""
         generator.publish(*self._session(resource_id, session_id), version=version)
+
+    def generator_lanes(self, resource_id: str) -> int:
+        """How many generations may run beside the trainer: none here, where the generator
+        shares the trainer's model and thread."""
+        return 0
+
+    def generator_fence(self, resource_id: str) -> int:
+        """The generator state as of now, for a sample queued at this point (replicas.py)."""
+        return 0
+
+    def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
+        """What the session's generator serves (its tensors, detached) and their policy
+        version: what a generator replica installs (engine/replicas.py)."""
+        resource, session = self._session(resource_id, session_id)
+        tensors = {n: p.detach().clone() for n, p in _generator_parameters(resource, session)}
+        return tensors, generator.served(resource, session).version
+
+    def install_generator(
+        self, resource_id: str, session_id: str, tensors: dict[str, Tensor], *, version: int
+    ) -> None:
+        """The session's generator serves these tensors (a trainer's generator_state), as
+        policy version `version`. Safe between decode passes."""
+        resource, session = self._session(resource_id, session_id)
+        _copy_into(_generator_parameters(resource, session), tensors)
+        resource.served[session.generator_key] = WeightsVersion(next(resource.generations), version)
+        resource.prefix_cache.drop_owner(session.generator_key)
 
     def sample_batch(
         self,
@@ -233,13 +271,16 @@ class LocalEngine:
         items: list[tuple[str, SampleRequest]],
         *,
         between_tokens: Callable[[], None] | None = None,
+        fence: int = 0,
+        lane: int = 0,
     ) -> list[list[SampleResult]]:
         """Several sample operations of one resource (any sessions) in one generation.
 
         `between_tokens` runs between decode passes and may call `publish` (PIPELINE
         weights-sync); rows of a session whose generator changed continue on the new weights
         and their results record the switch in policy_segments. Returns one list of results
-        (one per prompt) per item."""
+        (one per prompt) per item. `fence` and `lane` are for generators that run apart
+        (replicas.py)."""
         resource = self._resource(resource_id)
         found = [(self._session(resource_id, sid)[1], request) for sid, request in items]
         return generator.sample_batch(self.config, resource, found, between_tokens=between_tokens)
@@ -291,7 +332,7 @@ class LocalEngine:
             return estimate.optim_step_bytes(trainable[0], largest, has_moments=has_moments)
         return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
 
-    def headroom(self, resource_id: str) -> Headroom:
+    def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
         """What an operation on the resource's device may allocate now (engine/headroom.py)."""
         return headroom(self._resource(resource_id).loaded.device, self.config.memory_limit)
 
@@ -328,18 +369,16 @@ class LocalEngine:
     ) -> dict[str, Any]:
         """A freshly created session takes the state persist_session wrote (its generator
         serving policy version `version`); returns the record written with it."""
-        resource, session = self._session(resource_id, session_id)
+        _, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
         named = session.optimizer.named_params
         _copy_into(named, parts["trainer"])
-        _copy_into(_generator_parameters(resource, session), parts["generator"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         weights.restore_rng(parts["optimizer"]["rng"])
         saved = parts.get("gradients", {})
         for name, p in named:
             p.grad = saved[name].to(device=p.device, dtype=p.dtype) if name in saved else None
-        resource.served[session.generator_key] = WeightsVersion(next(resource.generations), version)
-        resource.prefix_cache.drop_owner(session.generator_key)
+        self.install_generator(resource_id, session_id, parts["generator"], version=version)
         return record
 
     # ------------------------------------------------------------ checkpoints (engine/weights.py)

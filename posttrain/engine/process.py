@@ -61,14 +61,27 @@ class WorkerProcess:
     """One resource's worker: a process, the API end of its pipe, and a lock that keeps one
     call (with its nested callbacks) on the pipe at a time."""
 
-    def __init__(self, resource_id: str, config: EngineConfig, model_paths: dict[str, Path]):
+    def __init__(
+        self,
+        resource_id: str,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        *,
+        role: str = "worker",
+        label: str | None = None,
+        engine: tuple = (),
+    ):
+        """The process serves commands on `engine` = (class, *args), built there as
+        `class(config, model_paths, *args)` (default: a LocalEngine); `label` names it in
+        errors."""
         self.resource_id = resource_id
+        self.label = label or f"the worker process of model resource {resource_id}"
         context = multiprocessing.get_context("spawn")  # fork would copy torch's threads' locks
         self.conn, child = context.Pipe()
         self.process = context.Process(
             target=_serve,
-            args=(child, config, model_paths),
-            name=f"posttrain-worker-{resource_id}",
+            args=(child, config, model_paths, *engine),
+            name=f"posttrain-{role}-{resource_id}",
             daemon=True,  # stopped at the API process's normal exit; kill -9: _die_with_parent
         )
         self.process.start()
@@ -125,7 +138,7 @@ class WorkerProcess:
 
     def _check(self) -> None:
         if self.dead is not None:
-            raise WorkerDied(f"the worker process of model resource {self.resource_id} {self.dead}")
+            raise WorkerDied(f"{self.label} {self.dead}")
 
     def _died(self) -> None:
         self.process.join(1.0)
@@ -185,6 +198,12 @@ class ProcessEngine:
     def model_info(self, base_model: str) -> ModelInfo:
         return self._catalog.model_info(base_model)
 
+    def generator_lanes(self, resource_id: str) -> int:
+        return 0  # the worker's generator shares its trainer's process (replicas.py: apart)
+
+    def generator_fence(self, resource_id: str) -> int:
+        return 0
+
     def __getattr__(self, method: str) -> Callable[..., Any]:
         """Every other Engine method: the catalog's, or the named resource's worker's."""
         if method.startswith("_") or not callable(getattr(LocalEngine, method, None)):
@@ -219,10 +238,16 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _serve(conn: Connection, config: EngineConfig, model_paths: dict[str, Path]) -> None:
-    """A worker's loop: run each command on its LocalEngine and answer it, until told to stop."""
+def _serve(
+    conn: Connection,
+    config: EngineConfig,
+    model_paths: dict[str, Path],
+    engine_class: type = LocalEngine,
+    *engine_args: Any,
+) -> None:
+    """A worker's loop: run each command on its engine and answer it, until told to stop."""
     _die_with_parent()
-    engine = LocalEngine(config, model_paths)
+    engine = engine_class(config, model_paths, *engine_args)
 
     def receive() -> tuple[str, tuple, dict[str, Any]]:
         return pickle.loads(conn.recv_bytes())

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.process import ProcessEngine
+from posttrain.engine.replicas import ReplicatedEngine
 from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.completion import CompletionWatch
@@ -37,7 +38,7 @@ log = logging.getLogger("posttrain")
 class Services:
     config: ServerConfig
     repo: Repo
-    engine: LocalEngine | ProcessEngine
+    engine: LocalEngine | ProcessEngine | ReplicatedEngine
     scheduler: Scheduler
     resources: ResourceService
     sessions: SessionService
@@ -58,7 +59,7 @@ class Services:
         self.watch.close()
         self.expiry.close()
         self.scheduler.close()
-        if isinstance(self.engine, ProcessEngine):
+        if isinstance(self.engine, ProcessEngine | ReplicatedEngine):
             self.engine.close()  # after the threads that call it: no orphan worker processes
 
 
@@ -74,7 +75,11 @@ def build_services(
     repo.add_operation_listener(watch.operation_written)
     model_paths = {spec.id: spec.path for spec in config.models}
     engine_class = ProcessEngine if config.engine.workers == "process" else LocalEngine
-    engine = engine_class(config.engine, model_paths)
+    engine: LocalEngine | ProcessEngine | ReplicatedEngine = engine_class(
+        config.engine, model_paths
+    )
+    if config.engine.generators == "process":
+        engine = ReplicatedEngine(engine, config.engine, model_paths)
     signer = UrlSigner(signing_key(config.signing_key, config.data_dir), config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
     routed_experts = RoutedExpertsStore(

@@ -213,7 +213,8 @@ class PublishMailbox:
     def _publish(self, resource_id: str, entry: _Entry) -> None:
         assert entry.version is not None
         version = entry.version
-        self.engine.publish(resource_id, entry.session_id, version=version)
+        pipeline = entry.mode == WeightSyncType.PIPELINE
+        self.engine.publish(resource_id, entry.session_id, version=version, mid_generation=pipeline)
         self._entries[resource_id].remove(entry)
         still_pending = any(
             e.session_id == entry.session_id and e.version is not None

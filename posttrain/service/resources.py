@@ -62,6 +62,7 @@ class ResourceService:
     ) -> ResourceRecord:
         self.check_base_model(base_model)
         self.check_inactive_timeout(inactive_timeout)
+        self.check_generator_replicas(num_generator_replicas)
         now = time.time()
         record = ResourceRecord(
             id=new_id("mr"),
@@ -132,13 +133,28 @@ class ResourceService:
                 param="inactive_timeout",
             )
 
+    def check_generator_replicas(self, replicas: int) -> None:
+        """At most the server's --max-generator-replicas (each may be a process of its own)."""
+        bound = self.config.engine.max_generator_replicas
+        if replicas > bound:
+            raise InvalidRequest(
+                f"compute_config.num_generator_replicas {replicas} is above this server's bound"
+                f" of {bound} (posttrain serve --max-generator-replicas)",
+                param="compute_config.num_generator_replicas",
+            )
+
     def session_capacity(self, record: ResourceRecord) -> int:
         """Sessions the resource hosts at once: one on a full-weight resource (api.md 1.2)."""
         return self.config.engine.max_sessions_per_resource if record.lora_enabled else 1
 
     def ensure_loaded(self, record: ResourceRecord) -> None:
         """Load the base model if this process has not yet (after a restart). Worker thread."""
-        self.engine.load_resource(record.id, record.base_model, muon_scaling=record.muon_scaling)
+        self.engine.load_resource(
+            record.id,
+            record.base_model,
+            muon_scaling=record.muon_scaling,
+            generator_replicas=record.num_generator_replicas,
+        )
 
     def get(self, user: str, resource_id: str) -> ResourceRecord:
         record = self.repo.get_resource(resource_id)

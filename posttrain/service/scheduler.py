@@ -129,6 +129,8 @@ class Scheduler:
                     max_sample_rows=self.limits.max_sample_rows,
                     arriving=lambda rid=resource_id: self._arriving(rid),
                     gather_s=self.limits.sample_gather_s,
+                    generator_lanes=lambda rid=resource_id: self.engine.generator_lanes(rid),
+                    fence=lambda rid=resource_id: self.engine.generator_fence(rid),
                 )
             return self._workers[resource_id]
 
@@ -203,15 +205,19 @@ class Scheduler:
             lambda members: self.engine.peak_bytes(
                 resource_id, kind, [(session.id, request) for _, session, request in members]
             ),
-            self.engine.headroom(resource_id),
+            self.engine.headroom(resource_id, kind),
         )
         self.recorder.finish([(ready[i][0], error) for i, error in refused.items()])
+        # A generator lane's group: one fence, one lane (service/worker.py).
+        fence, lane = max(item.fence for item in group), group[0].lane
         for members in passes:
-            self._run_pass(resource_id, kind, members)
+            self._run_pass(resource_id, kind, members, fence, lane)
 
-    def _run_pass(self, resource_id: str, kind: OperationKind, ready: list[Ready]) -> None:
+    def _run_pass(
+        self, resource_id: str, kind: OperationKind, ready: list[Ready], fence: int, lane: int
+    ) -> None:
         started = time.monotonic()
-        outcomes = self._pass(resource_id, kind, ready)
+        outcomes = self._pass(resource_id, kind, ready, fence, lane)
         if len(ready) > 1:
             self.metrics.shared_pass(len(ready))
         log.info(
@@ -255,17 +261,23 @@ class Scheduler:
             # restored, not a dead process (engine/process.py).
             self.on_worker_lost(resource_id)
 
-    def _pass(self, resource_id: str, kind: OperationKind, ready: list[Ready]) -> list[Outcome]:
+    def _pass(
+        self, resource_id: str, kind: OperationKind, ready: list[Ready], fence: int, lane: int
+    ) -> list[Outcome]:
         """One engine pass over the group; per member an output or an error."""
         if kind == OperationKind.FORWARD_BACKWARD:
             items = _requests(ready, ForwardBackwardRequest)
             return list(self.engine.forward_backward_batch(resource_id, items))
         if kind == OperationKind.SAMPLE:
-            # Between tokens, PIPELINE weights-syncs submitted meanwhile publish in flight.
+            # Between tokens, PIPELINE weights-syncs submitted meanwhile publish in flight. On a
+            # generator lane (engine/replicas.py) the engine does not call it: those publishes
+            # run on the trainer's lane and reach the running generation at a token boundary.
             results = self.engine.sample_batch(
                 resource_id,
                 _requests(ready, SampleRequest),
                 between_tokens=lambda: self.mailbox.publish_in_flight(resource_id),
+                fence=fence,
+                lane=lane,
             )
             return [
                 SampleOutput(self.routed_experts.keyed(session.id, per_op))

@@ -14,6 +14,7 @@ Imports: types.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -51,6 +52,10 @@ class QueuedOperation:
     operation_id: str
     request: OperationRequest
     done: Callable[[], None] = lambda: None  # runs once the operation finished
+    # A sample handed to a generator lane: what the generators serve as of its FIFO place
+    # (Engine.generator_fence); 0 on the trainer's lane.
+    fence: int = 0
+    lane: int = 0  # the generator lane that runs it
 
     @property
     def rows(self) -> int:
@@ -89,6 +94,8 @@ class ResourceWorker:
         max_sample_rows: int = 256,
         arriving: Callable[[], int] = int,
         gather_s: float = 0.0,
+        generator_lanes: Callable[[], int] = int,
+        fence: Callable[[], int] = int,
     ) -> None:
         self._items: deque[_Item | None] = deque()
         self._ready = threading.Condition()
@@ -101,6 +108,14 @@ class ResourceWorker:
         self._arriving = arriving
         self._gather_s = gather_s
         self._busy_s = 0.0
+        # Where the generators run apart from the trainer (engine/replicas.py), samples leave
+        # this queue at their FIFO place for the generator lanes (one per generator), and the
+        # trainer's operations go on meanwhile.
+        self._generator_lanes = generator_lanes
+        self._fence = fence
+        self._samples: deque[_Item | None] = deque()
+        self._lanes: list[threading.Thread] = []
+        self._name = name
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -113,12 +128,12 @@ class ResourceWorker:
     def _append(self, item: _Item) -> Future:
         with self._ready:
             self._items.append(item)
-            self._ready.notify()
+            self._ready.notify_all()  # the trainer's lane and the generator lanes wait here
         return item.future
 
     def depth(self) -> int:
         with self._ready:
-            return len(self._items)
+            return len(self._items) + len(self._samples)
 
     def busy_seconds(self) -> float:
         """Seconds this worker spent running jobs (the engine's busy time, for /metrics)."""
@@ -128,7 +143,8 @@ class ResourceWorker:
     def close(self) -> None:
         with self._ready:
             self._items.append(None)
-            self._ready.notify()
+            self._samples.extend(None for _ in self._lanes)
+            self._ready.notify_all()
 
     def _fits(self, head: QueuedOperation, mates: list[_Item], candidate: QueuedOperation) -> bool:
         if candidate.kind != head.kind:
@@ -169,8 +185,12 @@ class ResourceWorker:
                 if head is None:
                     return
                 group = [head]
+                sample = head.operation is not None and head.operation.kind == OperationKind.SAMPLE
+            if sample and self._hand_off(head):
+                continue
+            with self._ready:
                 if head.operation is not None:
-                    if head.operation.kind == OperationKind.SAMPLE:
+                    if sample:
                         self._await_arrivals()
                     group += self._take_batch_mates(head.operation)
             started = time.monotonic()
@@ -179,6 +199,55 @@ class ResourceWorker:
             finally:
                 with self._ready:
                     self._busy_s += time.monotonic() - started
+
+    def _hand_off(self, head: _Item) -> bool:
+        """Trainer's lane, a sample at the head: give it, with its fence, to the generator
+        lanes if the generators run apart; False: it runs here."""
+        lanes = self._generator_lanes()
+        if lanes == 0:
+            return False
+        assert head.operation is not None
+        operation = dataclasses.replace(head.operation, fence=self._fence())
+        with self._ready:
+            while len(self._lanes) < lanes:
+                lane = threading.Thread(
+                    target=self._sample_lane,
+                    args=(len(self._lanes),),
+                    name=f"{self._name}-generator{len(self._lanes)}",
+                    daemon=True,
+                )
+                self._lanes.append(lane)
+                lane.start()
+            self._samples.append(_Item(head.future, operation=operation))
+            self._ready.notify_all()
+        return True
+
+    def _sample_lane(self, lane: int) -> None:
+        """Generator lane `lane`: one generation at a time on its generator, of the samples
+        handed off, in their order, sharing a pass with those of the same fence (later ones
+        may need other weights)."""
+        while True:
+            with self._ready:
+                while not self._samples:
+                    self._ready.wait()
+                head = self._samples.popleft()
+                if head is None:
+                    return
+                assert head.operation is not None
+                self._await_arrivals()
+                group = [head]
+                for item in list(self._samples):
+                    if item is None or item.operation is None:
+                        break
+                    if item.operation.fence == head.operation.fence and self._fits(
+                        head.operation, group[1:], item.operation
+                    ):
+                        group.append(item)
+                        self._samples.remove(item)
+            for item in group:
+                assert item.operation is not None
+                item.operation = dataclasses.replace(item.operation, lane=lane)
+            self._run(group)
 
     def _await_arrivals(self) -> None:
         """Caller holds the lock. While sample submissions are arriving, wait (up to gather_s)

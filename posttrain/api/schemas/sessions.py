@@ -30,9 +30,9 @@ def status_filter(values: list[str] | None, statuses: type[StrEnum]) -> set[str]
     return wanted or None
 
 
-# One process serves every generator of a resource (replicas share its model); the bound
-# keeps a typo from being recorded as a billion replicas.
-MAX_GENERATOR_REPLICAS = 8
+# The wire's ceiling, which keeps a typo from being recorded as a billion replicas; the
+# server's own bound (--max-generator-replicas, service/resources.py) is at most this.
+MAX_GENERATOR_REPLICAS = 64
 
 
 class ComputeConfigIn(Wire):

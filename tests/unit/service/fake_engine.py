@@ -68,6 +68,11 @@ class FakeEngine:
     mid_sample: Callable[[], None] = lambda: None
     # Memory admission: a forward-backward's "peak" is its tokens, a sample's its sequences.
     free_bytes: int = 1 << 62
+    # Generators apart (engine/replicas.py): lanes beside the trainer's, and the fence each
+    # publish advances; every sample pass records the (fence, lane) it ran with.
+    lanes: int = 0
+    fence: int = 0
+    sampled_at: list[tuple[int, int]] = field(default_factory=list)
 
     def _call(self, method: str, resource_id: str, *session_ids: str) -> None:
         self.calls.append((method, resource_id, session_ids))
@@ -88,7 +93,12 @@ class FakeEngine:
         )
 
     def load_resource(
-        self, resource_id: str, base_model: str, *, muon_scaling: MuonScaling | None
+        self,
+        resource_id: str,
+        base_model: str,
+        *,
+        muon_scaling: MuonScaling | None,
+        generator_replicas: int = 1,
     ) -> None:
         self._call("load_resource", resource_id)
         if self.fail_load:
@@ -125,7 +135,7 @@ class FakeEngine:
                 peak += sum(len(sample.tokens) for sample in request.samples)
         return peak
 
-    def headroom(self, resource_id: str) -> Headroom:
+    def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
         return Headroom(self.free_bytes, "the fake engine's free_bytes")
 
     def forward_backward_batch(
@@ -152,9 +162,18 @@ class FakeEngine:
         self._call("optim_step", resource_id, session_id)
         self.trainer[session_id] += 1
 
-    def publish(self, resource_id: str, session_id: str, *, version: int) -> None:
+    def publish(
+        self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
+    ) -> None:
         self._call("publish", resource_id, session_id)
         self.served[session_id] = version
+        self.fence += 1
+
+    def generator_lanes(self, resource_id: str) -> int:
+        return self.lanes
+
+    def generator_fence(self, resource_id: str) -> int:
+        return self.fence
 
     def sample_batch(
         self,
@@ -162,8 +181,11 @@ class FakeEngine:
         items: list[tuple[str, SampleRequest]],
         *,
         between_tokens: Callable[[], None] | None = None,
+        fence: int = 0,
+        lane: int = 0,
     ) -> list[list[SampleResult]]:
         self._call("sample_batch", resource_id, *(sid for sid, _ in items))
+        self.sampled_at.append((fence, lane))
         first = {sid: self.served[sid] for sid, _ in items}
         self.mid_sample()
         if between_tokens is not None:

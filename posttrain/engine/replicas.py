@@ -1,0 +1,425 @@
+"""Generator replicas: a resource's sampling runs in processes of its own, beside its trainer.
+
+`ReplicatedEngine` implements the Engine protocol over a trainer engine (LocalEngine in the API
+process, or ProcessEngine) and `compute_config.num_generator_replicas` replica processes per
+resource, each a `ReplicaEngine`: the same base model loaded again, serving every session's
+generator and nothing else. The scheduler runs samples on generator lanes of their own, one per
+replica (service/worker.py): a free lane takes the next sample, so the load spreads, a long
+sample never holds the trainer, and two replicas sample at the same time. Everything but
+sampling goes to the trainer.
+
+What each generator serves reaches the replicas as staged changes: create, drop, install. Each
+change of a resource has a number (its fence), and is sent to every replica over a one-way pipe
+the moment the trainer makes it (a publish, a restore, a checkpoint load), without waiting for a
+replica busy sampling: a thread in the replica receives it and keeps it. A sample carries the
+fence of its place in its resource's FIFO; before it generates, the replica applies every staged
+change up to that fence and none after it. So a sample submitted after a weights-sync sees the
+new weights, and a sample submitted before it does not, whichever replica runs it and whenever.
+A PIPELINE weights-sync's install may also land between two decode passes of a generation that
+is running (`mid_generation`): the replica applies it there, and its rows switch weights at that
+token boundary, which policy_segments record (engine/generator.py).
+
+A replica that dies fails the sample in flight with GeneratorReplicaDied (INTERNAL_ERROR naming
+it); the trainer is untouched, and the next sample starts a new replica, rebuilt from what the
+trainer's generators serve.
+
+Imports: config, errors, types, model.loader, engine (interface, local, process, memory_estimate,
+headroom).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig
+
+from posttrain.config import EngineConfig
+from posttrain.engine import memory_estimate as estimate
+from posttrain.engine.headroom import headroom
+from posttrain.engine.interface import Engine, Headroom
+from posttrain.engine.local import LocalEngine
+from posttrain.engine.process import WorkerProcess
+from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
+from posttrain.model.loader import resolve_device, resolve_dtype
+from posttrain.types import (
+    LoraConfig,
+    MuonScaling,
+    OperationKind,
+    OperationRequest,
+    SampleRequest,
+    SampleResult,
+)
+
+# A staged change: (fence, what, args); what is "create", "drop" or "install".
+Staged = tuple[int, str, tuple]
+
+
+class ReplicaEngine(LocalEngine):
+    """The engine inside a replica process: sessions' generators only, fed by staged changes."""
+
+    def __init__(self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection):
+        super().__init__(config, model_paths)
+        self._staged: list[Staged] = []
+        self._received = 0  # the highest fence received (or rebuilt up to)
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
+
+    def _receive(self, staging: Connection) -> None:
+        while True:
+            try:
+                change: Staged = pickle.loads(staging.recv_bytes())
+            except (EOFError, OSError):
+                return  # the API process is gone
+            with self._arrived:
+                self._staged.append(change)
+                self._received = change[0]
+                self._arrived.notify_all()
+
+    def rebuilt(self, fence: int) -> None:
+        """A new replica was given the state as of `fence` directly: nothing before it is due."""
+        with self._arrived:
+            self._received = max(self._received, fence)
+            self._staged = [c for c in self._staged if c[0] > fence]
+
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        between_tokens: Callable[[], None] | None = None,
+        fence: int = 0,
+        lane: int = 0,
+    ) -> list[list[SampleResult]]:
+        """The generation at its FIFO place: apply the changes up to `fence`, then sample;
+        PIPELINE installs that arrive meanwhile land between decode passes."""
+        with self._arrived:
+            while self._received < fence:
+                self._arrived.wait()
+            due = [c for c in self._staged if c[0] <= fence]
+            self._staged = [c for c in self._staged if c[0] > fence]
+        for change in due:
+            self._apply(change)
+        return super().sample_batch(resource_id, items, between_tokens=self._mid_generation)
+
+    def _mid_generation(self) -> None:
+        """Between decode passes: apply each session's staged PIPELINE installs that nothing
+        staged before them, for that session, holds back."""
+        with self._arrived:
+            held: set[str] = set()
+            due = []
+            for change in list(self._staged):
+                _, what, args = change
+                session_id = args[1]
+                if session_id in held:
+                    continue
+                if what == "install" and args[4] and self.is_loaded(args[0]):
+                    due.append(change)
+                    self._staged.remove(change)
+                else:
+                    held.add(session_id)
+        for change in due:
+            self._apply(change)
+
+    def _apply(self, change: Staged) -> None:
+        _, what, args = change
+        resource_id, session_id = args[0], args[1]
+        if what == "create":
+            self.drop_session(resource_id, session_id)  # a trainer rebuilt after its death
+            self.create_session(resource_id, session_id, args[2])
+        elif what == "drop":
+            self.drop_session(resource_id, session_id)
+        else:
+            tensors, version = args[2], args[3]
+            self.install_generator(resource_id, session_id, tensors, version=version)
+
+
+class GeneratorReplica:
+    """One replica process, its command pipe and its staging pipe."""
+
+    def __init__(
+        self, resource_id: str, index: int, config: EngineConfig, model_paths: dict[str, Path]
+    ) -> None:
+        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        self.index = index
+        self.worker = WorkerProcess(
+            resource_id,
+            config,
+            model_paths,
+            role=f"generator{index}",
+            label=f"generator replica {index} of model resource {resource_id}",
+            engine=(ReplicaEngine, receive),
+        )
+        receive.close()
+        self.staging = send
+
+    @property
+    def alive(self) -> bool:
+        return self.worker.dead is None and self.worker.process.is_alive()
+
+    def stage(self, data: bytes) -> None:
+        """Send a staged change; a dead replica misses it (it is rebuilt, not replayed)."""
+        try:
+            self.staging.send_bytes(data)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.staging.close()
+
+
+class _Replicas:
+    """A resource's replicas and what they must serve."""
+
+    def __init__(self, base_model: str, shape: estimate.ModelShape) -> None:
+        self.base_model = base_model
+        self.shape = shape
+        self.replicas: list[GeneratorReplica] = []
+        self.sessions: dict[str, LoraConfig | None] = {}  # what the replicas host
+        self.fence = 0  # the number of the last staged change
+        # Held while the trainer changes what a generator serves and the change is staged,
+        # so the fences follow the trainer's order and a rebuild reads no half-made change.
+        self.lock = threading.RLock()
+
+
+class ReplicatedEngine:
+    def __init__(self, trainer: Engine, config: EngineConfig, model_paths: dict[str, Path]) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.model_paths = model_paths
+        self._resources: dict[str, _Replicas] = {}
+        self._lock = threading.Lock()  # the table
+
+    # ------------------------------------------------------------ resources
+
+    def load_resource(
+        self,
+        resource_id: str,
+        base_model: str,
+        *,
+        muon_scaling: MuonScaling | None,
+        generator_replicas: int = 1,
+    ) -> None:
+        self.trainer.load_resource(
+            resource_id,
+            base_model,
+            muon_scaling=muon_scaling,
+            generator_replicas=generator_replicas,
+        )
+        with self._lock:
+            if resource_id in self._resources:
+                return  # replicas live on through a trainer's reload; dead ones restart lazily
+            state = _Replicas(base_model, self._shape(base_model))
+            self._resources[resource_id] = state
+        with state.lock:
+            # Started together, then loaded: their spawns and model loads overlap.
+            started = [
+                GeneratorReplica(resource_id, index, self.config, self.model_paths)
+                for index in range(generator_replicas)
+            ]
+            for replica in started:
+                replica.worker.call(
+                    "load_resource", (resource_id, base_model), {"muon_scaling": None}
+                )
+            state.replicas = started
+
+    def unload_resource(self, resource_id: str) -> None:
+        with self._lock:
+            state = self._resources.pop(resource_id, None)
+        if state is not None:
+            for replica in state.replicas:
+                replica.stop()
+        self.trainer.unload_resource(resource_id)
+
+    def close(self) -> None:
+        """Stop every replica and the trainer's workers (server shutdown)."""
+        with self._lock:
+            states, self._resources = list(self._resources.values()), {}
+        for state in states:
+            for replica in state.replicas:
+                replica.stop()
+        close = getattr(self.trainer, "close", None)
+        if close is not None:
+            close()
+
+    def replica_pids(self, resource_id: str) -> list[int | None]:
+        """The resource's replica process ids (for operators and the fault tests)."""
+        state = self._state(resource_id)
+        return [] if state is None else [r.worker.process.pid for r in state.replicas]
+
+    def generator_lanes(self, resource_id: str) -> int:
+        state = self._state(resource_id)
+        return 0 if state is None else len(state.replicas)
+
+    def generator_fence(self, resource_id: str) -> int:
+        state = self._state(resource_id)
+        return 0 if state is None else state.fence
+
+    # ------------------------------------------------------------ what generators serve
+
+    def create_session(self, resource_id: str, session_id: str, lora: LoraConfig | None) -> None:
+        state = self._required(resource_id)
+        with state.lock:
+            self.trainer.create_session(resource_id, session_id, lora)
+            state.sessions[session_id] = lora
+            self._stage(state, "create", (resource_id, session_id, lora))
+
+    def drop_session(self, resource_id: str, session_id: str) -> None:
+        self.trainer.drop_session(resource_id, session_id)
+        state = self._state(resource_id)
+        if state is None:
+            return
+        with state.lock:
+            if state.sessions.pop(session_id, False) is not False:
+                self._stage(state, "drop", (resource_id, session_id))
+
+    def publish(
+        self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
+    ) -> None:
+        """weights-sync: the trainer's generator serves its weights, and every replica will
+        (before the samples queued after this; PIPELINE: from the next token boundary)."""
+        self._changing(
+            resource_id,
+            session_id,
+            lambda: self.trainer.publish(resource_id, session_id, version=version),
+            mid_generation=mid_generation,
+        )
+
+    def restore_session(self, resource_id: str, session_id: str, directory: Path, **kwargs: Any):
+        return self._changing(
+            resource_id,
+            session_id,
+            lambda: self.trainer.restore_session(resource_id, session_id, directory, **kwargs),
+        )
+
+    def load_training_state(self, resource_id: str, session_id: str, *args: Any, **kwargs: Any):
+        return self._changing(
+            resource_id,
+            session_id,
+            lambda: self.trainer.load_training_state(resource_id, session_id, *args, **kwargs),
+        )
+
+    def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
+        self._changing(
+            resource_id,
+            session_id,
+            lambda: self.trainer.load_adapter(resource_id, session_id, directory),
+        )
+
+    def _changing(
+        self,
+        resource_id: str,
+        session_id: str,
+        change: Callable[[], Any],
+        *,
+        mid_generation: bool = False,
+    ) -> Any:
+        """Run a trainer call that changes what the session's generator serves, then stage
+        what it serves now for every replica."""
+        state = self._required(resource_id)
+        with state.lock:
+            result = change()
+            tensors, version = self.trainer.generator_state(resource_id, session_id)
+            self._stage(
+                state, "install", (resource_id, session_id, tensors, version, mid_generation)
+            )
+        return result
+
+    def _stage(self, state: _Replicas, what: str, args: tuple) -> None:
+        """Caller holds state.lock."""
+        state.fence += 1
+        data = pickle.dumps((state.fence, what, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for replica in state.replicas:
+            replica.stage(data)
+
+    # ------------------------------------------------------------ sampling
+
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        between_tokens: Callable[[], None] | None = None,
+        fence: int = 0,
+        lane: int = 0,
+    ) -> list[list[SampleResult]]:
+        """One generation on the lane's replica, as of `fence`. A lane takes samples in FIFO
+        order, so its replica's fences never go back: it never serves weights newer than a
+        sample's place. `between_tokens` is not called: publishes reach the replicas as
+        staged changes, PIPELINE ones mid-generation."""
+        state = self._required(resource_id)
+        replica = state.replicas[lane]
+        if not replica.alive:
+            replica = self._restart(resource_id, state, lane, replica)
+        try:
+            return replica.worker.call("sample_batch", (resource_id, items), {"fence": fence})
+        except WorkerDied as exc:
+            raise GeneratorReplicaDied(f"{exc}; a new replica starts with the next sample") from exc
+
+    def _restart(
+        self, resource_id: str, state: _Replicas, index: int, dead: GeneratorReplica
+    ) -> GeneratorReplica:
+        """A dead replica's successor, given what every generator serves on the trainer."""
+        with state.lock:
+            if state.replicas[index] is not dead:
+                return state.replicas[index]  # another lane restarted it already
+            dead.stop()
+            new = GeneratorReplica(resource_id, index, self.config, self.model_paths)
+            call = new.worker.call
+            call("load_resource", (resource_id, state.base_model), {"muon_scaling": None})
+            for session_id, lora in state.sessions.items():
+                call("create_session", (resource_id, session_id, lora), {})
+                tensors, version = self.trainer.generator_state(resource_id, session_id)
+                call("install_generator", (resource_id, session_id, tensors), {"version": version})
+            call("rebuilt", (state.fence,), {})
+            state.replicas[index] = new
+            return new
+
+    # ------------------------------------------------------------ memory
+
+    def peak_bytes(
+        self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
+    ) -> int:
+        """A sample's estimate from the model's shape alone, without asking a busy process."""
+        if kind != OperationKind.SAMPLE:
+            return self.trainer.peak_bytes(resource_id, kind, items)
+        state = self._required(resource_id)
+        requests = [request for _, request in items]
+        assert all(isinstance(r, SampleRequest) for r in requests)
+        chunk = self.config.logprob_chunk_tokens
+        return estimate.sample_bytes(state.shape, requests, chunk_tokens=chunk)  # type: ignore[arg-type]
+
+    def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
+        """For a sample, the host's (or the device's) headroom seen from this process; the
+        trainer's own for everything else."""
+        if kind != OperationKind.SAMPLE:
+            return self.trainer.headroom(resource_id, kind)
+        return headroom(resolve_device(self.config.device), self.config.memory_limit)
+
+    # ------------------------------------------------------------ the rest: the trainer's
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return getattr(self.trainer, method)
+
+    def _state(self, resource_id: str) -> _Replicas | None:
+        with self._lock:
+            return self._resources.get(resource_id)
+
+    def _required(self, resource_id: str) -> _Replicas:
+        state = self._state(resource_id)
+        if state is None:
+            raise NotFound(f"model resource {resource_id} is not loaded")
+        return state
+
+    def _shape(self, base_model: str) -> estimate.ModelShape:
+        config = AutoConfig.from_pretrained(self.model_paths[base_model])
+        dtype = resolve_dtype(self.config.dtype, resolve_device(self.config.device))
+        return estimate.model_shape(config, dtype.itemsize)

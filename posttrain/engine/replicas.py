@@ -24,13 +24,14 @@ it); the trainer is untouched, and the next sample starts a new replica, rebuilt
 trainer's generators serve.
 
 Imports: config, errors, types, model.loader, engine (interface, local, process, memory_estimate,
-headroom).
+headroom, tensor_wire).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import pickle
+import queue
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -45,6 +46,7 @@ from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Engine, Headroom
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.process import WorkerProcess
+from posttrain.engine.tensor_wire import from_wire, to_wire
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -135,7 +137,7 @@ class ReplicaEngine(LocalEngine):
         elif what == "drop":
             self.drop_session(resource_id, session_id)
         else:
-            tensors, version = args[2], args[3]
+            tensors, version = from_wire(args[2]), args[3]
             self.install_generator(resource_id, session_id, tensors, version=version)
 
 
@@ -157,20 +159,32 @@ class GeneratorReplica:
         )
         receive.close()
         self.staging = send
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(
+            target=self._send, name=f"posttrain-stage-{resource_id}-{index}", daemon=True
+        )
+        self._sender.start()
 
     @property
     def alive(self) -> bool:
         return self.worker.dead is None and self.worker.process.is_alive()
 
     def stage(self, data: bytes) -> None:
-        """Send a staged change; a dead replica misses it (it is rebuilt, not replayed)."""
-        try:
-            self.staging.send_bytes(data)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            pass
+        """Queue a staged change for the sender thread: the trainer's lane never waits for a
+        replica to read (a pipe holds 64 KiB; a replica busy sampling reads it slowly)."""
+        self._outbox.put(data)
+
+    def _send(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.staging.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                return  # a dead replica misses the rest: it is rebuilt, not replayed
 
     def stop(self) -> None:
         self.worker.stop()
+        self._outbox.put(None)
+        self._sender.join()
         self.staging.close()
 
 
@@ -326,9 +340,8 @@ class ReplicatedEngine:
         with state.lock:
             result = change()
             tensors, version = self.trainer.generator_state(resource_id, session_id)
-            self._stage(
-                state, "install", (resource_id, session_id, tensors, version, mid_generation)
-            )
+            wire = to_wire(tensors)
+            self._stage(state, "install", (resource_id, session_id, wire, version, mid_generation))
         return result
 
     def _stage(self, state: _Replicas, what: str, args: tuple) -> None:

@@ -18,6 +18,7 @@ from test_process_engine import BATCH, CE, CONFIG, LORA, MODELS, STEP
 
 from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.engine.local import LocalEngine
+from posttrain.engine.process import ProcessEngine
 from posttrain.engine.replicas import ReplicatedEngine
 from posttrain.errors import GeneratorReplicaDied
 from posttrain.types import (
@@ -60,15 +61,18 @@ def inline() -> list:
     return seen
 
 
-@pytest.fixture
-def replicated():
-    engine = ReplicatedEngine(LocalEngine(CONFIG, MODELS), CONFIG, MODELS)
+@pytest.fixture(params=["thread"])
+def replicated(request):
+    """Replicas beside a trainer in this process, or (`process`) in a worker process."""
+    trainer = ProcessEngine(CONFIG, MODELS) if request.param == "process" else None
+    engine = ReplicatedEngine(trainer or LocalEngine(CONFIG, MODELS), CONFIG, MODELS)
     engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None, generator_replicas=2)
     engine.create_session("r", "s", LORA)
     yield engine
     engine.close()
 
 
+@pytest.mark.parametrize("replicated", ["thread", "process"], indirect=True)
 def test_replicas_sample_exactly_what_the_inline_generator_does_as_of_their_fence(
     replicated, inline
 ):

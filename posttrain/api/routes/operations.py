@@ -131,22 +131,8 @@ def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest
     return parsed(svc, op.session_id, op.kind, loads_strict(raw))
 
 
-@router.post(
-    "/{session_id}:sample",
-    **documented(OPERATION_REPLIES[OperationKind.SAMPLE], body=SampleIn),
-)
-def sample_alias(
-    *,
-    session_id: str,
-    body: RawBodyDep,
-    idempotency_key: str | None = Header(None, alias="Idempotency-Key"),
-    svc: ServicesDep,
-    user: UserDep,
-) -> Response:
-    """April-era route (api.md 5.6), an alias of .../operations/sample."""
-    return submit(svc, user, session_id, OperationKind.SAMPLE, body, idempotency_key)
-
-
+# April-era route (api.md 5.6), an alias of .../operations/sample (registered below, once
+# _poster is defined).
 async def held(
     svc: Services, user: str, session_id: str, kind: OperationKind, operation_id: str
 ) -> Response:
@@ -203,6 +189,13 @@ def _poster(kind: OperationKind) -> Callable[..., Response]:
         return submit(svc, user, session_id, kind, body, idempotency_key)
 
     return create
+
+
+router.post(
+    "/{session_id}:sample",
+    name="sample_alias",
+    **documented(OPERATION_REPLIES[OperationKind.SAMPLE], body=SampleIn),
+)(_poster(OperationKind.SAMPLE))
 
 
 def _getter(kind: OperationKind) -> Callable[..., Awaitable[Response]]:

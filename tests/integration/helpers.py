@@ -1,12 +1,15 @@
-"""Helpers shared by the integration tests: SDK clients pointed at a test server."""
+"""Helpers shared by the integration tests: SDK clients pointed at a test server, and what
+its /metrics says runs."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 from together import Together
 from together.post_training import ModelResourcesClient, SessionClient
 
@@ -63,3 +66,11 @@ def run_bench(script: str, *args: str) -> str:
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return completed.stdout
+
+
+def running(base_url: str, kind: str) -> float:
+    """How many operations of `kind` (`sample`, `forward-backward`) run now, from /metrics."""
+    text = httpx.get(f"{base_url}/metrics").text
+    pattern = rf'^posttrain_operations\{{kind="{kind}",status="running"\}} (\S+)$'
+    match = re.search(pattern, text, re.M)
+    return float(match.group(1)) if match else 0.0

@@ -5,14 +5,12 @@ saw the crash. Through the SDK against a real server."""
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
-import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import open_session, sft_sample
+from helpers import open_session, running, sft_sample
 from together.post_training import SessionClient
 
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
@@ -79,12 +77,6 @@ def test_a_live_session_survives_kill_9_and_carries_on_exactly(restarted):
     assert twin.retrieve().step == session.retrieve().step
 
 
-def running_samples(base_url: str) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    match = re.search(r'^posttrain_operations\{kind="sample",status="running"\} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 def test_an_sdk_call_in_flight_across_kill_9_returns_its_result(restarted):
     """The user's loop is inside `sample` (polling) when the server dies: the SDK retries
     through the restart, the operation runs again, and the call returns its result."""
@@ -100,7 +92,7 @@ def test_an_sdk_call_in_flight_across_kill_9_returns_its_result(restarted):
 
     thread = threading.Thread(target=call)
     thread.start()
-    while running_samples(server.base_url) < 1:
+    while running(server.base_url, "sample") < 1:
         assert thread.is_alive(), "the sample finished before the server could be killed"
         time.sleep(0.02)
     server.stop(kill=True)

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import API_KEY, BASE_MODEL, low_level, sft_sample
-from test_worker_processes import alive, running, workers_of
+from helpers import API_KEY, BASE_MODEL, low_level, running, sft_sample
+from test_worker_processes import alive, workers_of
 from together.post_training import ModelResourcesClient, SessionClient
 
 CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import open_session, sft_sample
+from helpers import open_session, running, sft_sample
 from together import APIConnectionError
 from together.post_training import SessionClient
 
@@ -141,13 +139,6 @@ def test_a_killed_worker_fails_its_operation_and_the_session_carries_on(process_
     train(twin, 2)
     assert train(twin, 1) == after
     assert scored(twin) == scored(session)
-
-
-def running(base_url: str, kind: str) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    pattern = rf'^posttrain_operations\{{kind="{kind}",status="running"\}} (\S+)$'
-    match = re.search(pattern, text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_a_worker_does_not_outlive_a_killed_server(process_server):

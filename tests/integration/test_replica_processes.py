@@ -53,6 +53,14 @@ def sampled(session: SessionClient, seed: int) -> list[list[int]]:
     return [list(s.tokens) for s in result.sequences]
 
 
+def scored_samples(session: SessionClient) -> tuple[list, list]:
+    """A fixed-seed sample's tokens and their logprobs under the weights served."""
+    result = session.generator.sample(
+        PROMPT, num_samples=2, sampling_params={"max_tokens": 6, "seed": 3}, interval=FAST
+    )
+    return [list(s.tokens) for s in result.sequences], [s.logprobs for s in result.sequences]
+
+
 def loop(session: SessionClient) -> list:
     """Train, publish in each mode, and sample after each (four at once after the last)."""
     seen: list = []
@@ -161,3 +169,29 @@ def test_shutdown_leaves_no_replica(tmp_path):
     finally:
         server.stop()
     assert not any(alive(pid) for pid in replicas)
+
+
+def test_replicas_serve_the_published_weights_again_after_kill_9(tmp_path):
+    """A restart rebuilds the replicas from the sessions' durable state: the generator
+    serves what it served before the crash, and a weights-sync after it reaches them."""
+    server = ServerProcess.started(tmp_path, "--poll-hold-seconds", "0", "--generators", "process")
+    try:
+        _, session = open_session(server.base_url, 2)
+        for _ in range(2):
+            session.trainer.forward_backward(
+                samples=[sft_sample(TOKENS, 2)], loss=CE, interval=FAST
+            )
+            session.trainer.optim_step(adam_params=ADAM, interval=FAST)
+        session.trainer.weights_sync(interval=FAST)
+        served = scored_samples(session)
+        session.trainer.forward_backward(samples=[sft_sample(TOKENS, 2)], loss=CE, interval=FAST)
+        session.trainer.optim_step(adam_params=ADAM, interval=FAST)  # trained, not published
+
+        server.stop(kill=True)
+        server.start(keep_port=True)
+        assert session.retrieve().status == "TRAINING_SESSION_STATUS_RUNNING"
+        assert scored_samples(session) == served  # tokens and logprobs, bit for bit
+        assert session.trainer.weights_sync(interval=FAST).weights_version == 3
+        assert scored_samples(session)[1] != served[1]  # the third step's weights
+    finally:
+        server.stop()

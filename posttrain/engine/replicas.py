@@ -24,7 +24,7 @@ it); the trainer is untouched, and the next sample starts a new replica, rebuilt
 trainer's generators serve.
 
 Imports: config, errors, types, model.loader, engine (interface, local, process, memory_estimate,
-headroom, tensor_wire).
+headroom, tensor_wire, generator, optim, state).
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ from transformers import AutoConfig
 
 from posttrain.config import EngineConfig
 from posttrain.engine import memory_estimate as estimate
+from posttrain.engine.generator import generator_key
 from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Engine, Headroom
 from posttrain.engine.local import LocalEngine
+from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.process import WorkerProcess
+from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.tensor_wire import from_wire, to_wire
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import resolve_device, resolve_dtype
@@ -82,6 +85,17 @@ class ReplicaEngine(LocalEngine):
                 self._staged.append(change)
                 self._received = change[0]
                 self._arrived.notify_all()
+
+    def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
+        """A replica never trains: its full-weight session serves the resource's own model,
+        which installs overwrite, instead of a second copy (half a trainer's memory); ending
+        the session puts the base weights back, as on the trainer."""
+        assert not resource.sessions, "a full-weight session shares its resource with no one"
+        model = resource.loaded.model
+        model.eval()
+        resource.sessions[session_id] = SessionState(
+            session_id, generator_key(session_id), SessionOptimizer([]), generator_model=model
+        )
 
     def rebuilt(self, fence: int) -> None:
         """A new replica was given the state as of `fence` directly: nothing before it is due."""

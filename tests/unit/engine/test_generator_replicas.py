@@ -131,3 +131,24 @@ def test_close_leaves_no_replica_process():
     assert all(p.is_alive() for p in processes)
     engine.close()
     assert not any(p.is_alive() for p in processes)
+
+
+def test_a_full_weight_session_samples_on_its_replica_what_the_inline_generator_does():
+    def trained(engine) -> list:
+        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None, generator_replicas=1)
+        engine.create_session("r", "s", None)  # full weight
+        seen = [sampled(engine, fence=engine.generator_fence("r"))]  # the base model
+        fence = train_and_publish(engine, 1)
+        seen.append(sampled(engine, fence=fence))
+        engine.drop_session("r", "s")  # the base weights come back, on the replica too
+        engine.create_session("r", "t", LORA)
+        (results,) = engine.sample_batch("r", [("t", PROMPT)], fence=engine.generator_fence("r"))
+        return [*seen, results]
+
+    inline = trained(LocalEngine(CONFIG, MODELS))
+    engine = ReplicatedEngine(LocalEngine(CONFIG, MODELS), CONFIG, MODELS)
+    try:
+        assert trained(engine) == inline
+        assert inline[0] != inline[1]  # the step changed what is sampled
+    finally:
+        engine.close()

@@ -23,13 +23,12 @@ A replica that dies fails the sample in flight with GeneratorReplicaDied (INTERN
 it); the trainer is untouched, and the next sample starts a new replica, rebuilt from what the
 trainer's generators serve.
 
-Imports: config, errors, types, model.loader, engine (interface, local, process, memory_estimate,
+Imports: config, errors, types, model.loader, engine (interface, local, placement, memory_estimate,
 headroom).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import threading
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from posttrain.engine import memory_estimate as estimate
 from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Engine, Headroom
 from posttrain.engine.local import LocalEngine
-from posttrain.engine.process import WorkerProcess
+from posttrain.engine.placement import GENERATOR, LocalPlacement, Placement
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -63,12 +62,17 @@ Staged = tuple[int, str, tuple]
 class ReplicaEngine(LocalEngine):
     """The engine inside a replica process: sessions' generators only, fed by staged changes."""
 
-    def __init__(self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection):
+    def __init__(
+        self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection | None
+    ):
+        """`staging`: the pipe its changes arrive on; None where they arrive by `receive`
+        calls instead (a Ray actor's, engine/ray_placement.py)."""
         super().__init__(config, model_paths)
         self._staged: list[Staged] = []
         self._received = 0  # the highest fence received (or rebuilt up to)
         self._arrived = threading.Condition()
-        threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
+        if staging is not None:
+            threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
 
     def _receive(self, staging: Connection) -> None:
         while True:
@@ -76,10 +80,14 @@ class ReplicaEngine(LocalEngine):
                 change: Staged = pickle.loads(staging.recv_bytes())
             except (EOFError, OSError):
                 return  # the API process is gone
-            with self._arrived:
-                self._staged.append(change)
-                self._received = change[0]
-                self._arrived.notify_all()
+            self.receive(change)
+
+    def receive(self, change: Staged) -> None:
+        """Keep a staged change until a sample's fence reaches it."""
+        with self._arrived:
+            self._staged.append(change)
+            self._received = change[0]
+            self._arrived.notify_all()
 
     def rebuilt(self, fence: int) -> None:
         """A new replica was given the state as of `fence` directly: nothing before it is due."""
@@ -140,38 +148,28 @@ class ReplicaEngine(LocalEngine):
 
 
 class GeneratorReplica:
-    """One replica process, its command pipe and its staging pipe."""
+    """One replica process, with its command and staging channels (engine/placement.py)."""
 
-    def __init__(
-        self, resource_id: str, index: int, config: EngineConfig, model_paths: dict[str, Path]
-    ) -> None:
-        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    def __init__(self, resource_id: str, index: int, placement: Placement) -> None:
         self.index = index
-        self.worker = WorkerProcess(
+        self.worker = placement.start(
             resource_id,
-            config,
-            model_paths,
-            role=f"generator{index}",
+            GENERATOR,
+            (ReplicaEngine,),
             label=f"generator replica {index} of model resource {resource_id}",
-            engine=(ReplicaEngine, receive),
+            index=index,
         )
-        receive.close()
-        self.staging = send
 
     @property
     def alive(self) -> bool:
-        return self.worker.dead is None and self.worker.process.is_alive()
+        return self.worker.alive
 
     def stage(self, data: bytes) -> None:
         """Send a staged change; a dead replica misses it (it is rebuilt, not replayed)."""
-        try:
-            self.staging.send_bytes(data)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            pass
+        self.worker.stage(data)
 
     def stop(self) -> None:
         self.worker.stop()
-        self.staging.close()
 
 
 class _Replicas:
@@ -189,10 +187,18 @@ class _Replicas:
 
 
 class ReplicatedEngine:
-    def __init__(self, trainer: Engine, config: EngineConfig, model_paths: dict[str, Path]) -> None:
+    def __init__(
+        self,
+        trainer: Engine,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        placement: Placement | None = None,
+    ) -> None:
+        """`placement` starts the replicas (engine/placement.py; default: local processes)."""
         self.trainer = trainer
         self.config = config
         self.model_paths = model_paths
+        self.placement = placement or LocalPlacement(config, model_paths)
         self._resources: dict[str, _Replicas] = {}
         self._lock = threading.Lock()  # the table
 
@@ -219,8 +225,9 @@ class ReplicatedEngine:
             self._resources[resource_id] = state
         with state.lock:
             # Started together, then loaded: their spawns and model loads overlap.
+            self.placement.reserve(resource_id, generator_replicas)
             started = [
-                GeneratorReplica(resource_id, index, self.config, self.model_paths)
+                GeneratorReplica(resource_id, index, self.placement)
                 for index in range(generator_replicas)
             ]
             for replica in started:
@@ -236,6 +243,7 @@ class ReplicatedEngine:
             for replica in state.replicas:
                 replica.stop()
         self.trainer.unload_resource(resource_id)
+        self.placement.release(resource_id)
 
     def close(self) -> None:
         """Stop every replica and the trainer's workers (server shutdown)."""
@@ -247,11 +255,12 @@ class ReplicatedEngine:
         close = getattr(self.trainer, "close", None)
         if close is not None:
             close()
+        self.placement.close()
 
     def replica_pids(self, resource_id: str) -> list[int | None]:
         """The resource's replica process ids (for operators and the fault tests)."""
         state = self._state(resource_id)
-        return [] if state is None else [r.worker.process.pid for r in state.replicas]
+        return [] if state is None else [r.worker.pid for r in state.replicas]
 
     def generator_lanes(self, resource_id: str) -> int:
         state = self._state(resource_id)
@@ -370,7 +379,7 @@ class ReplicatedEngine:
             if state.replicas[index] is not dead:
                 return state.replicas[index]  # another lane restarted it already
             dead.stop()
-            new = GeneratorReplica(resource_id, index, self.config, self.model_paths)
+            new = GeneratorReplica(resource_id, index, self.placement)
             call = new.worker.call
             call("load_resource", (resource_id, state.base_model), {"muon_scaling": None})
             for session_id, lora in state.sessions.items():

@@ -27,7 +27,7 @@ Ray's CPUs are places to schedule, not pinned cores. `--ray ADDRESS` joins a run
 whose nodes have posttrain installed. `close()` kills every actor, removes every group and
 disconnects (a local instance stops with it). The instance's address is logged at start.
 
-Imports: config, errors, engine (local, placement); ray.
+Imports: config, errors, engine (local, placement); ray, torch.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -168,15 +169,18 @@ class RayPlacement:
         self._started = 0
         self._host = ray.remote(EngineHost)
         if config.ray == "local":
-            # Ray's workers import the posttrain this process runs, not another install's.
+            # Ray's workers import the posttrain this process runs, not another install's,
+            # and compute with the threads a local worker process would (Ray would give each
+            # one thread per bundle CPU; float sums then round differently).
             here = str(Path(posttrain.__file__).resolve().parents[1])
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+            threads = str(torch.get_num_threads())
             cpus = max(os.cpu_count() or 1, LOCAL_RESOURCES * (1 + config.max_generator_replicas))
             ray.init(
                 num_cpus=cpus,
                 include_dashboard=False,
                 namespace=NAMESPACE,
-                runtime_env={"env_vars": {"PYTHONPATH": path}},
+                runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": threads}},
             )
         else:
             ray.init(address=config.ray, namespace=NAMESPACE)

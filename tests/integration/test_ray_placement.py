@@ -1,14 +1,16 @@
 """`posttrain serve --ray local`: a resource's trainer worker and generator replicas as Ray
 actors in a placement group of its own (engine/ray_placement.py). Through the SDK against a
 real server: an SDK loop on a resource with two replicas gets exactly what the in-thread engine
-gives; the actors and the group live as long as the resource, and neither they nor the Ray
-instance outlive the server. One Ray start for the module."""
+gives; a killed trainer or replica actor fails its operation with INTERNAL_ERROR naming it
+and the session carries on; the actors and the group live as long as the resource, and
+neither they nor the Ray instance outlive the server. One Ray start for the module."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,13 +19,11 @@ from pathlib import Path
 
 import pytest
 from conftest import ServerProcess
-from helpers import API_KEY, BASE_MODEL, open_session
-from test_worker_processes import LORA, alive, loop
-from together.post_training import ModelResourcesClient
+from helpers import API_KEY, BASE_MODEL, open_session, sft_sample
+from test_worker_processes import CE, FAST, LORA, PROMPT, TOKENS, alive, loop, scored, train
+from together.post_training import ModelResourcesClient, SessionClient
 
 pytest.importorskip("ray")
-
-REPLICAS = 2
 
 
 def until(condition: Callable[[], bool], what: str) -> None:
@@ -77,12 +77,75 @@ def ray_server(tmp_path_factory):
     proc.stop()
 
 
-def test_a_loop_on_ray_actors_equals_the_in_thread_engine(ray_server, tmp_path):
+def ray_address(server: ServerProcess) -> str:
+    """The server's Ray instance: its address is in the server's log."""
+    return re.search(r"Ray placement on local \(address (\S+)\)", server.log()).group(1)
+
+
+def actor_pid(address: str, resource_id: str, place: str) -> int:
+    (pid,) = [
+        pid
+        for name, pid in ray_state(address)["actors"].items()
+        if name.startswith(f"posttrain-{resource_id}-{place}-")
+    ]
+    return pid
+
+
+def sampled(session: SessionClient) -> list[list[int]]:
+    sample = session.generator.sample(
+        PROMPT, num_samples=2, sampling_params={"max_tokens": 6, "seed": 9}, interval=FAST
+    )
+    return [list(s.tokens) for s in sample.sequences]
+
+
+def test_killed_actors_fail_their_operation_and_the_session_carries_on(ray_server):
     resources = ModelResourcesClient.create(
         base_url=ray_server.base_url,
         api_key=API_KEY,
         base_model=BASE_MODEL,
-        compute_config={"num_generator_replicas": REPLICAS},
+        compute_config={"num_generator_replicas": 1},
+        interval=0.2,
+    )
+    session = resources.create_session(interval=0.2, lora_config=LORA)
+    resource_id = resources.model_resources_id
+    address = ray_address(ray_server)
+    train(session, 2)
+    session.trainer.weights_sync(interval=FAST)
+    first = sampled(session)
+
+    replica = actor_pid(address, resource_id, "generator0")
+    os.kill(replica, signal.SIGKILL)
+    with pytest.raises(Exception) as info:
+        sampled(session)
+    message = str(info.value)
+    assert "INTERNAL_ERROR" in message or "internal" in message.lower(), message
+    assert f"generator replica 0 of model resource {resource_id} (pid {replica}) is gone" in message
+    assert sampled(session) == first  # a new replica, rebuilt from the trainer
+    assert actor_pid(address, resource_id, "generator0") != replica
+
+    before = scored(session)
+    worker = actor_pid(address, resource_id, "worker")
+    os.kill(worker, signal.SIGKILL)
+    with pytest.raises(Exception) as info:
+        session.trainer.forward_backward(samples=[sft_sample(TOKENS, 2)], loss=CE, interval=FAST)
+    message = str(info.value)
+    assert "INTERNAL_ERROR" in message or "internal" in message.lower(), message
+    assert f"model resource {resource_id} (pid {worker}) is gone" in message
+    assert ray_server.process.poll() is None  # the API process lives on
+    assert session.retrieve().status == "TRAINING_SESSION_STATUS_RUNNING"
+    assert scored(session) == before  # the state of the last completed operation
+    assert actor_pid(address, resource_id, "worker") != worker
+    train(session, 1)
+    resources.stop(force=True)
+
+
+def test_a_loop_on_ray_actors_equals_the_in_thread_engine(ray_server, tmp_path):
+    """Last in the module: it stops the server."""
+    resources = ModelResourcesClient.create(
+        base_url=ray_server.base_url,
+        api_key=API_KEY,
+        base_model=BASE_MODEL,
+        compute_config={"num_generator_replicas": 2},
         interval=0.2,
     )
     session = resources.create_session(interval=0.2, lora_config=LORA)
@@ -96,29 +159,28 @@ def test_a_loop_on_ray_actors_equals_the_in_thread_engine(ray_server, tmp_path):
     finally:
         in_thread.stop()
 
-    # The server's Ray instance: its address is in the server's log.
-    address = re.search(r"Ray placement on local \(address (\S+)\)", ray_server.log()).group(1)
+    address = ray_address(ray_server)
     resource_id = resources.model_resources_id
-    state = ray_state(address)
-    roles = sorted(name.split("-")[-2] for name in state["actors"])
-    assert roles == ["generator0", "generator1", "worker"]
-    assert all(name.startswith(f"posttrain-{resource_id}-") for name in state["actors"])
-    assert state["groups"] == [
-        {
-            "name": f"posttrain-{resource_id}",
-            "state": "CREATED",
-            "strategy": "PACK",
-            "bundles": [{"CPU": 1.0}] * (1 + REPLICAS),
-        }
+    group = f"posttrain-{resource_id}"
+
+    def ours() -> tuple[dict[str, int], list[dict]]:
+        state = ray_state(address)
+        actors = {n: pid for n, pid in state["actors"].items() if n.startswith(f"{group}-")}
+        return actors, [g for g in state["groups"] if g["name"] == group]
+
+    actors, groups = ours()
+    assert sorted(name.split("-")[-2] for name in actors) == ["generator0", "generator1", "worker"]
+    assert groups == [
+        {"name": group, "state": "CREATED", "strategy": "PACK", "bundles": [{"CPU": 1.0}] * 3}
     ]
-    pids = list(state["actors"].values())
+    pids = list(actors.values())
     assert all(alive(pid) for pid in pids)
 
     resources.stop(force=True)
 
     def gone() -> bool:
-        state = ray_state(address)
-        return not state["actors"] and [g["state"] for g in state["groups"]] == ["REMOVED"]
+        actors, groups = ours()
+        return not actors and [g["state"] for g in groups] == ["REMOVED"]
 
     until(gone, "the resource's actors and placement group to go")
     until(lambda: not any(alive(pid) for pid in pids), "its actor processes to end")

@@ -13,7 +13,7 @@ generator replicas (role GENERATOR, index 0..n-1, with `--generators process`). 
 engines call them, and a second call is a no-op, so neither needs to know whether the other
 runs processes too.
 
-Imports: config, engine (process, replicas' ReplicaEngine via the engine spec it is given).
+Imports: config, errors, engine.process; engine.ray_placement (and Ray) only with `--ray`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from posttrain.config import EngineConfig
 from posttrain.engine.process import TRAINER, WorkerProcess
+from posttrain.errors import ConfigError
 
 GENERATOR = "generator"
 
@@ -148,6 +149,12 @@ def placement_for(config: EngineConfig, model_paths: dict[str, Path]) -> Placeme
     """`--ray` given: a RayPlacement (Ray imported now, and only then); else the local one."""
     if config.ray is None:
         return LocalPlacement(config, model_paths)
-    from posttrain.engine.ray_placement import RayPlacement  # the optional extra
-
+    try:
+        from posttrain.engine.ray_placement import RayPlacement  # the optional extra
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        raise ConfigError(
+            "--ray needs Ray: pip install 'posttrain[ray]'", param="engine.ray"
+        ) from None
     return RayPlacement(config, model_paths)

@@ -49,7 +49,7 @@ import posttrain
 from posttrain.config import EngineConfig
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.placement import TRAINER, bundle_index, processes_per_resource
-from posttrain.errors import EngineFailure, ResourceExhausted, WorkerDied
+from posttrain.errors import ConfigError, EngineFailure, ResourceExhausted, WorkerDied
 
 log = logging.getLogger("posttrain")
 
@@ -155,7 +155,8 @@ class RayWorker:
             raise WorkerDied(f"{self.label} {self.dead}")
 
     def _died(self, exc: ray.exceptions.RayActorError) -> None:
-        self.dead = f"(pid {self.pid}) is gone: Ray reports {type(exc).__name__}"
+        why = (str(exc).strip().splitlines() or [""])[0][:200]  # Ray's first line says how
+        self.dead = f"(pid {self.pid}) is gone ({type(exc).__name__}: {why})"
         self._check()
 
 
@@ -183,7 +184,12 @@ class RayPlacement:
                 runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": threads}},
             )
         else:
-            ray.init(address=config.ray, namespace=NAMESPACE)
+            try:
+                ray.init(address=config.ray, namespace=NAMESPACE)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ConfigError(
+                    f"--ray {config.ray}: cannot join that Ray cluster: {exc}", param="engine.ray"
+                ) from exc
         self.address = ray.get_runtime_context().gcs_address
         log.info("posttrain: Ray placement on %s (address %s)", config.ray, self.address)
 
@@ -197,15 +203,15 @@ class RayPlacement:
                 strategy=self.config.ray_strategy,
                 name=f"posttrain-{resource_id}",
             )
-            try:
-                ray.get(group.ready(), timeout=READY_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                remove_placement_group(group)
-                raise ResourceExhausted(
-                    f"the Ray cluster has no room for model resource {resource_id}'s {size}"
-                    f" processes ({size} bundles of one CPU, {self.config.ray_strategy})"
-                ) from None
             self._groups[resource_id] = group
+        try:  # not holding the lock: other resources start meanwhile
+            ray.get(group.ready(), timeout=READY_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.release(resource_id)
+            raise ResourceExhausted(
+                f"the Ray cluster has no room for model resource {resource_id}'s {size}"
+                f" processes ({size} bundles of one CPU, {self.config.ray_strategy})"
+            ) from None
 
     def start(
         self, resource_id: str, role: str, engine: tuple, *, label: str, index: int = 0

@@ -72,6 +72,21 @@ def parser() -> argparse.ArgumentParser:
         " compute_config.num_generator_replicas processes sampling beside it",
     )
     serve.add_argument(
+        "--ray",
+        default=None,
+        metavar="local|ADDRESS",
+        help="place each model resource's worker processes as Ray actors, one placement group"
+        " per resource: on a Ray instance started here (local) or on the cluster at ADDRESS"
+        " (pip install 'posttrain[ray]')",
+    )
+    serve.add_argument(
+        "--ray-strategy",
+        choices=("PACK", "SPREAD"),
+        default=None,
+        help="a resource's placement group: PACK its processes on few nodes (default) or"
+        " SPREAD them across nodes",
+    )
+    serve.add_argument(
         "--max-generator-replicas",
         type=int,
         default=None,
@@ -172,6 +187,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         loss_fn_outputs=args.loss_fn_outputs,
         workers=args.workers,
         generators=args.generators,
+        ray=args.ray,
+        ray_strategy=args.ray_strategy,
         max_generator_replicas=args.max_generator_replicas,
         memory_limit=args.memory_limit,
     )

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from posttrain.errors import ConfigError
 
@@ -92,6 +92,20 @@ class EngineConfig(BaseModel):
         " compute_config.num_generator_replicas replica processes that sample beside the"
         " trainer (engine/replicas.py)",
     )
+    ray: str | None = Field(
+        None,
+        min_length=1,
+        description="place each model resource's processes (its --workers process trainer,"
+        " its --generators process replicas) as Ray actors in a placement group of its own:"
+        " 'local' starts a Ray instance on this machine, anything else is the address of a"
+        " Ray cluster to join (engine/ray_placement.py; pip install 'posttrain[ray]');"
+        " None: local processes, and nothing imports Ray",
+    )
+    ray_strategy: Literal["PACK", "SPREAD"] = Field(
+        "PACK",
+        description="how a resource's placement group lays out its processes on the Ray"
+        " cluster's nodes: PACK (as few nodes as possible) or SPREAD (across nodes)",
+    )
     max_generator_replicas: int = Field(
         8,
         ge=1,
@@ -152,6 +166,16 @@ class EngineConfig(BaseModel):
     @classmethod
     def _memory_limit_with_unit(cls, value: object) -> object:
         return parse_bytes(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _ray_places_processes(self) -> EngineConfig:
+        # A ConfigError, not a ValueError: pydantic passes it through, naming the field.
+        if self.ray is not None and self.workers == "thread" and self.generators == "inline":
+            raise ConfigError(
+                "--ray places worker processes: give --workers process or --generators process",
+                param="engine.ray",
+            )
+        return self
 
 
 class SamplerConfig(BaseModel):

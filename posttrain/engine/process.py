@@ -19,8 +19,8 @@ A worker that dies (killed, crashed, out of memory) fails the call in flight and
 one with WorkerDied (INTERNAL_ERROR naming the worker and how it ended); the API process lives
 on, and `is_loaded` answers False so the service can load the resource again.
 
-Imports: config, errors, types, engine (local, interface); torch only inside the workers and
-the catalog engine.
+Imports: config, errors, types, engine (local, interface, placement); torch only inside the
+workers and the catalog engine.
 """
 
 from __future__ import annotations
@@ -35,17 +35,22 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.config import EngineConfig
 from posttrain.engine.interface import ModelInfo
 from posttrain.engine.local import LocalEngine
 from posttrain.errors import EngineFailure, WorkerDied
 
+if TYPE_CHECKING:
+    from posttrain.engine.placement import Placement, WorkerHandle
+
 # Served in the API process: they read a base model's files, never a resource's state.
 CATALOG = ("device_name", "model_info", "check_tokens", "export_merged")
 # Calls that only drop state: on a dead worker there is nothing left to drop.
 FORGETTING = ("drop_session",)
+# The role of a resource's trainer worker (engine/placement.py names the others).
+TRAINER = "worker"
 # A worker answers within this many seconds of being asked to stop, or is killed.
 STOP_GRACE_S = 10.0
 
@@ -67,7 +72,7 @@ class WorkerProcess:
         config: EngineConfig,
         model_paths: dict[str, Path],
         *,
-        role: str = "worker",
+        role: str = TRAINER,
         label: str | None = None,
         engine: tuple = (),
     ):
@@ -88,6 +93,14 @@ class WorkerProcess:
         child.close()
         self._lock = threading.RLock()
         self.dead: str | None = None  # why it died, once it has
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self.process.is_alive()
 
     def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         callbacks = {k: v for k, v in kwargs.items() if callable(v)}
@@ -153,11 +166,20 @@ class WorkerProcess:
 
 
 class ProcessEngine:
-    def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        placement: Placement | None = None,
+    ) -> None:
+        """`placement` starts the workers (engine/placement.py; default: local processes)."""
+        from posttrain.engine.placement import LocalPlacement  # it imports WorkerProcess
+
         self.config = config
         self.model_paths = model_paths
+        self.placement = placement or LocalPlacement(config, model_paths)
         self._catalog = LocalEngine(config, model_paths)  # never loads a resource
-        self._workers: dict[str, WorkerProcess] = {}
+        self._workers: dict[str, WorkerHandle] = {}
         self._lock = threading.Lock()
 
     def load_resource(self, resource_id: str, base_model: str, **kwargs: Any) -> None:
@@ -167,7 +189,9 @@ class ProcessEngine:
                 worker.stop()  # reap it before its replacement starts
                 worker = None
             if worker is None:
-                worker = WorkerProcess(resource_id, self.config, self.model_paths)
+                self.placement.reserve(resource_id, kwargs.get("generator_replicas", 1))
+                label = f"the worker process of model resource {resource_id}"
+                worker = self.placement.start(resource_id, TRAINER, (), label=label)
                 self._workers[resource_id] = worker
         worker.call("load_resource", (resource_id, base_model), kwargs)
 
@@ -176,6 +200,7 @@ class ProcessEngine:
             worker = self._workers.pop(resource_id, None)
         if worker is not None:
             worker.stop()
+        self.placement.release(resource_id)
 
     def is_loaded(self, resource_id: str) -> bool:
         with self._lock:
@@ -186,7 +211,7 @@ class ProcessEngine:
         """The resource's worker process id (for operators and the fault tests)."""
         with self._lock:
             worker = self._workers.get(resource_id)
-        return None if worker is None else worker.process.pid
+        return None if worker is None else worker.pid
 
     def close(self) -> None:
         """Stop every worker (server shutdown)."""
@@ -194,6 +219,7 @@ class ProcessEngine:
             workers, self._workers = list(self._workers.values()), {}
         for worker in workers:
             worker.stop()
+        self.placement.close()
 
     def model_info(self, base_model: str) -> ModelInfo:
         return self._catalog.model_info(base_model)

@@ -23,13 +23,12 @@ A replica that dies fails the sample in flight with GeneratorReplicaDied (INTERN
 it); the trainer is untouched, and the next sample starts a new replica, rebuilt from what the
 trainer's generators serve.
 
-Imports: config, errors, types, model.loader, engine (interface, local, process, memory_estimate,
+Imports: config, errors, types, model.loader, engine (interface, local, placement, memory_estimate,
 headroom, tensor_wire, generator, optim, state).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import queue
 import threading
@@ -47,7 +46,7 @@ from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Engine, Headroom
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.optim import SessionOptimizer
-from posttrain.engine.process import WorkerProcess
+from posttrain.engine.placement import GENERATOR, LocalPlacement, Placement
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.tensor_wire import from_wire, to_wire
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
@@ -68,12 +67,17 @@ Staged = tuple[int, str, tuple]
 class ReplicaEngine(LocalEngine):
     """The engine inside a replica process: sessions' generators only, fed by staged changes."""
 
-    def __init__(self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection):
+    def __init__(
+        self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection | None
+    ):
+        """`staging`: the pipe its changes arrive on; None where they arrive by `receive`
+        calls instead (a Ray actor's, engine/ray_placement.py)."""
         super().__init__(config, model_paths)
         self._staged: list[Staged] = []
         self._received = 0  # the highest fence received (or rebuilt up to)
         self._arrived = threading.Condition()
-        threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
+        if staging is not None:
+            threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
 
     def _receive(self, staging: Connection) -> None:
         while True:
@@ -81,10 +85,14 @@ class ReplicaEngine(LocalEngine):
                 change: Staged = pickle.loads(staging.recv_bytes())
             except (EOFError, OSError):
                 return  # the API process is gone
-            with self._arrived:
-                self._staged.append(change)
-                self._received = change[0]
-                self._arrived.notify_all()
+            self.receive(change)
+
+    def receive(self, change: Staged) -> None:
+        """Keep a staged change until a sample's fence reaches it."""
+        with self._arrived:
+            self._staged.append(change)
+            self._received = change[0]
+            self._arrived.notify_all()
 
     def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
         """A replica never trains: its full-weight session serves the resource's own model,
@@ -156,23 +164,17 @@ class ReplicaEngine(LocalEngine):
 
 
 class GeneratorReplica:
-    """One replica process, its command pipe and its staging pipe."""
+    """One replica process, with its command and staging channels (engine/placement.py)."""
 
-    def __init__(
-        self, resource_id: str, index: int, config: EngineConfig, model_paths: dict[str, Path]
-    ) -> None:
-        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    def __init__(self, resource_id: str, index: int, placement: Placement) -> None:
         self.index = index
-        self.worker = WorkerProcess(
+        self.worker = placement.start(
             resource_id,
-            config,
-            model_paths,
-            role=f"generator{index}",
+            GENERATOR,
+            (ReplicaEngine,),
             label=f"generator replica {index} of model resource {resource_id}",
-            engine=(ReplicaEngine, receive),
+            index=index,
         )
-        receive.close()
-        self.staging = send
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send, name=f"posttrain-stage-{resource_id}-{index}", daemon=True
@@ -181,7 +183,7 @@ class GeneratorReplica:
 
     @property
     def alive(self) -> bool:
-        return self.worker.dead is None and self.worker.process.is_alive()
+        return self.worker.alive
 
     def stage(self, data: bytes) -> None:
         """Queue a staged change for the sender thread: the trainer's lane never waits for a
@@ -190,16 +192,12 @@ class GeneratorReplica:
 
     def _send(self) -> None:
         while (data := self._outbox.get()) is not None:
-            try:
-                self.staging.send_bytes(data)
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                return  # a dead replica misses the rest: it is rebuilt, not replayed
+            self.worker.stage(data)  # a dead replica misses it: it is rebuilt, not replayed
 
     def stop(self) -> None:
         self.worker.stop()
         self._outbox.put(None)
         self._sender.join()
-        self.staging.close()
 
 
 class _Replicas:
@@ -217,10 +215,18 @@ class _Replicas:
 
 
 class ReplicatedEngine:
-    def __init__(self, trainer: Engine, config: EngineConfig, model_paths: dict[str, Path]) -> None:
+    def __init__(
+        self,
+        trainer: Engine,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        placement: Placement | None = None,
+    ) -> None:
+        """`placement` starts the replicas (engine/placement.py; default: local processes)."""
         self.trainer = trainer
         self.config = config
         self.model_paths = model_paths
+        self.placement = placement or LocalPlacement(config, model_paths)
         self._resources: dict[str, _Replicas] = {}
         self._lock = threading.Lock()  # the table
 
@@ -247,8 +253,9 @@ class ReplicatedEngine:
             self._resources[resource_id] = state
         with state.lock:
             # Started together, then loaded: their spawns and model loads overlap.
+            self.placement.reserve(resource_id, generator_replicas)
             started = [
-                GeneratorReplica(resource_id, index, self.config, self.model_paths)
+                GeneratorReplica(resource_id, index, self.placement)
                 for index in range(generator_replicas)
             ]
             for replica in started:
@@ -264,6 +271,7 @@ class ReplicatedEngine:
             for replica in state.replicas:
                 replica.stop()
         self.trainer.unload_resource(resource_id)
+        self.placement.release(resource_id)
 
     def close(self) -> None:
         """Stop every replica and the trainer's workers (server shutdown)."""
@@ -275,11 +283,12 @@ class ReplicatedEngine:
         close = getattr(self.trainer, "close", None)
         if close is not None:
             close()
+        self.placement.close()
 
     def replica_pids(self, resource_id: str) -> list[int | None]:
         """The resource's replica process ids (for operators and the fault tests)."""
         state = self._state(resource_id)
-        return [] if state is None else [r.worker.process.pid for r in state.replicas]
+        return [] if state is None else [r.worker.pid for r in state.replicas]
 
     def generator_lanes(self, resource_id: str) -> int:
         state = self._state(resource_id)
@@ -397,7 +406,7 @@ class ReplicatedEngine:
             if state.replicas[index] is not dead:
                 return state.replicas[index]  # another lane restarted it already
             dead.stop()
-            new = GeneratorReplica(resource_id, index, self.config, self.model_paths)
+            new = GeneratorReplica(resource_id, index, self.placement)
             call = new.worker.call
             call("load_resource", (resource_id, state.base_model), {"muon_scaling": None})
             for session_id, lora in state.sessions.items():

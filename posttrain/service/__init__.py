@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
+from posttrain.engine.placement import placement_for
 from posttrain.engine.process import ProcessEngine
 from posttrain.engine.replicas import ReplicatedEngine
 from posttrain.service.arrivals import Arrivals
@@ -74,12 +75,14 @@ def build_services(
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
     model_paths = {spec.id: spec.path for spec in config.models}
-    engine_class = ProcessEngine if config.engine.workers == "process" else LocalEngine
-    engine: LocalEngine | ProcessEngine | ReplicatedEngine = engine_class(
-        config.engine, model_paths
-    )
+    placement = placement_for(config.engine, model_paths)  # Ray only with --ray
+    engine: LocalEngine | ProcessEngine | ReplicatedEngine
+    if config.engine.workers == "process":
+        engine = ProcessEngine(config.engine, model_paths, placement)
+    else:
+        engine = LocalEngine(config.engine, model_paths)
     if config.engine.generators == "process":
-        engine = ReplicatedEngine(engine, config.engine, model_paths)
+        engine = ReplicatedEngine(engine, config.engine, model_paths, placement)
     signer = UrlSigner(signing_key(config.signing_key, config.data_dir), config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
     routed_experts = RoutedExpertsStore(

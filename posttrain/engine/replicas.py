@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
 from transformers import AutoConfig
 
 from posttrain.config import EngineConfig
@@ -60,7 +61,10 @@ from posttrain.types import (
     SampleResult,
 )
 
-# A staged change: (fence, what, args); what is "create", "drop" or "install".
+# A staged change: (fence, what, args); what is "create", "drop" or "install". An install
+# crosses in buckets of at most BUCKET_BYTES (a whole model is never one message), each a change
+# of its own, the last one saying so.
+BUCKET_BYTES = 64 << 20
 Staged = tuple[int, str, tuple]
 
 
@@ -75,6 +79,7 @@ class ReplicaEngine(LocalEngine):
         super().__init__(config, model_paths)
         self._staged: list[Staged] = []
         self._received = 0  # the highest fence received (or rebuilt up to)
+        self._buckets: dict[str, dict] = {}  # session -> tensors of an install not yet whole
         self._arrived = threading.Condition()
         if staging is not None:
             threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
@@ -133,20 +138,25 @@ class ReplicaEngine(LocalEngine):
 
     def _mid_generation(self) -> None:
         """Between decode passes: apply each session's staged PIPELINE installs that nothing
-        staged before them, for that session, holds back."""
+        staged before them, for that session, holds back, once every bucket of an install
+        has arrived (a generation never runs on half-installed weights)."""
         with self._arrived:
             held: set[str] = set()
-            due = []
+            due: list[Staged] = []
+            run: dict[str, list[Staged]] = {}  # a session's buckets of an unfinished install
             for change in list(self._staged):
                 _, what, args = change
                 session_id = args[1]
                 if session_id in held:
                     continue
                 if what == "install" and args[4] and self.is_loaded(args[0]):
-                    due.append(change)
-                    self._staged.remove(change)
+                    run.setdefault(session_id, []).append(change)
+                    if args[5]:  # its last bucket: the whole install is here
+                        due += run.pop(session_id)
                 else:
                     held.add(session_id)
+            for change in due:
+                self._staged.remove(change)
         for change in due:
             self._apply(change)
 
@@ -158,9 +168,13 @@ class ReplicaEngine(LocalEngine):
             self.create_session(resource_id, session_id, args[2])
         elif what == "drop":
             self.drop_session(resource_id, session_id)
-        else:
-            tensors, version = from_wire(args[2]), args[3]
-            self.install_generator(resource_id, session_id, tensors, version=version)
+        else:  # a bucket of an install; the last one installs them all
+            wire, version, last = args[2], args[3], args[5]
+            parts = self._buckets.setdefault(session_id, {})
+            parts.update(from_wire(wire))
+            if last:
+                del self._buckets[session_id]
+                self.install_generator(resource_id, session_id, parts, version=version)
 
 
 class GeneratorReplica:
@@ -296,7 +310,10 @@ class ReplicatedEngine:
 
     def generator_fence(self, resource_id: str) -> int:
         state = self._state(resource_id)
-        return 0 if state is None else state.fence
+        if state is None:
+            return 0
+        with state.lock:  # never between two buckets of an install
+            return state.fence
 
     # ------------------------------------------------------------ what generators serve
 
@@ -363,8 +380,12 @@ class ReplicatedEngine:
         with state.lock:
             result = change()
             tensors, version = self.trainer.generator_state(resource_id, session_id)
-            wire = to_wire(tensors)
-            self._stage(state, "install", (resource_id, session_id, wire, version, mid_generation))
+            buckets = _buckets(tensors, BUCKET_BYTES)
+            for index, bucket in enumerate(buckets):
+                last = index == len(buckets) - 1
+                wire = to_wire(bucket)
+                args = (resource_id, session_id, wire, version, mid_generation, last)
+                self._stage(state, "install", args)
         return result
 
     def _stage(self, state: _Replicas, what: str, args: tuple) -> None:
@@ -459,3 +480,18 @@ class ReplicatedEngine:
         config = AutoConfig.from_pretrained(self.model_paths[base_model])
         dtype = resolve_dtype(self.config.dtype, resolve_device(self.config.device))
         return estimate.model_shape(config, dtype.itemsize)
+
+
+def _buckets(tensors: dict[str, Tensor], limit: int) -> list[dict[str, Tensor]]:
+    """Consecutive groups of tensors of at most `limit` bytes each (a larger tensor alone);
+    at least one group, so an install with no tensors still arrives."""
+    groups: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    return groups

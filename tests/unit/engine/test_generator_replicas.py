@@ -17,6 +17,7 @@ from engine_calls import forward_backward
 from test_process_engine import BATCH, CE, CONFIG, LORA, MODELS, STEP
 
 from posttrain.config import BUILTIN_MODEL_ID
+from posttrain.engine import replicas
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.process import ProcessEngine
 from posttrain.engine.replicas import ReplicatedEngine
@@ -91,7 +92,10 @@ def test_replicas_sample_exactly_what_the_inline_generator_does_as_of_their_fenc
     assert {s.version for r in inline[1] for s in r.policy_segments} == {2}
 
 
-def test_a_pipeline_install_lands_mid_generation_and_a_synchronous_one_does_not(replicated):
+def test_a_pipeline_install_lands_mid_generation_and_a_synchronous_one_does_not(
+    replicated, monkeypatch
+):
+    monkeypatch.setattr(replicas, "BUCKET_BYTES", 1 << 12)  # an adapter in many buckets
     engine = replicated
     first = train_and_publish(engine, 1)
     forward_backward(engine, "r", "s", ForwardBackwardRequest(BATCH, CE))
@@ -133,7 +137,13 @@ def test_close_leaves_no_replica_process():
     assert not any(p.is_alive() for p in processes)
 
 
-def test_a_full_weight_session_samples_on_its_replica_what_the_inline_generator_does():
+@pytest.mark.parametrize("bucket_bytes", [replicas.BUCKET_BYTES, 1 << 16])
+def test_a_full_weight_session_samples_on_its_replica_what_the_inline_generator_does(
+    bucket_bytes, monkeypatch
+):
+    """In one message, and in 64 KiB buckets (the built-in model's 3 MB in about 50)."""
+    monkeypatch.setattr(replicas, "BUCKET_BYTES", bucket_bytes)
+
     def trained(engine) -> list:
         engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None, generator_replicas=1)
         engine.create_session("r", "s", None)  # full weight

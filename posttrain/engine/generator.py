@@ -16,13 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from torch import nn
+from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
 from posttrain.engine import full_weight
 from posttrain.engine.model_passes import GeneratorModel
 from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
 from posttrain.engine.state import ResourceState, SessionState
+from posttrain.engine.weights import copy_into
 from posttrain.types import SampleRequest, SampleResult
 
 
@@ -61,6 +62,30 @@ def publish(resource: ResourceState, session: SessionState, *, version: int) -> 
 def forget(resource: ResourceState, session: SessionState) -> None:
     """A dropped session's generator serves nothing and holds no cached prompt KV."""
     resource.served.pop(session.generator_key, None)
+    resource.prefix_cache.drop_owner(session.generator_key)
+
+
+def parameters(resource: ResourceState, session: SessionState) -> list[tuple[str, nn.Parameter]]:
+    """What the session's generator serves: its adapter, or a full-weight session's model."""
+    if session.generator_model is not None:
+        return list(session.generator_model.named_parameters())
+    return list(resource.lora.adapter_parameters(session.generator_key))
+
+
+def state(resource: ResourceState, session: SessionState) -> tuple[dict[str, Tensor], int]:
+    """What the session's generator serves (its tensors, detached copies) and their policy
+    version: what a generator replica installs (engine/replicas.py)."""
+    tensors = {n: p.detach().clone() for n, p in parameters(resource, session)}
+    return tensors, served(resource, session).version
+
+
+def install(
+    resource: ResourceState, session: SessionState, tensors: dict[str, Tensor], *, version: int
+) -> None:
+    """The session's generator serves these tensors (a trainer's `state`) as policy version
+    `version`; a new generation, so no prefix-cache entry of the old weights hits again."""
+    copy_into(parameters(resource, session), tensors)
+    resource.served[session.generator_key] = WeightsVersion(next(resource.generations), version)
     resource.prefix_cache.drop_owner(session.generator_key)
 
 

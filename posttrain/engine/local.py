@@ -37,7 +37,6 @@ from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import WeightsVersion
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
@@ -251,19 +250,14 @@ class LocalEngine:
     def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
         """What the session's generator serves (its tensors, detached) and their policy
         version: what a generator replica installs (engine/replicas.py)."""
-        resource, session = self._session(resource_id, session_id)
-        tensors = {n: p.detach().clone() for n, p in _generator_parameters(resource, session)}
-        return tensors, generator.served(resource, session).version
+        return generator.state(*self._session(resource_id, session_id))
 
     def install_generator(
         self, resource_id: str, session_id: str, tensors: dict[str, Tensor], *, version: int
     ) -> None:
         """The session's generator serves these tensors (a trainer's generator_state), as
         policy version `version`. Safe between decode passes."""
-        resource, session = self._session(resource_id, session_id)
-        _copy_into(_generator_parameters(resource, session), tensors)
-        resource.served[session.generator_key] = WeightsVersion(next(resource.generations), version)
-        resource.prefix_cache.drop_owner(session.generator_key)
+        generator.install(*self._session(resource_id, session_id), tensors, version=version)
 
     def sample_batch(
         self,
@@ -354,7 +348,7 @@ class LocalEngine:
             if part == "trainer":
                 values[part] = dict(named)
             elif part == "generator":
-                values[part] = dict(_generator_parameters(resource, session))
+                values[part] = dict(generator.parameters(resource, session))
             elif part == "optimizer":
                 values[part] = {
                     "optimizer": session.optimizer.state_dict(),
@@ -372,7 +366,7 @@ class LocalEngine:
         _, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
         named = session.optimizer.named_params
-        _copy_into(named, parts["trainer"])
+        weights.copy_into(named, parts["trainer"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         weights.restore_rng(parts["optimizer"]["rng"])
         saved = parts.get("gradients", {})
@@ -414,7 +408,7 @@ class LocalEngine:
         checkpoint; the generator then serves the loaded weights."""
         resource, session = self._session(resource_id, session_id)
         state = weights.load_training_state(directory)
-        _copy_into(session.optimizer.named_params, state.tensors)
+        weights.copy_into(session.optimizer.named_params, state.tensors)
         if load_optimizer:
             session.optimizer.load_state_dict(state.optimizer)
             weights.restore_rng(state.rng)
@@ -424,7 +418,7 @@ class LocalEngine:
         """Resume weights only, from an inference checkpoint's PEFT adapter."""
         resource, session = self._session(resource_id, session_id)
         tensors, _ = weights.load_peft_adapter(directory)
-        _copy_into(session.optimizer.named_params, tensors)
+        weights.copy_into(session.optimizer.named_params, tensors)
         generator.refresh(resource, session)
 
     def save_full_model(
@@ -449,35 +443,3 @@ class LocalEngine:
                     f"{param}[{index}] = {token} is outside the vocabulary [0, {vocab})",
                     param=param,
                 )
-
-
-def _generator_parameters(
-    resource: ResourceState, session: SessionState
-) -> list[tuple[str, nn.Parameter]]:
-    """What the session's generator serves: its adapter, or a full-weight session's model."""
-    if session.generator_model is not None:
-        return list(session.generator_model.named_parameters())
-    return list(resource.lora.adapter_parameters(session.generator_key))
-
-
-def _copy_into(
-    named_params: list[tuple[str, torch.nn.Parameter]], saved: dict[str, Tensor]
-) -> None:
-    """Overwrite parameters in place with saved tensors of the same names and shapes."""
-    params = dict(named_params)
-    if set(saved) != set(params):
-        missing = sorted(set(params) - set(saved))[:3]
-        extra = sorted(set(saved) - set(params))[:3]
-        raise InvalidRequest(
-            f"checkpoint parameters do not match this session (missing {missing}, extra {extra})",
-            param="resume_from_checkpoint_id",
-        )
-    with torch.no_grad():
-        for name, value in saved.items():
-            if value.shape != params[name].shape:
-                raise InvalidRequest(
-                    f"checkpoint tensor {name} has shape {tuple(value.shape)}, the session's"
-                    f" has {tuple(params[name].shape)}",
-                    param="resume_from_checkpoint_id",
-                )
-            params[name].copy_(value)

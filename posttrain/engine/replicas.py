@@ -23,8 +23,11 @@ A replica that dies fails the sample in flight with GeneratorReplicaDied (INTERN
 it); the trainer is untouched, and the next sample starts a new replica, rebuilt from what the
 trainer's generators serve.
 
-Imports: config, errors, types, model.loader, engine (interface, local, placement, memory_estimate,
-headroom, tensor_wire, generator, optim, state).
+The replica side (the engine in each replica process, and the staged changes' format) is
+engine/replica_engine.py.
+
+Imports: config, errors, types, model.loader, engine (interface, placement, replica_engine,
+memory_estimate, headroom, tensor_wire).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import pickle
 import queue
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +44,11 @@ from transformers import AutoConfig
 
 from posttrain.config import EngineConfig
 from posttrain.engine import memory_estimate as estimate
-from posttrain.engine.generator import generator_key
 from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Engine, Headroom
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.placement import GENERATOR, LocalPlacement, Placement
-from posttrain.engine.state import ResourceState, SessionState
-from posttrain.engine.tensor_wire import from_wire, to_wire
+from posttrain.engine.replica_engine import ReplicaEngine
+from posttrain.engine.tensor_wire import to_wire
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -61,120 +60,9 @@ from posttrain.types import (
     SampleResult,
 )
 
-# A staged change: (fence, what, args); what is "create", "drop" or "install". An install
-# crosses in buckets of at most BUCKET_BYTES (a whole model is never one message), each a change
-# of its own, the last one saying so.
+# An install crosses in buckets of at most BUCKET_BYTES (a whole model is never one message),
+# each a staged change of its own (engine/replica_engine.py), the last one saying so.
 BUCKET_BYTES = 64 << 20
-Staged = tuple[int, str, tuple]
-
-
-class ReplicaEngine(LocalEngine):
-    """The engine inside a replica process: sessions' generators only, fed by staged changes."""
-
-    def __init__(
-        self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection | None
-    ):
-        """`staging`: the pipe its changes arrive on; None where they arrive by `receive`
-        calls instead (a Ray actor's, engine/ray_placement.py)."""
-        super().__init__(config, model_paths)
-        self._staged: list[Staged] = []
-        self._received = 0  # the highest fence received (or rebuilt up to)
-        self._buckets: dict[str, dict] = {}  # session -> tensors of an install not yet whole
-        self._arrived = threading.Condition()
-        if staging is not None:
-            threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
-
-    def _receive(self, staging: Connection) -> None:
-        while True:
-            try:
-                change: Staged = pickle.loads(staging.recv_bytes())
-            except (EOFError, OSError):
-                return  # the API process is gone
-            self.receive(change)
-
-    def receive(self, change: Staged) -> None:
-        """Keep a staged change until a sample's fence reaches it."""
-        with self._arrived:
-            self._staged.append(change)
-            self._received = change[0]
-            self._arrived.notify_all()
-
-    def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
-        """A replica never trains: its full-weight session serves the resource's own model,
-        which installs overwrite, instead of a second copy (half a trainer's memory); ending
-        the session puts the base weights back, as on the trainer."""
-        assert not resource.sessions, "a full-weight session shares its resource with no one"
-        model = resource.loaded.model
-        model.eval()
-        resource.sessions[session_id] = SessionState(
-            session_id, generator_key(session_id), SessionOptimizer([]), generator_model=model
-        )
-
-    def rebuilt(self, fence: int) -> None:
-        """A new replica was given the state as of `fence` directly: nothing before it is due."""
-        with self._arrived:
-            self._received = max(self._received, fence)
-            self._staged = [c for c in self._staged if c[0] > fence]
-
-    def sample_batch(
-        self,
-        resource_id: str,
-        items: list[tuple[str, SampleRequest]],
-        *,
-        between_tokens: Callable[[], None] | None = None,
-        fence: int = 0,
-        lane: int = 0,
-    ) -> list[list[SampleResult]]:
-        """The generation at its FIFO place: apply the changes up to `fence`, then sample;
-        PIPELINE installs that arrive meanwhile land between decode passes."""
-        with self._arrived:
-            while self._received < fence:
-                self._arrived.wait()
-            due = [c for c in self._staged if c[0] <= fence]
-            self._staged = [c for c in self._staged if c[0] > fence]
-        for change in due:
-            self._apply(change)
-        return super().sample_batch(resource_id, items, between_tokens=self._mid_generation)
-
-    def _mid_generation(self) -> None:
-        """Between decode passes: apply each session's staged PIPELINE installs that nothing
-        staged before them, for that session, holds back, once every bucket of an install
-        has arrived (a generation never runs on half-installed weights)."""
-        with self._arrived:
-            held: set[str] = set()
-            due: list[Staged] = []
-            run: dict[str, list[Staged]] = {}  # a session's buckets of an unfinished install
-            for change in list(self._staged):
-                _, what, args = change
-                session_id = args[1]
-                if session_id in held:
-                    continue
-                if what == "install" and args[4] and self.is_loaded(args[0]):
-                    run.setdefault(session_id, []).append(change)
-                    if args[5]:  # its last bucket: the whole install is here
-                        due += run.pop(session_id)
-                else:
-                    held.add(session_id)
-            for change in due:
-                self._staged.remove(change)
-        for change in due:
-            self._apply(change)
-
-    def _apply(self, change: Staged) -> None:
-        _, what, args = change
-        resource_id, session_id = args[0], args[1]
-        if what == "create":
-            self.drop_session(resource_id, session_id)  # a trainer rebuilt after its death
-            self.create_session(resource_id, session_id, args[2])
-        elif what == "drop":
-            self.drop_session(resource_id, session_id)
-        else:  # a bucket of an install; the last one installs them all
-            wire, version, last = args[2], args[3], args[5]
-            parts = self._buckets.setdefault(session_id, {})
-            parts.update(from_wire(wire))
-            if last:
-                del self._buckets[session_id]
-                self.install_generator(resource_id, session_id, parts, version=version)
 
 
 class GeneratorReplica:

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from posttrain.engine.optim import OptimizerState
+from posttrain.errors import InvalidRequest
 from posttrain.model.lora import LoraModel
 from posttrain.model.lora_experts import PROJECTIONS, ExpertProjection
 from posttrain.types import LoraConfig
@@ -337,3 +338,24 @@ def _fsync_files(directory: Path, names: Iterable[str]) -> None:
     for name in names:
         with open(directory / name, "rb") as handle:
             os.fsync(handle.fileno())
+
+
+def copy_into(named_params: list[tuple[str, torch.nn.Parameter]], saved: dict[str, Tensor]) -> None:
+    """Overwrite parameters in place with saved tensors of the same names and shapes."""
+    params = dict(named_params)
+    if set(saved) != set(params):
+        missing = sorted(set(params) - set(saved))[:3]
+        extra = sorted(set(saved) - set(params))[:3]
+        raise InvalidRequest(
+            f"checkpoint parameters do not match this session (missing {missing}, extra {extra})",
+            param="resume_from_checkpoint_id",
+        )
+    with torch.no_grad():
+        for name, value in saved.items():
+            if value.shape != params[name].shape:
+                raise InvalidRequest(
+                    f"checkpoint tensor {name} has shape {tuple(value.shape)}, the session's"
+                    f" has {tuple(params[name].shape)}",
+                    param="resume_from_checkpoint_id",
+                )
+            params[name].copy_(value)

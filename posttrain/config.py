@@ -92,6 +92,16 @@ class EngineConfig(BaseModel):
         " compute_config.num_generator_replicas replica processes that sample beside the"
         " trainer (engine/replicas.py)",
     )
+    # Replicated data parallel (engine/trainer_group.py): each rank holds the whole model and
+    # forwards its share of a batch's rows. A rank process costs a start (spawn, import torch,
+    # load the model) and the pipe of every command; measured in bench/trainer_ranks.py.
+    trainer_ranks: int = Field(
+        1,
+        ge=1,
+        description="processes each model resource's trainer runs on: 1 (in the engine of"
+        " --workers) or a torch.distributed group of N rank processes that split each"
+        " forward-backward's rows and all-reduce its gradients (engine/trainer_group.py)",
+    )
     max_generator_replicas: int = Field(
         8,
         ge=1,

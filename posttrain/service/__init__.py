@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.process import ProcessEngine
+from posttrain.engine.trainer_group import TrainerGroupEngine
 from posttrain.engine.replicas import ReplicatedEngine
 from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
@@ -38,7 +39,7 @@ log = logging.getLogger("posttrain")
 class Services:
     config: ServerConfig
     repo: Repo
-    engine: LocalEngine | ProcessEngine | ReplicatedEngine
+    engine: LocalEngine | ProcessEngine | TrainerGroupEngine | ReplicatedEngine
     scheduler: Scheduler
     resources: ResourceService
     sessions: SessionService
@@ -59,7 +60,7 @@ class Services:
         self.watch.close()
         self.expiry.close()
         self.scheduler.close()
-        if isinstance(self.engine, ProcessEngine | ReplicatedEngine):
+        if isinstance(self.engine, ProcessEngine | TrainerGroupEngine | ReplicatedEngine):
             self.engine.close()  # after the threads that call it: no orphan worker processes
 
 
@@ -74,8 +75,12 @@ def build_services(
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
     model_paths = {spec.id: spec.path for spec in config.models}
-    engine_class = ProcessEngine if config.engine.workers == "process" else LocalEngine
-    engine: LocalEngine | ProcessEngine | ReplicatedEngine = engine_class(
+    engine_class: type[LocalEngine | ProcessEngine | TrainerGroupEngine] = (
+        ProcessEngine if config.engine.workers == "process" else LocalEngine
+    )
+    if config.engine.trainer_ranks > 1:
+        engine_class = TrainerGroupEngine  # rank processes, whatever --workers says
+    engine: LocalEngine | ProcessEngine | TrainerGroupEngine | ReplicatedEngine = engine_class(
         config.engine, model_paths
     )
     if config.engine.generators == "process":

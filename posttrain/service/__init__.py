@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from posttrain.config import ServerConfig
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.process import ProcessEngine
-from posttrain.engine.trainer_group import TrainerGroupEngine
 from posttrain.engine.replicas import ReplicatedEngine
+from posttrain.engine.trainer_group import TrainerGroupEngine
 from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.completion import CompletionWatch

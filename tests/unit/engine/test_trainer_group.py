@@ -20,6 +20,7 @@ from engine_calls import forward_backward, sample
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import durable
 from posttrain.engine.local import LocalEngine
+from posttrain.engine.replicas import ReplicatedEngine
 from posttrain.engine.trainer_group import TrainerGroupEngine, check_trainer_ranks
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.types import (
@@ -156,9 +157,7 @@ def lora_script(engine, resource: str, root: Path) -> list:
     engine.optim_step(resource, "b", STEP)
     seen.append(state(engine, resource, "a", root, ("trainer",)))
     gradients = tuple(tuple(0.5 - 0.1 * i for i in range(len(s.tokens))) for s in THREE)
-    engine.custom_forward_backward(
-        resource, "b", CustomForwardBackwardRequest(THREE, gradients)
-    )
+    engine.custom_forward_backward(resource, "b", CustomForwardBackwardRequest(THREE, gradients))
     seen.append(state(engine, resource, "b", root))
     # A one-sample batch: one rank forwards nothing and still meets the other in the sums.
     one = ForwardBackwardRequest(THREE[1:2], PPO, **wants)
@@ -195,9 +194,7 @@ def test_two_ranks_train_and_sample_what_one_process_does(group, tmp_path):
     actual = lora_script(group, "lora", tmp_path / "group")
     compare_scripts(actual, expected)
     # Every rank holds the same weights, bit for bit: the generators serve copies of them.
-    (tensors0, version0), (tensors1, version1) = group.on_every_rank(
-        "lora", "generator_state", "a"
-    )
+    (tensors0, version0), (tensors1, version1) = group.on_every_rank("lora", "generator_state", "a")
     assert version0 == version1 == 1
     assert all(torch.equal(tensors0[n], tensors1[n]) for n in tensors0)
 
@@ -254,18 +251,40 @@ def test_full_weight_on_two_ranks_equals_one_and_resumes_on_one(group, tmp_path)
 
 
 def test_a_killed_rank_fails_the_call_and_the_group_loads_again(group):
-    group.load_resource("doomed", BUILTIN_MODEL_ID, muon_scaling=None)
-    group.create_session("doomed", "s", LORA)
-    first = group.rank_pids("doomed")
+    group.load_resource("lora", BUILTIN_MODEL_ID, muon_scaling=None)  # the earlier tests' group
+    group.create_session("lora", "k", LORA)
+    first = group.rank_pids("lora")
     os.kill(first[1], signal.SIGKILL)
-    with pytest.raises(WorkerDied, match="rank 1 of the trainer group of model resource doomed"):
-        forward_backward(group, "doomed", "s", ForwardBackwardRequest(THREE, CE))
-    assert not group.is_loaded("doomed")
-    group.load_resource("doomed", BUILTIN_MODEL_ID, muon_scaling=None)
-    assert group.is_loaded("doomed") and not set(group.rank_pids("doomed")) & set(first)
-    group.create_session("doomed", "s", LORA)
-    assert forward_backward(group, "doomed", "s", ForwardBackwardRequest(THREE, CE)).loss > 0
-    group.unload_resource("doomed")
+    with pytest.raises(WorkerDied, match="rank 1 of the trainer group of model resource lora"):
+        forward_backward(group, "lora", "k", ForwardBackwardRequest(THREE, CE))
+    assert not group.is_loaded("lora")
+    group.load_resource("lora", BUILTIN_MODEL_ID, muon_scaling=None)
+    assert group.is_loaded("lora") and not set(group.rank_pids("lora")) & set(first)
+    group.create_session("lora", "k", LORA)
+    assert forward_backward(group, "lora", "k", ForwardBackwardRequest(THREE, CE)).loss > 0
+    pids = group.rank_pids("lora")
+    group.unload_resource("lora")
+    for pid in (*first, *pids):  # every rank is stopped and reaped: none is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_generator_replicas_serve_what_the_group_trained(group):
+    """--generators process over --trainer-ranks 2: ReplicatedEngine wraps the group."""
+    replicated = ReplicatedEngine(group, CONFIG, MODELS)
+    replicated.load_resource("rep", BUILTIN_MODEL_ID, muon_scaling=None, generator_replicas=1)
+    try:
+        replicated.create_session("rep", "s", LORA)
+        forward_backward(replicated, "rep", "s", ForwardBackwardRequest(THREE, CE))
+        replicated.optim_step("rep", "s", STEP)
+        replicated.publish("rep", "s", version=1)
+        fence = replicated.generator_fence("rep")
+        (on_replica,) = replicated.sample_batch("rep", [("s", PROMPT)], fence=fence, lane=0)
+        on_rank_zero = sample(group, "rep", "s", PROMPT)
+        assert [s.sequences for s in on_replica] == [s.sequences for s in on_rank_zero]
+        assert on_replica[0].policy_segments[0].version == 1
+    finally:
+        replicated.unload_resource("rep")
 
 
 def test_more_ranks_than_cores_is_a_start_up_error_naming_the_flag():

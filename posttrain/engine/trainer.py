@@ -7,6 +7,11 @@ session's trainer adapter (model/lora.py), rows of similar length share a model 
 gradients. Gradients accumulate across calls until optim-step; a non-finite loss or gradient
 fails its item and leaves that session's accumulated gradients exactly as they were.
 
+On a rank of a trainer group (ResourceState.group, engine/trainer_group.py) the same code runs
+data parallel: the rank forwards only its share of the rows, the others' logprobs are gathered
+from them, every member is scored on the whole batch, and the gradients are summed over the
+ranks before their check (engine/data_parallel.py). Without a group nothing of that runs.
+
 Not here: which sessions exist (local.py, the registry), what the generator serves
 (generator.py), the loss math (losses.py) and the optimizer math (optim.py).
 

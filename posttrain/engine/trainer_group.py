@@ -129,7 +129,9 @@ class _Group:
             )
             for rank in range(world)
         ]
-        self._pool = ThreadPoolExecutor(world - 1, thread_name_prefix=f"ranks-{resource_id}")
+        self._pool = ThreadPoolExecutor(
+            max(1, world - 1), thread_name_prefix=f"ranks-{resource_id}"
+        )
         # Reentrant: a PIPELINE publish runs inside rank 0's sample, on the sampling thread.
         self._lock = threading.RLock()
         self.died: WorkerDied | None = None  # the first rank's death, which ends the group

@@ -55,7 +55,7 @@ def rl_loop(session: SessionClient, steps: int) -> list:
         )
         sequences = [list(s.tokens) for s in result.sequences]
         samples = [
-            rl_sample(s.tokens[: 2 + index], s.logprobs[: 2 + index], index - 1.0)
+            rl_sample(s.tokens[: 2 + index], s.logprobs[: 2 + index], 0.5 + index)
             for index, s in enumerate(result.sequences)
         ]
         trained = session.trainer.forward_backward(samples=samples, loss=GRPO, interval=FAST)

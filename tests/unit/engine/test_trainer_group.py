@@ -166,11 +166,23 @@ def lora_script(engine, resource: str, root: Path) -> list:
     seen.append(state(engine, resource, "b", root))
     engine.publish(resource, "a", version=1)
     seen.append(sample(engine, resource, "a", PROMPT))
+    forward_backward(engine, resource, "a", ForwardBackwardRequest(THREE, CE))
+    engine.optim_step(resource, "a", STEP)
+    published = []
+
+    def between_tokens() -> None:  # a PIPELINE weights-sync lands after the second token
+        published.append(None)
+        if len(published) == 2:
+            engine.publish(resource, "a", version=2)
+
+    seen.append(sample(engine, resource, "a", PROMPT, between_tokens=between_tokens))
     return seen
 
 
 def compare_scripts(actual: list, expected: list) -> None:
-    (fb1, grads1, batch2, grads2a, grads2b, weights2, custom, one, after, sampled) = actual
+    (fb1, grads1, batch2, grads2a, grads2b, weights2, custom, one, after, sampled, switched) = (
+        actual
+    )
     assert_results_equal([fb1], [expected[0]])
     assert_tensors_close(grads1["gradients"], expected[1]["gradients"])
     assert_results_equal(batch2, expected[2])
@@ -187,6 +199,11 @@ def compare_scripts(actual: list, expected: list) -> None:
     assert [s.tokens for s in got] == [s.tokens for s in want]
     for got_sequence, want_sequence in zip(got, want, strict=True):
         assert close(got_sequence.logprobs, want_sequence.logprobs, rel=1e-4)
+    # Republished mid-sample from rank 0's callback: every rank took the new weights.
+    assert [s.policy_segments for s in switched] == [s.policy_segments for s in expected[10]]
+    assert [s.policy_segments[-1].version for s in switched] == [2]
+    got = [s.tokens for r in switched for s in r.sequences]
+    assert got == [s.tokens for r in expected[10] for s in r.sequences]
 
 
 def test_two_ranks_train_and_sample_what_one_process_does(group, tmp_path):
@@ -195,7 +212,7 @@ def test_two_ranks_train_and_sample_what_one_process_does(group, tmp_path):
     compare_scripts(actual, expected)
     # Every rank holds the same weights, bit for bit: the generators serve copies of them.
     (tensors0, version0), (tensors1, version1) = group.on_every_rank("lora", "generator_state", "a")
-    assert version0 == version1 == 1
+    assert version0 == version1 == 2
     assert all(torch.equal(tensors0[n], tensors1[n]) for n in tensors0)
 
 

@@ -93,8 +93,9 @@ class EngineConfig(BaseModel):
         " trainer (engine/replicas.py)",
     )
     # Replicated data parallel (engine/trainer_group.py): each rank holds the whole model and
-    # forwards its share of a batch's rows. A rank process costs a start (spawn, import torch,
-    # load the model) and the pipe of every command; measured in bench/trainer_ranks.py.
+    # forwards its share of a batch's rows. Measured (bench/trainer_ranks.py,
+    # docs/benchmarks.md): on the 2-core CPU two ranks are slower than one (0.57x for a 38M
+    # full-weight step, 10-15 ms more per small command), so one process is the default.
     trainer_ranks: int = Field(
         1,
         ge=1,

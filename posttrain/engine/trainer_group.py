@@ -18,8 +18,10 @@ sample on rank 0 alone leaves the others' training state as it is (it moves only
 prefix cache and random numbers; a training checkpoint's RNG state is rank 0's).
 
 Every rank holds a full replica of the base model, the LoRA adapters and a full-weight session's
-parameters and AdamW state (replicated data parallel): N ranks compute the forward-backward of
-a batch about N times faster, but do not hold a model N times bigger.
+parameters and AdamW state (replicated data parallel): each rank forwards about 1/N of a
+batch's tokens, but every rank runs the whole optimizer step and none holds less than one
+process would (measured in bench/trainer_ranks.py: on the shared 2-core CPU two ranks are
+slower than one). Sharding the full-weight state over the ranks is the next step.
 
 A rank that dies fails the call in flight with WorkerDied naming the rank; its group is stopped
 (the others would wait for it in the next collective), `is_loaded` answers False, and

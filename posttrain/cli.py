@@ -87,6 +87,15 @@ def parser() -> argparse.ArgumentParser:
         " SPREAD them across nodes",
     )
     serve.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run each model resource's trainer on a group of N rank processes that split"
+        " every forward-backward (1: in the engine of --workers; at most the CPU cores, or"
+        " the CUDA devices)",
+    )
+    serve.add_argument(
         "--max-generator-replicas",
         type=int,
         default=None,
@@ -189,6 +198,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         generators=args.generators,
         ray=args.ray,
         ray_strategy=args.ray_strategy,
+        trainer_ranks=args.trainer_ranks,
         max_generator_replicas=args.max_generator_replicas,
         memory_limit=args.memory_limit,
     )
@@ -231,6 +241,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from posttrain.api.app import create_app
     from posttrain.api.server import serve as run_server
+    from posttrain.engine.trainer_group import check_trainer_ranks
     from posttrain.model.loader import servable_problem
 
     # The built-ins are known to be servable; only the user's directories are checked.
@@ -238,6 +249,7 @@ def serve(args: argparse.Namespace) -> None:
         problem = servable_problem(spec.path)
         if problem is not None:
             raise ConfigError(f"--model {spec.path}: {problem}", param="models")
+    check_trainer_ranks(config.engine)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     run_server(create_app(config), sock=sock, log_level=args.log_level)
 

@@ -106,6 +106,17 @@ class EngineConfig(BaseModel):
         description="how a resource's placement group lays out its processes on the Ray"
         " cluster's nodes: PACK (as few nodes as possible) or SPREAD (across nodes)",
     )
+    # Replicated data parallel (engine/trainer_group.py): each rank holds the whole model and
+    # forwards its share of a batch's rows. Measured (bench/trainer_ranks.py,
+    # docs/benchmarks.md): on the 2-core CPU two ranks are slower than one (0.57x for a 38M
+    # full-weight step, 10-15 ms more per small command), so one process is the default.
+    trainer_ranks: int = Field(
+        1,
+        ge=1,
+        description="processes each model resource's trainer runs on: 1 (in the engine of"
+        " --workers) or a torch.distributed group of N rank processes that split each"
+        " forward-backward's rows and all-reduce its gradients (engine/trainer_group.py)",
+    )
     max_generator_replicas: int = Field(
         8,
         ge=1,

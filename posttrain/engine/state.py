@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import WeightsVersion
@@ -51,3 +52,6 @@ class ResourceState:
     # What each generator (by adapter key) serves; read live by the decode loop (PIPELINE).
     served: dict[str, WeightsVersion] = field(default_factory=dict)
     generations: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # This process's rank in the resource's trainer group (engine/trainer_group.py); None: the
+    # resource trains in this process alone, and the trainer never talks to other ranks.
+    group: DataParallel | None = None

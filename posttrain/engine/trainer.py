@@ -7,6 +7,11 @@ session's trainer adapter (model/lora.py), rows of similar length share a model 
 gradients. Gradients accumulate across calls until optim-step; a non-finite loss or gradient
 fails its item and leaves that session's accumulated gradients exactly as they were.
 
+On a rank of a trainer group (ResourceState.group, engine/trainer_group.py) the same code runs
+data parallel: the rank forwards only its share of the rows, the others' logprobs are gathered
+from them, every member is scored on the whole batch, and the gradients are summed over the
+ranks before their check (engine/data_parallel.py). Without a group nothing of that runs.
+
 Not here: which sessions exist (local.py, the registry), what the generator serves
 (generator.py), the loss math (losses.py) and the optimizer math (optim.py).
 
@@ -27,6 +32,7 @@ from torch import Tensor, nn
 from posttrain.config import EngineConfig
 from posttrain.engine.batching import PackedBatch, member_loss_batch, pack, unpack
 from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buckets
+from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.logprobs import target_logprobs
 from posttrain.engine.losses import LOSSES
 from posttrain.engine.routes import forced_routes
@@ -115,7 +121,7 @@ def _shared_pass(
         torch.set_grad_enabled(train),
         _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
     ):
-        logprobs_ST = forward_logprobs(config, resource, merged, routing)
+        logprobs_ST = _batch_logprobs(config, resource, merged, routing)
         trainable: list[tuple[_Member, Tensor]] = []
         for member in members:
             samples = member.request.samples
@@ -135,7 +141,9 @@ def _shared_pass(
             if not member.request.forward_only:
                 trainable.append((member, output.loss))
         if trainable:
-            failed = accumulate_many([(m.session, loss) for m, loss in trainable])
+            failed = accumulate_many(
+                [(m.session, loss) for m, loss in trainable], group=resource.group
+            )
             for (member, _), error in zip(trainable, failed, strict=True):
                 if error is not None:
                     errors[member.index] = error
@@ -165,10 +173,16 @@ def custom_forward_backward(
     gradients_ST = torch.zeros(len(request.samples), width, device=device)
     for index, gradient in enumerate(request.gradients):
         gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
-    logprobs_ST = forward_logprobs(config, resource, packed, [(session.trainer_key, None)])
+    routing: Routing = [(session.trainer_key, None)]
     valid_ST = packed.loss_batch.valid_ST
+    if resource.group is None:
+        logprobs_ST = forward_logprobs(config, resource, packed, routing)
+    else:  # the surrogate is a sum over rows: each rank back-propagates its own
+        rows = resource.group.shares(packed.lengths_S)[resource.group.rank]
+        logprobs_ST = forward_logprobs(config, resource, packed, routing, rows=rows)
+        gradients_ST, valid_ST = gradients_ST[rows], valid_ST[rows]
     surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
-    (error,) = accumulate_many([(session, surrogate)])
+    (error,) = accumulate_many([(session, surrogate)], group=resource.group)
     if error is not None:
         raise error
 
@@ -178,23 +192,53 @@ def optim_step(session: SessionState, request: OptimStepRequest) -> None:
     session.optimizer.step(request)
 
 
+def _batch_logprobs(
+    config: EngineConfig, resource: ResourceState, merged: PackedBatch, routing: Routing
+) -> Tensor:
+    """The shared pass's [S, T] logprobs: forwarded here, or by a trainer group's ranks each
+    forwarding its share of the rows (engine/data_parallel.py)."""
+    if resource.group is None:
+        return forward_logprobs(config, resource, merged, routing)
+    return resource.group.logprobs(
+        lambda rows: forward_logprobs(config, resource, merged, routing, rows=rows),
+        merged.lengths_S,
+        merged.tokens_ST.shape[1],
+        resource.loaded.device,
+    )
+
+
 def forward_logprobs(
-    config: EngineConfig, resource: ResourceState, packed: PackedBatch, routing: Routing
+    config: EngineConfig,
+    resource: ResourceState,
+    packed: PackedBatch,
+    routing: Routing,
+    *,
+    rows: list[int] | None = None,
 ) -> Tensor:
     """float32 [S, T] logprob of each target token, 0.0 at padding, with each adapter of
-    `routing` applied to its rows (positions in `packed`; None: every row).
+    `routing` applied to its rows (positions in `packed`; None: every row). With `rows`, only
+    those rows of `packed`, in that order: [len(rows), T].
 
     Rows of similar length share a forward (engine/buckets.py), each padded only to its own
     longest row; the result has the layout of one padded forward over the whole batch."""
-    buckets = plan_buckets(packed.lengths_S, config.bucket_overhead_tokens)
+    valid_ST = packed.loss_batch.valid_ST
+    if rows == []:  # a trainer group's rank with no share of a small batch
+        return torch.zeros(0, valid_ST.shape[1], device=valid_ST.device)
+    if rows is None:
+        buckets = plan_buckets(packed.lengths_S, config.bucket_overhead_tokens)
+        chosen = buckets
+    else:  # buckets of positions in `rows`, forwarded as the batch rows they name
+        buckets = plan_buckets([packed.lengths_S[r] for r in rows], config.bucket_overhead_tokens)
+        chosen = [[rows[i] for i in bucket] for bucket in buckets]
+        valid_ST = valid_ST[rows]
     pieces_BL = [
-        _bucket_logprobs(config, resource, packed, rows, bucket_routing(routing, rows))
-        for rows in buckets
+        _bucket_logprobs(config, resource, packed, bucket, bucket_routing(routing, bucket))
+        for bucket in chosen
     ]
     logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
     # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
     # whichever bucket a row landed in.
-    return torch.where(packed.loss_batch.valid_ST, logprobs_ST, 0.0)
+    return torch.where(valid_ST, logprobs_ST, 0.0)
 
 
 def _bucket_logprobs(
@@ -237,13 +281,17 @@ def _bucket_logprobs(
         )
 
 
-def accumulate_many(items: list[tuple[SessionState, Tensor]]) -> list[NonFiniteLoss | None]:
+def accumulate_many(
+    items: list[tuple[SessionState, Tensor]], *, group: DataParallel | None = None
+) -> list[NonFiniteLoss | None]:
     """Add d loss_i / d params_i to each session's gradients, all-or-nothing per session.
 
     One backward over the summed losses runs into empty .grad buffers (sessions own disjoint
     parameters, and rows never mix, so each session receives only its own loss's gradient).
     Only when a session's new gradients are all finite are its earlier accumulated
-    gradients added back; otherwise they are restored exactly and its item fails."""
+    gradients added back; otherwise they are restored exactly and its item fails. In a
+    trainer `group` the new gradients are first summed over its ranks (data_parallel.py), so
+    every rank decides the same."""
     stashed = []
     for session, _ in items:
         params = [p for _, p in session.optimizer.named_params]
@@ -251,7 +299,13 @@ def accumulate_many(items: list[tuple[SessionState, Tensor]]) -> list[NonFiniteL
         for p in params:
             p.grad = None
     try:
-        torch.stack([loss for _, loss in items]).sum().backward()
+        total = torch.stack([loss for _, loss in items]).sum()
+        if group is None:
+            total.backward()
+        else:
+            if total.requires_grad:  # else none of the rank's rows is a trainable member's
+                total.backward()
+            group.all_reduce_gradients([p for params, _ in stashed for p in params])
     except BaseException:
         # Out of memory mid-backward, say: the items fail, their earlier gradients stay.
         for params, earlier in stashed:

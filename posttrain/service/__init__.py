@@ -14,6 +14,7 @@ from posttrain.engine.local import LocalEngine
 from posttrain.engine.placement import placement_for
 from posttrain.engine.process import ProcessEngine
 from posttrain.engine.replicas import ReplicatedEngine
+from posttrain.engine.trainer_group import TrainerGroupEngine
 from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.completion import CompletionWatch
@@ -39,7 +40,7 @@ log = logging.getLogger("posttrain")
 class Services:
     config: ServerConfig
     repo: Repo
-    engine: LocalEngine | ProcessEngine | ReplicatedEngine
+    engine: LocalEngine | ProcessEngine | TrainerGroupEngine | ReplicatedEngine
     scheduler: Scheduler
     resources: ResourceService
     sessions: SessionService
@@ -60,7 +61,7 @@ class Services:
         self.watch.close()
         self.expiry.close()
         self.scheduler.close()
-        if isinstance(self.engine, ProcessEngine | ReplicatedEngine):
+        if isinstance(self.engine, ProcessEngine | TrainerGroupEngine | ReplicatedEngine):
             self.engine.close()  # after the threads that call it: no orphan worker processes
 
 
@@ -76,8 +77,10 @@ def build_services(
     repo.add_operation_listener(watch.operation_written)
     model_paths = {spec.id: spec.path for spec in config.models}
     placement = placement_for(config.engine, model_paths)  # Ray only with --ray
-    engine: LocalEngine | ProcessEngine | ReplicatedEngine
-    if config.engine.workers == "process":
+    engine: LocalEngine | ProcessEngine | TrainerGroupEngine | ReplicatedEngine
+    if config.engine.trainer_ranks > 1:
+        engine = TrainerGroupEngine(config.engine, model_paths)  # whatever --workers says
+    elif config.engine.workers == "process":
         engine = ProcessEngine(config.engine, model_paths, placement)
     else:
         engine = LocalEngine(config.engine, model_paths)

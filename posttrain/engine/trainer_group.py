@@ -1,0 +1,293 @@
+"""The trainer of each model resource split over a group of N rank processes
+(`posttrain serve --trainer-ranks N`), data parallel (engine/data_parallel.py).
+
+`TrainerGroupEngine` implements the Engine protocol (interface.py) as ProcessEngine does, but
+`load_resource` starts N worker processes for the resource (process.WorkerProcess, so a
+placement layer can start them elsewhere), each serving a `RankEngine`: a LocalEngine that
+joins the resource's own torch.distributed group (gloo on CPU, NCCL on CUDA; its own TCP store
+on a free port, so two resources' groups never meet) and marks its resource with its rank.
+
+"Rank 0 takes commands and broadcasts them" (DESIGN.md) in its simplest form: this process
+sends each command that changes a rank's state to every rank at once (rank 0 from the calling
+thread, the others from a thread each) and answers with rank 0's result. The ranks then run
+the same command in the same order, meeting in its collectives (the gather of logprobs and the
+all-reduce of gradients), so every rank holds the same weights, optimizer state and generator
+after every command. What only reads a rank's state (sampling, sizes, persisting and
+checkpoint writes) goes to rank 0 alone: its state is the truth, and only it writes files. A
+sample on rank 0 alone leaves the others' training state as it is (it moves only the sampler's
+prefix cache and random numbers; a training checkpoint's RNG state is rank 0's).
+
+Every rank holds a full replica of the base model, the LoRA adapters and a full-weight session's
+parameters and AdamW state (replicated data parallel): each rank forwards about 1/N of a
+batch's tokens, but every rank runs the whole optimizer step and none holds less than one
+process would (measured in bench/trainer_ranks.py: on the shared 2-core CPU two ranks are
+slower than one). Sharding the full-weight state over the ranks is the next step.
+
+A rank that dies fails the call in flight with WorkerDied naming the rank; its group is stopped
+(the others would wait for it in the next collective), `is_loaded` answers False, and
+`load_resource` starts a fresh group.
+
+Calls that concern a base model, not a resource, run in the API process as in ProcessEngine.
+
+Imports: config, errors, engine (data_parallel, local, process), model (loader); torch.distributed
+only inside the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config import EngineConfig
+from posttrain.engine.data_parallel import DataParallel
+from posttrain.engine.local import LocalEngine
+from posttrain.engine.process import CATALOG, FORGETTING, WorkerProcess
+from posttrain.errors import ConfigError, WorkerDied
+from posttrain.model.loader import resolve_device
+from posttrain.types import MuonScaling
+
+# Served by rank 0 alone: they read a rank's state (or write files from it) and change nothing
+# the next training command depends on.
+RANK_ZERO = (
+    "sample_batch",
+    "peak_bytes",
+    "headroom",
+    "resource_footprint",
+    "session_footprint",
+    "generator_state",
+    "persist_session",
+    "save_training_state",
+    "save_adapter",
+    "save_full_model",
+)
+# How long a rank waits in a collective for the others: a live group's ranks run the same
+# command side by side, so only a rank that is gone (or wedged) makes one wait this long.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+class RankEngine(LocalEngine):
+    """The engine of one rank of a resource's trainer group (runs in the rank's process)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        rank: int,
+        world: int,
+        address: str,
+    ) -> None:
+        super().__init__(config, model_paths)
+        # The ranks share the machine's cores; oversubscribed threads would slow them all.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        backend = "gloo"
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        torch.distributed.init_process_group(
+            backend, init_method=address, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+        )
+        self.group = DataParallel(rank, world)
+
+    def load_resource(
+        self,
+        resource_id: str,
+        base_model: str,
+        *,
+        muon_scaling: MuonScaling | None,
+        generator_replicas: int = 1,
+    ) -> None:
+        super().load_resource(
+            resource_id,
+            base_model,
+            muon_scaling=muon_scaling,
+            generator_replicas=generator_replicas,
+        )
+        self._resource(resource_id).group = self.group
+
+
+class _Group:
+    """One resource's ranks, and the lock that keeps their commands in one order."""
+
+    def __init__(self, resource_id: str, config: EngineConfig, model_paths: dict[str, Path]):
+        world = config.trainer_ranks
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        self.ranks = [
+            WorkerProcess(
+                resource_id,
+                config,
+                model_paths,
+                role=f"rank{rank}",
+                label=f"rank {rank} of the trainer group of model resource {resource_id}",
+                engine=(RankEngine, rank, world, address),
+            )
+            for rank in range(world)
+        ]
+        self._pool = ThreadPoolExecutor(
+            max(1, world - 1), thread_name_prefix=f"ranks-{resource_id}"
+        )
+        # Reentrant: a PIPELINE publish runs inside rank 0's sample, on the sampling thread.
+        self._lock = threading.RLock()
+        self.died: WorkerDied | None = None  # the first rank's death, which ends the group
+
+    @property
+    def alive(self) -> bool:
+        return self.died is None and all(rank.dead is None for rank in self.ranks)
+
+    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Rank 0's answer to the command; sent to every rank unless it is RANK_ZERO's."""
+        with self._lock:
+            if self.died is not None:
+                raise self.died
+            if method in RANK_ZERO:
+                return self._guarded(lambda: self.ranks[0].call(method, args, kwargs))
+            others = [self._pool.submit(r.call, method, args, kwargs) for r in self.ranks[1:]]
+            for future in others:
+                future.add_done_callback(self._watch)
+            error: BaseException | None = None
+            try:
+                answer = self.ranks[0].call(method, args, kwargs)
+            except BaseException as exc:
+                error = exc
+            outcomes = [future.exception() for future in others]
+            # A rank that died explains the others' failures (a collective whose peer is gone).
+            for outcome in (error, *outcomes):
+                if isinstance(outcome, WorkerDied):
+                    self._end(outcome)
+            if self.died is not None:
+                raise self.died
+            for outcome in (error, *outcomes):
+                if outcome is not None:
+                    raise outcome  # rank 0's error; another rank's alone is never expected
+            return answer
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except WorkerDied as exc:
+            self._end(exc)
+            raise self.died from None
+
+    def _watch(self, future: Future) -> None:
+        exc = future.exception()
+        if isinstance(exc, WorkerDied):
+            self._end(exc)
+
+    def _end(self, exc: WorkerDied) -> None:
+        """A rank is gone: stop the others, which would wait for it in their collectives."""
+        if self.died is None:
+            self.died = exc
+        for rank in self.ranks:
+            if rank.process.is_alive():
+                rank.process.kill()
+
+    def stop(self) -> None:
+        for rank in self.ranks:
+            rank.stop()
+        self._pool.shutdown()
+
+
+class TrainerGroupEngine:
+    def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
+        self.config = config
+        self.model_paths = model_paths
+        self._catalog = LocalEngine(config, model_paths)  # never loads a resource
+        self._groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+
+    def load_resource(self, resource_id: str, base_model: str, **kwargs: Any) -> None:
+        with self._lock:
+            group = self._groups.get(resource_id)
+            if group is not None and not group.alive:
+                group.stop()  # reap it before its replacement starts
+                group = None
+            if group is None:
+                group = _Group(resource_id, self.config, self.model_paths)
+                self._groups[resource_id] = group
+        group.call("load_resource", (resource_id, base_model), kwargs)
+
+    def unload_resource(self, resource_id: str) -> None:
+        with self._lock:
+            group = self._groups.pop(resource_id, None)
+        if group is not None:
+            group.stop()
+
+    def is_loaded(self, resource_id: str) -> bool:
+        with self._lock:
+            group = self._groups.get(resource_id)
+        return group is not None and group.alive
+
+    def rank_pids(self, resource_id: str) -> list[int | None]:
+        """The process ids of the resource's ranks, rank 0 first (operators, fault tests)."""
+        with self._lock:
+            group = self._groups.get(resource_id)
+        return [] if group is None else [rank.process.pid for rank in group.ranks]
+
+    def on_every_rank(self, resource_id: str, method: str, *args: Any, **kwargs: Any) -> list:
+        """Each rank's answer to a read-only call, rank 0 first (tests that the ranks agree)."""
+        with self._lock:
+            group = self._groups[resource_id]
+        return [rank.call(method, (resource_id, *args), kwargs) for rank in group.ranks]
+
+    def close(self) -> None:
+        """Stop every rank of every group (server shutdown)."""
+        with self._lock:
+            groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            group.stop()
+
+    def generator_lanes(self, resource_id: str) -> int:
+        return 0  # rank 0's generator shares its trainer's process (replicas.py: apart)
+
+    def generator_fence(self, resource_id: str) -> int:
+        return 0
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        """Every other Engine method: the catalog's, or the named resource's group's."""
+        if method.startswith("_") or not callable(getattr(LocalEngine, method, None)):
+            raise AttributeError(method)
+        if method in CATALOG:
+            return getattr(self._catalog, method)
+
+        def forwarded(resource_id: str, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                group = self._groups.get(resource_id)
+            if group is None:
+                return getattr(self._catalog, method)(resource_id, *args, **kwargs)  # NotFound
+            if not group.alive and method in FORGETTING:
+                return None  # what it would drop died with the group
+            return group.call(method, (resource_id, *args), kwargs)
+
+        return forwarded
+
+
+def check_trainer_ranks(config: EngineConfig) -> None:
+    """At start-up: a group has at most one rank per CUDA device, or per CPU core on CPU (more
+    would only share them, slower than fewer ranks)."""
+    if config.trainer_ranks == 1:
+        return
+    if resolve_device(config.device).type == "cuda":
+        available, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        available, what = os.cpu_count() or 1, "CPU cores"
+    if config.trainer_ranks > available:
+        raise ConfigError(
+            f"--trainer-ranks {config.trainer_ranks} is more than the {available} {what} of"
+            " this machine",
+            param="trainer_ranks",
+        )
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now, for a group's rendezvous store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -10,10 +10,10 @@ value)`, so results and posttrain's errors arrive as themselves. The actors are 
 `posttrain-<resource>-<role>-<n>` (role: worker, generator0, ...; n counts starts) in the
 `posttrain` namespace, for operators and tests.
 
-A replica's staged changes go to its actor's `stage` method on a thread of their own (the
-actor runs two at a time: one call, one stage), in fence order: one sender thread per replica
-sends them one at a time, so a busy replica never holds a weights-sync and none arrives out
-of order.
+A replica's staged changes go to its actor's `stage` method, which runs beside a call (the
+actor runs two at a time: one call, one stage), in fence order: the replica's one sender
+thread (engine/replicas.py) sends them one at a time, so a busy replica never holds a
+weights-sync and none arrives out of order.
 
 A callable argument cannot cross to an actor: an inline generator's `between_tokens` (the
 scheduler's hook that publishes PIPELINE weights-syncs mid-sample) is not passed, and those
@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import queue
 import threading
 from pathlib import Path
 from typing import Any
@@ -98,10 +97,7 @@ class RayWorker:
         self._pid_ref = actor.pid.remote()  # resolved lazily: starts overlap
         self._pid: int | None = None
         self._lock = threading.Lock()  # one call at a time, as on a pipe
-        self._staging: queue.Queue[bytes | None] | None = None
-        if staged:
-            self._staging = queue.Queue()
-            threading.Thread(target=self._send_staged, daemon=True).start()
+        self._staged = staged
 
     @property
     def pid(self) -> int | None:
@@ -131,24 +127,21 @@ class RayWorker:
         return value
 
     def stage(self, data: bytes) -> None:
-        if self._staging is not None and self.dead is None:
-            self._staging.put(data)
+        """Deliver one staged change and wait for it (the actor's second thread takes it
+        beside a running call); the replica's one sender thread (engine/replicas.py) calls
+        this in fence order, so changes arrive in order."""
+        if not self._staged or self.dead is not None:
+            return
+        try:
+            ray.get(self.actor.stage.remote(data))
+        except ray.exceptions.RayError:
+            pass  # a dead replica misses it: it is rebuilt, not replayed
 
     def stop(self) -> None:
         """Kill the actor (its state is the resource's; nothing to flush)."""
-        if self._staging is not None:
-            self._staging.put(None)
         with self._lock:
             ray.kill(self.actor, no_restart=True)
             self.dead = self.dead or "stopped"
-
-    def _send_staged(self) -> None:
-        assert self._staging is not None
-        while (data := self._staging.get()) is not None:
-            try:
-                ray.get(self.actor.stage.remote(data))
-            except ray.exceptions.RayError:
-                return  # a dead replica misses it: it is rebuilt, not replayed
 
     def _check(self) -> None:
         if self.dead is not None:

@@ -232,21 +232,39 @@ class ProcessEngine:
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         """Every other Engine method: the catalog's, or the named resource's worker's."""
-        if method.startswith("_") or not callable(getattr(LocalEngine, method, None)):
-            raise AttributeError(method)
-        if method in CATALOG:
-            return getattr(self._catalog, method)
+        return forward_by_resource(
+            self._catalog, method, self._worker, lambda worker: worker.dead is not None
+        )
 
-        def forwarded(resource_id: str, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                worker = self._workers.get(resource_id)
-            if worker is None:
-                return getattr(self._catalog, method)(resource_id, *args, **kwargs)  # NotFound
-            if worker.dead is not None and method in FORGETTING:
-                return None  # what it would drop died with the worker
-            return worker.call(method, (resource_id, *args), kwargs)
+    def _worker(self, resource_id: str) -> Any:
+        with self._lock:
+            return self._workers.get(resource_id)
 
-        return forwarded
+
+def forward_by_resource(
+    catalog: LocalEngine,
+    method: str,
+    handle_of: Callable[[str], Any],
+    gone: Callable[[Any], bool],
+) -> Callable[..., Any]:
+    """An Engine method of an engine whose resources live elsewhere (ProcessEngine's workers,
+    trainer_group.py's rank groups), by name: the catalog's own for CATALOG methods; else sent
+    to the resource's handle (`handle_of`, None where nothing holds it: the catalog then
+    raises NotFound), and a FORGETTING call on a handle that is `gone` does nothing."""
+    if method.startswith("_") or not callable(getattr(LocalEngine, method, None)):
+        raise AttributeError(method)
+    if method in CATALOG:
+        return getattr(catalog, method)
+
+    def forwarded(resource_id: str, *args: Any, **kwargs: Any) -> Any:
+        handle = handle_of(resource_id)
+        if handle is None:
+            return getattr(catalog, method)(resource_id, *args, **kwargs)  # NotFound
+        if gone(handle) and method in FORGETTING:
+            return None  # what it would drop died with the handle's processes
+        return handle.call(method, (resource_id, *args), kwargs)
+
+    return forwarded
 
 
 def _die_with_parent() -> None:

@@ -49,7 +49,7 @@ import torch
 from posttrain.config import EngineConfig
 from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.local import LocalEngine
-from posttrain.engine.process import CATALOG, FORGETTING, WorkerProcess
+from posttrain.engine.process import WorkerProcess, forward_by_resource
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.model.loader import resolve_device
 from posttrain.types import MuonScaling
@@ -252,21 +252,11 @@ class TrainerGroupEngine:
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         """Every other Engine method: the catalog's, or the named resource's group's."""
-        if method.startswith("_") or not callable(getattr(LocalEngine, method, None)):
-            raise AttributeError(method)
-        if method in CATALOG:
-            return getattr(self._catalog, method)
+        return forward_by_resource(self._catalog, method, self._group, lambda g: not g.alive)
 
-        def forwarded(resource_id: str, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                group = self._groups.get(resource_id)
-            if group is None:
-                return getattr(self._catalog, method)(resource_id, *args, **kwargs)  # NotFound
-            if not group.alive and method in FORGETTING:
-                return None  # what it would drop died with the group
-            return group.call(method, (resource_id, *args), kwargs)
-
-        return forwarded
+    def _group(self, resource_id: str) -> _Group | None:
+        with self._lock:
+            return self._groups.get(resource_id)
 
 
 def check_trainer_ranks(config: EngineConfig) -> None:

@@ -72,6 +72,13 @@ def parser() -> argparse.ArgumentParser:
         " compute_config.num_generator_replicas processes sampling beside it",
     )
     serve.add_argument(
+        "--weights-transport",
+        choices=("broadcast", "pipe"),
+        default=None,
+        help="how weights-syncs reach --generators process replicas: a torch.distributed"
+        " broadcast (default) or each replica's pipe",
+    )
+    serve.add_argument(
         "--ray",
         default=None,
         metavar="local|ADDRESS",
@@ -196,6 +203,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         loss_fn_outputs=args.loss_fn_outputs,
         workers=args.workers,
         generators=args.generators,
+        weights_transport=args.weights_transport,
         ray=args.ray,
         ray_strategy=args.ray_strategy,
         trainer_ranks=args.trainer_ranks,

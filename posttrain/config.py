@@ -92,6 +92,16 @@ class EngineConfig(BaseModel):
         " compute_config.num_generator_replicas replica processes that sample beside the"
         " trainer (engine/replicas.py)",
     )
+    # Measured (bench/scale_out.py, docs/benchmarks.md): on one CPU host a broadcast and the
+    # pipes move an adapter alike; a broadcast sends a bucket's bytes once for all replicas
+    # instead of pickling them down each pipe, and is what crosses machines under --ray.
+    weights_transport: Literal["broadcast", "pipe"] = Field(
+        "broadcast",
+        description="how a weights-sync's bytes reach --generators process replicas: one gloo"
+        " broadcast per 64 MiB bucket in a torch.distributed group of the resource's replicas"
+        " (engine/weights_broadcast.py; down the pipes when the group cannot form), or down each"
+        " replica's pipe",
+    )
     ray: str | None = Field(
         None,
         min_length=1,

@@ -56,6 +56,8 @@ class WorkerHandle(Protocol):
 
 
 class Placement(Protocol):
+    host: str  # where its processes reach this one (the weights broadcast's store)
+
     def reserve(self, resource_id: str, generator_replicas: int) -> None:
         """Make room for the resource's processes (idempotent while it lives)."""
         ...
@@ -110,6 +112,8 @@ class StagedWorkerProcess(WorkerProcess):
 
 class LocalPlacement:
     """Every process a child of this one, on this machine: nothing to reserve."""
+
+    host = "127.0.0.1"
 
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
         self.config = config

@@ -184,6 +184,9 @@ class RayPlacement:
                     f"--ray {config.ray}: cannot join that Ray cluster: {exc}", param="engine.ray"
                 ) from exc
         self.address = ray.get_runtime_context().gcs_address
+        # Where replicas reach this process's weights broadcast: a local instance's actors
+        # are on this machine; a cluster's may be on other nodes.
+        self.host = "127.0.0.1" if config.ray == "local" else ray.util.get_node_ip_address()
         log.info("posttrain: Ray placement on %s (address %s)", config.ray, self.address)
 
     def reserve(self, resource_id: str, generator_replicas: int) -> None:

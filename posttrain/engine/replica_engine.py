@@ -2,17 +2,20 @@
 and nothing else, fed by staged changes.
 
 A staged change is `(fence, what, args)`: "create" `(resource, session, lora)`, "drop"
-`(resource, session)`, or "install" `(resource, session, wire, version, mid_generation, last)`, one
-bucket of what a session's generator serves (engine/tensor_wire.py), `last` on the final bucket.
-They arrive in fence order on the staging pipe (a thread here reads it) or by `receive` calls
-(a Ray actor's, engine/ray_placement.py), and wait until a sample's fence reaches them.
+`(resource, session)`, or "install" `(resource, session, bucket, version, mid_generation, last)`,
+one bucket of what a session's generator serves (engine/weights_broadcast.py), `last` on the
+final bucket. They arrive in fence order on the staging pipe (a thread here reads it) or by
+`receive` calls (a Ray actor's, engine/ray_placement.py); an inbox thread takes them in that
+order, receives the bytes of a bucket that come by broadcast (and the group's "join"
+messages), and keeps each change until a sample's fence reaches it.
 
-Imports: config, engine (local, generator, optim, state, tensor_wire).
+Imports: config, engine (local, generator, optim, state, weights_broadcast).
 """
 
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -23,7 +26,7 @@ from posttrain.engine.generator import generator_key
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.state import ResourceState, SessionState
-from posttrain.engine.tensor_wire import from_wire
+from posttrain.engine.weights_broadcast import Bucket, Member, buffer_of, unpack
 from posttrain.types import SampleRequest, SampleResult
 
 Staged = tuple[int, str, tuple]
@@ -42,10 +45,13 @@ class ReplicaEngine(LocalEngine):
         self._received = 0  # the highest fence received (or rebuilt up to)
         self._buckets: dict[str, dict] = {}  # session -> tensors of an install not yet whole
         self._arrived = threading.Condition()
+        self._inbox: queue.SimpleQueue[Staged] = queue.SimpleQueue()
+        self._member = Member()  # of the resource's weights group, once it forms
+        threading.Thread(target=self._take, daemon=True).start()
         if staging is not None:
-            threading.Thread(target=self._receive, args=(staging,), daemon=True).start()
+            threading.Thread(target=self._read, args=(staging,), daemon=True).start()
 
-    def _receive(self, staging: Connection) -> None:
+    def _read(self, staging: Connection) -> None:
         while True:
             try:
                 change: Staged = pickle.loads(staging.recv_bytes())
@@ -54,8 +60,33 @@ class ReplicaEngine(LocalEngine):
             self.receive(change)
 
     def receive(self, change: Staged) -> None:
-        """Keep a staged change until a sample's fence reaches it."""
+        """A staged change (or a weights group message), for the inbox thread: never waits
+        (a Ray actor's `stage` call returns before the broadcast it announces)."""
+        self._inbox.put(change)
+
+    def _take(self) -> None:
+        while True:
+            fence, what, args = self._inbox.get()
+            if what == "join":
+                self._member.join(*args)
+                continue
+            if what == "install":
+                bucket: Bucket = args[2]
+                if bucket.data is None:  # its bytes come by broadcast
+                    buffer = self._member.receive(bucket)
+                    if buffer is None:
+                        continue  # the group broke: the root resends it down the pipe
+                else:
+                    buffer = buffer_of(bucket)
+                args = (*args[:2], unpack(bucket, buffer), *args[3:])
+            self._keep((fence, what, args))
+
+    def _keep(self, change: Staged) -> None:
+        """Keep a staged change until a sample's fence reaches it; one received already (a
+        resend after a broken broadcast, or one from before a rebuild) is dropped."""
         with self._arrived:
+            if change[0] <= self._received:
+                return
             self._staged.append(change)
             self._received = change[0]
             self._arrived.notify_all()
@@ -130,9 +161,9 @@ class ReplicaEngine(LocalEngine):
         elif what == "drop":
             self.drop_session(resource_id, session_id)
         else:  # a bucket of an install; the last one installs them all
-            wire, version, last = args[2], args[3], args[5]
+            tensors, version, last = args[2], args[3], args[5]
             parts = self._buckets.setdefault(session_id, {})
-            parts.update(from_wire(wire))
+            parts.update(tensors)
             if last:
                 del self._buckets[session_id]
                 self.install_generator(resource_id, session_id, parts, version=version)

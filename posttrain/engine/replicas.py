@@ -27,12 +27,11 @@ The replica side (the engine in each replica process, and the staged changes' fo
 engine/replica_engine.py.
 
 Imports: config, errors, types, model.loader, engine (interface, placement, replica_engine,
-memory_estimate, headroom, tensor_wire).
+memory_estimate, headroom, weights_broadcast).
 """
 
 from __future__ import annotations
 
-import pickle
 import queue
 import threading
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Engine, Headroom
 from posttrain.engine.placement import GENERATOR, LocalPlacement, Placement
 from posttrain.engine.replica_engine import ReplicaEngine
-from posttrain.engine.tensor_wire import to_wire
+from posttrain.engine.weights_broadcast import Delivery, Root, pack
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -77,37 +76,59 @@ class GeneratorReplica:
             label=f"generator replica {index} of model resource {resource_id}",
             index=index,
         )
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(
-            target=self._send, name=f"posttrain-stage-{resource_id}-{index}", daemon=True
-        )
-        self._sender.start()
 
     @property
     def alive(self) -> bool:
         return self.worker.alive
 
-    def stage(self, data: bytes) -> None:
-        """Queue a staged change for the sender thread: the trainer's lane never waits for a
-        replica to read (a pipe holds 64 KiB; a replica busy sampling reads it slowly)."""
-        self._outbox.put(data)
-
-    def _send(self) -> None:
-        while (data := self._outbox.get()) is not None:
-            self.worker.stage(data)  # a dead replica misses it: it is rebuilt, not replayed
-
     def stop(self) -> None:
         self.worker.stop()
+
+
+class _Channel:
+    """The resource's staged changes on their way to its replicas: one thread sends them in
+    fence order (engine/weights_broadcast.py: an install's bytes by broadcast), so the
+    trainer's lane never waits for a replica to read (a pipe holds 64 KiB; a replica busy
+    sampling reads it slowly)."""
+
+    def __init__(self, resource_id: str, root: Root) -> None:
+        self.root = root
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(
+            target=self._send, name=f"posttrain-stage-{resource_id}", daemon=True
+        )
+        self._sender.start()
+
+    def put(self, replicas: list[GeneratorReplica], change: tuple, buffer: Tensor | None) -> None:
+        self._outbox.put((list(replicas), change, buffer))
+
+    def _send(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            replicas, change, buffer = item
+            # A dead replica misses what is staged: it is rebuilt, not replayed.
+            self.root.send(replicas, _stage, _alive, change, buffer)
+
+    def stop(self) -> None:
         self._outbox.put(None)
         self._sender.join()
+        self.root.close()
+
+
+def _stage(replica: GeneratorReplica, data: bytes) -> None:
+    replica.worker.stage(data)
+
+
+def _alive(replica: GeneratorReplica) -> bool:
+    return replica.alive
 
 
 class _Replicas:
     """A resource's replicas and what they must serve."""
 
-    def __init__(self, base_model: str, shape: estimate.ModelShape) -> None:
+    def __init__(self, base_model: str, shape: estimate.ModelShape, channel: _Channel) -> None:
         self.base_model = base_model
         self.shape = shape
+        self.channel = channel
         self.replicas: list[GeneratorReplica] = []
         self.sessions: dict[str, LoraConfig | None] = {}  # what the replicas host
         self.fence = 0  # the number of the last staged change
@@ -151,7 +172,8 @@ class ReplicatedEngine:
         with self._lock:
             if resource_id in self._resources:
                 return  # replicas live on through a trainer's reload; dead ones restart lazily
-            state = _Replicas(base_model, self._shape(base_model))
+            root = Root(self.placement.host, broadcast=self.config.weights_transport == "broadcast")
+            state = _Replicas(base_model, self._shape(base_model), _Channel(resource_id, root))
             self._resources[resource_id] = state
         with state.lock:
             # Started together, then loaded: their spawns and model loads overlap.
@@ -172,6 +194,7 @@ class ReplicatedEngine:
         if state is not None:
             for replica in state.replicas:
                 replica.stop()
+            state.channel.stop()  # after them: a broadcast to a stopped replica fails at once
         self.trainer.unload_resource(resource_id)
         self.placement.release(resource_id)
 
@@ -182,6 +205,7 @@ class ReplicatedEngine:
         for state in states:
             for replica in state.replicas:
                 replica.stop()
+            state.channel.stop()
         close = getattr(self.trainer, "close", None)
         if close is not None:
             close()
@@ -269,19 +293,21 @@ class ReplicatedEngine:
             result = change()
             tensors, version = self.trainer.generator_state(resource_id, session_id)
             buckets = _buckets(tensors, BUCKET_BYTES)
-            for index, bucket in enumerate(buckets):
+            for index, tensors in enumerate(buckets):
                 last = index == len(buckets) - 1
-                wire = to_wire(bucket)
-                args = (resource_id, session_id, wire, version, mid_generation, last)
-                self._stage(state, "install", args)
+                bucket, buffer = pack(tensors)  # a copy: the trainer may move on at once
+                args = (resource_id, session_id, bucket, version, mid_generation, last)
+                self._stage(state, "install", args, buffer)
         return result
 
-    def _stage(self, state: _Replicas, what: str, args: tuple) -> None:
+    def delivery(self, resource_id: str) -> Delivery:
+        """How the resource's installs reached its replicas so far (engine/weights_broadcast.py)."""
+        return self._required(resource_id).channel.root.delivery
+
+    def _stage(self, state: _Replicas, what: str, args: tuple, buffer: Tensor | None = None):
         """Caller holds state.lock."""
         state.fence += 1
-        data = pickle.dumps((state.fence, what, args), protocol=pickle.HIGHEST_PROTOCOL)
-        for replica in state.replicas:
-            replica.stage(data)
+        state.channel.put(state.replicas, (state.fence, what, args), buffer)
 
     # ------------------------------------------------------------ sampling
 

@@ -8,6 +8,7 @@ touching the trainer and is rebuilt from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,12 @@ def train_and_publish(engine, version: int) -> int:
 def sampled(engine, *, fence: int = 0, lane: int = 0) -> list:
     (results,) = engine.sample_batch("r", [("s", PROMPT)], fence=fence, lane=lane)
     return results
+
+
+def served(results: list) -> list:
+    """What a sample generated, and as of which version (a prefix cache hit may move its
+    logprobs by float32 rounding)."""
+    return [(s.tokens, r.policy_segments) for r in results for s in r.sequences]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +97,9 @@ def test_replicas_sample_exactly_what_the_inline_generator_does_as_of_their_fenc
         assert new.result() == inline[1]
     assert sampled(engine, fence=second, lane=0) == inline[1]
     assert {s.version for r in inline[1] for s in r.policy_segments} == {2}
+    # Every install's bytes crossed in the weights group's broadcast, none down a pipe.
+    delivery = engine.delivery("r")
+    assert (delivery.groups, delivery.broadcast, delivery.piped) == (1, 2, 0)  # two publishes
 
 
 def test_a_pipeline_install_lands_mid_generation_and_a_synchronous_one_does_not(
@@ -117,6 +127,13 @@ def test_a_pipeline_install_lands_mid_generation_and_a_synchronous_one_does_not(
 def test_a_killed_replica_fails_its_sample_and_is_rebuilt_from_the_trainer(replicated, inline):
     engine = replicated
     fence = train_and_publish(engine, 1)
+    # Both replicas hold version 1 (its bytes came by broadcast) before one dies; another
+    # prompt, so that the prefix cache holds nothing of PROMPT's.
+    other = dataclasses.replace(PROMPT, prompts=((2, 50, 51),))
+    ((first,), (second,)) = (
+        engine.sample_batch("r", [("s", other)], fence=fence, lane=lane) for lane in (0, 1)
+    )
+    assert served(first) == served(second)
     pid = engine.replica_pids("r")[0]
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(GeneratorReplicaDied, match=f"replica 0 of model resource r \\(pid {pid}"):
@@ -124,8 +141,18 @@ def test_a_killed_replica_fails_its_sample_and_is_rebuilt_from_the_trainer(repli
     assert sampled(engine, fence=fence, lane=1) == inline[0]  # the other replica serves on
     # The trainer is untouched; the next sample on lane 0 starts a new replica.
     fence = train_and_publish(engine, 2)
+    assert served(sampled(engine, fence=fence, lane=1)) == served(inline[1])
+    # Its broadcast met the dead member: the group broke and the bytes went down the pipes.
+    assert engine.delivery("r").piped == 1
     assert sampled(engine, fence=fence, lane=0) == inline[1]
     assert engine.replica_pids("r")[0] != pid
+    # The next weights-sync forms a group with the new replica, and both serve it alike.
+    fence = train_and_publish(engine, 3)
+    assert served(sampled(engine, fence=fence, lane=0)) == served(
+        sampled(engine, fence=fence, lane=1)
+    )
+    delivery = engine.delivery("r")
+    assert (delivery.groups, delivery.piped) == (2, 1)
 
 
 def test_close_leaves_no_replica_process():

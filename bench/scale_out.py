@@ -6,9 +6,11 @@ boundary adds to one small sample. One thread per process (set here, before anyt
    --tokens new tokens, submitted from two threads at once, on two generator lanes (two
    replicas) and on one (one replica, the lanes' work in turn); the inline generator (in this
    process, one at a time) is the baseline. Medians over --reps; tokens/s and the ratio.
-2. Weights-sync latency: a publish through the replicas (stage the tensors to each replica)
-   and until a replica serves them (a one-token sample after it, minus a one-token sample
-   without one), for a LoRA adapter and for a full-weight session, against the bytes.
+2. Weights-sync latency: a publish through the replicas (pack the tensors for the replicas'
+   channel) and until a replica serves them (a one-token sample after it, minus a one-token
+   sample without one), for a LoRA adapter and for a full-weight session, against the bytes;
+   for each weights transport (engine/weights_broadcast.py): a gloo broadcast in the
+   resource's weights group (the default) and each replica's pipe, alternated.
 3. Boundary: one small sample through a replica vs inline.
 
     python bench/scale_out.py [--model 40m] [--reps 3]
@@ -61,12 +63,16 @@ def request(args: argparse.Namespace, seed: int, tokens: int | None = None) -> S
     )
 
 
+PIPE = CONFIG.model_copy(update={"weights_transport": "pipe"})
+
+
 def engines(model_id: str, paths: dict[str, Path]) -> dict[str, object]:
     built: dict[str, object] = {"inline": LocalEngine(CONFIG, paths)}
     for replicas in (1, 2):
         built[f"{replicas} replica" + ("s" if replicas > 1 else "")] = ReplicatedEngine(
             LocalEngine(CONFIG, paths), CONFIG, paths
         )
+    built["2 replicas, pipe"] = ReplicatedEngine(LocalEngine(PIPE, paths), PIPE, paths)
     for name, engine in built.items():
         replicas = 2 if name.startswith("2") else 1
         engine.load_resource("r", model_id, muon_scaling=None, generator_replicas=replicas)
@@ -102,21 +108,26 @@ def median_ms(run: Callable[[], object], reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def sync_latency(engine, args: argparse.Namespace, reps: int) -> tuple[float, float]:
-    """(publish ms, publish + served-by-a-replica ms) for the session "s"."""
+def sync_latency(
+    engine, args: argparse.Namespace, reps: int, session: str = "s"
+) -> tuple[float, float]:
+    """(publish ms, publish + served-by-both-replicas ms) for `session`."""
     one = request(args, 0, tokens=1)
     version = iter(range(2, 10**9))
 
     def publish() -> None:
-        engine.publish("r", "s", version=next(version))
+        engine.publish("r", session, version=next(version))
+
+    def sample() -> None:
+        fence = engine.generator_fence("r")
+        for lane in range(engine.generator_lanes("r")):
+            engine.sample_batch("r", [(session, one)], fence=fence, lane=lane)
 
     def served() -> None:
         publish()
-        engine.sample_batch("r", [("s", one)], fence=engine.generator_fence("r"))
+        sample()
 
-    baseline = median_ms(
-        lambda: engine.sample_batch("r", [("s", one)], fence=engine.generator_fence("r")), reps
-    )
+    baseline = median_ms(sample, reps)
     return median_ms(publish, reps), median_ms(served, reps) - baseline
 
 
@@ -139,7 +150,7 @@ def main() -> None:
         f"model={args.model} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
         f" torch threads={torch.get_num_threads()} reps={args.reps} cores={os.cpu_count()}"
     )
-    print(f"three engines (three replica processes) started and loaded: {start_s:.1f} s")
+    print(f"four engines (five replica processes) started and loaded: {start_s:.1f} s")
     try:
         tokens = args.requests * args.prompts * args.samples * args.tokens
         seconds: dict[str, list[float]] = {name: [] for name in built}
@@ -160,35 +171,43 @@ def main() -> None:
                 f" {one / median:6.2f}"
             )
 
-        engine = built["2 replicas"]
+        transports = {"broadcast": built["2 replicas"], "pipe": built["2 replicas, pipe"]}
+        engine = transports["broadcast"]
         lora_bytes = sum(
             t.numel() * t.element_size() for t in engine.generator_state("r", "s")[0].values()
         )
-        publish_ms, served_ms = sync_latency(engine, args, max(args.reps, 5))
-        inline_publish = median_ms(
-            lambda: built["inline"].publish("r", "s", version=1), max(args.reps, 5)
-        )
-        engine.drop_session("r", "s")
-        engine.create_session("r", "f", None)  # full weight: the whole model crosses
+        reps = max(args.reps, 5)
+        latency: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for _ in range(reps):  # alternated: drift hits both alike
+            for name, engine in transports.items():
+                latency.setdefault(("LoRA r32", name), []).append(sync_latency(engine, args, 1))
+        inline_publish = median_ms(lambda: built["inline"].publish("r", "s", version=1), reps)
+        for engine in transports.values():
+            engine.drop_session("r", "s")
+            engine.create_session("r", "f", None)  # full weight: the whole model crosses
         full = engine.generator_state("r", "f")[0]
         full_bytes = sum(t.numel() * t.element_size() for t in full.values())
-
-        def full_publish() -> None:
-            engine.publish("r", "f", version=1)
-
-        full_ms = median_ms(full_publish, max(args.reps, 3))
-        print("\nweights-sync through two replicas (median ms)")
+        for _ in range(max(args.reps, 3)):
+            for name, engine in transports.items():
+                latency.setdefault(("full weight", name), []).append(
+                    sync_latency(engine, args, 1, session="f")
+                )
+        print("\nweights-sync to two replicas, until both serve it (median ms)")
         print(
-            f"{'session':12} {'bytes':>12} {'publish':>9} {'served':>9} {'MB/s':>7} {'inline':>7}"
+            f"{'session':12} {'transport':10} {'bytes':>10} {'publish':>8} {'served':>8}"
+            f" {'MB/s':>6}"
         )
-        print(
-            f"{'LoRA r32':12} {lora_bytes:12d} {publish_ms:9.2f} {served_ms:9.2f}"
-            f" {lora_bytes / served_ms / 1e3:7.0f} {inline_publish:7.2f}"
-        )
-        print(
-            f"{'full weight':12} {full_bytes:12d} {full_ms:9.2f} {'':>9}"
-            f" {full_bytes / full_ms / 1e3:7.0f}"
-        )
+        for (session, name), values in latency.items():
+            publish_ms = statistics.median(v[0] for v in values)
+            served_ms = statistics.median(v[1] for v in values)
+            size = lora_bytes if session.startswith("LoRA") else full_bytes
+            print(
+                f"{session:12} {name:10} {size:10d} {publish_ms:8.2f} {served_ms:8.2f}"
+                f" {size / served_ms / 1e3:6.0f}"
+            )
+        print(f"inline generator, LoRA r32 publish: {inline_publish:.2f} ms")
+        for name, engine in transports.items():
+            print(f"{name} deliveries: {engine.delivery('r')}")
 
         small = request(args, 0, tokens=4)
         fence = built["1 replica"].generator_fence("r")

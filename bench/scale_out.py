@@ -180,7 +180,7 @@ def main() -> None:
         latency: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for _ in range(reps):  # alternated: drift hits both alike
             for name, engine in transports.items():
-                latency.setdefault(("LoRA r32", name), []).append(sync_latency(engine, args, 1))
+                latency.setdefault(("LoRA r32", name), []).append(sync_latency(engine, args, 3))
         inline_publish = median_ms(lambda: built["inline"].publish("r", "s", version=1), reps)
         for engine in transports.values():
             engine.drop_session("r", "s")
@@ -190,7 +190,7 @@ def main() -> None:
         for _ in range(max(args.reps, 3)):
             for name, engine in transports.items():
                 latency.setdefault(("full weight", name), []).append(
-                    sync_latency(engine, args, 1, session="f")
+                    sync_latency(engine, args, 3, session="f")
                 )
         print("\nweights-sync to two replicas, until both serve it (median ms)")
         print(

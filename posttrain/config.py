@@ -191,9 +191,11 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _ray_places_processes(self) -> EngineConfig:
         # A ConfigError, not a ValueError: pydantic passes it through, naming the field.
-        if self.ray is not None and self.workers == "thread" and self.generators == "inline":
+        processes = self.workers == "process" or self.generators == "process"
+        if self.ray is not None and not processes and self.trainer_ranks == 1:
             raise ConfigError(
-                "--ray places worker processes: give --workers process or --generators process",
+                "--ray places worker processes: give --workers process, --generators process"
+                " or --trainer-ranks N",
                 param="engine.ray",
             )
         return self

@@ -7,7 +7,8 @@ the one-way staging pipe its ReplicaEngine reads. `--ray local|ADDRESS` gives a 
 instead (engine/ray_placement.py, the only module that imports Ray, imported here only then):
 the same engines as Ray actors, one placement group per resource.
 
-A resource's processes are its trainer worker (role TRAINER, with `--workers process`) and its
+A resource's processes are its trainer worker (role TRAINER, with `--workers process`) or the
+ranks of its trainer group (role RANK, index 0..N-1, with `--trainer-ranks N`), and its
 generator replicas (role GENERATOR, index 0..n-1, with `--generators process`). `reserve` and
 `release` bracket a resource's life (a Ray placement group holds one bundle per process); both
 engines call them, and a second call is a no-op, so neither needs to know whether the other
@@ -28,6 +29,7 @@ from posttrain.engine.process import TRAINER, WorkerProcess
 from posttrain.errors import ConfigError
 
 GENERATOR = "generator"
+RANK = "rank"  # a rank of a --trainer-ranks N group (engine/trainer_group.py), index 0..N-1
 
 
 class WorkerHandle(Protocol):
@@ -54,6 +56,10 @@ class WorkerHandle(Protocol):
 
     def stop(self) -> None: ...
 
+    def kill(self) -> None:
+        """End it now, without waiting for the call in flight."""
+        ...
+
 
 class Placement(Protocol):
     host: str  # where its processes reach this one (the weights broadcast's store)
@@ -79,17 +85,24 @@ class Placement(Protocol):
         ...
 
 
+def trainer_processes(config: EngineConfig) -> int:
+    """A resource's trainer processes: its group's ranks, its worker, or none (a thread)."""
+    if config.trainer_ranks > 1:
+        return config.trainer_ranks
+    return 1 if config.workers == "process" else 0
+
+
 def processes_per_resource(config: EngineConfig, generator_replicas: int) -> int:
-    """How many processes a resource runs: its trainer worker, then its replicas."""
-    trainer = 1 if config.workers == "process" else 0
-    return trainer + (generator_replicas if config.generators == "process" else 0)
+    """How many processes a resource runs: its trainer's, then its replicas."""
+    return trainer_processes(config) + (generator_replicas if config.generators == "process" else 0)
 
 
 def bundle_index(config: EngineConfig, role: str, index: int) -> int:
-    """A process's place among its resource's: the trainer first, then replica `index`."""
-    if role == TRAINER:
-        return 0
-    return (1 if config.workers == "process" else 0) + index
+    """A process's place among its resource's: the trainer (or rank `index`) first, then
+    replica `index`."""
+    if role in (TRAINER, RANK):
+        return index
+    return trainer_processes(config) + index
 
 
 class StagedWorkerProcess(WorkerProcess):
@@ -125,9 +138,14 @@ class LocalPlacement:
     def start(
         self, resource_id: str, role: str, engine: tuple, *, label: str, index: int = 0
     ) -> WorkerProcess:
-        if role == TRAINER:
+        if role in (TRAINER, RANK):
             return WorkerProcess(
-                resource_id, self.config, self.model_paths, label=label, engine=engine
+                resource_id,
+                self.config,
+                self.model_paths,
+                role=TRAINER if role == TRAINER else f"{role}{index}",
+                label=label,
+                engine=engine,
             )
         receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
         worker = StagedWorkerProcess(

@@ -120,6 +120,12 @@ class WorkerProcess:
                     raise value
                 return value
 
+    def kill(self) -> None:
+        """End it now, without waiting for the call in flight (a rank in a collective whose
+        peer is gone would wait for it)."""
+        if self.process.is_alive():
+            self.process.kill()
+
     def stop(self) -> None:
         """Ask the worker to end; kill it if it does not within STOP_GRACE_S."""
         with self._lock:

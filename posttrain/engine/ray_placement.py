@@ -1,13 +1,15 @@
 """`posttrain serve --ray local|ADDRESS`: a resource's engine processes as Ray actors.
 
 The only module that imports Ray; engine/placement.py imports it only when `--ray` is given.
-Each model resource gets a placement group (`reserve`), one `{"CPU": 1}` bundle per process it
-runs (its trainer worker, then each generator replica; PACK by default, SPREAD with
-`--ray-strategy SPREAD`), removed when the resource unloads (`release`). Each process is an
+Each model resource gets a placement group (`reserve`), one bundle per process it runs (its
+trainer worker or its `--trainer-ranks N` ranks, then each generator replica; PACK by default,
+SPREAD with `--ray-strategy SPREAD`), removed when the resource unloads (`release`). A bundle is
+`{"CPU": 1}`, and `{"CPU": 1, "GPU": 1}` when the engine runs on CUDA: each actor then sees one
+GPU of its node (Ray sets CUDA_VISIBLE_DEVICES), as cuda:0. Each process is an
 `EngineHost` actor in its bundle, hosting the same engine object a local worker process does
 (LocalEngine, ReplicaEngine) and answering each call as the pipe does: a pickled `(kind,
 value)`, so results and posttrain's errors arrive as themselves. The actors are named
-`posttrain-<resource>-<role>-<n>` (role: worker, generator0, ...; n counts starts) in the
+`posttrain-<resource>-<role>-<n>` (role: worker, rank0, generator0, ...; n counts starts) in the
 `posttrain` namespace, for operators and tests.
 
 A replica's staged changes go to its actor's `stage` method, which runs beside a call (the
@@ -27,7 +29,7 @@ Ray's CPUs are places to schedule, not pinned cores. `--ray ADDRESS` joins a run
 whose nodes have posttrain installed. `close()` kills every actor, removes every group and
 disconnects (a local instance stops with it). The instance's address is logged at start.
 
-Imports: config, errors, engine (local, placement); ray, torch.
+Imports: config, errors, engine (local, placement), model.loader; ray, torch.
 """
 
 from __future__ import annotations
@@ -47,8 +49,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import posttrain
 from posttrain.config import EngineConfig
 from posttrain.engine.local import LocalEngine
-from posttrain.engine.placement import TRAINER, bundle_index, processes_per_resource
+from posttrain.engine.placement import (
+    GENERATOR,
+    TRAINER,
+    bundle_index,
+    processes_per_resource,
+)
 from posttrain.errors import ConfigError, EngineFailure, ResourceExhausted, WorkerDied
+from posttrain.model.loader import resolve_device
 
 log = logging.getLogger("posttrain")
 
@@ -143,6 +151,10 @@ class RayWorker:
             ray.kill(self.actor, no_restart=True)
             self.dead = self.dead or "stopped"
 
+    def kill(self) -> None:
+        """Kill it without waiting for the call in flight (which then fails WorkerDied)."""
+        ray.kill(self.actor, no_restart=True)
+
     def _check(self) -> None:
         if self.dead is not None:
             raise WorkerDied(f"{self.label} {self.dead}")
@@ -162,6 +174,9 @@ class RayPlacement:
         self._lock = threading.Lock()
         self._started = 0
         self._host = ray.remote(EngineHost)
+        # One GPU a process where the engine runs on CUDA (a trainer rank, a replica).
+        cuda = resolve_device(config.device).type == "cuda"
+        self._bundle = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
         if config.ray == "local":
             # Ray's workers import the posttrain this process runs, not another install's,
             # and compute with the threads a local worker process would (Ray would give each
@@ -195,7 +210,7 @@ class RayPlacement:
             if size == 0 or resource_id in self._groups:
                 return
             group = placement_group(
-                [{"CPU": 1}] * size,
+                [self._bundle] * size,
                 strategy=self.config.ray_strategy,
                 name=f"posttrain-{resource_id}",
             )
@@ -206,7 +221,7 @@ class RayPlacement:
             self.release(resource_id)
             raise ResourceExhausted(
                 f"the Ray cluster has no room for model resource {resource_id}'s {size}"
-                f" processes ({size} bundles of one CPU, {self.config.ray_strategy})"
+                f" processes ({size} bundles of {self._bundle}, {self.config.ray_strategy})"
             ) from None
 
     def start(
@@ -214,13 +229,14 @@ class RayPlacement:
     ) -> RayWorker:
         with self._lock:
             group = self._groups[resource_id]
-            staged = role != TRAINER
+            staged = role == GENERATOR
             self._started += 1  # a restarted process's name is new: the old one may linger
-            place = f"{role}{index}" if staged else role
+            place = role if role == TRAINER else f"{role}{index}"
             name = f"posttrain-{resource_id}-{place}-{self._started}"
             actor = self._host.options(
                 name=name,
                 num_cpus=1,
+                num_gpus=self._bundle.get("GPU", 0),
                 max_concurrency=2,  # a call and a stage at once
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=bundle_index(self.config, role, index)

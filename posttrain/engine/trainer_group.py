@@ -2,8 +2,9 @@
 (`posttrain serve --trainer-ranks N`), data parallel (engine/data_parallel.py).
 
 `TrainerGroupEngine` implements the Engine protocol (interface.py) as ProcessEngine does, but
-`load_resource` starts N worker processes for the resource (process.WorkerProcess, so a
-placement layer can start them elsewhere), each serving a `RankEngine`: a LocalEngine that
+`load_resource` starts N worker processes for the resource through its Placement (local
+processes, or Ray actors in the resource's placement group with `--ray`; engine/placement.py),
+each serving a `RankEngine`: a LocalEngine that
 joins the resource's own torch.distributed group (gloo on CPU, NCCL on CUDA; its own TCP store
 on a free port, so two resources' groups never meet) and marks its resource with its rank.
 
@@ -29,14 +30,13 @@ A rank that dies fails the call in flight with WorkerDied naming the rank; its g
 
 Calls that concern a base model, not a resource, run in the API process as in ProcessEngine.
 
-Imports: config, errors, engine (data_parallel, local, process), model (loader); torch.distributed
-only inside the ranks.
+Imports: config, errors, engine (data_parallel, local, placement, process), model (loader);
+torch.distributed (the rendezvous store here, the process group inside the ranks).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,11 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import TCPStore
 
 from posttrain.config import EngineConfig
 from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.local import LocalEngine
-from posttrain.engine.process import WorkerProcess, forward_by_resource
+from posttrain.engine.placement import RANK, LocalPlacement, Placement, WorkerHandle
+from posttrain.engine.process import forward_by_resource
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.model.loader import resolve_device
 from posttrain.types import MuonScaling
@@ -82,18 +84,22 @@ class RankEngine(LocalEngine):
         model_paths: dict[str, Path],
         rank: int,
         world: int,
-        address: str,
+        store: tuple[str, int],
     ) -> None:
+        """`store`: (host, port) of the group's rendezvous, a TCPStore in the API process."""
         super().__init__(config, model_paths)
         # The ranks share the machine's cores; oversubscribed threads would slow them all.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         backend = "gloo"
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", rank)
+            # Local ranks see every GPU (rank r takes cuda:r); a Ray actor sees its own alone.
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
             backend = "nccl"
+        host, port = store
+        rendezvous = TCPStore(host, port, world, False, timeout=COLLECTIVE_TIMEOUT)
         torch.distributed.init_process_group(
-            backend, init_method=address, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+            backend, store=rendezvous, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
         )
         self.group = DataParallel(rank, world)
 
@@ -117,17 +123,19 @@ class RankEngine(LocalEngine):
 class _Group:
     """One resource's ranks, and the lock that keeps their commands in one order."""
 
-    def __init__(self, resource_id: str, config: EngineConfig, model_paths: dict[str, Path]):
+    def __init__(self, resource_id: str, config: EngineConfig, placement: Placement):
         world = config.trainer_ranks
-        address = f"tcp://127.0.0.1:{_free_port()}"
-        self.ranks = [
-            WorkerProcess(
+        # The rendezvous lives here, where every rank can reach it (on a Ray cluster the ranks
+        # may be on other nodes); its port is the OS's, so two groups never meet.
+        self._store = TCPStore(placement.host, 0, None, True, wait_for_workers=False)
+        store = (placement.host, self._store.port)
+        self.ranks: list[WorkerHandle] = [
+            placement.start(
                 resource_id,
-                config,
-                model_paths,
-                role=f"rank{rank}",
+                RANK,
+                (RankEngine, rank, world, store),
                 label=f"rank {rank} of the trainer group of model resource {resource_id}",
-                engine=(RankEngine, rank, world, address),
+                index=rank,
             )
             for rank in range(world)
         ]
@@ -186,8 +194,7 @@ class _Group:
         if self.died is None:
             self.died = exc
         for rank in self.ranks:
-            if rank.process.is_alive():
-                rank.process.kill()
+            rank.kill()
 
     def stop(self) -> None:
         for rank in self.ranks:
@@ -196,9 +203,16 @@ class _Group:
 
 
 class TrainerGroupEngine:
-    def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        placement: Placement | None = None,
+    ) -> None:
+        """`placement` starts the ranks (engine/placement.py; default: local processes)."""
         self.config = config
         self.model_paths = model_paths
+        self.placement = placement or LocalPlacement(config, model_paths)
         self._catalog = LocalEngine(config, model_paths)  # never loads a resource
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
@@ -210,7 +224,8 @@ class TrainerGroupEngine:
                 group.stop()  # reap it before its replacement starts
                 group = None
             if group is None:
-                group = _Group(resource_id, self.config, self.model_paths)
+                self.placement.reserve(resource_id, kwargs.get("generator_replicas", 1))
+                group = _Group(resource_id, self.config, self.placement)
                 self._groups[resource_id] = group
         group.call("load_resource", (resource_id, base_model), kwargs)
 
@@ -219,6 +234,7 @@ class TrainerGroupEngine:
             group = self._groups.pop(resource_id, None)
         if group is not None:
             group.stop()
+        self.placement.release(resource_id)
 
     def is_loaded(self, resource_id: str) -> bool:
         with self._lock:
@@ -229,7 +245,7 @@ class TrainerGroupEngine:
         """The process ids of the resource's ranks, rank 0 first (operators, fault tests)."""
         with self._lock:
             group = self._groups.get(resource_id)
-        return [] if group is None else [rank.process.pid for rank in group.ranks]
+        return [] if group is None else [rank.pid for rank in group.ranks]
 
     def on_every_rank(self, resource_id: str, method: str, *args: Any, **kwargs: Any) -> list:
         """Each rank's answer to a read-only call, rank 0 first (tests that the ranks agree)."""
@@ -243,6 +259,7 @@ class TrainerGroupEngine:
             groups, self._groups = list(self._groups.values()), {}
         for group in groups:
             group.stop()
+        self.placement.close()
 
     def generator_lanes(self, resource_id: str) -> int:
         return 0  # rank 0's generator shares its trainer's process (replicas.py: apart)
@@ -262,8 +279,8 @@ class TrainerGroupEngine:
 def check_trainer_ranks(config: EngineConfig) -> None:
     """At start-up: a group has at most one rank per CUDA device, or per CPU core on CPU (more
     would only share them, slower than fewer ranks)."""
-    if config.trainer_ranks == 1:
-        return
+    if config.trainer_ranks == 1 or config.ray is not None:
+        return  # on Ray the cluster's placement group says whether the ranks fit
     if resolve_device(config.device).type == "cuda":
         available, what = torch.cuda.device_count(), "CUDA devices"
     else:
@@ -274,10 +291,3 @@ def check_trainer_ranks(config: EngineConfig) -> None:
             " this machine",
             param="trainer_ranks",
         )
-
-
-def _free_port() -> int:
-    """A TCP port free on this host now, for a group's rendezvous store."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -79,7 +79,7 @@ def build_services(
     placement = placement_for(config.engine, model_paths)  # Ray only with --ray
     engine: LocalEngine | ProcessEngine | TrainerGroupEngine | ReplicatedEngine
     if config.engine.trainer_ranks > 1:
-        engine = TrainerGroupEngine(config.engine, model_paths)  # whatever --workers says
+        engine = TrainerGroupEngine(config.engine, model_paths, placement)  # any --workers
     elif config.engine.workers == "process":
         engine = ProcessEngine(config.engine, model_paths, placement)
     else:

@@ -1,6 +1,7 @@
 """bench/scale_out.py runs on one repetition and prints its three tables: throughput per
-generator layout, weights-sync latency for a LoRA adapter and a full-weight session over each transport, and the
-boundary's cost for a small sample. A smoke test of the script, not of its numbers."""
+generator layout, weights-sync latency for a LoRA adapter and a full-weight session over each
+transport, and the boundary's cost for a small sample. A smoke test of the script, not of its
+numbers."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""`posttrain serve --ray local`: a resource's trainer worker and generator replicas as Ray
-actors in a placement group of its own (engine/ray_placement.py). Through the SDK against a
-real server: an SDK loop on a resource with two replicas gets exactly what the in-thread engine
-gives; a killed trainer or replica actor fails its operation with INTERNAL_ERROR naming it
+"""`posttrain serve --ray local`: a resource's trainer worker (or trainer ranks) and generator
+replicas as Ray actors in a placement group of its own (engine/ray_placement.py). Through the
+SDK against a real server: an SDK loop on a resource with two replicas gets exactly what the
+in-thread engine gives, and one on two trainer ranks and a replica what it gives within
+rounding; a killed trainer or replica actor fails its operation with INTERNAL_ERROR naming it
 and the session carries on; the actors and the group live as long as the resource, and
-neither they nor the Ray instance outlive the server. One Ray start for the module."""
+neither they nor the Ray instance outlive the server. One Ray start at a time."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import ServerProcess
 from helpers import API_KEY, BASE_MODEL, open_session, sft_sample
+from test_trainer_ranks import LORA as RL_LORA
+from test_trainer_ranks import rl_loop
 from test_worker_processes import CE, FAST, LORA, PROMPT, TOKENS, alive, loop, scored, train
 from together.post_training import ModelResourcesClient, SessionClient
 
@@ -189,3 +192,45 @@ def test_a_loop_on_ray_actors_equals_the_in_thread_engine(ray_server, tmp_path):
     assert ray_processes
     ray_server.stop()
     until(lambda: not any(alive(pid) for pid in ray_processes), "the Ray instance to stop")
+
+
+def test_trainer_ranks_and_replicas_on_ray_equal_the_in_thread_engine(tmp_path):
+    """`--ray local --trainer-ranks 2 --generators process`: the ranks and the replica are
+    actors of the resource's placement group, and an RL loop gets what the in-thread engine
+    gets (losses within 1e-5 relative across ranks, the same tokens). After the module's
+    other server (one local Ray instance at a time)."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "thread").mkdir()
+    args = ("--poll-hold-seconds", "0", "--trainer-ranks", "2", "--generators", "process")
+    server = ServerProcess.started(tmp_path / "ray", *args, "--ray", "local")
+    try:
+        resources = ModelResourcesClient.create(
+            base_url=server.base_url,
+            api_key=API_KEY,
+            base_model=BASE_MODEL,
+            compute_config={"num_generator_replicas": 1},
+            interval=0.2,
+        )
+        session = resources.create_session(interval=0.2, lora_config=RL_LORA)
+        on_ray = rl_loop(session, 2)
+        group = f"posttrain-{resources.model_resources_id}"
+        state = ray_state(ray_address(server))
+        names = [n for n in state["actors"] if n.startswith(f"{group}-")]
+        assert sorted(n.split("-")[-2] for n in names) == ["generator0", "rank0", "rank1"]
+        (placed,) = [g for g in state["groups"] if g["name"] == group]
+        assert placed["bundles"] == [{"CPU": 1.0}] * 3
+    finally:
+        server.stop()
+
+    thread = ServerProcess.started(tmp_path / "thread", "--poll-hold-seconds", "0")
+    try:
+        _, twin = open_session(thread.base_url, lora_config=RL_LORA)
+        in_thread = rl_loop(twin, 2)
+    finally:
+        thread.stop()
+    for (tokens, loss, metrics), (want_tokens, want_loss, want_metrics) in zip(
+        on_ray, in_thread, strict=True
+    ):
+        assert tokens == want_tokens
+        assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+        assert metrics == pytest.approx(want_metrics, rel=1e-5, abs=1e-7)

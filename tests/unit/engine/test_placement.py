@@ -1,5 +1,5 @@
 """engine/placement.py: where a resource's processes run. Without --ray nothing imports Ray;
-a resource's processes take their places (trainer first, then each replica) in its group;
+a resource's processes take their places (trainer or ranks first, then each replica) in its group;
 --ray without any worker process is a start-up error naming the field."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.placement import (
     GENERATOR,
+    RANK,
     TRAINER,
     LocalPlacement,
     bundle_index,
@@ -52,10 +53,16 @@ def test_a_resource_s_processes_take_the_trainer_s_place_then_the_replicas():
     trainer_only = EngineConfig(workers="process")
     assert processes_per_resource(trainer_only, 2) == 1
     assert processes_per_resource(EngineConfig(), 2) == 0
+    # A trainer group's ranks first, whatever --workers says, then the replicas.
+    ranks = EngineConfig(trainer_ranks=3, generators="process")
+    assert processes_per_resource(ranks, 2) == 5
+    places = [bundle_index(ranks, RANK, i) for i in range(3)]
+    assert places + [bundle_index(ranks, GENERATOR, i) for i in (0, 1)] == [0, 1, 2, 3, 4]
 
 
 def test_ray_without_worker_processes_is_a_config_error():
-    with pytest.raises(ConfigError, match="--workers process or --generators process") as info:
+    with pytest.raises(ConfigError, match="--generators process or --trainer-ranks N") as info:
         EngineConfig(ray="local")
     assert info.value.param == "engine.ray"
     assert EngineConfig(ray="local", generators="process").ray == "local"
+    assert EngineConfig(ray="local", trainer_ranks=2).ray == "local"

@@ -117,6 +117,18 @@ class RankEngine(LocalEngine):
         )
         self._resource(resource_id).group = self.group
 
+    def persist_session(self, resource_id: str, session_id: str, *args: Any, **kw: Any) -> None:
+        """Rank 0 writes; another rank only takes part in gathering a sharded session's state."""
+        if self.writes_files or self._is_sharded(resource_id, session_id):
+            super().persist_session(resource_id, session_id, *args, **kw)
+
+    def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
+        if self.writes_files or self._is_sharded(resource_id, session_id):
+            super().save_training_state(resource_id, session_id, directory)
+
+    def _is_sharded(self, resource_id: str, session_id: str) -> bool:
+        return self._session(resource_id, session_id)[1].optimizer.sharding is not None
+
 
 class _Group:
     """One resource's ranks, and the lock that keeps their commands in one order."""

@@ -16,7 +16,9 @@ from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import durable, weights
+from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.local import LocalEngine
+from posttrain.engine.sharding import Sharding
 from posttrain.engine.trainer_group import TrainerGroupEngine
 from posttrain.types import (
     AdamParams,
@@ -124,6 +126,18 @@ def assert_runs_equal(actual: list, expected: list) -> None:
             assert float((weights_[name] - want).abs().max()) <= WEIGHTS, name
 
 
+def test_owners_are_balanced_by_bytes_and_the_same_on_every_rank():
+    sizes = {"embed": (64, 8), "a": (16, 8), "b": (16, 8), "c": (8, 8), "norm": (8,)}
+    named = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in sizes.items()]
+    ranks = [Sharding.over(DataParallel(rank, 2), named) for rank in range(2)]
+    assert ranks[0].owners == ranks[1].owners
+    # Largest first, each to the rank holding the fewest bytes: embed | a, b, c, norm.
+    assert ranks[0].owners == {"embed": 0, "a": 1, "b": 1, "c": 1, "norm": 1}
+    assert [r.owns("embed") for r in ranks] == [True, False]
+    assert Sharding.over(DataParallel(0, 1), named) is None
+    assert Sharding.over(None, named) is None
+
+
 @pytest.mark.parametrize("scaling", [None, MuonScaling.MATCH_ADAM], ids=["adamw", "muon"])
 def test_two_sharded_ranks_train_what_one_process_does_with_half_the_state(
     group, tmp_path, scaling
@@ -131,6 +145,13 @@ def test_two_sharded_ranks_train_what_one_process_does_with_half_the_state(
     local = LocalEngine(CONFIG, MODELS)
     fresh(local, "r", scaling)
     expected = train(local, "r", tmp_path / "local", scaling, steps=3)
+    # Clipping binds (the first norm is above the default grad_clip_norm 1.0), so each rank
+    # must clip with the exact norm over every rank's gradients.
+    first = expected[0][1].values()
+    assert (
+        float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in first])))
+        > 1
+    )
     resource = f"full-{scaling}"
     fresh(group, resource, scaling)
     assert_runs_equal(train(group, resource, tmp_path / "group", scaling, steps=3), expected)

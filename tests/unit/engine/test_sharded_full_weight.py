@@ -20,6 +20,7 @@ from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.sharding import Sharding
 from posttrain.engine.trainer_group import TrainerGroupEngine
+from posttrain.errors import NonFiniteLoss
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,
@@ -44,6 +45,11 @@ STEPS = {
     MuonScaling.MATCH_ADAM: OptimStepRequest(
         muon=MuonParams(learning_rate=LEARNING_RATE, weight_decay=0.01, adam=ADAM)
     ),
+}
+_HUGE_ADAM = AdamParams(learning_rate=1e308)
+HUGE = {
+    None: OptimStepRequest(adam=_HUGE_ADAM),
+    MuonScaling.MATCH_ADAM: OptimStepRequest(muon=MuonParams(learning_rate=1e308, adam=_HUGE_ADAM)),
 }
 WEIGHTS = 1e-3 * LEARNING_RATE  # a thousandth of a step
 REL = 1e-5
@@ -173,6 +179,16 @@ def test_two_sharded_ranks_train_what_one_process_does_with_half_the_state(
     ranks = group.on_every_rank(resource, "session_footprint", "f")
     assert sum(r.gradient_bytes for r in ranks) == one.gradient_bytes > 0
     assert all(r.gradient_bytes <= one.gradient_bytes / 2 + largest for r in ranks)
+
+    # A step that would overflow the weights fails alike on every rank (they agree on the
+    # copy-backed path's outcome) and changes nothing; the next step equals one process's.
+    for engine, name in ((local, "r"), (group, resource)):
+        with pytest.raises(NonFiniteLoss, match="unchanged"):
+            engine.optim_step(name, "f", HUGE[scaling])
+        engine.optim_step(name, "f", STEPS[scaling])
+    want = state(local, "r", tmp_path / "local", ("trainer",))["trainer"]
+    got = state(group, resource, tmp_path / "group", ("trainer",))["trainer"]
+    assert all(float((got[n] - want[n]).abs().max()) <= WEIGHTS for n in want)
     group.unload_resource(resource)
 
 

@@ -2,11 +2,14 @@
 
 1. A full-weight training step (forward-backward of --rows x --tokens random tokens, then an
    AdamW optim-step) on the random 38M-parameter Qwen3 of bench/forward_backward.py: one
-   process on one thread (LocalEngine) against N ranks of one thread each. Medians of --reps
-   steps after one warm-up, and their ratio; the same for a LoRA session; the tensor bytes one
-   rank holds (replicated data parallel: every rank holds the whole model, its generator copy
-   and the AdamW moments).
-2. The per-operation overhead of the group against LocalEngine on the built-in tiny model:
+   process on one thread (LocalEngine) against N ranks of one thread each, their steps
+   alternated. Medians of --reps steps after one warm-up, and their ratio; the same for a LoRA
+   session. The tensor bytes each rank holds: a full-weight session's gradients and AdamW
+   moments are sharded (engine/sharding.py), its weights and generator copy replicated.
+2. LoRA: what sharding the frozen base would cost, against a LoRA step: the time of one gloo
+   all-gather of the base's bytes over the N ranks (a sharded base needs one per forward, and
+   again for the backward), medians of 3 in a group of its own.
+3. The per-operation overhead of the group against LocalEngine on the built-in tiny model:
    small operations, alternated, medians over --op-reps.
 
     python bench/trainer_ranks.py [--ranks 2] [--reps 5]
@@ -53,32 +56,87 @@ def timed(call: Callable[[], object]) -> float:
     return time.perf_counter() - begin
 
 
-def training_steps(engine, samples, reps: int, lora: LoraConfig | None) -> list[float]:
-    """Seconds of each of `reps` steps of a fresh session ("f": full weight with `lora` None)."""
-    engine.load_resource("r", MODEL_ID, muon_scaling=None)
+def training_steps(
+    engines: dict[str, object], samples, reps: int, lora: LoraConfig | None
+) -> dict[str, list[float]]:
+    """Seconds of each of `reps` steps of a fresh session on each engine ("f": full weight with
+    `lora` None), the engines' steps alternated so the machine's drift hits them alike."""
     session = "f" if lora is None else "l"
-    engine.create_session("r", session, lora)
     request = ForwardBackwardRequest(samples, CE)
 
-    def step() -> None:
+    def step(engine) -> None:
         (outcome,) = engine.forward_backward_batch("r", [(session, request)])
         if isinstance(outcome, Exception):
             raise outcome
         engine.optim_step("r", session, STEP)
 
-    step()  # warm-up: first-touch allocations, the AdamW moments
-    times = [timed(step) for _ in range(reps)]
-    if lora is not None:
-        engine.drop_session("r", session)
+    for engine in engines.values():
+        engine.create_session("r", session, lora)
+        step(engine)  # warm-up: first-touch allocations, the AdamW moments
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(reps):
+        for name, engine in engines.items():
+            times[name].append(timed(lambda engine=engine: step(engine)))
     return times
 
 
-def held_bytes(engine) -> tuple[int, int]:
-    """(every tensor of the resource, what the session holds between steps: its weights, its
-    generator's copy and its AdamW moments), on one process or on rank 0."""
-    resource = engine.resource_footprint("r")
-    session = engine.session_footprint("r", "f")
-    return resource.total_bytes, session.resident_bytes
+def held_bytes(engine, ranks: int) -> list[tuple[int, int, int, int]]:
+    """Per rank (one process: one entry): every tensor of the resource, and the session's
+    weights, optimizer state and accumulated gradients (after a forward-backward)."""
+    request = ForwardBackwardRequest(make_samples([16], seed=2), CE)
+    (outcome,) = engine.forward_backward_batch("r", [("f", request)])
+    if isinstance(outcome, Exception):
+        raise outcome
+    if ranks == 1:
+        resources, sessions = [engine.resource_footprint("r")], [engine.session_footprint("r", "f")]
+    else:
+        resources = engine.on_every_rank("r", "resource_footprint")
+        sessions = engine.on_every_rank("r", "session_footprint", "f")
+    engine.optim_step("r", "f", STEP)
+    return [
+        (r.total_bytes, s.weights_bytes, s.optimizer_bytes, s.gradient_bytes)
+        for r, s in zip(resources, sessions, strict=True)
+    ]
+
+
+def _gather_rank(rank: int, world: int, address: str, numel: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    shard = torch.ones(numel // world)
+    full = [torch.empty_like(shard) for _ in range(world)]
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        begin = time.perf_counter()
+        dist.all_gather(full, shard)
+        times.append(time.perf_counter() - begin)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(statistics.median(times[1:]))
+
+
+def all_gather_seconds(numel: int, world: int) -> float:
+    """Median seconds of a gloo all-gather of `numel` float32 values sharded over `world`
+    processes on this host (what a sharded frozen base pays per forward)."""
+    import multiprocessing
+
+    from posttrain.engine.trainer_group import _free_port
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    ranks = [
+        context.Process(target=_gather_rank, args=(rank, world, address, numel, out))
+        for rank in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    seconds = out.get(timeout=600)
+    for process in ranks:
+        process.join()
+    return seconds
 
 
 def operations(engine) -> dict[str, Callable[[], object]]:
@@ -116,36 +174,53 @@ def main() -> None:
         models = {MODEL_ID: Path(directory)}
         samples = make_samples([args.tokens] * args.rows, seed=1)
         local = LocalEngine(one, models)
-        single_lora = training_steps(local, samples, args.reps, LORA)
-        single = training_steps(local, samples, args.reps, None)
-        single_bytes = held_bytes(local)
-        del local
         group = TrainerGroupEngine(group_config, models)
         try:
+            local.load_resource("r", MODEL_ID, muon_scaling=None)
             started = time.perf_counter()
             group.load_resource("r", MODEL_ID, muon_scaling=None)
             start_s = time.perf_counter() - started
-            ranked_lora = training_steps(group, samples, args.reps, LORA)
-            ranked = training_steps(group, samples, args.reps, None)
-            rank_bytes = held_bytes(group)
+            engines = {"one": local, "group": group}
+            lora = training_steps(engines, samples, args.reps, LORA)
+            for engine in engines.values():
+                engine.drop_session("r", "l")
+            full = training_steps(engines, samples, args.reps, None)
+            single_bytes = held_bytes(local, 1)
+            rank_bytes = held_bytes(group, args.ranks)
+            base = local.resource_footprint("r").base_parameters
         finally:
             group.close()
-    one_s, n_s = statistics.median(single), statistics.median(ranked)
+    one_s, n_s = statistics.median(full["one"]), statistics.median(full["group"])
     print(f"\n38M full-weight step ({args.rows} x {args.tokens} tokens, CE, then AdamW)")
     print(f"  group start (spawn, import, load) on {args.ranks} ranks: {start_s:.1f} s")
-    print(f"  1 process:  median {one_s:.3f} s  ({', '.join(f'{t:.3f}' for t in single)})")
-    print(f"  {args.ranks} ranks:    median {n_s:.3f} s  ({', '.join(f'{t:.3f}' for t in ranked)})")
+    for name, label in (("one", "1 process"), ("group", f"{args.ranks} ranks")):
+        times = ", ".join(f"{t:.3f}" for t in full[name])
+        print(f"  {label:10}  median {statistics.median(full[name]):.3f} s  ({times})")
     print(f"  speed-up: {one_s / n_s:.2f}x")
-    lora_one, lora_n = statistics.median(single_lora), statistics.median(ranked_lora)
+    lora_one, lora_n = statistics.median(lora["one"]), statistics.median(lora["group"])
     print(f"  LoRA rank 8, the same batch: 1 process {lora_one:.3f} s, {args.ranks} ranks")
     print(f"    {lora_n:.3f} s: speed-up {lora_one / lora_n:.2f}x")
     mib = 1 << 20
+    print("  MiB held (resource total; session weights, optimizer state, gradients):")
+    for label, rows in (("1 process", single_bytes), (f"{args.ranks} ranks", rank_bytes)):
+        for rank, (total, weights, optimizer, gradients) in enumerate(rows):
+            print(
+                f"    {label} rank {rank}: {total / mib:.0f}; {weights / mib:.0f},"
+                f" {optimizer / mib:.1f}, {gradients / mib:.1f}"
+            )
+    gather_s = all_gather_seconds(base, args.ranks)
     print(
-        f"  bytes per rank: resource {rank_bytes[0] / mib:.0f} MiB, session"
-        f" {rank_bytes[1] / mib:.0f} MiB (one process: {single_bytes[0] / mib:.0f} MiB,"
-        f" {single_bytes[1] / mib:.0f} MiB): replicated, not sharded"
+        f"\nLoRA, frozen base of {base / 1e6:.1f}M float32 parameters: one all-gather over"
+        f" {args.ranks} gloo ranks {gather_s:.3f} s; a sharded base pays about two per step"
+        f" ({2 * gather_s:.3f} s) against a {lora_n:.3f} s LoRA step on {args.ranks} ranks,"
+        f" to save {(args.ranks - 1) / args.ranks * base * 4 / mib:.0f} MiB per rank"
     )
 
+    if args.op_reps:
+        per_operation(args.op_reps, one, group_config)
+
+
+def per_operation(reps: int, one: EngineConfig, group_config: EngineConfig) -> None:
     models = {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
     engines = {"local": LocalEngine(one, models), "group": TrainerGroupEngine(group_config, models)}
     times: dict[tuple[str, str], list[float]] = {}
@@ -155,13 +230,13 @@ def main() -> None:
             engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
             engine.create_session("r", "s", LoraConfig(rank=8, seed=1))
             ops[name] = operations(engine)
-        for _ in range(args.op_reps):
+        for _ in range(reps):
             for op in ops["local"]:
                 for name in engines:  # alternated: the machine's drift hits both alike
                     times.setdefault((name, op), []).append(timed(ops[name][op]))
     finally:
         engines["group"].close()
-    print(f"\nbuilt-in model, LoRA rank 8: per-operation cost, medians of {args.op_reps}")
+    print(f"\nbuilt-in model, LoRA rank 8: per-operation cost, medians of {reps}")
     print(f"{'operation':36} {'local ms':>9} {'group ms':>9} {'added ms':>9} {'ratio':>6}")
     for op in ops["local"]:
         local_ms = statistics.median(times[("local", op)]) * 1e3

@@ -116,10 +116,11 @@ class EngineConfig(BaseModel):
         description="how a resource's placement group lays out its processes on the Ray"
         " cluster's nodes: PACK (as few nodes as possible) or SPREAD (across nodes)",
     )
-    # Replicated data parallel (engine/trainer_group.py): each rank holds the whole model and
-    # forwards its share of a batch's rows. Measured (bench/trainer_ranks.py,
-    # docs/benchmarks.md): on the 2-core CPU two ranks are slower than one (0.57x for a 38M
-    # full-weight step, 10-15 ms more per small command), so one process is the default.
+    # Data parallel (engine/trainer_group.py): each rank holds the whole model and forwards its
+    # share of a batch's rows; a full-weight session's gradients and optimizer state are
+    # sharded over the ranks (engine/sharding.py). Measured (bench/trainer_ranks.py,
+    # docs/benchmarks.md): on the 2-core CPU two ranks are slower than one (a 38M full-weight
+    # step, 10-15 ms more per small command), so one process is the default.
     trainer_ranks: int = Field(
         1,
         ge=1,

@@ -76,26 +76,49 @@ class DataParallel:
         # Out of place: the rank's rows carry the graph of its forward, the rest carry none.
         return full_ST.index_copy(0, torch.tensor(own, device=device), own_RT)
 
-    def all_reduce_gradients(self, params: Sequence[nn.Parameter]) -> None:
-        """Sum every parameter's .grad over the ranks, in place, in one flat buffer per dtype.
+    def all_true(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
+        """Each flag AND-ed over the ranks, so every rank decides alike."""
+        values = torch.tensor([float(not flag) for flag in flags], device=device)
+        dist.all_reduce(values, group=self.group)
+        return [value == 0 for value in values.tolist()]
+
+    def all_reduce_gradients(
+        self, params: Sequence[nn.Parameter], owners: Sequence[int | None] | None = None
+    ) -> None:
+        """Sum every parameter's .grad over the ranks, in place, in one flat buffer per dtype
+        (and owner).
 
         A parameter none of whose ranks has a gradient keeps .grad None, as in one process; one
-        that some rank has (its rows reached it) gets zeros on the others before the sum."""
+        that some rank has (its rows reached it) gets zeros on the others before the sum. With
+        `owners` (engine/sharding.py), a parameter whose owner is a rank is summed onto that
+        rank alone and its .grad dropped on the others; one whose owner is None on every rank."""
         if not params:
             return
+        owners = owners if owners is not None else [None] * len(params)
         device = params[0].device
         has_grad = torch.tensor([p.grad is not None for p in params], device=device)
         counts = has_grad.to(torch.float32)
         dist.all_reduce(counts, group=self.group)
-        reached = [p for p, count in zip(params, counts.tolist(), strict=True) if count > 0]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in reached:
+        reached = [
+            (p, owner)
+            for p, owner, count in zip(params, owners, counts.tolist(), strict=True)
+            if count > 0
+        ]
+        buckets: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+        for p, owner in reached:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
+            buckets.setdefault((-1 if owner is None else owner, p.grad.dtype), []).append(p)
+        for (owner, _), group in sorted(buckets.items(), key=lambda b: (b[0][0], str(b[0][1]))):
             flat = torch.cat([p.grad.reshape(-1) for p in group])
-            dist.all_reduce(flat, group=self.group)
+            if owner < 0:
+                dist.all_reduce(flat, group=self.group)
+            else:
+                dist.reduce(flat, dst=owner, group=self.group)
+                if owner != self.rank:
+                    for p in group:
+                        p.grad = None
+                    continue
             offset = 0
             for p in group:
                 size = p.grad.numel()

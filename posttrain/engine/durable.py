@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import Tensor
 
 PARTS = ("trainer", "generator", "optimizer", "gradients")
 MANIFEST = "manifest.json"
@@ -89,10 +88,6 @@ def remove(directory: Path) -> None:
         for path in directory.iterdir():
             path.unlink(missing_ok=True)
         directory.rmdir()
-
-
-def gradients(named_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Tensor]:
-    return {name: p.grad for name, p in named_params if p.grad is not None}
 
 
 def _fsync(path: Path) -> None:

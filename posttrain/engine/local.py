@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
-from posttrain.engine import durable, full_weight, generator, trainer, weights
+from posttrain.engine import durable, full_weight, generator, sharding, trainer, weights
 from posttrain.engine import memory_estimate as estimate
 from posttrain.engine.footprint import (
     ResourceFootprint,
@@ -56,6 +56,8 @@ from posttrain.types import (
 
 
 class LocalEngine:
+    writes_files = True  # False on a trainer group's ranks but rank 0 (trainer_group.py)
+
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
         self.config = config
         self.model_paths = model_paths
@@ -180,7 +182,8 @@ class LocalEngine:
         # The copy is taken while the model is frozen, so it never holds gradients.
         generator_model = full_weight.generator_copy(resource.loaded.model)
         named = full_weight.trainable_parameters(resource.lora)
-        optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling)
+        shards = sharding.Sharding.over(resource.group, named)  # None: fewer than 2 ranks
+        optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=shards)
         resource.sessions[session_id] = SessionState(
             session_id,
             generator.generator_key(session_id),
@@ -342,21 +345,21 @@ class LocalEngine:
     ) -> None:
         """Write the named parts of a session's state, with `record`, atomically."""
         resource, session = self._session(resource_id, session_id)
-        named = session.optimizer.named_params
         values: dict[str, Any] = {}
         for part in parts:
             if part == "trainer":
-                values[part] = dict(named)
+                values[part] = dict(session.optimizer.named_params)
             elif part == "generator":
                 values[part] = dict(generator.parameters(resource, session))
             elif part == "optimizer":
                 values[part] = {
-                    "optimizer": session.optimizer.state_dict(),
+                    "optimizer": session.optimizer.full_state_dict(),
                     "rng": weights.rng_state(),
                 }
             elif part == "gradients":
-                values[part] = durable.gradients(named)
-        durable.write(directory, values, record)
+                values[part] = session.optimizer.full_gradients()
+        if self.writes_files:
+            durable.write(directory, values, record)
 
     def restore_session(
         self, resource_id: str, session_id: str, directory: Path, *, version: int
@@ -369,7 +372,7 @@ class LocalEngine:
         weights.copy_into(named, parts["trainer"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         weights.restore_rng(parts["optimizer"]["rng"])
-        saved = parts.get("gradients", {})
+        saved = {n: g for n, g in parts.get("gradients", {}).items() if session.optimizer.owns(n)}
         for name, p in named:
             p.grad = saved[name].to(device=p.device, dtype=p.dtype) if name in saved else None
         self.install_generator(resource_id, session_id, parts["generator"], version=version)
@@ -380,8 +383,9 @@ class LocalEngine:
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         """Trainable tensors, optimizer state and RNG state of a session into `directory`."""
         _, session = self._session(resource_id, session_id)
-        tensors = dict(session.optimizer.named_params)
-        weights.save_training_state(directory, tensors, session.optimizer.state_dict())
+        state = session.optimizer.full_state_dict()  # sharded: gathered onto rank 0
+        if self.writes_files:
+            weights.save_training_state(directory, dict(session.optimizer.named_params), state)
 
     def save_adapter(
         self,

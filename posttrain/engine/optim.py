@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.engine.muon import is_muon_param, lr_scale, muon_update_, num_row_blocks
+from posttrain.engine.sharding import Sharding
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
 
@@ -116,6 +117,10 @@ class SessionOptimizer:
 
     Under AdamW, tensors with ndim >= 2 are decayed and 1-D ones are not (12.2). Parameters
     whose `.grad` is None at a step are untouched: no decay, no moment or momentum update.
+
+    With a `sharding` (engine/sharding.py) this rank holds only its own parameters' gradients,
+    so it holds only their state and steps only them; a step is then a collective (every rank
+    of the group calls it), as is full_state_dict.
     """
 
     def __init__(
@@ -123,9 +128,11 @@ class SessionOptimizer:
         named_params: list[tuple[str, nn.Parameter]],
         *,
         muon_scaling: MuonScaling | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
         self.named_params = named_params
         self.muon_scaling = muon_scaling
+        self.sharding = sharding
         is_muon = [
             muon_scaling is not None and is_muon_param(name, p.ndim) for name, p in named_params
         ]
@@ -152,8 +159,19 @@ class SessionOptimizer:
         """Names of the parameters Muon updates (empty under AdamW)."""
         return [name for name, _ in self._muon_named]
 
+    def owns(self, name: str) -> bool:
+        """Whether this rank holds the gradient and optimizer state of parameter `name`."""
+        return self.sharding is None or self.sharding.owns(name)
+
+    def owner_ranks(self) -> list[int | None]:
+        """Each parameter's owner rank; None: every rank (data_parallel.all_reduce_gradients)."""
+        if self.sharding is None:
+            return [None] * len(self.named_params)
+        return [self.sharding.owners[name] for name, _ in self.named_params]
+
     def has_gradients(self) -> bool:
-        """True if any parameter has an accumulated gradient since the last step."""
+        """True if any parameter has an accumulated gradient since the last step (sharded:
+        any of this rank's own parameters)."""
         return any(p.grad is not None for _, p in self.named_params)
 
     def step(self, request: OptimStepRequest) -> None:
@@ -170,9 +188,16 @@ class SessionOptimizer:
         """
         settings = resolve_step_settings(request, self.muon_scaling)
         grads = [p.grad for _, p in self.named_params if p.grad is not None]
-        if not grads:
+        stepped_names = [name for name, p in self.named_params if p.grad is not None]
+        if self.sharding is not None:  # every rank sees the same norm and takes the same path
+            total_norm, has = self.sharding.grad_norm(self.named_params)
+            if not any(has):
+                return
+            stepped_names = [n for (n, _), h in zip(self.named_params, has, strict=True) if h]
+        elif not grads:
             return
-        total_norm = global_grad_norm(grads)
+        else:
+            total_norm = global_grad_norm(grads)
         if not math.isfinite(float(total_norm)):
             raise NonFiniteLoss("gradient norm is not finite; optim-step discarded")
         clip = settings.grad_clip_norm
@@ -188,6 +213,7 @@ class SessionOptimizer:
             self._weight_bound = weight_bound
             self._grad_bound = max(self._grad_bound, norm)
             self.zero_grad()
+            self._share_stepped(stepped_names)
             return
         stepped = [(p, p.detach().clone(), p.grad.clone()) for p in grads_of(self.named_params)]
         before = self.state_dict()
@@ -201,6 +227,8 @@ class SessionOptimizer:
                 self._put_back(stepped, before)
                 raise
             finite = False
+        if self.sharding is not None:
+            (finite,) = self.sharding.group.all_true([finite], self.named_params[0][1].device)
         if not finite:
             self._put_back(stepped, before)
             raise NonFiniteLoss(
@@ -209,6 +237,13 @@ class SessionOptimizer:
             )
         self._measure_bounds()
         self.zero_grad()
+        self._share_stepped(stepped_names)
+
+    def _share_stepped(self, names: list[str]) -> None:
+        """Sharded: every rank takes the stepped parameters from their owners."""
+        if self.sharding is not None:
+            named = dict(self.named_params)
+            self.sharding.broadcast([(name, named[name]) for name in names])
 
     def _update(self, settings: StepSettings) -> None:
         if settings.muon is not None:
@@ -230,7 +265,7 @@ class SessionOptimizer:
         assert self._weight_bound is not None
         gradient = max(self._grad_bound, grad_norm)
         grow, add = 1.0, 0.0
-        if self._adamw is not None:
+        if self._adam_named:  # not self._adamw: a rank may own none, and the ranks must agree
             adam = settings.adam
             if adam.eps <= 0 or adam.beta1 >= 1:
                 return False, math.inf
@@ -254,6 +289,8 @@ class SessionOptimizer:
         self._grad_bound = (
             float(torch.stack([t.abs().max() for t in moments]).max()) if moments else 0.0
         )
+        if self.sharding is not None:  # each rank holds its own moments
+            self._grad_bound = self.sharding.max(self._grad_bound, self.named_params[0][1].device)
 
     def _moment_tensors(self) -> list[Tensor]:
         tensors = list(self._momentum_buffers.values())
@@ -329,9 +366,22 @@ class SessionOptimizer:
         adam = self._adamw is not None and any(self._adamw.state.values())
         return adam or bool(self._momentum_buffers)
 
+    def full_state_dict(self) -> OptimizerState | None:
+        """state_dict() of every parameter: sharded, gathered onto rank 0 (None elsewhere; a
+        collective), for checkpoints in the single-process layout."""
+        if self.sharding is None:
+            return self.state_dict()
+        return self.sharding.gather_to_rank_zero(self.state_dict())  # type: ignore[return-value]
+
+    def full_gradients(self) -> dict[str, Tensor] | None:
+        """Every accumulated gradient by name; sharded, gathered as full_state_dict is."""
+        grads = {name: p.grad for name, p in self.named_params if p.grad is not None}
+        return grads if self.sharding is None else self.sharding.gather_to_rank_zero(grads)
+
     def state_dict(self) -> OptimizerState:
         """A copy of the optimizer state, keyed by parameter name (layout: ADAM_STATE,
-        MUON_STATE). Parameters that never had a gradient have no entry."""
+        MUON_STATE). Parameters that never had a gradient have no entry; sharded, only this
+        rank's own parameters have one."""
         adam_state: dict[str, dict[str, Tensor]] = {}
         if self._adamw is not None:
             for name, p in self._adam_named:
@@ -344,7 +394,8 @@ class SessionOptimizer:
         return {ADAM_STATE: adam_state, MUON_STATE: muon_state}
 
     def load_state_dict(self, state: OptimizerState) -> None:
-        """Replace the optimizer state with a copy of `state` (from state_dict()).
+        """Replace the optimizer state with a copy of `state` (from state_dict()); sharded,
+        of the parameters this rank owns (so a checkpoint from any number of ranks loads).
 
         Tensors keep their saved dtype so a resumed session continues bit-exactly; they move to
         their parameter's device, except AdamW's `step`, which torch keeps on the CPU.
@@ -361,6 +412,8 @@ class SessionOptimizer:
         if self._adamw is not None:
             self._adamw.state = defaultdict(dict)
             for name, entry in state[ADAM_STATE].items():
+                if not self.owns(name):
+                    continue
                 p = adam_params[name]
                 self._adamw.state[p] = {
                     k: v.to("cpu", copy=True) if k == "step" else v.to(p.device, copy=True)
@@ -369,6 +422,7 @@ class SessionOptimizer:
         self._momentum_buffers = {
             name: entry["momentum_buffer"].to(muon_params[name].device, copy=True)
             for name, entry in state[MUON_STATE].items()
+            if self.owns(name)
         }
 
 

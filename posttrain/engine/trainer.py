@@ -290,8 +290,9 @@ def accumulate_many(
     parameters, and rows never mix, so each session receives only its own loss's gradient).
     Only when a session's new gradients are all finite are its earlier accumulated
     gradients added back; otherwise they are restored exactly and its item fails. In a
-    trainer `group` the new gradients are first summed over its ranks (data_parallel.py), so
-    every rank decides the same."""
+    trainer `group` the new gradients are first summed over its ranks (data_parallel.py), onto
+    their owners alone for a sharded session (engine/sharding.py), and the ranks AND their
+    finiteness, so every rank decides the same."""
     stashed = []
     for session, _ in items:
         params = [p for _, p in session.optimizer.named_params]
@@ -305,17 +306,24 @@ def accumulate_many(
         else:
             if total.requires_grad:  # else none of the rank's rows is a trainable member's
                 total.backward()
-            group.all_reduce_gradients([p for params, _ in stashed for p in params])
+            owners = [rank for session, _ in items for rank in session.optimizer.owner_ranks()]
+            group.all_reduce_gradients([p for params, _ in stashed for p in params], owners)
     except BaseException:
         # Out of memory mid-backward, say: the items fail, their earlier gradients stay.
         for params, earlier in stashed:
             for p, g in zip(params, earlier, strict=True):
                 p.grad = g
         raise
+    finite = [
+        all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+        for params, _ in stashed
+    ]
+    if group is not None:  # a sharded session's ranks each checked only their own gradients
+        finite = group.all_true(finite, stashed[0][0][0].device)
     errors: list[NonFiniteLoss | None] = []
-    for params, earlier in stashed:
+    for (params, earlier), ok in zip(stashed, finite, strict=True):
         new = [p.grad for p in params]
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in new):
+        if not ok:
             for p, g in zip(params, earlier, strict=True):
                 p.grad = g
             errors.append(NonFiniteLoss("gradient is not finite; nothing was accumulated"))

@@ -13,16 +13,19 @@ sends each command that changes a rank's state to every rank at once (rank 0 fro
 thread, the others from a thread each) and answers with rank 0's result. The ranks then run
 the same command in the same order, meeting in its collectives (the gather of logprobs and the
 all-reduce of gradients), so every rank holds the same weights, optimizer state and generator
-after every command. What only reads a rank's state (sampling, sizes, persisting and
-checkpoint writes) goes to rank 0 alone: its state is the truth, and only it writes files. A
-sample on rank 0 alone leaves the others' training state as it is (it moves only the sampler's
-prefix cache and random numbers; a training checkpoint's RNG state is rank 0's).
+after every command (but a full-weight session's shards, below). What only reads a rank's
+state (sampling, sizes, adapter and model exports) goes to rank 0 alone: its state is the
+truth, and only it writes files; checkpoints and persisted state go to every rank, which
+gather a sharded session's state onto rank 0 (RANK_ZERO). A sample on rank 0 alone leaves
+the others' training state as it is (it moves only the sampler's prefix cache and random
+numbers; a training checkpoint's RNG state is rank 0's).
 
-Every rank holds a full replica of the base model, the LoRA adapters and a full-weight session's
-parameters and AdamW state (replicated data parallel): each rank forwards about 1/N of a
-batch's tokens, but every rank runs the whole optimizer step and none holds less than one
-process would (measured in bench/trainer_ranks.py: on the shared 2-core CPU two ranks are
-slower than one). Sharding the full-weight state over the ranks is the next step.
+Every rank holds a full replica of the base model and the LoRA adapters with their optimizer
+state (replicated data parallel: each rank forwards about 1/N of a batch's tokens and runs
+the whole optimizer step; measured in bench/trainer_ranks.py, where replicating the frozen
+base is the choice for LoRA). A full-weight session's gradients and AdamW/Muon state are
+sharded over the ranks (engine/sharding.py, ZeRO-2): each rank steps only the parameters it
+owns and broadcasts them; its parameters stay replicated.
 
 A rank that dies fails the call in flight with WorkerDied naming the rank; its group is stopped
 (the others would wait for it in the next collective), `is_loaded` answers False, and
@@ -57,7 +60,9 @@ from posttrain.model.loader import resolve_device
 from posttrain.types import MuonScaling
 
 # Served by rank 0 alone: they read a rank's state (or write files from it) and change nothing
-# the next training command depends on.
+# the next training command depends on. Not persist_session and save_training_state: a sharded
+# session's optimizer state and gradients are gathered from every rank (engine/sharding.py),
+# so every rank takes part, and only rank 0 writes (RankEngine.writes_files).
 RANK_ZERO = (
     "sample_batch",
     "peak_bytes",
@@ -65,8 +70,6 @@ RANK_ZERO = (
     "resource_footprint",
     "session_footprint",
     "generator_state",
-    "persist_session",
-    "save_training_state",
     "save_adapter",
     "save_full_model",
 )
@@ -102,6 +105,7 @@ class RankEngine(LocalEngine):
             backend, store=rendezvous, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
         )
         self.group = DataParallel(rank, world)
+        self.writes_files = rank == 0
 
     def load_resource(
         self,
@@ -118,6 +122,18 @@ class RankEngine(LocalEngine):
             generator_replicas=generator_replicas,
         )
         self._resource(resource_id).group = self.group
+
+    def persist_session(self, resource_id: str, session_id: str, *args: Any, **kw: Any) -> None:
+        """Rank 0 writes; another rank only takes part in gathering a sharded session's state."""
+        if self.writes_files or self._is_sharded(resource_id, session_id):
+            super().persist_session(resource_id, session_id, *args, **kw)
+
+    def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
+        if self.writes_files or self._is_sharded(resource_id, session_id):
+            super().save_training_state(resource_id, session_id, directory)
+
+    def _is_sharded(self, resource_id: str, session_id: str) -> bool:
+        return self._session(resource_id, session_id)[1].optimizer.sharding is not None
 
 
 class _Group:

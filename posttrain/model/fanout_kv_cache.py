@@ -123,9 +123,10 @@ class FanoutKVCache:
                 m,
                 _bias(prefix_visible, positions_BQ.shape[1]),
                 _bias(own_visible, positions_BQ.shape[1]),
-                # The CPU kernel gives a query that sees no column a log-sum-exp of 0, not
-                # -inf; only a window can hide a whole prefix.
-                fused=device.type == "cpu" and not sliding,
+                # The fused kernels (CPU flash, CUDA memory-efficient) are not trusted with a
+                # query that sees no column (the CPU one gives it a log-sum-exp of 0, not
+                # -inf); only a window can hide a whole prefix.
+                fused=device.type in ("cpu", "cuda") and not sliding,
             )
         return masks
 

@@ -230,7 +230,13 @@ def _generate(
         assert batch.last_tokens_B is not None
         routes_out = [] if batch.wants_routes else None
         hidden_B1H = forward_rows(
-            gm, cache, batch.last_tokens_B[:, None], batch.ones_B, batch.keys, routes_out
+            gm,
+            cache,
+            batch.last_tokens_B[:, None],
+            batch.ones_B,
+            batch.keys,
+            routes_out,
+            uniform=(1, own_positions + 1),
         )
         own_positions += 1
         if routes_out is not None:

@@ -10,6 +10,8 @@ process. Overhead = step time - floor: Python, small tensor ops, attention, samp
     OMP_NUM_THREADS=1 python bench/decode_overhead.py             # 16 prompts x 128 x 8 x 32
     python bench/decode_overhead.py --model qwen3-40m --reps 5
 
+Also counts the tensor operations and host reads (`.item()`, `int(t)`, `bool(t)`: a device
+synchronisation each on a GPU) per decode step, which do not depend on the machine's load.
 Prints per-step medians (ms), the floor and their ratio; JSON on the last line.
 """
 
@@ -23,6 +25,7 @@ import time
 import torch
 from sampling import ADAPTER, build_model  # this script's folder is on sys.path
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR
@@ -75,6 +78,33 @@ def decode_steps(gm: GeneratorModel, requests: list[GenerationRequest]) -> list[
     return steps
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the tensor operations dispatched inside the block, and the host reads among
+    them (`.item()`, `int(t)`, `bool(t)`: each a device synchronisation on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.host_reads += func.overloadpacket is torch.ops.aten._local_scalar_dense
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(gm: GeneratorModel, requests_of, short: int, long: int) -> tuple[float, float]:
+    """(tensor ops, host reads) per decode step: the difference between a call of `long` and
+    one of `short` new tokens, over the steps between (prefill and setup cancel out)."""
+    counts = []
+    for new_tokens in (short, long):
+        with _OpCounter() as counter:
+            generate(gm, requests_of(new_tokens), versions={ADAPTER: WeightsVersion(1, 0)})
+        counts.append((counter.ops, counter.host_reads))
+    steps = long - short
+    return (counts[1][0] - counts[0][0]) / steps, (counts[1][1] - counts[0][1]) / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="tiny")
@@ -97,7 +127,9 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)
-    step_times: list[float] = []
+    # Per repetition: the median decode step, then the floor right after it, so a load
+    # change on a shared machine moves both (the ratio is the robust number).
+    per_rep: list[tuple[float, float]] = []
     rows_seen = set()
     for rep in range(args.reps + 1):
         prompts = torch.randint(3, vocab, (args.prompts, args.prompt_tokens), generator=generator)
@@ -105,12 +137,20 @@ def main() -> None:
             GenerationRequest(tuple(p), args.samples, params, ADAPTER) for p in prompts.tolist()
         ]
         steps = decode_steps(gm, requests)
+        rows_seen.update(r for r, _ in steps)
+        (rows,) = rows_seen
         if rep:  # the first is a warm-up
-            step_times.extend(t for _, t in steps)
-            rows_seen.update(r for r, _ in steps)
-    (rows,) = rows_seen
-    floor = matmul_floor(lora, rows)
-    step = statistics.median(step_times)
+            per_rep.append((statistics.median(t for _, t in steps), matmul_floor(lora, rows)))
+    step = statistics.median(t for t, _ in per_rep)
+    floor = statistics.median(f for _, f in per_rep)
+    ratio = statistics.median(t / f for t, f in per_rep)
+
+    def requests_of(new_tokens: int) -> list[GenerationRequest]:
+        prompts = torch.randint(3, vocab, (args.prompts, args.prompt_tokens), generator=generator)
+        short = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0)
+        return [GenerationRequest(tuple(p), args.samples, short, ADAPTER) for p in prompts.tolist()]
+
+    ops, host_reads = ops_per_step(gm, requests_of, 2, 12)
     report = {
         "model": args.model,
         "eos": eos,
@@ -119,12 +159,15 @@ def main() -> None:
         "step_ms": step * 1e3,
         "matmul_floor_ms": floor * 1e3,
         "overhead_ms": (step - floor) * 1e3,
-        "step_over_floor": step / floor,
+        "step_over_floor": ratio,
+        "tensor_ops_per_step": ops,
+        "host_reads_per_step": host_reads,
     }
     print(
         f"{args.model}, {rows} rows, {torch.get_num_threads()} threads: decode step "
         f"{step * 1e3:.2f} ms, matmul floor {floor * 1e3:.2f} ms, overhead "
-        f"{(step - floor) * 1e3:.2f} ms ({step / floor:.1f}x the floor)"
+        f"{(step - floor) * 1e3:.2f} ms ({ratio:.2f}x the floor, per-repetition median); "
+        f"{ops:.0f} tensor ops and {host_reads:.0f} host reads per step"
     )
     print(json.dumps(report))
 

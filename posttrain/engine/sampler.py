@@ -16,6 +16,8 @@ operations and sessions can share passes) and runs:
 3. Decode, one token per live row per pass. A row stops on its own (EOS, a stop string even
    when it spans tokens, its max_tokens); finished rows leave the batch and the cache is
    compacted (prompts no live row continues too), so long rows never pay for finished ones.
+   A pass reads nothing back from the device but its sampled tokens and logprobs, in one
+   transfer: what it needs of the rows is kept ready between passes (decode_rows.py).
 4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between passes `between_tokens` may
    publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy

@@ -104,18 +104,20 @@ def forward_rows(
     num_new_B: Tensor,
     keys_B: list[str],
     routes_out: list[Tensor] | None = None,
+    uniform: tuple[int, int] | None = None,
 ) -> Tensor:
     """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H].
-    With `routes_out`, also append the experts every position used, [B, Q, L, K]."""
+    With `routes_out`, also append the experts every position used, [B, Q, L, K].
+    `uniform`: what the caller knows of the rows' lengths (KVCache.begin)."""
     config = gm.model.config
-    positions_BQ = cache.begin(num_new_B)
+    positions_BQ = cache.begin(num_new_B, uniform)
     kinds = layer_types(config)
     masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
     # The model gets a placeholder 4-D mask, which every family's mask creation passes on
     # as-is; the attention function reads the real one of its layer from the pass layout.
     rows, width = positions_BQ.shape
     placeholder = torch.ones((), dtype=torch.bool, device=positions_BQ.device).expand(
-        rows, 1, width, int(positions_BQ.max()) + 1
+        rows, 1, width, cache.placeholder_columns(positions_BQ)
     )
     with (
         gm.lora.route(_routing(keys_B, tokens_BQ.device)),

@@ -16,6 +16,8 @@ operations and sessions can share passes) and runs:
 3. Decode, one token per live row per pass. A row stops on its own (EOS, a stop string even
    when it spans tokens, its max_tokens); finished rows leave the batch and the cache is
    compacted (prompts no live row continues too), so long rows never pay for finished ones.
+   A pass reads nothing back from the device but its sampled tokens and logprobs, in one
+   transfer: what it needs of the rows is kept ready between passes (decode_rows.py).
 4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between passes `between_tokens` may
    publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy
@@ -41,12 +43,14 @@ Q = new positions per row in a pass, V = vocab, H = hidden size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from posttrain.engine.decode_rows import LiveRows, SampledRow
 from posttrain.engine.logprobs import log_softmax_float32
 from posttrain.engine.model_passes import (
     GeneratorModel,
@@ -98,50 +102,7 @@ class WeightsVersion:
     version: int
 
 
-@dataclass
-class _Row:
-    """One sampled sequence."""
-
-    request: int
-    group: int
-    params: SamplingParams
-    generator: torch.Generator | None  # None: greedy, draws nothing
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stop_reason: StopReason | None = None
-    # return_routed_experts: the experts of each generated token fed back, [L, K] each.
-    routes: list[Tensor] | None = None
-
-
 # ---------------------------------------------------------------- the decode loop
-
-
-class _Batch:
-    """The live rows of the decode loop, in cache order, with their per-row settings."""
-
-    def __init__(self, rows: list[_Row], live: list[int], device: torch.device) -> None:
-        self.rows = rows
-        self.live = live
-        self.device = device
-        self._refresh_settings()
-
-    def _refresh_settings(self) -> None:
-        params = [self.rows[r].params for r in self.live]
-        self.temperature_B = torch.tensor([p.temperature for p in params], device=self.device)
-        self.top_k_B = torch.tensor([p.top_k for p in params], device=self.device)
-        self.top_p_B = torch.tensor([p.top_p for p in params], device=self.device)
-
-    def keep(self, positions: list[int]) -> None:
-        self.live = [self.live[i] for i in positions]
-        self._refresh_settings()
-
-    def uniforms(self) -> Tensor:
-        """One uniform per live row from its own generator (0 for greedy rows, unused)."""
-        values = [
-            float(torch.rand((), generator=row.generator)) if row.generator is not None else 0.0
-            for row in (self.rows[r] for r in self.live)
-        ]
-        return torch.tensor(values, device=self.device)
 
 
 def generate(
@@ -164,13 +125,13 @@ def _plan(
     gm: GeneratorModel,
     requests: list[GenerationRequest],
     versions: Mapping[str, WeightsVersion],
-) -> tuple[list[PromptGroup], list[int], list[_Row]]:
+) -> tuple[list[PromptGroup], list[int], list[SampledRow]]:
     """Groups (distinct adapter + prompt), the group of each request, and the rows."""
     wants_routes = [q.return_routed_experts and gm.moe is not None for q in requests]
     groups: list[PromptGroup] = []
     group_of_request: list[int] = []
     index: dict[tuple[str, tuple[int, ...]], int] = {}
-    rows: list[_Row] = []
+    rows: list[SampledRow] = []
     for r, request in enumerate(requests):
         key = (request.adapter_key, request.prompt)
         if key not in index:
@@ -188,11 +149,13 @@ def _plan(
             if params.temperature > 0:
                 generator = torch.Generator().manual_seed(row_seed(params.seed, j))
             routes: list[Tensor] | None = [] if wants_routes[r] else None
-            rows.append(_Row(r, index[key], params, generator, routes=routes))
+            rows.append(
+                SampledRow(r, index[key], request.adapter_key, params, generator, routes=routes)
+            )
     return groups, group_of_request, rows
 
 
-def _record(gm: GeneratorModel, row: _Row, token: int, logprob: float) -> None:
+def _record(gm: GeneratorModel, row: SampledRow, token: int, logprob: float) -> None:
     """Append a sampled token; set the row's stop reason when it ends here."""
     row.tokens.append(token)
     row.logprobs.append(logprob)
@@ -202,14 +165,21 @@ def _record(gm: GeneratorModel, row: _Row, token: int, logprob: float) -> None:
         row.stop_reason = StopReason.LENGTH
 
 
-def _sample_step(gm: GeneratorModel, batch: _Batch, logits_BV: Tensor) -> list[int]:
+def _sample_step(gm: GeneratorModel, batch: LiveRows, logits_BV: Tensor) -> list[int]:
     """Draw and record one token for every live row; returns the batch positions still live."""
     logprobs_BV = log_softmax_float32(logits_BV)
     tokens_B = choose_tokens(
-        logprobs_BV, batch.temperature_B, batch.top_k_B, batch.top_p_B, batch.uniforms()
+        logprobs_BV,
+        batch.temperature_B,
+        batch.top_k_B,
+        batch.top_p_B,
+        batch.uniforms(),
+        batch.kind,
     )
+    batch.last_tokens_B = tokens_B
     logprobs_B = logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
-    if not bool(torch.isfinite(logprobs_B).all()):
+    tokens, logprobs = batch.to_host(tokens_B, logprobs_B)
+    if not all(map(math.isfinite, logprobs)):
         # Finite logits give finite logprobs for every token the draw can pick (it never
         # picks a zero-probability token), so only non-finite logits get here: NaN or
         # infinite generator weights, or a forward that overflowed. No sample answers null.
@@ -218,9 +188,7 @@ def _sample_step(gm: GeneratorModel, batch: _Batch, logits_BV: Tensor) -> list[i
             " would have no logprob, so no sample of this pass is returned"
         )
     still_live = []
-    for i, (r, token, logprob) in enumerate(
-        zip(batch.live, tokens_B.tolist(), logprobs_B.tolist(), strict=True)
-    ):
+    for i, (r, token, logprob) in enumerate(zip(batch.live, tokens, logprobs, strict=True)):
         _record(gm, batch.rows[r], token, logprob)
         if batch.rows[r].stop_reason is None:
             still_live.append(i)
@@ -238,7 +206,8 @@ def _generate(
     segments = [[PolicySegment(0, versions[q.adapter_key].version)] for q in requests]
     prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
     assert first_logits_GV is not None
-    batch = _Batch(rows, list(range(len(rows))), device)
+    vocab = first_logits_GV.shape[-1]
+    batch = LiveRows(rows, list(range(len(rows))), device, vocab)
     group_of_row_R = torch.tensor([row.group for row in rows], device=device)
     batch.keep(_sample_step(gm, batch, first_logits_GV[group_of_row_R]))
     if not batch.live:
@@ -250,22 +219,33 @@ def _generate(
     )
     # Frees the prompts whose every sample already ended on its first token.
     cache.keep(torch.arange(len(batch.live), device=device))
+    # Own positions every live row holds: all rows start decoding together and each pass adds
+    # one to every live row (a weights update recomputes them to the same count), so the
+    # host knows when the cache is full without asking the device.
+    own_positions = 0
     while batch.live:
         if between_tokens is not None:
             between_tokens()
             _apply_new_weights(gm, batch, cache, groups, requests, versions, segments)
-        if cache.longest_own() >= cache.capacity:
+        if own_positions >= cache.capacity:
             cache.grow(cache.capacity + DECODE_POSITIONS_PER_GROWTH)
-        keys = [groups[rows[r].group].adapter_key for r in batch.live]
-        last_B1 = torch.tensor([[rows[r].tokens[-1]] for r in batch.live], device=device)
-        num_new_B = torch.ones(len(batch.live), dtype=torch.int64, device=device)
-        routes_out = [] if any(rows[r].routes is not None for r in batch.live) else None
-        hidden_B1H = forward_rows(gm, cache, last_B1, num_new_B, keys, routes_out)
+        assert batch.last_tokens_B is not None
+        routes_out = [] if batch.wants_routes else None
+        hidden_B1H = forward_rows(
+            gm,
+            cache,
+            batch.last_tokens_B[:, None],
+            batch.ones_B,
+            batch.keys,
+            routes_out,
+            uniform=(1, own_positions + 1),
+        )
+        own_positions += 1
         if routes_out is not None:
             for i, r in enumerate(batch.live):
                 if rows[r].routes is not None:
                     rows[r].routes.append(routes_out[0][i, 0])
-        keep = _sample_step(gm, batch, head_logits(gm, hidden_B1H[:, -1], keys))
+        keep = _sample_step(gm, batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
         if len(keep) < len(batch.live):
             order = _fill_holes(keep)
             cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
@@ -284,7 +264,7 @@ def _fill_holes(keep: list[int]) -> list[int]:
 
 def _apply_new_weights(
     gm: GeneratorModel,
-    batch: _Batch,
+    batch: LiveRows,
     cache: FanoutKVCache,
     groups: list[PromptGroup],
     requests: list[GenerationRequest],
@@ -337,7 +317,7 @@ def _results(
     requests: list[GenerationRequest],
     groups: list[PromptGroup],
     group_of_request: list[int],
-    rows: list[_Row],
+    rows: list[SampledRow],
     segments: list[list[PolicySegment]],
 ) -> list[SampleResult]:
     sequences: list[list[SampledSequence]] = [[] for _ in requests]

@@ -19,9 +19,16 @@ import torch
 from torch import Tensor
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from posttrain.types import SamplingParams
+
 # Tokens per block of the two-level inverse-CDF search (draw_inverse_cdf).
 CDF_BLOCK = 256
 _SEED_MASK = (1 << 63) - 1
+
+# A batch's sampling kind, decided on the host once per batch (batch_kind): every row greedy,
+# every row plain (the model's own distribution), or None for a mix.
+GREEDY = "greedy"
+PLAIN = "plain"
 
 
 def row_seed(seed: int | None, sample_index: int) -> int:
@@ -54,23 +61,45 @@ def filter_logits(logits_BV: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor
     return filtered_BV
 
 
+def is_plain(temperature, top_k, top_p, vocab: int):
+    """Whether a row samples the model's own distribution (temperature 1, no top-k or top-p
+    cut). Python numbers or tensors of them alike: the one rule for both."""
+    return (temperature == 1) & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)
+
+
+def batch_kind(params: list[SamplingParams], vocab: int) -> str | None:
+    """GREEDY when every row is greedy, PLAIN when every row is plain, else None."""
+    if all(p.temperature == 0 for p in params):
+        return GREEDY
+    if all(is_plain(p.temperature, p.top_k, p.top_p, vocab) for p in params):
+        return PLAIN
+    return None
+
+
 def choose_tokens(
     logprobs_BV: Tensor,
     temperature_B: Tensor,
     top_k_B: Tensor,
     top_p_B: Tensor,
     uniform_B: Tensor,
+    kind: str | None = None,
 ) -> Tensor:
     """One token per row from its float32 log-softmax: argmax where temperature is 0, else an
     inverse-CDF draw with the row's uniform in [0, 1) from the tempered, filtered distribution.
 
     log-softmax differs from the logits by a per-row constant, so tempering and filtering it
     gives the same distribution. Each row's arithmetic depends only on its own settings, never
-    on which other rows share the batch."""
+    on which other rows share the batch. `kind` (batch_kind of the rows' settings, when the
+    caller knows it) skips the device-side checks that find the same."""
+    if kind == GREEDY:
+        return logprobs_BV.argmax(-1)
+    if kind == PLAIN:
+        # The common RL case: no boolean-mask copies of the [B, V] logprobs.
+        return draw_inverse_cdf(logprobs_BV.exp(), uniform_B)
     vocab = logprobs_BV.shape[-1]
     tokens_B = torch.zeros(logprobs_BV.shape[0], dtype=torch.int64, device=logprobs_BV.device)
     greedy = temperature_B == 0
-    plain = (temperature_B == 1) & ((top_k_B <= 0) | (top_k_B >= vocab)) & (top_p_B >= 1)
+    plain = is_plain(temperature_B, top_k_B, top_p_B, vocab)
     if bool(greedy.any()):
         tokens_B[greedy] = logprobs_BV[greedy].argmax(-1)
     shaped = ~greedy & ~plain

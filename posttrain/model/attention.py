@@ -13,9 +13,9 @@ the rows that continue it, in two parts merged exactly by their log-sum-exps:
 which is softmax attention over the concatenated sequence. The prefix part stacks the queries
 of a group's rows (and of the query heads that share a KV head) as the rows of one matrix, so
 each prompt's keys and values enter one product. On the CPU both parts run in PyTorch's fused
-flash-attention kernel (it returns the log-sum-exp); elsewhere, and for sliding windows (which
-can hide a whole prompt, where that kernel reports a log-sum-exp of 0 instead of -inf), as
-explicit matmuls.
+flash-attention kernel, on CUDA in the memory-efficient one (both return the log-sum-exp;
+model/attention_kernels.py); elsewhere, and for sliding windows (which can hide a whole prompt,
+where the CPU kernel reports a log-sum-exp of 0 instead of -inf), as explicit matmuls.
 
 The model selects attention by name (`config._attn_implementation`); `install` names ours.
 For an sdpa model it is IMPLEMENTATION: sdpa for every mask outside sampler passes (training,
@@ -45,6 +45,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from posttrain.model.attention_kernels import merge_by_lse, partial_attention
+
 IMPLEMENTATION = "posttrain"
 EAGER_IMPLEMENTATION = "posttrain_eager"
 
@@ -58,7 +60,8 @@ class SharedPrefixAttention:
     slot b, every group has M rows in order, and the layouts are views of each other). The
     additive biases (0 = attend, -inf = not) give, for each row's Q new positions, the visible
     prefix columns [B, Q, P] and own columns [B, Q, S]; None when every column is visible.
-    `fused`: run the parts in the CPU flash kernel (no query may see an empty prefix)."""
+    `fused`: run the parts in the device's fused kernel that returns the log-sum-exp (CPU
+    flash, CUDA memory-efficient; attention_kernels.py); no query may see an empty prefix."""
 
     prefix_kv: Tensor
     slot_B: Tensor | None
@@ -83,7 +86,7 @@ class SharedPrefixAttention:
         # of the keys (grouped-query attention).
         q_BHZD = query.reshape(rows, kv_heads, repeat * width, head_dim)
         prefix_bias, own_bias = self._stacked_biases(repeat, groups)
-        out_GHXD, lse_GHX = _partial_attention(
+        out_GHXD, lse_GHX = partial_attention(
             self._to_groups(q_BHZD, groups),
             prefix_keys,
             prefix_values,
@@ -93,13 +96,8 @@ class SharedPrefixAttention:
         )
         out_p = self._to_rows(out_GHXD, groups)
         lse_p = self._to_rows(lse_GHX[..., None], groups)[..., 0]
-        out_o, lse_o = _partial_attention(q_BHZD, key, value, own_bias, scale, self.fused)
-        lse = torch.logaddexp(lse_p, lse_o)
-        # A query that sees no prefix column (sliding window) has lse_p = -inf: weight 0.
-        weight_p = (lse_p - lse).exp()[..., None]
-        weight_o = (lse_o - lse).exp()[..., None]
-        out_p = torch.where(weight_p > 0, out_p.float() * weight_p, 0.0)
-        out_BHZD = (out_p + out_o.float() * weight_o).to(query.dtype)
+        out_o, lse_o = partial_attention(q_BHZD, key, value, own_bias, scale, self.fused)
+        out_BHZD = merge_by_lse(out_p, lse_p, out_o, lse_o).to(query.dtype)
         out_BHqQD = out_BHZD.reshape(rows, query_heads, width, head_dim)
         return out_BHqQD.transpose(1, 2).contiguous()
 
@@ -143,27 +141,6 @@ def _stack_heads(bias_BQK: Tensor, repeat: int) -> Tensor:
         .expand(rows, 1, repeat, width, columns)
         .reshape(rows, 1, repeat * width, columns)
     )
-
-
-def _partial_attention(
-    q_BHLD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, bias: Tensor | None, scale: float, fused: bool
-) -> tuple[Tensor, Tensor]:
-    """Softmax attention of q over k, v with an additive bias: (output [B, H, L, D], float32
-    log-sum-exp of the scaled, biased scores [B, H, L]; -inf and output 0 where a query sees
-    nothing)."""
-    if fused:
-        mask = None if bias is None else bias.to(q_BHLD.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHLD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale
-        )
-        return out, lse.float()
-    scores = torch.matmul(q_BHLD, k_BHSD.transpose(-1, -2)).float().mul_(scale)
-    if bias is not None:
-        scores.add_(bias)
-    lse = scores.logsumexp(-1)
-    safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)
-    weights = (scores - safe_lse[..., None]).exp().to(q_BHLD.dtype)
-    return torch.matmul(weights, v_BHSD), lse
 
 
 def _own_eager(module: nn.Module):

@@ -51,6 +51,11 @@ class FanoutKVCache:
         self.prefix_row = {gid: row for row, gid in enumerate(prefix_ids)}
         self.group_ids_B = list(group_ids_B)
         self._layout: tuple[Tensor | None, int, Tensor] | None = None
+        # Per layout: the longest prefix, and the prefix bias of full-attention layers (it
+        # does not depend on the query positions); reset with the layout.
+        self._prefix_columns: int | None = None
+        self._full_prefix_bias: dict[int, Tensor | None] = {}
+        self._uniform = False  # this pass: every row holds the same own length (see begin)
 
     # ------------------------------------------------------------ sizes
 
@@ -87,10 +92,27 @@ class FanoutKVCache:
             self._layout = (slot_B, m, prefix_lengths_B)
         return self._layout
 
-    def begin(self, num_new_B: Tensor) -> Tensor:
-        """Append num_new_B[b] positions to row b; returns their absolute position ids [B, Q]."""
-        own_positions_BQ = self.own.begin(num_new_B)
+    def begin(self, num_new_B: Tensor, uniform: tuple[int, int] | None = None) -> Tensor:
+        """Append num_new_B[b] positions to row b; returns their absolute position ids [B, Q].
+        `uniform` = (width, longest) as in KVCache.begin, and more: the caller knows every
+        row's own part then holds `longest` positions (the sampler's decode passes: all rows
+        start together and each pass adds one to every row), so every own column is visible
+        to every query and the masks need nothing read back from the device."""
+        own_positions_BQ = self.own.begin(num_new_B, uniform)
+        self._uniform = uniform is not None
         return own_positions_BQ + self._group_layout()[2][:, None]
+
+    def _longest_prefix(self) -> int:
+        if self._prefix_columns is None:
+            self._prefix_columns = int(self.prefix.lengths_B[: self.prefix.num_rows].max())
+        return self._prefix_columns
+
+    def placeholder_columns(self, positions_BQ: Tensor) -> int:
+        """Columns of the placeholder mask a pass hands the model: its last position + 1."""
+        if self._uniform:
+            # Rows hold the same own length, so the last position is the longest prefix's.
+            return self._longest_prefix() + self.own.visible_columns()
+        return int(positions_BQ.max()) + 1
 
     def attention_masks(
         self, positions_BQ: Tensor, layer_types: list[str], sliding_window: int | None
@@ -99,7 +121,7 @@ class FanoutKVCache:
         its prefix, and own columns at positions <= p (and > p - window for sliding layers)."""
         slot_B, m, prefix_lengths_B = self._group_layout()
         device = positions_BQ.device
-        prefix_columns = int(self.prefix.lengths_B[: self.prefix.num_rows].max())
+        prefix_columns = self._longest_prefix()
         own_columns = self.own.visible_columns()
         prefix_P = torch.arange(prefix_columns, device=device)
         own_BS = prefix_lengths_B[:, None] + torch.arange(own_columns, device=device)[None, :]
@@ -117,15 +139,24 @@ class FanoutKVCache:
                     prefix_P[None, None, :] > query_BQ1 - sliding_window
                 )
                 own_visible = own_visible & (own_BS[:, None, :] > query_BQ1 - sliding_window)
+            width = positions_BQ.shape[1]
+            if sliding:
+                prefix_bias = _bias(prefix_visible, width)
+            else:
+                if width not in self._full_prefix_bias:
+                    self._full_prefix_bias[width] = _bias(prefix_visible, width)
+                prefix_bias = self._full_prefix_bias[width]
+            uniform_own = self._uniform and not sliding
             masks[layer_type] = SharedPrefixAttention(
                 prefix_kv,
                 slot_B,
                 m,
-                _bias(prefix_visible, positions_BQ.shape[1]),
-                _bias(own_visible, positions_BQ.shape[1]),
-                # The CPU kernel gives a query that sees no column a log-sum-exp of 0, not
-                # -inf; only a window can hide a whole prefix.
-                fused=device.type == "cpu" and not sliding,
+                prefix_bias,
+                None if uniform_own else _bias(own_visible, width),
+                # The fused kernels (CPU flash, CUDA memory-efficient) are not trusted with a
+                # query that sees no column (the CPU one gives it a log-sum-exp of 0, not
+                # -inf); only a window can hide a whole prefix.
+                fused=device.type in ("cpu", "cuda") and not sliding,
             )
         return masks
 
@@ -159,7 +190,7 @@ class FanoutKVCache:
             sources = [self.prefix_row[g] for g in order]
             self.prefix.keep(torch.tensor(sources, dtype=torch.int64, device=self.own.kv.device))
             self.prefix_row = {g: row for row, g in enumerate(order)}
-        self._layout = None
+        self._reset_layout()
 
     def replace_prefix(self, group_id: int, source: KVCache, source_row: int) -> None:
         """The prefix of `group_id` becomes a copy of `source_row` of `source` (new weights)."""
@@ -170,7 +201,12 @@ class FanoutKVCache:
             torch.tensor([source_row], device=device),
             torch.tensor([row], device=device),
         )
+        self._reset_layout()
+
+    def _reset_layout(self) -> None:
         self._layout = None
+        self._prefix_columns = None
+        self._full_prefix_bias = {}
 
     def subset(self, own: KVCache, group_ids_B: list[int]) -> FanoutKVCache:
         """A cache whose rows, the (new, empty) rows of `own`, continue prefixes of this one:

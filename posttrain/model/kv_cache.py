@@ -90,16 +90,25 @@ class KVCache:
 
     # ------------------------------------------------------------ one forward pass
 
-    def begin(self, num_new_B: Tensor) -> Tensor:
+    def begin(self, num_new_B: Tensor, uniform: tuple[int, int] | None = None) -> Tensor:
         """Prepare a pass that appends num_new_B[b] positions to row b; returns position ids
-        [B, Q] (Q = max num_new_B; positions past a row's num_new are padding)."""
+        [B, Q] (Q = max num_new_B; positions past a row's num_new are padding).
+
+        `uniform` = (width, longest): the caller knows that every row appends `width`
+        positions and that the longest row then holds `longest` (the sampler's decode passes),
+        so nothing is read back from the device."""
         assert num_new_B.shape == (self.num_rows,), "one count per row"
         lengths_B = self.lengths_B[: self.num_rows]
-        width = int(num_new_B.max())
-        assert int((lengths_B + num_new_B).max()) <= self.capacity, "KV cache capacity exceeded"
+        if uniform is None:
+            width = int(num_new_B.max())
+            longest = int((lengths_B + num_new_B).max())
+            same_width = bool((num_new_B == width).all())
+        else:
+            (width, longest), same_width = uniform, True
+        assert longest <= self.capacity, "KV cache capacity exceeded"
         offsets_Q = torch.arange(width, device=lengths_B.device)
         positions_BQ = lengths_B[:, None] + offsets_Q[None, :]
-        if bool((num_new_B == width).all()):
+        if same_width:
             self._valid_BQ = None
             rows_B = torch.arange(self.num_rows, device=lengths_B.device)
             self._rows_W = rows_B.repeat_interleave(width)
@@ -115,7 +124,7 @@ class KVCache:
         self._num_new_B = num_new_B
         # Padding positions may lie past the capacity; they are never stored, so the visible
         # columns end at the last real position.
-        self._visible = int((lengths_B + num_new_B).max())
+        self._visible = longest
         return positions_BQ
 
     def attention_masks(
@@ -131,6 +140,10 @@ class KVCache:
             recent_BQK = columns_K[None, None, :] > positions_BQ[:, :, None] - sliding_window
             masks["sliding_attention"] = (causal_BQK & recent_BQK)[:, None]
         return masks
+
+    def placeholder_columns(self, positions_BQ: Tensor) -> int:
+        """Columns of the placeholder mask a pass hands the model: its last position + 1."""
+        return int(positions_BQ.max()) + 1
 
     def visible_columns(self) -> int:
         """Columns the current pass's attention reads (set by begin)."""

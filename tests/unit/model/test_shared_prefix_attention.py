@@ -170,3 +170,46 @@ def test_the_installed_implementation_is_sdpa_for_ordinary_masks():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="cannot be served"):
         attention.install(model)
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_uniform_decode_passes_give_the_masks_positions_and_placeholder_of_plain_ones(layer_type):
+    """begin(..., uniform=(1, longest)) (the sampler's decode passes: every row holds the same
+    own length) reads nothing back from the device and changes nothing it computes, over
+    passes that reuse what the cache keeps per layout."""
+    prompt_lengths, own_length = [5, 2, 7], 3
+    group_of_row = [0, 2, 0, 1]
+
+    def fanout() -> FanoutKVCache:
+        generator = torch.Generator().manual_seed(3)
+        prefix = kv_cache(3, max(prompt_lengths))
+        for row, n in enumerate(prompt_lengths):
+            prefix.write_span(
+                row, 0, torch.randn(LAYERS, 2, KV_HEADS, n, HEAD_DIM, generator=generator)
+            )
+        own = kv_cache(len(group_of_row), 8)
+        for row in range(len(group_of_row)):
+            own.write_span(row, 0, torch.zeros(LAYERS, 2, KV_HEADS, own_length, HEAD_DIM))
+        return FanoutKVCache(prefix, [0, 1, 2], own, group_of_row)
+
+    ones = torch.ones(len(group_of_row), dtype=torch.int64)
+    passes: dict[bool, list] = {False: [], True: []}
+    for hinted in (False, True):
+        cache = fanout()
+        for step in range(3):
+            uniform = (1, own_length + step + 1) if hinted else None
+            positions = cache.begin(ones, uniform)
+            mask = cache.attention_masks(positions, [layer_type], 3)[layer_type]
+            passes[hinted].append((positions, mask, cache.placeholder_columns(positions)))
+            assert cache.own.visible_columns() == own_length + step + 1
+            cache.commit()
+    for (positions, plain, columns), (hinted_positions, hinted, hinted_columns) in zip(
+        passes[False], passes[True], strict=True
+    ):
+        assert torch.equal(positions, hinted_positions)
+        assert columns == hinted_columns == int(positions.max()) + 1
+        for name in ("prefix_bias_BQP", "own_bias_BQS"):
+            a, b = getattr(plain, name), getattr(hinted, name)
+            # A plain pass finds every own column visible too (None) unless a window hides some.
+            assert (a is None and b is None) or torch.equal(a, b), name
+        assert plain.fused == hinted.fused and torch.equal(plain.prefix_kv, hinted.prefix_kv)

@@ -56,18 +56,11 @@ from posttrain.types import (  # noqa: E402
     TrainingSample,
 )
 
+# isort: split
+from sampling import RANDOM_CONFIGS  # noqa: E402  (bench/ is this script's folder)
+
 CE = LossConfig(LossType.CROSS_ENTROPY)
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=True,
-    rope_theta=1e6,
-)
+QWEN3_0_6B = {**RANDOM_CONFIGS["qwen3-0.5b"], "rope_theta": 1e6}  # Qwen3-0.6B's shape
 SMALL = dict(
     vocab_size=512,
     hidden_size=128,

@@ -22,7 +22,7 @@ import pytest
 from conftest import ServerProcess
 from helpers import API_KEY, BASE_MODEL, open_session, sft_sample
 from test_trainer_ranks import LORA as RL_LORA
-from test_trainer_ranks import rl_loop
+from test_trainer_ranks import assert_equal_across_ranks, rl_loop
 from test_worker_processes import CE, FAST, LORA, PROMPT, TOKENS, alive, loop, scored, train
 from together.post_training import ModelResourcesClient, SessionClient
 
@@ -228,9 +228,4 @@ def test_trainer_ranks_and_replicas_on_ray_equal_the_in_thread_engine(tmp_path):
         in_thread = rl_loop(twin, 2)
     finally:
         thread.stop()
-    for (tokens, loss, metrics), (want_tokens, want_loss, want_metrics) in zip(
-        on_ray, in_thread, strict=True
-    ):
-        assert tokens == want_tokens
-        assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
-        assert metrics == pytest.approx(want_metrics, rel=1e-5, abs=1e-7)
+    assert_equal_across_ranks(on_ray, in_thread)

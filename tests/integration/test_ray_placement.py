@@ -1,7 +1,7 @@
 """`posttrain serve --ray local`: a resource's trainer worker (or trainer ranks) and generator
 replicas as Ray actors in a placement group of its own (engine/ray_placement.py). Through the
 SDK against a real server: an SDK loop on a resource with two replicas gets exactly what the
-in-thread engine gives, and one on two trainer ranks and a replica what it gives within
+in-thread engine gives, and one on two trainer ranks and two replicas what it gives within
 rounding; a killed trainer or replica actor fails its operation with INTERNAL_ERROR naming it
 and the session carries on; the actors and the group live as long as the resource, and
 neither they nor the Ray instance outlive the server. One Ray start at a time."""
@@ -195,10 +195,10 @@ def test_a_loop_on_ray_actors_equals_the_in_thread_engine(ray_server, tmp_path):
 
 
 def test_trainer_ranks_and_replicas_on_ray_equal_the_in_thread_engine(tmp_path):
-    """`--ray local --trainer-ranks 2 --generators process`: the ranks and the replica are
-    actors of the resource's placement group, and an RL loop gets what the in-thread engine
-    gets (losses within 1e-5 relative across ranks, the same tokens). After the module's
-    other server (one local Ray instance at a time)."""
+    """`--ray local --trainer-ranks 2 --generators process`, two replicas: the ranks and the
+    replicas are actors of the resource's placement group, and an RL loop gets what the
+    in-thread engine gets (losses within 1e-5 relative across ranks, the same tokens). After
+    the module's other server (one local Ray instance at a time)."""
     (tmp_path / "ray").mkdir()
     (tmp_path / "thread").mkdir()
     args = ("--poll-hold-seconds", "0", "--trainer-ranks", "2", "--generators", "process")
@@ -208,7 +208,7 @@ def test_trainer_ranks_and_replicas_on_ray_equal_the_in_thread_engine(tmp_path):
             base_url=server.base_url,
             api_key=API_KEY,
             base_model=BASE_MODEL,
-            compute_config={"num_generator_replicas": 1},
+            compute_config={"num_generator_replicas": 2},
             interval=0.2,
         )
         session = resources.create_session(interval=0.2, lora_config=RL_LORA)
@@ -216,9 +216,10 @@ def test_trainer_ranks_and_replicas_on_ray_equal_the_in_thread_engine(tmp_path):
         group = f"posttrain-{resources.model_resources_id}"
         state = ray_state(ray_address(server))
         names = [n for n in state["actors"] if n.startswith(f"{group}-")]
-        assert sorted(n.split("-")[-2] for n in names) == ["generator0", "rank0", "rank1"]
+        roles = ["generator0", "generator1", "rank0", "rank1"]
+        assert sorted(n.split("-")[-2] for n in names) == roles
         (placed,) = [g for g in state["groups"] if g["name"] == group]
-        assert placed["bundles"] == [{"CPU": 1.0}] * 3
+        assert placed["bundles"] == [{"CPU": 1.0}] * 4
     finally:
         server.stop()
 

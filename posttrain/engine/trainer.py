@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +38,7 @@ from posttrain.engine.logprobs import target_logprobs
 from posttrain.engine.losses import LOSSES
 from posttrain.engine.routes import forced_routes
 from posttrain.engine.state import ResourceState, SessionState
+from posttrain.engine.token_gradients import TokenGradient, given_gradient, token_gradient
 from posttrain.errors import NonFiniteLoss
 from posttrain.model.logit_head import output_head
 from posttrain.model.routing import replay as replay_routes
@@ -117,11 +119,16 @@ def _shared_pass(
     train = any(not m.request.forward_only for m in members)
     scoring_only = [m.session for m in members if m.request.forward_only]
     scored: dict[int, _Scored] = {}
+    gradient = None
+    if len(members) == 1 and train and resource.group is None:
+        (lone,) = members
+        loss_batch = member_loss_batch(merged, lone.rows, lone.request.samples)
+        gradient = token_gradient(lone.request.loss, loss_batch)
     with (
         torch.set_grad_enabled(train),
         _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
     ):
-        logprobs_ST = _batch_logprobs(config, resource, merged, routing)
+        logprobs_ST = _batch_logprobs(config, resource, merged, routing, gradient)
         trainable: list[tuple[_Member, Tensor]] = []
         for member in members:
             samples = member.request.samples
@@ -176,7 +183,8 @@ def custom_forward_backward(
     routing: Routing = [(session.trainer_key, None)]
     valid_ST = packed.loss_batch.valid_ST
     if resource.group is None:
-        logprobs_ST = forward_logprobs(config, resource, packed, routing)
+        gradient = given_gradient(gradients_ST, valid_ST)
+        logprobs_ST = forward_logprobs(config, resource, packed, routing, gradient=gradient)
     else:  # the surrogate is a sum over rows: each rank back-propagates its own
         rows = resource.group.shares(packed.lengths_S)[resource.group.rank]
         logprobs_ST = forward_logprobs(config, resource, packed, routing, rows=rows)
@@ -193,12 +201,17 @@ def optim_step(session: SessionState, request: OptimStepRequest) -> None:
 
 
 def _batch_logprobs(
-    config: EngineConfig, resource: ResourceState, merged: PackedBatch, routing: Routing
+    config: EngineConfig,
+    resource: ResourceState,
+    merged: PackedBatch,
+    routing: Routing,
+    gradient: TokenGradient | None,
 ) -> Tensor:
     """The shared pass's [S, T] logprobs: forwarded here, or by a trainer group's ranks each
-    forwarding its share of the rows (engine/data_parallel.py)."""
+    forwarding its share of the rows (engine/data_parallel.py). `gradient`: a lone member's
+    per-token loss gradient (engine/token_gradients.py), None otherwise."""
     if resource.group is None:
-        return forward_logprobs(config, resource, merged, routing)
+        return forward_logprobs(config, resource, merged, routing, gradient=gradient)
     return resource.group.logprobs(
         lambda rows: forward_logprobs(config, resource, merged, routing, rows=rows),
         merged.lengths_S,
@@ -214,6 +227,7 @@ def forward_logprobs(
     routing: Routing,
     *,
     rows: list[int] | None = None,
+    gradient: TokenGradient | None = None,
 ) -> Tensor:
     """float32 [S, T] logprob of each target token, 0.0 at padding, with each adapter of
     `routing` applied to its rows (positions in `packed`; None: every row). With `rows`, only
@@ -232,7 +246,9 @@ def forward_logprobs(
         chosen = [[rows[i] for i in bucket] for bucket in buckets]
         valid_ST = valid_ST[rows]
     pieces_BL = [
-        _bucket_logprobs(config, resource, packed, bucket, bucket_routing(routing, bucket))
+        _bucket_logprobs(
+            config, resource, packed, bucket, bucket_routing(routing, bucket), gradient
+        )
         for bucket in chosen
     ]
     logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
@@ -247,9 +263,10 @@ def _bucket_logprobs(
     packed: PackedBatch,
     rows: list[int],
     routing: list[tuple[str, list[int] | None]],
+    gradient: TokenGradient | None = None,
 ) -> Tensor:
     """float32 [B, L] logprobs of one bucket's rows, L its longest row; `routing` in
-    bucket positions."""
+    bucket positions; `gradient` in batch rows."""
     device = resource.loaded.device
     index_B = torch.tensor(rows, device=device)
     width = max(packed.lengths_S[row] for row in rows)
@@ -278,6 +295,7 @@ def _bucket_logprobs(
             take(packed.targets_ST),
             chunk_tokens=config.logprob_chunk_tokens,
             recompute_context=lambda: lora.route(assignments),
+            gradient=None if gradient is None else partial(gradient, rows),
         )
 
 

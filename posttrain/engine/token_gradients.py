@@ -27,8 +27,9 @@ from torch import Tensor
 from posttrain.engine.losses import LOSSES, LossBatch
 from posttrain.types import GrpoParams, GrpoRatioType, LossConfig, LossType
 
-# (batch rows of the chunk, its first column, its logprobs [B, C]) -> dL/dx [B, C].
-TokenGradient = Callable[[list[int], int, Tensor], Tensor]
+# (batch rows, columns, logprobs): index tensors broadcasting to the logprobs' shape (a chunk's
+# [B, 1] rows and [1, C] columns, or [1, N] of each for picked positions) -> dL/dx there.
+TokenGradient = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 # Losses whose gradient at a token reads only that token's logprob (losses.md 2-9). GRPO's
 # sequence ratio (GSPO) reads the mean over the sample and is left out.
@@ -60,11 +61,9 @@ def token_gradient(loss: LossConfig, batch: LossBatch) -> TokenGradient | None:
     loss_fn = LOSSES[loss.type]
     valid_ST = batch.valid_ST
 
-    def gradient(rows: list[int], start: int, logprobs_BC: Tensor) -> Tensor:
-        index_B = torch.tensor(rows, device=valid_ST.device)
-        columns = slice(start, start + logprobs_BC.shape[1])
+    def gradient(rows: Tensor, columns: Tensor, logprobs_BC: Tensor) -> Tensor:
         x_ST = torch.zeros(valid_ST.shape, device=valid_ST.device)
-        x_ST[index_B, columns] = logprobs_BC.detach()
+        x_ST[rows, columns] = logprobs_BC.detach()
         # The trainer hands the loss where(valid, logprobs, 0): the same values here.
         x_ST = torch.where(valid_ST, x_ST, 0.0).requires_grad_()
         with torch.enable_grad():
@@ -73,7 +72,7 @@ def token_gradient(loss: LossConfig, batch: LossBatch) -> TokenGradient | None:
                 return torch.zeros_like(logprobs_BC)
             (g_ST,) = torch.autograd.grad(value, x_ST)
         # where's backward: padding positions receive 0 whatever the loss says of them.
-        return torch.where(valid_ST, g_ST, 0.0)[index_B, columns]
+        return torch.where(valid_ST, g_ST, 0.0)[rows, columns]
 
     return gradient
 
@@ -83,8 +82,17 @@ def given_gradient(gradients_ST: Tensor, valid_ST: Tensor) -> TokenGradient:
     the client's g itself, 0 at padding."""
     masked_ST = torch.where(valid_ST, gradients_ST, 0.0)
 
-    def gradient(rows: list[int], start: int, logprobs_BC: Tensor) -> Tensor:
-        index_B = torch.tensor(rows, device=masked_ST.device)
-        return masked_ST[index_B, start : start + logprobs_BC.shape[1]]
+    def gradient(rows: Tensor, columns: Tensor, logprobs_BC: Tensor) -> Tensor:
+        return masked_ST[rows, columns]
 
     return gradient
+
+
+def needed_positions(loss: LossConfig, batch: LossBatch) -> Tensor:
+    """[S, T] bool: the positions whose logprob `loss` reads (its inclusion m, losses.md 1.3).
+    Every loss reads x only where m is 1 and reports 0 elsewhere, so a forward-backward need
+    not run the output head at the others (an RL batch's prompt positions). m depends on the
+    weights or mask alone, so the loss on zeros gives it."""
+    with torch.no_grad():
+        zeros_ST = torch.zeros(batch.valid_ST.shape, device=batch.valid_ST.device)
+        return LOSSES[loss.type](zeros_ST, batch, loss.params).included_ST

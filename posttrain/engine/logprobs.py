@@ -12,7 +12,8 @@ the numerics of the two forward passes. The log-softmax runs over chunks of posi
 - a LoRA head (train_unembed) of one adapter on every row, when the caller knows each token's
   loss gradient g_t as soon as the chunk's logprobs exist (a per-token loss,
   engine/token_gradients.py): the adapter's gradients and the hidden states' are formed in
-  forward from g_t (onehot - softmax_t) and kept ([R, H] + [V, R] per chunk, [tokens, H]);
+  forward from g_t (onehot - softmax_t) and kept ([R, H] + [V, R] summed over the chunks,
+  [tokens, H]);
   backward hands them on after checking that the gradient it receives is that g exactly
   (else it recomputes the chunk), so this head too costs two head matmuls;
 - any other head (several sessions' adapters, dropout on the head, full-weight training, a
@@ -96,6 +97,61 @@ def _lora_logits(hidden: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor,
     return out.add_(delta, alpha=scale)
 
 
+class _HeadAdapterGradients:
+    """The adapter gradients of all of one call's chunks, summed as they are formed, so a
+    trained head keeps one [R, H] + [V, R] pair, not one per chunk. The chunk whose backward
+    runs last hands the sum to autograd; the others hand on nothing for the adapter."""
+
+    def __init__(self) -> None:
+        self.grad_A: Tensor | None = None
+        self.grad_B: Tensor | None = None
+        self.pending = 0
+
+    def add(self, grad_A: Tensor, grad_B: Tensor, sign: float = 1.0) -> None:
+        if self.grad_A is None or self.grad_B is None:
+            self.grad_A, self.grad_B = grad_A * sign, grad_B * sign
+        else:
+            self.grad_A.add_(grad_A, alpha=sign)
+            self.grad_B.add_(grad_B, alpha=sign)
+
+
+def _fused_grads(
+    hidden_BCH: Tensor,
+    targets_BC: Tensor,
+    weight_VH: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scale: float,
+    gradient: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs, g, dh, dA, dB) of one chunk, g = gradient(logprobs) the loss's token
+    gradients, by the formulas of _TrainedHeadLogprobs."""
+    # The order of autograd's own backward of the recomputed chunk, so both agree to float32
+    # rounding: softmax as exp(logprobs), dlogits = g onehot - g softmax, the scale applied
+    # to dlogits before the adapter's matmuls (as add_'s alpha is in backward).
+    work_BCV = _lora_logits(hidden_BCH, weight_VH, lora_A, lora_B, scale).float()
+    index_BC1 = targets_BC.unsqueeze(-1)
+    work_BCV.sub_(work_BCV.amax(dim=-1, keepdim=True))
+    log_sum_BC1 = torch.logsumexp(work_BCV, dim=-1, keepdim=True)
+    logprobs_BCV = work_BCV.sub_(log_sum_BC1)
+    logprobs_BC = logprobs_BCV.gather(-1, index_BC1).squeeze(-1)
+    g_BC = gradient(logprobs_BC)
+    g_BC1 = g_BC.unsqueeze(-1)
+    dlogits_BCV = logprobs_BCV.exp_().mul_(-g_BC1).scatter_add_(-1, index_BC1, g_BC1)
+    dlogits_NV = dlogits_BCV.flatten(0, 1)
+    hidden_NH = hidden_BCH.flatten(0, 1).to(lora_A.dtype)
+    scaled_NV = dlogits_NV * scale
+    through_B_NR = scaled_NV @ lora_B
+    grad_A = through_B_NR.t() @ hidden_NH
+    grad_B = scaled_NV.t() @ (hidden_NH @ lora_A.t())
+    del scaled_NV
+    # Cast as autograd would cast the float32 logits' gradient back to the head's dtype.
+    grad_NH = (dlogits_NV.to(weight_VH.dtype) @ weight_VH).to(lora_A.dtype)
+    grad_NH.add_(through_B_NR @ lora_A)
+    grad_BCH = grad_NH.view_as(hidden_BCH).to(hidden_BCH.dtype)
+    return logprobs_BC, g_BC, grad_BCH, grad_A, grad_B
+
+
 class _TrainedHeadLogprobs(torch.autograd.Function):
     """logprob of each target under a frozen linear head plus one LoRA adapter, all gradients
     formed in forward from the token gradients g (see the module docstring):
@@ -115,45 +171,43 @@ class _TrainedHeadLogprobs(torch.autograd.Function):
         scale: float,
         gradient: ChunkGradient,
         start: int,
+        summed: _HeadAdapterGradients,
     ) -> Tensor:
-        # The order of autograd's own backward of the recomputed chunk, so both agree to float32
-        # rounding: softmax as exp(logprobs), dlogits = g onehot - g softmax, the scale applied
-        # to dlogits before the adapter's matmuls (as add_'s alpha is in backward).
-        work_BCV = _lora_logits(hidden_BCH, weight_VH, lora_A, lora_B, scale).float()
-        index_BC1 = targets_BC.unsqueeze(-1)
-        work_BCV.sub_(work_BCV.amax(dim=-1, keepdim=True))
-        log_sum_BC1 = torch.logsumexp(work_BCV, dim=-1, keepdim=True)
-        logprobs_BCV = work_BCV.sub_(log_sum_BC1)
-        logprobs_BC = logprobs_BCV.gather(-1, index_BC1).squeeze(-1)
-        g_BC = gradient(start, logprobs_BC)
-        g_BC1 = g_BC.unsqueeze(-1)
-        dlogits_BCV = logprobs_BCV.exp_().mul_(-g_BC1).scatter_add_(-1, index_BC1, g_BC1)
-        dlogits_NV = dlogits_BCV.flatten(0, 1)
-        hidden_NH = hidden_BCH.flatten(0, 1).to(lora_A.dtype)
-        scaled_NV = dlogits_NV * scale
-        through_B_NR = scaled_NV @ lora_B
-        grad_A = through_B_NR.t() @ hidden_NH
-        grad_B = scaled_NV.t() @ (hidden_NH @ lora_A.t())
-        del scaled_NV
-        # Cast as autograd would cast the float32 logits' gradient back to the head's dtype.
-        grad_NH = (dlogits_NV.to(weight_VH.dtype) @ weight_VH).to(lora_A.dtype)
-        grad_NH.add_(through_B_NR @ lora_A)
-        grad_BCH = grad_NH.view_as(hidden_BCH).to(hidden_BCH.dtype)
+        logprobs_BC, g_BC, grad_BCH, grad_A, grad_B = _fused_grads(
+            hidden_BCH, targets_BC, weight_VH, lora_A, lora_B, scale,
+            lambda logprobs: gradient(start, logprobs),
+        )  # fmt: skip
+        summed.add(grad_A, grad_B)
+        summed.pending += 1
         ctx.save_for_backward(hidden_BCH, targets_BC, weight_VH, lora_A, lora_B, g_BC)
-        ctx.predicted = (grad_BCH, grad_A, grad_B)
+        ctx.grad_BCH = grad_BCH
         ctx.scale = scale
+        ctx.summed = summed
         return logprobs_BC
 
     @staticmethod
     def backward(ctx, grad_BC: Tensor):
         hidden, targets, weight, lora_A, lora_B, g_BC = ctx.saved_tensors
-        grads = ctx.predicted
-        del ctx.predicted  # free them with the graph's other buffers
+        summed: _HeadAdapterGradients = ctx.summed
+        grad_h, grad_A, grad_B = ctx.grad_BCH, None, None
+        del ctx.grad_BCH, ctx.summed  # free them with the graph's other buffers
         if not torch.equal(grad_BC, g_BC):
             chunk_paths["recomputed"] += 1
-            grads = _recomputed_lora_grads(hidden, targets, weight, lora_A, lora_B, ctx.scale,
-                                           grad_BC)  # fmt: skip
-        return grads[0], None, None, grads[1], grads[2], None, None, None
+            # Take this chunk's predicted share back out of the sum and give its true one.
+            _, _, _, predicted_A, predicted_B = _fused_grads(
+                hidden, targets, weight, lora_A, lora_B, ctx.scale, lambda _: g_BC
+            )
+            summed.add(predicted_A, predicted_B, sign=-1.0)
+            grad_h, grad_A, grad_B = _recomputed_lora_grads(
+                hidden, targets, weight, lora_A, lora_B, ctx.scale, grad_BC
+            )
+        summed.pending -= 1
+        if summed.pending == 0:  # the last chunk: the sum of every chunk's share
+            assert summed.grad_A is not None and summed.grad_B is not None
+            grad_A = summed.grad_A if grad_A is None else grad_A + summed.grad_A
+            grad_B = summed.grad_B if grad_B is None else grad_B + summed.grad_B
+            summed.grad_A = summed.grad_B = None
+        return grad_h, None, None, grad_A, grad_B, None, None, None, None
 
 
 def _recomputed_lora_grads(hidden, targets, weight, lora_A, lora_B, scale, grad_BC):
@@ -211,6 +265,7 @@ def target_logprobs(
     training = torch.is_grad_enabled() and hidden_BTH.requires_grad
     weight = _frozen_weight(head) if training else None
     lone = _lone_adapter(head) if training and weight is None and gradient else None
+    summed = _HeadAdapterGradients()
     pieces: list[Tensor] = []
     for start in range(0, hidden_BTH.shape[1], chunk):
         hidden_BCH = hidden_BTH[:, start : start + chunk]
@@ -233,6 +288,7 @@ def target_logprobs(
                     adapter.scale,
                     gradient,
                     start,
+                    summed,
                 )
             )
         else:

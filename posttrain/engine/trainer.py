@@ -123,13 +123,12 @@ def _shared_pass(
     train = any(not m.request.forward_only for m in members)
     scoring_only = [m.session for m in members if m.request.forward_only]
     scored: dict[int, _Scored] = {}
-    gradient = needed_ST = None
-    if resource.group is None:
-        needed_ST = _needed(merged, members)
-        if len(members) == 1 and train:
-            (lone,) = members
-            loss_batch = member_loss_batch(merged, lone.rows, lone.request.samples)
-            gradient = token_gradient(lone.request.loss, loss_batch)
+    gradient = None
+    needed_ST = _needed(merged, members)
+    if len(members) == 1 and train and resource.group is None:
+        (lone,) = members
+        loss_batch = member_loss_batch(merged, lone.rows, lone.request.samples)
+        gradient = token_gradient(lone.request.loss, loss_batch)
     with (
         torch.set_grad_enabled(train),
         _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
@@ -223,7 +222,9 @@ def _batch_logprobs(
             config, resource, merged, routing, gradient=gradient, needed_ST=needed_ST
         )
     return resource.group.logprobs(
-        lambda rows: forward_logprobs(config, resource, merged, routing, rows=rows),
+        lambda rows: forward_logprobs(
+            config, resource, merged, routing, rows=rows, needed_ST=needed_ST
+        ),
         merged.lengths_S,
         merged.tokens_ST.shape[1],
         resource.loaded.device,
@@ -304,9 +305,12 @@ def _bucket_logprobs(
         # must see this bucket's routing again.
         targets_BL = take(packed.targets_ST)
         # The head's adapters select rows of the bucket: picked positions form one row, so
-        # they are picked only when one adapter applies to every row.
+        # they are picked only when one adapter applies to every row. Not yet with the
+        # token gradients of a trained head: that pair moved the two-rank test's gradients by
+        # 3e-5 relative (tests/unit/engine/test_trainer_group.py allows 1e-5), not understood.
         is_one_adapter = len(assignments) == 1 and assignments[0][1] is None
-        needed_BL = take(needed_ST) if needed_ST is not None and is_one_adapter else None
+        is_pickable = is_one_adapter and gradient is None
+        needed_BL = take(needed_ST) if needed_ST is not None and is_pickable else None
         # All needed, or none (the loss must still depend on the logprobs): every position.
         if needed_BL is None or bool(needed_BL.all()) or not bool(needed_BL.any()):
             rows_B1 = index_B.unsqueeze(1)

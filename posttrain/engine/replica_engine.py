@@ -108,6 +108,12 @@ class ReplicaEngine(LocalEngine):
             self._received = max(self._received, fence)
             self._staged = [c for c in self._staged if c[0] > fence]
 
+    def received(self, fence: int) -> None:
+        """Return once every change up to `fence` is here (kept, not yet applied)."""
+        with self._arrived:
+            while self._received < fence:
+                self._arrived.wait()
+
     def sample_batch(
         self,
         resource_id: str,
@@ -119,9 +125,8 @@ class ReplicaEngine(LocalEngine):
     ) -> list[list[SampleResult]]:
         """The generation at its FIFO place: apply the changes up to `fence`, then sample;
         PIPELINE installs that arrive meanwhile land between decode passes."""
+        self.received(fence)
         with self._arrived:
-            while self._received < fence:
-                self._arrived.wait()
             due = [c for c in self._staged if c[0] <= fence]
             self._staged = [c for c in self._staged if c[0] > fence]
         for change in due:

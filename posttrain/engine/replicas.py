@@ -227,6 +227,16 @@ class ReplicatedEngine:
         with state.lock:  # never between two buckets of an install
             return state.fence
 
+    def wait_received(self, resource_id: str) -> None:
+        """Return once every live replica holds every change staged so far (not yet applied:
+        a sample applies them at its fence). Staging never waits; this does, for operators
+        and tests that need a PIPELINE install wholly on a replica before a generation."""
+        state = self._required(resource_id)
+        fence = self.generator_fence(resource_id)
+        for replica in list(state.replicas):
+            if replica.alive:
+                replica.worker.call("received", (fence,), {})
+
     # ------------------------------------------------------------ what generators serve
 
     def create_session(self, resource_id: str, session_id: str, lora: LoraConfig | None) -> None:

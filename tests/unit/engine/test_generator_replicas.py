@@ -118,6 +118,7 @@ def test_a_pipeline_install_lands_mid_generation_and_a_synchronous_one_does_not(
     forward_backward(engine, "r", "s", ForwardBackwardRequest(BATCH, CE))
     engine.optim_step("r", "s", STEP)
     engine.publish("r", "s", version=4, mid_generation=True)  # PIPELINE
+    engine.wait_received("r")  # all its buckets are on the replica before the generation
     (result,) = sampled(engine, fence=third, lane=1)
     # The install was staged before the generation began: it lands at the first boundary.
     assert [s.version for s in result.policy_segments] == [3, 4]

@@ -13,9 +13,10 @@ value)`, so results and posttrain's errors arrive as themselves. The actors are 
 `posttrain` namespace, for operators and tests.
 
 A replica's staged changes go to its actor's `stage` method, which runs beside a call (the
-actor runs two at a time: one call, one stage), in fence order: the replica's one sender
-thread (engine/replicas.py) sends them one at a time, so a busy replica never holds a
-weights-sync and none arrives out of order.
+actor runs two at a time: one call, one stage), in fence order: the resource's one sender
+thread (engine/replicas.py) sends them one at a time, and the replica's inbox thread takes
+them (engine/replica_engine.py), so a busy replica never holds a weights-sync, a `stage` never
+waits for the broadcast it announces, and none arrives out of order.
 
 A callable argument cannot cross to an actor: an inline generator's `between_tokens` (the
 scheduler's hook that publishes PIPELINE weights-syncs mid-sample) is not passed, and those
@@ -136,7 +137,7 @@ class RayWorker:
 
     def stage(self, data: bytes) -> None:
         """Deliver one staged change and wait for it (the actor's second thread takes it
-        beside a running call); the replica's one sender thread (engine/replicas.py) calls
+        beside a running call); the resource's one sender thread (engine/replicas.py) calls
         this in fence order, so changes arrive in order."""
         if not self._staged or self.dead is not None:
             return

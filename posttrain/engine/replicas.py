@@ -9,9 +9,11 @@ sample never holds the trainer, and two replicas sample at the same time. Everyt
 sampling goes to the trainer.
 
 What each generator serves reaches the replicas as staged changes: create, drop, install. Each
-change of a resource has a number (its fence), and is sent to every replica over a one-way pipe
-the moment the trainer makes it (a publish, a restore, a checkpoint load), without waiting for a
-replica busy sampling: a thread in the replica receives it and keeps it. A sample carries the
+change of a resource has a number (its fence), and is sent to every replica the moment the
+trainer makes it (a publish, a restore, a checkpoint load), without waiting for a replica busy
+sampling: the resource's sender thread writes it down each replica's one-way pipe (an
+install's bytes by broadcast in the resource's weights group, engine/weights_broadcast.py),
+and a thread in the replica receives it and keeps it. A sample carries the
 fence of its place in its resource's FIFO; before it generates, the replica applies every staged
 change up to that fence and none after it. So a sample submitted after a weights-sync sees the
 new weights, and a sample submitted before it does not, whichever replica runs it and whenever.

@@ -519,10 +519,32 @@ def many_narrow_ops(
     return asyncio.run(gather())
 
 
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process's children so far: the server's, which
+    local_server starts. Read from /proc; 0 where there is none (the ratio then says nothing)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():  # fields[1]: parent pid; [11], [12]: utime, stime
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def bench_fanout(
     session: SessionClient, vocab: int, args: argparse.Namespace, probe: BusyProbe, label: str
 ) -> list[str]:
-    """N concurrent one-sample operations vs one N-sample operation of the same session."""
+    """N concurrent one-sample operations vs one N-sample operation of the same session.
+
+    Besides wall time it reports the CPU seconds each side spent: the client's (the SDK, this
+    process, all its threads) and the server's (every thread, the engine's included). Where
+    the SDK's own CPU for the N operations passes the target's budget (1.5 x the one
+    operation's wall time), no server can meet the target on this machine."""
     sizes: Sizes = args.sizes
     count = sizes.fanout
     prompt = model_input(random_tokens(random.Random(7), vocab, sizes.fanout_prompt_tokens))
@@ -534,18 +556,24 @@ def bench_fanout(
     for mode in MODES:
         phases: dict[str, list[Phase]] = {name: [] for name in shapes}
         tokens: dict[str, list[int]] = {name: [] for name in shapes}
+        client_cpu: dict[str, list[float]] = {name: [] for name in shapes}
+        server_cpu: dict[str, list[float]] = {name: [] for name in shapes}
         for rep in range(args.reps):
             for name in shapes if rep % 2 == 0 else reversed(list(shapes)):
                 busy_before = probe.read()
+                cpu_before, served_before = time.process_time(), children_cpu_seconds()
                 start = time.perf_counter()
                 results = shapes[name](session, prompt, params, count, mode)
                 seconds = time.perf_counter() - start
+                client_cpu[name].append(time.process_time() - cpu_before)
+                server_cpu[name].append(children_cpu_seconds() - served_before)
                 phase = Phase(1, seconds, probe.read() - busy_before)
                 phases[name].append(phase)
                 tokens[name].append(sample_tokens(results))
                 print(
                     f"  rep {rep + 1} fanout   {mode.name:<8} {name:<6} {seconds:6.2f} s"
-                    f"  {tokens[name][-1]} tokens  {probe.label} {phase.busy_share:4.0%}",
+                    f"  {tokens[name][-1]} tokens  {probe.label} {phase.busy_share:4.0%}"
+                    f"  CPU s: client {client_cpu[name][-1]:.3f} server {server_cpu[name][-1]:.3f}",
                     flush=True,
                 )
         narrow = statistics.median(p.seconds for p in phases["narrow"])
@@ -556,6 +584,11 @@ def bench_fanout(
             f" {wide:.2f} s ({statistics.median(tokens['wide']):.0f} tokens)"
             f"  ratio {count}x1/1x{count} {narrow / wide:.2f}x"
             f" (paired {paired_ratio(phases['narrow'], phases['wide']):.2f}x; target <= 1.5)"
+            f"; CPU s, narrow vs wide: SDK client {statistics.median(client_cpu['narrow']):.3f}"
+            f" vs {statistics.median(client_cpu['wide']):.3f}, server"
+            f" {statistics.median(server_cpu['narrow']):.3f}"
+            f" vs {statistics.median(server_cpu['wide']):.3f}"
+            f" (target budget {1.5 * wide:.3f} s of wall)"
         )
     return lines
 

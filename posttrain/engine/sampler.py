@@ -79,6 +79,19 @@ from posttrain.types import (
 # reserved for every row's max_tokens up front.
 DECODE_POSITIONS_PER_GROWTH = 256
 
+# Decode passes per block on an accelerator: the block's tokens and logprobs come back in one
+# transfer (one device synchronisation per 8 tokens instead of per token), for at most 7
+# discarded passes of a row that stops early and a PIPELINE weights switch up to 8 tokens
+# later. On the CPU a read-back costs nothing and each pass of a stopped row costs its full
+# compute, so blocks are CPU_BLOCK_STEPS = 1 pass there (the per-token path).
+DECODE_BLOCK_STEPS = 8
+CPU_BLOCK_STEPS = 1
+
+
+def default_block_steps(device: torch.device) -> int:
+    """Decode passes per block on `device` (see DECODE_BLOCK_STEPS)."""
+    return CPU_BLOCK_STEPS if device.type == "cpu" else DECODE_BLOCK_STEPS
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -111,14 +124,16 @@ def generate(
     *,
     versions: Mapping[str, WeightsVersion],
     between_tokens: Callable[[], None] | None = None,
+    block_steps: int | None = None,
 ) -> list[SampleResult]:
     """Sample every request; results align with `requests`.
 
     `versions` maps each adapter key to what it serves now and is read again after every
-    `between_tokens()` call, which may publish new weights (PIPELINE weights-sync)."""
+    `between_tokens()` call, which may publish new weights (PIPELINE weights-sync).
+    `block_steps`: decode passes per host read (None: default_block_steps of the device)."""
     attention.install(gm.model)
     with torch.no_grad():
-        return _generate(gm, requests, versions, between_tokens)
+        return _generate(gm, requests, versions, between_tokens, block_steps)
 
 
 def _plan(
@@ -165,8 +180,8 @@ def _record(gm: GeneratorModel, row: SampledRow, token: int, logprob: float) -> 
         row.stop_reason = StopReason.LENGTH
 
 
-def _sample_step(gm: GeneratorModel, batch: LiveRows, logits_BV: Tensor) -> list[int]:
-    """Draw and record one token for every live row; returns the batch positions still live."""
+def _draw(batch: LiveRows, logits_BV: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per live row and its logprob ([B] each), on the device: nothing read back."""
     logprobs_BV = log_softmax_float32(logits_BV)
     tokens_B = choose_tokens(
         logprobs_BV,
@@ -177,22 +192,39 @@ def _sample_step(gm: GeneratorModel, batch: LiveRows, logits_BV: Tensor) -> list
         batch.kind,
     )
     batch.last_tokens_B = tokens_B
-    logprobs_B = logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
-    tokens, logprobs = batch.to_host(tokens_B, logprobs_B)
-    if not all(map(math.isfinite, logprobs)):
-        # Finite logits give finite logprobs for every token the draw can pick (it never
-        # picks a zero-probability token), so only non-finite logits get here: NaN or
-        # infinite generator weights, or a forward that overflowed. No sample answers null.
-        raise NonFiniteLoss(
-            "the generator's logits are not finite (non-finite weights?): a sampled token"
-            " would have no logprob, so no sample of this pass is returned"
-        )
-    still_live = []
-    for i, (r, token, logprob) in enumerate(zip(batch.live, tokens, logprobs, strict=True)):
-        _record(gm, batch.rows[r], token, logprob)
-        if batch.rows[r].stop_reason is None:
-            still_live.append(i)
-    return still_live
+    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+def _record_steps(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    tokens_KB: list[list[int]],
+    logprobs_KB: list[list[float]],
+    routes_K: list[Tensor] | None = None,
+) -> list[int]:
+    """Record the K steps' tokens of every live row in order, each row up to its stop (the
+    tokens a row computed after it stopped are dropped: its random stream is its own, so no
+    other row saw them); returns the batch positions still live. `routes_K`: step k's
+    routes [B, 1, L, K], kept for the rows that were live when step k fed their last token."""
+    rows = batch.rows
+    for k, (tokens, logprobs) in enumerate(zip(tokens_KB, logprobs_KB, strict=True)):
+        for i, (r, token, logprob) in enumerate(zip(batch.live, tokens, logprobs, strict=True)):
+            row = rows[r]
+            if row.stop_reason is not None:
+                continue
+            if not math.isfinite(logprob):
+                # Finite logits give finite logprobs for every token the draw can pick (it
+                # never picks a zero-probability token), so only non-finite logits get here:
+                # NaN or infinite generator weights, or a forward that overflowed. No sample
+                # answers null.
+                raise NonFiniteLoss(
+                    "the generator's logits are not finite (non-finite weights?): a sampled"
+                    " token would have no logprob, so no sample of this pass is returned"
+                )
+            if routes_K is not None and row.routes is not None:
+                row.routes.append(routes_K[k][i, 0])
+            _record(gm, row, token, logprob)
+    return [i for i, r in enumerate(batch.live) if rows[r].stop_reason is None]
 
 
 def _generate(
@@ -200,6 +232,7 @@ def _generate(
     requests: list[GenerationRequest],
     versions: Mapping[str, WeightsVersion],
     between_tokens: Callable[[], None] | None,
+    block_steps: int | None,
 ) -> list[SampleResult]:
     device = gm.model.get_input_embeddings().weight.device
     groups, group_of_request, rows = _plan(gm, requests, versions)
@@ -209,7 +242,9 @@ def _generate(
     vocab = first_logits_GV.shape[-1]
     batch = LiveRows(rows, list(range(len(rows))), device, vocab)
     group_of_row_R = torch.tensor([row.group for row in rows], device=device)
-    batch.keep(_sample_step(gm, batch, first_logits_GV[group_of_row_R]))
+    first_B = _draw(batch, first_logits_GV[group_of_row_R])
+    tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
+    batch.keep(_record_steps(gm, batch, tokens_1B, logprobs_1B))
     if not batch.live:
         return _results(requests, groups, group_of_request, rows, segments)
     longest_completion = max(rows[r].params.max_tokens for r in batch.live)
@@ -220,32 +255,45 @@ def _generate(
     # Frees the prompts whose every sample already ended on its first token.
     cache.keep(torch.arange(len(batch.live), device=device))
     # Own positions every live row holds: all rows start decoding together and each pass adds
-    # one to every live row (a weights update recomputes them to the same count), so the
-    # host knows when the cache is full without asking the device.
+    # one to every row of the batch (a weights update recomputes them to the same count), so
+    # the host knows when the cache is full without asking the device.
     own_positions = 0
+    steps_per_block = block_steps if block_steps is not None else default_block_steps(device)
     while batch.live:
         if between_tokens is not None:
             between_tokens()
             _apply_new_weights(gm, batch, cache, groups, requests, versions, segments)
-        if own_positions >= cache.capacity:
-            cache.grow(cache.capacity + DECODE_POSITIONS_PER_GROWTH)
-        assert batch.last_tokens_B is not None
-        routes_out = [] if batch.wants_routes else None
-        hidden_B1H = forward_rows(
-            gm,
-            cache,
-            batch.last_tokens_B[:, None],
-            batch.ones_B,
-            batch.keys,
-            routes_out,
-            uniform=(1, own_positions + 1),
+        # No row runs past the longest max_tokens still wanted: the last block is shortened.
+        steps = min(
+            steps_per_block,
+            max(rows[r].params.max_tokens - len(rows[r].tokens) for r in batch.live),
         )
-        own_positions += 1
-        if routes_out is not None:
-            for i, r in enumerate(batch.live):
-                if rows[r].routes is not None:
-                    rows[r].routes.append(routes_out[0][i, 0])
-        keep = _sample_step(gm, batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
+        if own_positions + steps > cache.capacity:
+            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))
+        routes_K: list[Tensor] | None = [] if batch.wants_routes else None
+        tokens_KB: list[Tensor] = []
+        logprobs_KB: list[Tensor] = []
+        for _ in range(steps):
+            assert batch.last_tokens_B is not None
+            routes_out = [] if routes_K is not None else None
+            hidden_B1H = forward_rows(
+                gm,
+                cache,
+                batch.last_tokens_B[:, None],
+                batch.ones_B,
+                batch.keys,
+                routes_out,
+                uniform=(1, own_positions + 1),
+            )
+            own_positions += 1
+            if routes_K is not None:
+                assert routes_out is not None
+                routes_K.append(routes_out[0])
+            tokens_B, logprobs_B = _draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
+            tokens_KB.append(tokens_B)
+            logprobs_KB.append(logprobs_B)
+        tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
+        keep = _record_steps(gm, batch, tokens, logprobs, routes_K)
         if len(keep) < len(batch.live):
             order = _fill_holes(keep)
             cache.keep(torch.tensor(order, dtype=torch.int64, device=device))

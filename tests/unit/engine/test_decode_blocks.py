@@ -1,0 +1,209 @@
+"""Decoding in blocks of K passes with one host read per block (engine/sampler.py) returns
+byte for byte what the per-token path (K = 1) returns: every token, logprob, stop reason and
+policy segment, for greedy, plain and shaped sampling, stop strings and tokens, max_tokens in
+the middle of a block, rows ending at different steps, shared prompts with several samples,
+several adapters in one pass, a family with sliding windows and another with soft-capping,
+and MoE routes. Rows that stop inside a block compute a few passes more, whose tokens are
+dropped; their random streams are their own, so nothing else changes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
+from posttrain.engine import sampler
+from posttrain.engine.local import LocalEngine
+from posttrain.types import LoraConfig, SampleRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+import families  # noqa: E402
+
+# 1 is the per-token path every other block size must reproduce. The prefix cache is off: a
+# cached prompt runs a shorter prefill, whose logits may differ in the last bits.
+BLOCKS = (1, 3, 8)
+
+
+def engine_for(models: dict[str, Path], model_id: str) -> LocalEngine:
+    engine = LocalEngine(
+        EngineConfig(device="cpu", logprob_chunk_tokens=5, prefix_cache_mib=0), models
+    )
+    engine.load_resource("r", model_id, muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
+    engine.create_session("r", "t", LoraConfig(rank=4, alpha=8, seed=2))
+    return engine
+
+
+def run_blocks(engine, monkeypatch, items) -> dict[int, list]:
+    """The sample_batch results of `items` per block size (CPU default switched to each)."""
+    results = {}
+    for steps in BLOCKS:
+        monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", steps)
+        results[steps] = engine.sample_batch("r", items)
+    return results
+
+
+def assert_identical(results: dict[int, list], *, exact: bool = False) -> None:
+    """The same tokens, stop reasons and segments as the per-token path; logprobs byte-identical
+    when `exact`, else equal up to float32 rounding. Why not always exact: a matrix product's
+    rows depend in their last bits on how many rows it has (CPU and GPU BLAS pick kernels by
+    size; on this CPU 1-3, 5-7 and 9-11 rows differ from 16), and the per-token path drops a
+    finished row at once while a block keeps it to the block's end. With no row ending
+    inside a block, both paths run the same shapes and agree byte for byte."""
+    reference = results[1]
+    for steps, got in results.items():
+        for ours, theirs in zip(got, reference, strict=True):
+            assert len(ours) == len(theirs)
+            for a, b in zip(ours, theirs, strict=True):
+                assert a.policy_segments == b.policy_segments
+                for x, y in zip(a.sequences, b.sequences, strict=True):
+                    assert x.tokens == y.tokens, steps
+                    assert x.stop_reason == y.stop_reason, steps
+                    if exact:
+                        assert x.logprobs == y.logprobs, steps
+                    else:
+                        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
+def mixed_items(encode) -> list[tuple[str, SampleRequest]]:
+    """Rows of two adapters ending at many different steps, inside blocks and on their edges."""
+    return [
+        ("s", SampleRequest((encode("12+34="),), 3, SamplingParams(max_tokens=5, seed=1))),
+        (
+            "t",
+            SampleRequest(
+                (encode("reverse ab:"),),
+                4,
+                SamplingParams(max_tokens=11, temperature=0.8, stop=("a",), seed=2),
+            ),
+        ),
+        (
+            "s",
+            SampleRequest(
+                (encode("1 2 3"), encode("hello")),
+                2,
+                SamplingParams(max_tokens=20, temperature=0.7, top_k=20, top_p=0.9, seed=3),
+            ),
+        ),
+        (
+            "t",
+            SampleRequest(
+                (encode("reverse reverse reverse"),),
+                2,
+                SamplingParams(max_tokens=13, temperature=0.0),
+            ),
+        ),
+        (
+            "s",
+            SampleRequest(
+                (encode("7+8="),),
+                3,
+                SamplingParams(max_tokens=17, temperature=1.3, top_p=0.5, seed=9),
+            ),
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def builtin() -> LocalEngine:
+    return engine_for({BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}, BUILTIN_MODEL_ID)
+
+
+def test_blocks_of_mixed_rows_and_two_adapters_equal_the_per_token_path(builtin, monkeypatch):
+    tokenizer = builtin._resource("r").loaded.tokenizer
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    results = run_blocks(builtin, monkeypatch, mixed_items(encode))
+    lengths = {len(s.tokens) for per_op in results[1] for r in per_op for s in r.sequences}
+    assert len(lengths) >= 5, lengths  # rows really ended at different steps
+    assert_identical(results)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=19, temperature=0.0),
+        SamplingParams(max_tokens=19, temperature=1.0, seed=4),
+        SamplingParams(max_tokens=19, temperature=0.9, top_k=5, seed=5),
+        SamplingParams(max_tokens=19, temperature=1.1, top_p=0.8, seed=6),
+        SamplingParams(max_tokens=19, temperature=1.0, stop=(" ",), seed=7),
+    ],
+    ids=["greedy", "plain", "top-k", "top-p", "stop-string"],
+)
+def test_blocks_of_one_kind_equal_the_per_token_path(builtin, monkeypatch, params):
+    prompts = ((5, 6, 7), (9, 10, 11, 12))
+    items = [("s", SampleRequest(prompts, 4, params)), ("t", SampleRequest(prompts[:1], 2, params))]
+    assert_identical(run_blocks(builtin, monkeypatch, items))
+
+
+def test_rows_that_all_run_to_max_tokens_are_byte_identical(builtin, monkeypatch):
+    # max_tokens 19 = the first token and 18 passes: blocks of 3 end together with the rows,
+    # blocks of 8 run 8, 8 and a shortened 2. No row leaves early, so the shapes match.
+    params = SamplingParams(max_tokens=19, temperature=1.0, seed=11)
+    items = [
+        ("s", SampleRequest(((20, 21, 22),), 4, params)),
+        ("t", SampleRequest(((30,),), 3, params)),
+    ]
+    results = run_blocks(builtin, monkeypatch, items)
+    lengths = {len(s.tokens) for per_op in results[1] for r in per_op for s in r.sequences}
+    assert lengths == {19}, lengths  # no EOS: every row ran its max_tokens
+    assert_identical(results, exact=True)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "llama"])
+def test_blocks_equal_the_per_token_path_on_other_families(tmp_path, monkeypatch, family):
+    directory = families.build(family, tmp_path / family)
+    engine = engine_for({"m": directory}, "m")
+    items = [
+        ("s", SampleRequest(((1, 40, 41, 42, 50, 60),), 3, SamplingParams(max_tokens=10, seed=1))),
+        (
+            "t",
+            SampleRequest(
+                ((1, 33, 34, 35, 36, 90, 91),),
+                2,
+                SamplingParams(max_tokens=14, temperature=0.6, top_k=7, seed=2),
+            ),
+        ),
+    ]
+    assert_identical(run_blocks(engine, monkeypatch, items))
+
+
+def test_moe_routes_of_blocks_equal_the_per_token_path(tmp_path, monkeypatch):
+    directory = families.build("olmoe", tmp_path / "olmoe")
+    engine = engine_for({"m": directory}, "m")
+    params = SamplingParams(max_tokens=11, temperature=1.0, seed=3)
+    items = [
+        ("s", SampleRequest(((1, 40, 41, 42),), 3, params, return_routed_experts=True)),
+        ("t", SampleRequest(((1, 50, 51),), 2, SamplingParams(max_tokens=6, seed=4))),
+    ]
+    results = run_blocks(engine, monkeypatch, items)
+    assert_identical(results)
+    for steps, got in results.items():
+        for a, b in zip(got[0][0].sequences, results[1][0][0].sequences, strict=True):
+            assert a.routed_experts is not None, steps
+            assert a.routed_experts == b.routed_experts, steps
+
+
+def test_a_publish_between_blocks_switches_at_the_block_edge(builtin, monkeypatch):
+    """PIPELINE weights-syncs land between blocks: the 2nd boundary comes after 1 + K tokens."""
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 4)
+    calls = []
+
+    def publish_on_the_second_boundary() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            builtin.publish("r", "s", version=7)
+
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    ((result,),) = builtin.sample_batch(
+        "r",
+        [("s", SampleRequest(((5, 6, 7),), 2, params))],
+        between_tokens=publish_on_the_second_boundary,
+    )
+    assert [(p.start_token, p.version) for p in result.policy_segments][-1] == (5, 7)
+    assert len(calls) == 3  # blocks of 4, 4 and 3 passes after the first token

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from posttrain.engine.decode_graph import DecodeStep, static_passes_supported
 from posttrain.engine.decode_rows import LiveRows, SampledRow
 from posttrain.engine.logprobs import log_softmax_float32
 from posttrain.engine.model_passes import (
@@ -66,6 +67,7 @@ from posttrain.engine.sampling_math import choose_tokens, hit_stop_string, row_s
 from posttrain.errors import NonFiniteLoss
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
+from posttrain.model.static_decode_cache import StaticDecodeCache
 from posttrain.types import (
     PolicySegment,
     SampledSequence,
@@ -86,6 +88,14 @@ DECODE_POSITIONS_PER_GROWTH = 256
 # compute, so blocks are CPU_BLOCK_STEPS = 1 pass there (the per-token path).
 DECODE_BLOCK_STEPS = 8
 CPU_BLOCK_STEPS = 1
+
+# Static-shape decode passes (engine/decode_graph.py), captured in a CUDA graph on CUDA: the
+# default off the CPU, where a small model's step is hundreds of kernel launches. On the CPU
+# a static pass attends over the own part's whole capacity and keeps finished rows as padding
+# for nothing a graph gives back, so it runs only when asked (the tests check it there).
+STATIC_DECODE = True
+CPU_STATIC_DECODE = False
+CUDA_GRAPHS = True
 
 
 def default_block_steps(device: torch.device) -> int:
@@ -259,21 +269,42 @@ def _generate(
     # the host knows when the cache is full without asking the device.
     own_positions = 0
     steps_per_block = block_steps if block_steps is not None else default_block_steps(device)
-    while batch.live:
+    static = use_static_passes(gm, device)
+    step: DecodeStep | None = None  # the static pass of the current layout
+    # Batch positions of the rows still running; with static passes, finished rows may stay
+    # in the batch as padding (see _keeps_layout).
+    running = list(range(len(batch.live)))
+    while running:
         if between_tokens is not None:
             between_tokens()
-            _apply_new_weights(gm, batch, cache, groups, requests, versions, segments)
+            if _apply_new_weights(gm, batch, cache, groups, requests, versions, segments):
+                step = None
         # No row runs past the longest max_tokens still wanted: the last block is shortened.
         steps = min(
             steps_per_block,
-            max(rows[r].params.max_tokens - len(rows[r].tokens) for r in batch.live),
+            max(
+                rows[batch.live[i]].params.max_tokens - len(rows[batch.live[i]].tokens)
+                for i in running
+            ),
         )
         if own_positions + steps > cache.capacity:
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))
+            step = None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
         tokens_KB: list[Tensor] = []
         logprobs_KB: list[Tensor] = []
-        for _ in range(steps):
+        if static:
+            if step is None:
+                step = DecodeStep(
+                    gm, StaticDecodeCache(cache, own_positions), batch, _use_graphs(device)
+                )
+            for _ in range(steps):
+                step.run(batch.uniforms())
+                tokens_KB.append(step.tokens_B.clone())
+                logprobs_KB.append(step.logprobs_B.clone())
+            own_positions += steps
+            batch.last_tokens_B = step.tokens_B
+        for _ in range(0 if static else steps):
             assert batch.last_tokens_B is not None
             routes_out = [] if routes_K is not None else None
             hidden_B1H = forward_rows(
@@ -293,12 +324,33 @@ def _generate(
             tokens_KB.append(tokens_B)
             logprobs_KB.append(logprobs_B)
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
-        keep = _record_steps(gm, batch, tokens, logprobs, routes_K)
-        if len(keep) < len(batch.live):
-            order = _fill_holes(keep)
-            cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
-            batch.keep(order)
+        running = _record_steps(gm, batch, tokens, logprobs, routes_K)
+        if running and not (static and _keeps_layout(len(running), len(batch.live))):
+            if len(running) < len(batch.live):
+                order = _fill_holes(running)
+                cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
+                batch.keep(order)
+                running = list(range(len(order)))
+                step = None
     return _results(requests, groups, group_of_request, rows, segments)
+
+
+def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
+    """Static-shape decode passes (engine/decode_graph.py) for this model on this device."""
+    wanted = CPU_STATIC_DECODE if device.type == "cpu" else STATIC_DECODE
+    return wanted and static_passes_supported(gm)
+
+
+def _use_graphs(device: torch.device) -> bool:
+    return device.type == "cuda" and CUDA_GRAPHS
+
+
+def _keeps_layout(running: int, rows: int) -> bool:
+    """With static passes, whether the batch stays as it is although only `running` of its
+    `rows` still run: the finished rows ride along as padding (their tokens are dropped)
+    until at most half the rows run, so a batch changes shape, and a new pass is captured,
+    at most log2(rows) times instead of at every finished row."""
+    return running > rows // 2
 
 
 def _fill_holes(keep: list[int]) -> list[int]:
@@ -318,18 +370,19 @@ def _apply_new_weights(
     requests: list[GenerationRequest],
     versions: Mapping[str, WeightsVersion],
     segments: list[list[PolicySegment]],
-) -> None:
-    """After a publish: recompute the KV of the live rows whose adapter changed with the new
+) -> bool:
+    """After a publish: recompute the KV of the running rows whose adapter changed with the new
     weights (their prompt once, then each row's tokens so far but the last, which the next pass
-    feeds), and open a policy segment at their next token."""
+    feeds), and open a policy segment at their next token. Finished rows kept as padding
+    (static passes) are left alone. Returns whether anything changed."""
     rows = batch.rows
     changed = {
         g
-        for g in {rows[r].group for r in batch.live}
+        for g in {rows[r].group for r in batch.live if rows[r].stop_reason is None}
         if versions[groups[g].adapter_key].generation != groups[g].generation
     }
     if not changed:
-        return
+        return False
     fresh: list[PromptGroup] = []
     for g in sorted(changed):
         current = versions[groups[g].adapter_key]
@@ -338,7 +391,11 @@ def _apply_new_weights(
     group_cache, _ = prefill(gm, fresh, with_logits=False)
     for fresh_row, g in enumerate(sorted(changed)):
         cache.replace_prefix(g, group_cache, fresh_row)
-    positions = [i for i, r in enumerate(batch.live) if rows[r].group in changed]
+    positions = [
+        i
+        for i, r in enumerate(batch.live)
+        if rows[r].group in changed and rows[r].stop_reason is None
+    ]
     affected = [rows[batch.live[i]] for i in positions]
     suffixes = [row.tokens[:-1] for row in affected]
     own = new_cache(gm, len(affected), max(map(len, suffixes)) or 1)
@@ -359,6 +416,7 @@ def _apply_new_weights(
         version = versions[requests[r].adapter_key].version
         if segments[r][-1].version != version:
             segments[r].append(PolicySegment(start, version))
+    return True
 
 
 def _results(

@@ -16,15 +16,17 @@ import torch
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import sampler
+from posttrain.engine.decode_graph import DecodeStep
 from posttrain.engine.local import LocalEngine
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
-# 1 is the per-token path every other block size must reproduce. The prefix cache is off: a
-# cached prompt runs a shorter prefill, whose logits may differ in the last bits.
-BLOCKS = (1, 3, 8)
+# (passes per block, static passes): (1, False) is the per-token path every other way must
+# reproduce. The prefix cache is off: a cached prompt runs a shorter prefill, whose logits may
+# differ in the last bits.
+WAYS = ((1, False), (3, False), (8, False), (1, True), (8, True))
 
 
 def engine_for(models: dict[str, Path], model_id: str) -> LocalEngine:
@@ -37,24 +39,35 @@ def engine_for(models: dict[str, Path], model_id: str) -> LocalEngine:
     return engine
 
 
-def run_blocks(engine, monkeypatch, items) -> dict[int, list]:
-    """The sample_batch results of `items` per block size (CPU default switched to each)."""
+def run_blocks(
+    engine, monkeypatch, items, *, static_runs: bool = True
+) -> dict[tuple[int, bool], list]:
+    """The sample_batch results of `items` per way of decoding (the CPU defaults switched).
+    `static_runs`: whether the model is one static passes serve (else they fall back)."""
     results = {}
-    for steps in BLOCKS:
+    passes = []
+    run = DecodeStep.run
+    monkeypatch.setattr(DecodeStep, "run", lambda step, u: (passes.append(1), run(step, u)))
+    for steps, static in WAYS:
         monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", steps)
-        results[steps] = engine.sample_batch("r", items)
+        monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", static)
+        passes.clear()
+        results[steps, static] = engine.sample_batch("r", items)
+        assert bool(passes) == (static and static_runs), (steps, static)
     return results
 
 
-def assert_identical(results: dict[int, list], *, exact: bool = False) -> None:
+def assert_identical(results: dict[tuple[int, bool], list], *, exact: bool = False) -> None:
     """The same tokens, stop reasons and segments as the per-token path; logprobs byte-identical
-    when `exact`, else equal up to float32 rounding. Why not always exact: a matrix product's
-    rows depend in their last bits on how many rows it has (CPU and GPU BLAS pick kernels by
-    size; on this CPU 1-3, 5-7 and 9-11 rows differ from 16), and the per-token path drops a
-    finished row at once while a block keeps it to the block's end. With no row ending
-    inside a block, both paths run the same shapes and agree byte for byte."""
-    reference = results[1]
-    for steps, got in results.items():
+    when `exact` (blocks of dynamic passes), else equal up to float32 rounding. Why not always
+    exact: a matrix product's rows depend in their last bits on how many rows it has (CPU and
+    GPU BLAS pick kernels by size; on this CPU 1-3, 5-7 and 9-11 rows differ from 16), and the
+    per-token path drops a finished row at once while a block keeps it to the block's end.
+    With no row ending inside a block, both run the same shapes and agree byte for byte.
+    Static passes also attend over the whole own capacity (the masked columns change the
+    fused kernel's blocking), so they agree up to rounding only."""
+    reference = results[1, False]
+    for (steps, static), got in results.items():
         for ours, theirs in zip(got, reference, strict=True):
             assert len(ours) == len(theirs)
             for a, b in zip(ours, theirs, strict=True):
@@ -62,7 +75,7 @@ def assert_identical(results: dict[int, list], *, exact: bool = False) -> None:
                 for x, y in zip(a.sequences, b.sequences, strict=True):
                     assert x.tokens == y.tokens, steps
                     assert x.stop_reason == y.stop_reason, steps
-                    if exact:
+                    if exact and not static:
                         assert x.logprobs == y.logprobs, steps
                     else:
                         torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
@@ -119,7 +132,7 @@ def test_blocks_of_mixed_rows_and_two_adapters_equal_the_per_token_path(builtin,
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
     results = run_blocks(builtin, monkeypatch, mixed_items(encode))
-    lengths = {len(s.tokens) for per_op in results[1] for r in per_op for s in r.sequences}
+    lengths = {len(s.tokens) for per_op in results[1, False] for r in per_op for s in r.sequences}
     assert len(lengths) >= 5, lengths  # rows really ended at different steps
     assert_identical(results)
 
@@ -150,7 +163,7 @@ def test_rows_that_all_run_to_max_tokens_are_byte_identical(builtin, monkeypatch
         ("t", SampleRequest(((30,),), 3, params)),
     ]
     results = run_blocks(builtin, monkeypatch, items)
-    lengths = {len(s.tokens) for per_op in results[1] for r in per_op for s in r.sequences}
+    lengths = {len(s.tokens) for per_op in results[1, False] for r in per_op for s in r.sequences}
     assert lengths == {19}, lengths  # no EOS: every row ran its max_tokens
     assert_identical(results, exact=True)
 
@@ -170,7 +183,9 @@ def test_blocks_equal_the_per_token_path_on_other_families(tmp_path, monkeypatch
             ),
         ),
     ]
-    assert_identical(run_blocks(engine, monkeypatch, items))
+    # Sliding windows (Mistral) and eager attention (Gemma 2) fall back to dynamic passes.
+    static_runs = family == "llama"
+    assert_identical(run_blocks(engine, monkeypatch, items, static_runs=static_runs))
 
 
 def test_moe_routes_of_blocks_equal_the_per_token_path(tmp_path, monkeypatch):
@@ -181,10 +196,10 @@ def test_moe_routes_of_blocks_equal_the_per_token_path(tmp_path, monkeypatch):
         ("s", SampleRequest(((1, 40, 41, 42),), 3, params, return_routed_experts=True)),
         ("t", SampleRequest(((1, 50, 51),), 2, SamplingParams(max_tokens=6, seed=4))),
     ]
-    results = run_blocks(engine, monkeypatch, items)
+    results = run_blocks(engine, monkeypatch, items, static_runs=False)  # MoE: dynamic passes
     assert_identical(results)
     for steps, got in results.items():
-        for a, b in zip(got[0][0].sequences, results[1][0][0].sequences, strict=True):
+        for a, b in zip(got[0][0].sequences, results[1, False][0][0].sequences, strict=True):
             assert a.routed_experts is not None, steps
             assert a.routed_experts == b.routed_experts, steps
 

@@ -79,10 +79,12 @@ def test_host_kind_agrees_with_the_device_rule_and_changes_no_token():
         assert torch.equal(hinted, choose_tokens(logprobs, temperature, top_k, top_p, uniform))
 
 
-def test_one_transfer_gives_exact_tokens_and_float32_logprobs():
+def test_one_transfer_gives_exact_tokens_and_float32_logprobs_of_a_block():
     batch = LiveRows(rows_of([SamplingParams()] * 3), [0, 1, 2], torch.device("cpu"), VOCAB)
-    tokens_B = torch.tensor([0, 151935, 2**40])
-    logprobs_B = torch.tensor([-1e-30, -3.3, float("-inf")], dtype=torch.float32)
-    tokens, logprobs = batch.to_host(tokens_B, logprobs_B)
-    assert tokens == tokens_B.tolist() and all(isinstance(t, int) for t in tokens)
-    assert logprobs == logprobs_B.tolist()
+    tokens_KB = torch.tensor([[0, 151935, 2**40], [7, 8, 9]])  # two steps of three rows
+    logprobs_KB = torch.tensor(
+        [[-1e-30, -3.3, float("-inf")], [-0.5, -1e-7, -20.25]], dtype=torch.float32
+    )
+    tokens, logprobs = batch.to_host(tokens_KB, logprobs_KB)
+    assert tokens == tokens_KB.tolist() and all(isinstance(t, int) for k in tokens for t in k)
+    assert logprobs == logprobs_KB.tolist()

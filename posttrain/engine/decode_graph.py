@@ -21,6 +21,8 @@ Legend: B = rows of the layout, V = vocab.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,8 @@ from posttrain.engine.model_passes import (
 from posttrain.engine.sampling_math import choose_tokens_static
 from posttrain.model import attention
 from posttrain.model.static_decode_cache import StaticDecodeCache, static_decode_supported
+
+log = logging.getLogger("posttrain")
 
 
 def static_passes_supported(gm: GeneratorModel) -> bool:
@@ -66,7 +70,7 @@ class DecodeStep:
         self.tokens_B = batch.last_tokens_B.clone()
         self.uniforms_B = torch.zeros(len(batch.live), device=batch.device)
         self.logprobs_B = torch.zeros(len(batch.live), device=batch.device)
-        self.graph = self._capture() if graph else None
+        self.graph = self._captured() if graph else None
 
     def run(self, uniforms_B: Tensor) -> None:
         """One pass: tokens_B and logprobs_B become the new tokens and their logprobs."""
@@ -90,6 +94,16 @@ class DecodeStep:
         tokens_B = choose_tokens_static(logprobs_BV, *self.settings, self.uniforms_B, self.kind)
         self.logprobs_B.copy_(logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1))
         self.tokens_B.copy_(tokens_B)
+
+    def _captured(self) -> torch.cuda.CUDAGraph | None:
+        """The captured pass, or None (eager passes) when capture fails: an operation of the
+        model that synchronises with the host or is otherwise not capturable. Nothing runs
+        during a capture, so the persistent tensors are as before it."""
+        try:
+            return self._capture()
+        except RuntimeError as error:
+            log.warning("decode pass not captured in a CUDA graph, running it eagerly: %s", error)
+            return None
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (lazy kernel and workspace set-up must not happen inside

@@ -204,15 +204,19 @@ def test_moe_routes_of_blocks_equal_the_per_token_path(tmp_path, monkeypatch):
             assert a.routed_experts == b.routed_experts, steps
 
 
-def test_a_publish_between_blocks_switches_at_the_block_edge(builtin, monkeypatch):
-    """PIPELINE weights-syncs land between blocks: the 2nd boundary comes after 1 + K tokens."""
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_publish_between_blocks_switches_at_the_block_edge(builtin, monkeypatch, static):
+    """PIPELINE weights-syncs land between blocks: the 2nd boundary comes after 1 + K tokens,
+    and the tokens after it are what the new weights give (the row's KV recomputed)."""
     monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 4)
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", static)
+    version = 7 + static  # the engine is the module's: each case publishes a new version
     calls = []
 
     def publish_on_the_second_boundary() -> None:
         calls.append(1)
         if len(calls) == 2:
-            builtin.publish("r", "s", version=7)
+            builtin.publish("r", "s", version=version)
 
     params = SamplingParams(max_tokens=12, temperature=0.0)
     ((result,),) = builtin.sample_batch(
@@ -220,5 +224,53 @@ def test_a_publish_between_blocks_switches_at_the_block_edge(builtin, monkeypatc
         [("s", SampleRequest(((5, 6, 7),), 2, params))],
         between_tokens=publish_on_the_second_boundary,
     )
-    assert [(p.start_token, p.version) for p in result.policy_segments][-1] == (5, 7)
+    assert [(p.start_token, p.version) for p in result.policy_segments][-1] == (5, version)
     assert len(calls) == 3  # blocks of 4, 4 and 3 passes after the first token
+    # The publish served the same weights, so the greedy tokens are those of no publish.
+    ((plain,),) = builtin.sample_batch("r", [("s", SampleRequest(((5, 6, 7),), 2, params))])
+    for ours, theirs in zip(result.sequences, plain.sequences, strict=True):
+        assert ours.tokens == theirs.tokens
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_equals_the_eager_static_passes(monkeypatch):
+    """On CUDA: the same static passes replayed from captured graphs give byte-identical
+    tokens and logprobs to running them eagerly, and match the per-token path."""
+    engine = LocalEngine(
+        EngineConfig(device="cuda", logprob_chunk_tokens=5, prefix_cache_mib=0),
+        {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR},
+    )
+    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
+    engine.create_session("r", "t", LoraConfig(rank=4, alpha=8, seed=2))
+    tokenizer = engine._resource("r").loaded.tokenizer
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    captured = []
+    capture = DecodeStep._captured
+    monkeypatch.setattr(
+        DecodeStep, "_captured", lambda step: captured.append(capture(step)) or captured[-1]
+    )
+    results = {}
+    for way, (steps, static, graphs) in {
+        "per-token": (1, False, False),
+        "eager static": (8, True, False),
+        "graphs": (8, True, True),
+    }.items():
+        monkeypatch.setattr(sampler, "DECODE_BLOCK_STEPS", steps)
+        monkeypatch.setattr(sampler, "STATIC_DECODE", static)
+        monkeypatch.setattr(sampler, "CUDA_GRAPHS", graphs)
+        results[way] = engine.sample_batch("r", mixed_items(encode))
+    assert captured and all(graph is not None for graph in captured)
+    for ours, eager, reference in zip(
+        results["graphs"], results["eager static"], results["per-token"], strict=True
+    ):
+        for a, b, c in zip(ours, eager, reference, strict=True):
+            for x, y, z in zip(a.sequences, b.sequences, c.sequences, strict=True):
+                assert x.tokens == y.tokens and x.logprobs == y.logprobs
+                assert x.tokens == z.tokens
+                torch.testing.assert_close(x.logprobs, z.logprobs, atol=1e-4, rtol=0)

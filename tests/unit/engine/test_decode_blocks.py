@@ -239,7 +239,7 @@ def test_cuda_graph_replay_equals_the_eager_static_passes(monkeypatch):
     """On CUDA: the same static passes replayed from captured graphs give byte-identical
     tokens and logprobs to running them eagerly, and match the per-token path."""
     engine = LocalEngine(
-        EngineConfig(device="cuda", logprob_chunk_tokens=5, prefix_cache_mib=0),
+        EngineConfig(device="cuda", dtype="float32", logprob_chunk_tokens=5, prefix_cache_mib=0),
         {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR},
     )
     engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)

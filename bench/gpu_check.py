@@ -17,7 +17,9 @@ posttrain's LocalEngine on it (LoRA rank 32, as a session trains and samples):
    adapters, the prompts' KV once per prompt and each row's own KV) over --bandwidth-tbs;
 4. sampler vs transformers `generate` on the RL shape (--prompts x --prompt-tokens,
    --samples each, --new-tokens), same model and adapter, generated tokens/s, medians;
-5. weights-sync latency: `publish` of the session's trained adapter to its generator.
+5. decode paths: sampler tokens/s with static-shape passes replayed from CUDA graphs, the
+   same passes eager, and the per-token dynamic passes (engine/decode_graph.py);
+6. weights-sync latency: `publish` of the session's trained adapter to its generator.
 
 Prints a text summary and the report as JSON (last line; --json also writes it to a file).
 
@@ -41,6 +43,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig  # noqa: E402
+from posttrain.engine import sampler  # noqa: E402
 from posttrain.engine.local import LocalEngine  # noqa: E402
 from posttrain.model.attention_kernels import matmul_attention, partial_attention  # noqa: E402
 from posttrain.types import (  # noqa: E402
@@ -327,6 +330,47 @@ def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> d
     return report
 
 
+def measure_decode_paths(engine, args, device, generator, vocab) -> dict:
+    """Sampler tokens/s on the RL shape three ways, alternated: static-shape passes in blocks
+    of 8 replayed from CUDA graphs (on CUDA; eager elsewhere), the same passes eager, and the
+    per-token dynamic passes (one host read per token). Whole sample calls, prefill included."""
+    ways = {
+        "graphs": dict(static=True, graphs=True, block=sampler.DECODE_BLOCK_STEPS),
+        "static_eager": dict(static=True, graphs=False, block=sampler.DECODE_BLOCK_STEPS),
+        "per_token": dict(static=False, graphs=False, block=1),
+    }
+    saved = {
+        name: getattr(sampler, name)
+        for name in ("STATIC_DECODE", "CPU_STATIC_DECODE", "CUDA_GRAPHS")
+        + ("DECODE_BLOCK_STEPS", "CPU_BLOCK_STEPS")
+    }
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=5)
+    rates: dict[str, list[float]] = {way: [] for way in ways}
+    try:
+        for repeat in range(args.repeats + 1):  # the first round warms up (and captures)
+            prompts = rl_prompts(args, vocab, generator)
+            for way, setting in ways.items():
+                sampler.STATIC_DECODE = sampler.CPU_STATIC_DECODE = setting["static"]
+                sampler.CUDA_GRAPHS = setting["graphs"]
+                sampler.DECODE_BLOCK_STEPS = sampler.CPU_BLOCK_STEPS = setting["block"]
+                request = SampleRequest(tuple(prompts), args.samples, params)
+                sync(device)
+                start = time.perf_counter()
+                (results,) = engine.sample_batch("r", [("s0", request)])
+                sync(device)
+                tokens = sum(len(q.tokens) for r in results for q in r.sequences)
+                if repeat:
+                    rates[way].append(tokens / (time.perf_counter() - start))
+    finally:
+        for name, value in saved.items():
+            setattr(sampler, name, value)
+    report = {f"decode_{way}_tokens_per_s": statistics.median(r) for way, r in rates.items()}
+    report["decode_graphs_over_per_token"] = statistics.median(
+        g / p for g, p in zip(rates["graphs"], rates["per_token"], strict=True)
+    )
+    return report
+
+
 def measure_weights_sync(engine, args, device) -> dict:
     """Latency of `publish`: the session's trainer adapter copied to its generator."""
     version = iter(range(10, 10_000))
@@ -360,6 +404,11 @@ def summary(report: dict) -> str:
         f" (paired {get('sampler_over_generate_paired', '{:.2f}')}x; target >= 3x):"
         f" {get('sampler_tokens_per_s', '{:,.0f}')} vs {get('generate_tokens_per_s', '{:,.0f}')}"
         " tokens/s",
+        f"  decode paths  {get('decode_graphs_tokens_per_s', '{:,.0f}')} tokens/s static"
+        " passes in CUDA graphs (eager off CUDA),"
+        f" {get('decode_static_eager_tokens_per_s', '{:,.0f}')} static eager,"
+        f" {get('decode_per_token_tokens_per_s', '{:,.0f}')} per-token dynamic"
+        f" ({get('decode_graphs_over_per_token', '{:.2f}')}x)",
         f"  weights sync (publish)  {get('weights_sync_ms')} ms",
     ]
     return "\n".join(lines)
@@ -427,6 +476,7 @@ def main() -> None:
         report.update(check_fused_attention(config, device, dtype))
     report.update(measure_mfu(engine, config, args, device, generator, vocab))
     report.update(measure_sampling(engine, config, args, device, dtype, generator, vocab))
+    report.update(measure_decode_paths(engine, args, device, generator, vocab))
     report.update(measure_weights_sync(engine, args, device))
     report["wall_seconds"] = time.perf_counter() - started
     print(summary(report))

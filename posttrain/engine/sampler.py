@@ -13,12 +13,18 @@ operations and sessions can share passes) and runs:
    decode cache of this one call): the prefill's KV stays one copy per prompt, read by all of
    its num_samples rows (shared-prefix attention, model/attention.py), and each row stores only
    the tokens it generates.
-3. Decode, one token per live row per pass. A row stops on its own (EOS, a stop string even
-   when it spans tokens, its max_tokens); finished rows leave the batch and the cache is
-   compacted (prompts no live row continues too), so long rows never pay for finished ones.
-   A pass reads nothing back from the device but its sampled tokens and logprobs, in one
-   transfer: what it needs of the rows is kept ready between passes (decode_rows.py).
-4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between passes `between_tokens` may
+3. Decode, one token per live row per pass, in blocks of K passes (DECODE_BLOCK_STEPS on an
+   accelerator, 1 on the CPU): a block reads nothing back from the device but, at its end,
+   the sampled tokens and logprobs of its K passes, in one transfer; what a pass needs of the
+   rows is kept ready between passes (decode_rows.py). The host then records each row's K
+   tokens up to its stop (EOS, a stop string even when it spans tokens, its max_tokens) and
+   drops the passes a row ran past it: its random stream is its own, so no other row's tokens
+   change (their logprobs may in the last bits: a matrix product's rows depend on how many
+   rows it has). Finished rows leave the batch at block ends and the cache is compacted
+   (prompts no live row continues too), so long rows never pay for finished ones.
+   Static-shape passes (decode_graph.py; the default on CUDA, where they are captured in CUDA
+   graphs and replayed) keep finished rows as padding until at most half the batch runs.
+4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between blocks `between_tokens` may
    publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy
    segment starting at the next generated token, so every token after the switch is exactly what
@@ -291,38 +297,17 @@ def _generate(
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))
             step = None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
-        tokens_KB: list[Tensor] = []
-        logprobs_KB: list[Tensor] = []
         if static:
             if step is None:
                 step = DecodeStep(
                     gm, StaticDecodeCache(cache, own_positions), batch, _use_graphs(device)
                 )
-            for _ in range(steps):
-                step.run(batch.uniforms())
-                tokens_KB.append(step.tokens_B.clone())
-                logprobs_KB.append(step.logprobs_B.clone())
-            own_positions += steps
-            batch.last_tokens_B = step.tokens_B
-        for _ in range(0 if static else steps):
-            assert batch.last_tokens_B is not None
-            routes_out = [] if routes_K is not None else None
-            hidden_B1H = forward_rows(
-                gm,
-                cache,
-                batch.last_tokens_B[:, None],
-                batch.ones_B,
-                batch.keys,
-                routes_out,
-                uniform=(1, own_positions + 1),
+            tokens_KB, logprobs_KB = _static_block(step, batch, steps)
+        else:
+            tokens_KB, logprobs_KB = _dynamic_block(
+                gm, batch, cache, steps, own_positions, routes_K
             )
-            own_positions += 1
-            if routes_K is not None:
-                assert routes_out is not None
-                routes_K.append(routes_out[0])
-            tokens_B, logprobs_B = _draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
-            tokens_KB.append(tokens_B)
-            logprobs_KB.append(logprobs_B)
+        own_positions += steps
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = _record_steps(gm, batch, tokens, logprobs, routes_K)
         if running and not (static and _keeps_layout(len(running), len(batch.live))):
@@ -333,6 +318,53 @@ def _generate(
                 running = list(range(len(order)))
                 step = None
     return _results(requests, groups, group_of_request, rows, segments)
+
+
+def _dynamic_block(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    cache: FanoutKVCache,
+    steps: int,
+    own_positions: int,
+    routes_K: list[Tensor] | None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`steps` passes of every row of the batch, shapes following the rows' lengths; each
+    step's tokens and logprobs [B] stay on the device (routes appended to routes_K)."""
+    tokens_KB: list[Tensor] = []
+    logprobs_KB: list[Tensor] = []
+    for k in range(steps):
+        assert batch.last_tokens_B is not None
+        routes_out = [] if routes_K is not None else None
+        hidden_B1H = forward_rows(
+            gm,
+            cache,
+            batch.last_tokens_B[:, None],
+            batch.ones_B,
+            batch.keys,
+            routes_out,
+            uniform=(1, own_positions + k + 1),
+        )
+        if routes_K is not None:
+            assert routes_out is not None
+            routes_K.append(routes_out[0])
+        tokens_B, logprobs_B = _draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
+        tokens_KB.append(tokens_B)
+        logprobs_KB.append(logprobs_B)
+    return tokens_KB, logprobs_KB
+
+
+def _static_block(
+    step: DecodeStep, batch: LiveRows, steps: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`steps` static passes (replayed graphs on CUDA): the same, out of persistent tensors."""
+    tokens_KB: list[Tensor] = []
+    logprobs_KB: list[Tensor] = []
+    for _ in range(steps):
+        step.run(batch.uniforms())
+        tokens_KB.append(step.tokens_B.clone())
+        logprobs_KB.append(step.logprobs_B.clone())
+    batch.last_tokens_B = step.tokens_B
+    return tokens_KB, logprobs_KB
 
 
 def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:

@@ -282,8 +282,13 @@ def _generate(
     running = list(range(len(batch.live)))
     while running:
         if between_tokens is not None:
+            served = {key: v.generation for key, v in versions.items()}
             between_tokens()
             if _apply_new_weights(gm, batch, cache, groups, requests, versions, segments):
+                step = None
+            elif served != {key: v.generation for key, v in versions.items()}:
+                # New weights of rows that no longer run: a captured pass may hold the
+                # addresses of the weights they replaced, so it is made again.
                 step = None
         # No row runs past the longest max_tokens still wanted: the last block is shortened.
         steps = min(

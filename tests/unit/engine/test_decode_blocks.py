@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import sampler
@@ -202,6 +203,50 @@ def test_moe_routes_of_blocks_equal_the_per_token_path(tmp_path, monkeypatch):
         for a, b in zip(got[0][0].sequences, results[1, False][0][0].sequences, strict=True):
             assert a.routed_experts is not None, steps
             assert a.routed_experts == b.routed_experts, steps
+
+
+class _Trace(TorchDispatchMode):
+    """The operations a pass dispatches, with the shapes of their tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_static_pass_of_a_layout_runs_the_same_operations_on_the_same_shapes(
+    builtin, monkeypatch
+):
+    """What a CUDA graph needs, checked on the CPU: within one layout every pass dispatches
+    the same operations on the same shapes (so one capture serves them all) and reads
+    nothing back to the host."""
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 8)
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", True)
+    traces: dict[int, list[list[tuple]]] = {}
+    run_pass = DecodeStep._pass
+
+    def traced(step) -> None:
+        with _Trace() as trace:
+            run_pass(step)
+        traces.setdefault(id(step), []).append(trace.ops)
+
+    monkeypatch.setattr(DecodeStep, "_pass", traced)
+    tokenizer = builtin._resource("r").loaded.tokenizer
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    builtin.sample_batch("r", mixed_items(encode))
+    assert len(traces) >= 2  # rows ended: the batch changed layout at least once
+    assert max(map(len, traces.values())) >= 8  # a layout served a whole block of passes
+    for passes in traces.values():
+        assert len(passes[0]) > 100  # the whole forward, head and draw
+        assert all(ops == passes[0] for ops in passes)
+        assert not any("_local_scalar_dense" in name for name, _ in passes[0])
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

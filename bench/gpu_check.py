@@ -12,9 +12,10 @@ posttrain's LocalEngine on it (LoRA rank 32, as a session trains and samples):
    the work done (frozen base: forward + input gradients = 4 x matmul parameters per token,
    LoRA 6x its parameters, causal attention) over the device's peak (--peak-tflops, else a
    table of known devices); `mfu_6n` uses the full-fine-tune convention 6N for comparison;
-3. decode: the sampler's per-step time on the RL shape (timed from one embedding call to the
-   next), its tokens/s, and the memory-bandwidth limit: bytes one step must read (weights,
-   adapters, the prompts' KV once per prompt and each row's own KV) over --bandwidth-tbs;
+3. decode: the sampler's per-step time on the RL shape (a call of --new-tokens less one of a
+   single token, over the steps between), its tokens/s, and the memory-bandwidth limit:
+   bytes one step must read (weights, adapters, the prompts' KV once per prompt and each
+   row's own KV) over --bandwidth-tbs;
 4. sampler vs transformers `generate` on the RL shape (--prompts x --prompt-tokens,
    --samples each, --new-tokens), same model and adapter, generated tokens/s, medians;
 5. decode paths: sampler tokens/s with static-shape passes replayed from CUDA graphs, the
@@ -242,18 +243,15 @@ def count_generated(rows: list[list[int]], eos: int) -> int:
 
 
 def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> dict:
-    """Decode steps and tokens/s of the sampler, and `generate`'s tokens/s, on the RL shape."""
+    """Decode steps and tokens/s of the sampler, and `generate`'s tokens/s, on the RL shape.
+    A decode step's time is the difference between a call of --new-tokens and one of a single
+    token (the prefill and first draw) on fresh prompts of the same shape, over the steps
+    between: replayed CUDA graphs run no Python module, so no hook can time a pass."""
     resource, session = engine._session("r", "s0")
     model = resource.loaded.model
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=3)
-    marks: list[tuple[int, float]] = []
 
-    def mark(_module, inputs) -> None:
-        sync(device)
-        ids = inputs[0]
-        marks.append((ids.shape[0] if ids.shape[1] == 1 else -1, time.perf_counter()))
-
-    def posttrain(prompts) -> int:
+    def posttrain(prompts, max_tokens: int = args.new_tokens) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3)
         request = SampleRequest(tuple(prompts), args.samples, params)
         (results,) = engine.sample_batch("r", [("s0", request)])
         return sum(len(s.tokens) for r in results for s in r.sequences)
@@ -275,32 +273,28 @@ def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> d
             )
         return count_generated(out[:, ids.shape[1] :].tolist(), 0)
 
+    def seconds(fn) -> tuple[float, int]:
+        sync(device)
+        start = time.perf_counter()
+        count = fn()
+        sync(device)
+        return time.perf_counter() - start, count
+
     posttrain(rl_prompts(args, vocab, generator))  # warm-ups
+    posttrain(rl_prompts(args, vocab, generator), 1)
     transformers(rl_prompts(args, vocab, generator))
     ours, theirs, steps = [], [], []
     for _ in range(args.repeats):
         prompts = rl_prompts(args, vocab, generator)
-        handle = model.get_input_embeddings().register_forward_pre_hook(mark)
-        marks.clear()
-        sync(device)
-        start = time.perf_counter()
-        tokens = posttrain(prompts)
-        sync(device)
-        end = time.perf_counter()
-        handle.remove()
-        ours.append(tokens / (end - start))
-        marks.append((0, end))
-        steps += [
-            (rows, b - a) for (rows, a), (_, b) in zip(marks, marks[1:], strict=False) if rows > 0
-        ]
-        sync(device)
-        start = time.perf_counter()
-        tokens = transformers(prompts)
-        sync(device)
-        theirs.append(tokens / (time.perf_counter() - start))
+        full_s, tokens = seconds(lambda: posttrain(prompts))  # noqa: B023
+        ours.append(tokens / full_s)
+        first = rl_prompts(args, vocab, generator)
+        first_s, _ = seconds(lambda: posttrain(first, 1))  # noqa: B023
+        steps.append((full_s - first_s) / max(1, args.new_tokens - 1))
+        generate_s, tokens = seconds(lambda: transformers(prompts))  # noqa: B023
+        theirs.append(tokens / generate_s)
     rows = args.prompts * args.samples
-    full = [t for r, t in steps if r == rows] or [t for _, t in steps]
-    step_s = statistics.median(full)
+    step_s = statistics.median(steps)
     # Bytes one decode step reads: weights (the tied head once), adapters, and KV: each
     # prompt's once, each row's own at the mean own length.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

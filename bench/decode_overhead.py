@@ -9,9 +9,13 @@ process. Overhead = step time - floor: Python, small tensor ops, attention, samp
 
     OMP_NUM_THREADS=1 python bench/decode_overhead.py             # 16 prompts x 128 x 8 x 32
     python bench/decode_overhead.py --model qwen3-40m --reps 5
+    python bench/decode_overhead.py --block-steps 8 [--static]    # blocks, static passes
 
 Also counts the tensor operations and host reads (`.item()`, `int(t)`, `bool(t)`: a device
-synchronisation each on a GPU) per decode step, which do not depend on the machine's load.
+synchronisation each on a GPU) per decode step, and the results transfers (the one
+device-to-host copy of a block's tokens and logprobs) per block of `--block-steps` passes,
+which do not depend on the machine's load. `--static`: the static-shape passes
+(engine/decode_graph.py, eager here; on CUDA they are captured in graphs).
 Prints per-step medians (ms), the floor and their ratio; JSON on the last line.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -29,6 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.engine import sampler
+from posttrain.engine.decode_rows import LiveRows
 from posttrain.engine.model_passes import GeneratorModel
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
@@ -56,7 +63,9 @@ def matmul_floor(lora: LoraModel, rows: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def decode_steps(gm: GeneratorModel, requests: list[GenerationRequest]) -> list[tuple[int, float]]:
+def decode_steps(
+    gm: GeneratorModel, requests: list[GenerationRequest], block_steps: int
+) -> list[tuple[int, float]]:
     """(rows, seconds) of each decode step of one generate call (the prefill pass excluded)."""
     marks: list[tuple[int, float]] = []
     embedding: nn.Module = gm.model.get_input_embeddings()
@@ -66,7 +75,7 @@ def decode_steps(gm: GeneratorModel, requests: list[GenerationRequest]) -> list[
 
     handle = embedding.register_forward_pre_hook(mark)
     try:
-        generate(gm, requests, versions={ADAPTER: WeightsVersion(1, 0)})
+        generate(gm, requests, versions={ADAPTER: WeightsVersion(1, 0)}, block_steps=block_steps)
         end = time.perf_counter()
     finally:
         handle.remove()
@@ -93,16 +102,40 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_step(gm: GeneratorModel, requests_of, short: int, long: int) -> tuple[float, float]:
-    """(tensor ops, host reads) per decode step: the difference between a call of `long` and
-    one of `short` new tokens, over the steps between (prefill and setup cancel out)."""
+def ops_per_step(gm: GeneratorModel, requests_of, block_steps: int) -> tuple[float, float, float]:
+    """(tensor ops, host reads) per decode step and results transfers per block: the
+    difference between a call of one block and one of several (prefill and setup cancel out;
+    with one pass per block, 1 + 1 and 1 + 11 new tokens)."""
     counts = []
-    for new_tokens in (short, long):
-        with _OpCounter() as counter:
-            generate(gm, requests_of(new_tokens), versions={ADAPTER: WeightsVersion(1, 0)})
-        counts.append((counter.ops, counter.host_reads))
-    steps = long - short
-    return (counts[1][0] - counts[0][0]) / steps, (counts[1][1] - counts[0][1]) / steps
+    short_blocks = 1
+    long_blocks = max(2, math.ceil(11 / block_steps))
+    transfers = [0]
+    to_host = LiveRows.to_host
+
+    def counted(self, *args):
+        transfers[0] += 1
+        return to_host(self, *args)
+
+    LiveRows.to_host = counted  # counts the calls; the transfer itself runs as ever
+    try:
+        for blocks in (short_blocks, long_blocks):
+            transfers[0] = 0
+            with _OpCounter() as counter:
+                generate(
+                    gm,
+                    requests_of(1 + blocks * block_steps),
+                    versions={ADAPTER: WeightsVersion(1, 0)},
+                    block_steps=block_steps,
+                )
+            counts.append((counter.ops, counter.host_reads, transfers[0]))
+    finally:
+        LiveRows.to_host = to_host
+    steps = (long_blocks - short_blocks) * block_steps
+    return (
+        (counts[1][0] - counts[0][0]) / steps,
+        (counts[1][1] - counts[0][1]) / steps,
+        (counts[1][2] - counts[0][2]) / (long_blocks - short_blocks),
+    )
 
 
 def main() -> None:
@@ -113,7 +146,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--block-steps", type=int, default=1, help="decode passes per block")
+    parser.add_argument("--static", action="store_true", help="static-shape passes")
     args = parser.parse_args()
+    sampler.CPU_STATIC_DECODE = args.static
     model = build_model(args.model, torch.device("cpu"), torch.float32)
     lora = LoraModel(model)
     lora.add_adapter(
@@ -136,7 +172,7 @@ def main() -> None:
         requests = [
             GenerationRequest(tuple(p), args.samples, params, ADAPTER) for p in prompts.tolist()
         ]
-        steps = decode_steps(gm, requests)
+        steps = decode_steps(gm, requests, args.block_steps)
         rows_seen.update(r for r, _ in steps)
         (rows,) = rows_seen
         if rep:  # the first is a warm-up
@@ -150,9 +186,11 @@ def main() -> None:
         short = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0)
         return [GenerationRequest(tuple(p), args.samples, short, ADAPTER) for p in prompts.tolist()]
 
-    ops, host_reads = ops_per_step(gm, requests_of, 2, 12)
+    ops, host_reads, transfers = ops_per_step(gm, requests_of, args.block_steps)
     report = {
         "model": args.model,
+        "block_steps": args.block_steps,
+        "static": args.static,
         "eos": eos,
         "threads": torch.get_num_threads(),
         "rows": rows,
@@ -162,12 +200,15 @@ def main() -> None:
         "step_over_floor": ratio,
         "tensor_ops_per_step": ops,
         "host_reads_per_step": host_reads,
+        "results_transfers_per_block": transfers,
     }
     print(
         f"{args.model}, {rows} rows, {torch.get_num_threads()} threads: decode step "
         f"{step * 1e3:.2f} ms, matmul floor {floor * 1e3:.2f} ms, overhead "
         f"{(step - floor) * 1e3:.2f} ms ({ratio:.2f}x the floor, per-repetition median); "
-        f"{ops:.0f} tensor ops and {host_reads:.0f} host reads per step"
+        f"{ops:.0f} tensor ops and {host_reads:.0f} host reads per step, {transfers:.0f}"
+        f" results transfer(s) per block of {args.block_steps} pass(es)"
+        f"{' (static passes)' if args.static else ''}"
     )
     print(json.dumps(report))
 

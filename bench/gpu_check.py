@@ -12,12 +12,15 @@ posttrain's LocalEngine on it (LoRA rank 32, as a session trains and samples):
    the work done (frozen base: forward + input gradients = 4 x matmul parameters per token,
    LoRA 6x its parameters, causal attention) over the device's peak (--peak-tflops, else a
    table of known devices); `mfu_6n` uses the full-fine-tune convention 6N for comparison;
-3. decode: the sampler's per-step time on the RL shape (timed from one embedding call to the
-   next), its tokens/s, and the memory-bandwidth limit: bytes one step must read (weights,
-   adapters, the prompts' KV once per prompt and each row's own KV) over --bandwidth-tbs;
+3. decode: the sampler's per-step time on the RL shape (a call of --new-tokens less one of a
+   single token, over the steps between), its tokens/s, and the memory-bandwidth limit:
+   bytes one step must read (weights, adapters, the prompts' KV once per prompt and each
+   row's own KV) over --bandwidth-tbs;
 4. sampler vs transformers `generate` on the RL shape (--prompts x --prompt-tokens,
    --samples each, --new-tokens), same model and adapter, generated tokens/s, medians;
-5. weights-sync latency: `publish` of the session's trained adapter to its generator.
+5. decode paths: sampler tokens/s with static-shape passes replayed from CUDA graphs, the
+   same passes eager, and the per-token dynamic passes (engine/decode_graph.py);
+6. weights-sync latency: `publish` of the session's trained adapter to its generator.
 
 Prints a text summary and the report as JSON (last line; --json also writes it to a file).
 
@@ -41,6 +44,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig  # noqa: E402
+from posttrain.engine import sampler  # noqa: E402
 from posttrain.engine.local import LocalEngine  # noqa: E402
 from posttrain.model.attention_kernels import matmul_attention, partial_attention  # noqa: E402
 from posttrain.types import (  # noqa: E402
@@ -239,18 +243,15 @@ def count_generated(rows: list[list[int]], eos: int) -> int:
 
 
 def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> dict:
-    """Decode steps and tokens/s of the sampler, and `generate`'s tokens/s, on the RL shape."""
+    """Decode steps and tokens/s of the sampler, and `generate`'s tokens/s, on the RL shape.
+    A decode step's time is the difference between a call of --new-tokens and one of a single
+    token (the prefill and first draw) on fresh prompts of the same shape, over the steps
+    between: replayed CUDA graphs run no Python module, so no hook can time a pass."""
     resource, session = engine._session("r", "s0")
     model = resource.loaded.model
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=3)
-    marks: list[tuple[int, float]] = []
 
-    def mark(_module, inputs) -> None:
-        sync(device)
-        ids = inputs[0]
-        marks.append((ids.shape[0] if ids.shape[1] == 1 else -1, time.perf_counter()))
-
-    def posttrain(prompts) -> int:
+    def posttrain(prompts, max_tokens: int = args.new_tokens) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3)
         request = SampleRequest(tuple(prompts), args.samples, params)
         (results,) = engine.sample_batch("r", [("s0", request)])
         return sum(len(s.tokens) for r in results for s in r.sequences)
@@ -272,32 +273,28 @@ def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> d
             )
         return count_generated(out[:, ids.shape[1] :].tolist(), 0)
 
+    def seconds(fn) -> tuple[float, int]:
+        sync(device)
+        start = time.perf_counter()
+        count = fn()
+        sync(device)
+        return time.perf_counter() - start, count
+
     posttrain(rl_prompts(args, vocab, generator))  # warm-ups
+    posttrain(rl_prompts(args, vocab, generator), 1)
     transformers(rl_prompts(args, vocab, generator))
     ours, theirs, steps = [], [], []
     for _ in range(args.repeats):
         prompts = rl_prompts(args, vocab, generator)
-        handle = model.get_input_embeddings().register_forward_pre_hook(mark)
-        marks.clear()
-        sync(device)
-        start = time.perf_counter()
-        tokens = posttrain(prompts)
-        sync(device)
-        end = time.perf_counter()
-        handle.remove()
-        ours.append(tokens / (end - start))
-        marks.append((0, end))
-        steps += [
-            (rows, b - a) for (rows, a), (_, b) in zip(marks, marks[1:], strict=False) if rows > 0
-        ]
-        sync(device)
-        start = time.perf_counter()
-        tokens = transformers(prompts)
-        sync(device)
-        theirs.append(tokens / (time.perf_counter() - start))
+        full_s, tokens = seconds(lambda: posttrain(prompts))  # noqa: B023
+        ours.append(tokens / full_s)
+        first = rl_prompts(args, vocab, generator)
+        first_s, _ = seconds(lambda: posttrain(first, 1))  # noqa: B023
+        steps.append((full_s - first_s) / max(1, args.new_tokens - 1))
+        generate_s, tokens = seconds(lambda: transformers(prompts))  # noqa: B023
+        theirs.append(tokens / generate_s)
     rows = args.prompts * args.samples
-    full = [t for r, t in steps if r == rows] or [t for _, t in steps]
-    step_s = statistics.median(full)
+    step_s = statistics.median(steps)
     # Bytes one decode step reads: weights (the tied head once), adapters, and KV: each
     # prompt's once, each row's own at the mean own length.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -324,6 +321,47 @@ def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> d
         limit = rows * args.bandwidth_tbs * 1e12 / step_bytes
         report["decode_bandwidth_limit_tokens_per_s"] = limit
         report["decode_fraction_of_bandwidth_limit"] = (rows / step_s) / limit
+    return report
+
+
+def measure_decode_paths(engine, args, device, generator, vocab) -> dict:
+    """Sampler tokens/s on the RL shape three ways, alternated: static-shape passes in blocks
+    of 8 replayed from CUDA graphs (on CUDA; eager elsewhere), the same passes eager, and the
+    per-token dynamic passes (one host read per token). Whole sample calls, prefill included."""
+    ways = {
+        "graphs": dict(static=True, graphs=True, block=sampler.DECODE_BLOCK_STEPS),
+        "static_eager": dict(static=True, graphs=False, block=sampler.DECODE_BLOCK_STEPS),
+        "per_token": dict(static=False, graphs=False, block=1),
+    }
+    saved = {
+        name: getattr(sampler, name)
+        for name in ("STATIC_DECODE", "CPU_STATIC_DECODE", "CUDA_GRAPHS")
+        + ("DECODE_BLOCK_STEPS", "CPU_BLOCK_STEPS")
+    }
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=5)
+    rates: dict[str, list[float]] = {way: [] for way in ways}
+    try:
+        for repeat in range(args.repeats + 1):  # the first round warms up (and captures)
+            prompts = rl_prompts(args, vocab, generator)
+            for way, setting in ways.items():
+                sampler.STATIC_DECODE = sampler.CPU_STATIC_DECODE = setting["static"]
+                sampler.CUDA_GRAPHS = setting["graphs"]
+                sampler.DECODE_BLOCK_STEPS = sampler.CPU_BLOCK_STEPS = setting["block"]
+                request = SampleRequest(tuple(prompts), args.samples, params)
+                sync(device)
+                start = time.perf_counter()
+                (results,) = engine.sample_batch("r", [("s0", request)])
+                sync(device)
+                tokens = sum(len(q.tokens) for r in results for q in r.sequences)
+                if repeat:
+                    rates[way].append(tokens / (time.perf_counter() - start))
+    finally:
+        for name, value in saved.items():
+            setattr(sampler, name, value)
+    report = {f"decode_{way}_tokens_per_s": statistics.median(r) for way, r in rates.items()}
+    report["decode_graphs_over_per_token"] = statistics.median(
+        g / p for g, p in zip(rates["graphs"], rates["per_token"], strict=True)
+    )
     return report
 
 
@@ -360,6 +398,11 @@ def summary(report: dict) -> str:
         f" (paired {get('sampler_over_generate_paired', '{:.2f}')}x; target >= 3x):"
         f" {get('sampler_tokens_per_s', '{:,.0f}')} vs {get('generate_tokens_per_s', '{:,.0f}')}"
         " tokens/s",
+        f"  decode paths  {get('decode_graphs_tokens_per_s', '{:,.0f}')} tokens/s static"
+        " passes in CUDA graphs (eager off CUDA),"
+        f" {get('decode_static_eager_tokens_per_s', '{:,.0f}')} static eager,"
+        f" {get('decode_per_token_tokens_per_s', '{:,.0f}')} per-token dynamic"
+        f" ({get('decode_graphs_over_per_token', '{:.2f}')}x)",
         f"  weights sync (publish)  {get('weights_sync_ms')} ms",
     ]
     return "\n".join(lines)
@@ -427,6 +470,7 @@ def main() -> None:
         report.update(check_fused_attention(config, device, dtype))
     report.update(measure_mfu(engine, config, args, device, generator, vocab))
     report.update(measure_sampling(engine, config, args, device, dtype, generator, vocab))
+    report.update(measure_decode_paths(engine, args, device, generator, vocab))
     report.update(measure_weights_sync(engine, args, device))
     report["wall_seconds"] = time.perf_counter() - started
     print(summary(report))

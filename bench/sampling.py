@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen
 from transformers import Qwen3ForCausalLM as Qwen3Model
 
 from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.engine import sampler
 from posttrain.engine.model_passes import GeneratorModel
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
@@ -214,7 +215,23 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--block-steps",
+        type=int,
+        default=None,
+        help="decode passes per host read (default: the device's)",
+    )
+    parser.add_argument(
+        "--static",
+        choices=["on", "off"],
+        default=None,
+        help="static-shape decode passes (default: the device's; on CUDA in graphs)",
+    )
     args = parser.parse_args()
+    if args.block_steps is not None:
+        sampler.CPU_BLOCK_STEPS = sampler.DECODE_BLOCK_STEPS = args.block_steps
+    if args.static is not None:
+        sampler.CPU_STATIC_DECODE = sampler.STATIC_DECODE = args.static == "on"
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     shape = Shape(args.prompts, args.prompt_tokens, args.samples, args.new_tokens)

@@ -12,10 +12,11 @@ of them, kept ready between steps so a step does no per-row Python beyond record
   to the device in one copy. The generator is the row's own, so draws past a row's end are
   never seen.
 - The last sampled token of every live row stays on the device for the next pass.
-- One device-to-host transfer per step (tokens and logprobs together, through a pinned buffer
-  on CUDA), instead of one sync per tensor.
+- One device-to-host transfer per block of decode steps (tokens and logprobs of every step
+  together, through a pinned buffer on CUDA), instead of one sync per tensor or per step.
 
-Legend: R = rows of the call, B = live rows, C = uniforms drawn ahead per row.
+Legend: R = rows of the call, B = live rows, C = uniforms drawn ahead per row, K = steps of a
+block, W = K * B.
 """
 
 from __future__ import annotations
@@ -107,16 +108,25 @@ class LiveRows:
         self._ahead_BC = block_BC.to(self.device, non_blocking=True)
         self._column = 0
 
-    def to_host(self, tokens_B: Tensor, logprobs_B: Tensor) -> tuple[list[int], list[float]]:
-        """Tokens and float32 logprobs as Python lists: one transfer for both (float64 holds
-        every token id and float32 value exactly), through a pinned buffer on CUDA."""
-        both_2B = torch.stack([tokens_B.to(torch.float64), logprobs_B.to(torch.float64)])
-        if both_2B.device.type == "cuda":
-            if self._host is None or self._host.shape[1] < both_2B.shape[1]:
-                self._host = torch.empty(both_2B.shape, dtype=torch.float64, pin_memory=True)
-            host_2B = self._host[:, : both_2B.shape[1]]
-            host_2B.copy_(both_2B, non_blocking=True)
-            torch.cuda.current_stream(both_2B.device).synchronize()
-            both_2B = host_2B
-        tokens, logprobs = both_2B.tolist()
-        return [int(t) for t in tokens], logprobs
+    def to_host(
+        self, tokens_KB: Tensor, logprobs_KB: Tensor
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """K steps' tokens and float32 logprobs of every row as Python lists [K][B]: one
+        transfer for all (float64 holds every token id and float32 value exactly), through a
+        pinned buffer on CUDA."""
+        steps, rows = tokens_KB.shape
+        both_2W = torch.stack(
+            [tokens_KB.reshape(-1).to(torch.float64), logprobs_KB.reshape(-1).to(torch.float64)]
+        )
+        if both_2W.device.type == "cuda":
+            if self._host is None or self._host.shape[1] < both_2W.shape[1]:
+                self._host = torch.empty(both_2W.shape, dtype=torch.float64, pin_memory=True)
+            host_2W = self._host[:, : both_2W.shape[1]]
+            host_2W.copy_(both_2W, non_blocking=True)
+            torch.cuda.current_stream(both_2W.device).synchronize()
+            both_2W = host_2W
+        tokens, logprobs = both_2W.tolist()
+        return (
+            [[int(t) for t in tokens[k * rows : (k + 1) * rows]] for k in range(steps)],
+            [logprobs[k * rows : (k + 1) * rows] for k in range(steps)],
+        )

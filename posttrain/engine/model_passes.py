@@ -27,6 +27,7 @@ from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache
 from posttrain.model.logit_head import output_head
 from posttrain.model.lora import LoraModel
+from posttrain.model.static_decode_cache import StaticDecodeCache
 from posttrain.types import MoeShape, TopkPromptLogprobs
 
 # Query positions of one prefill pass, summed over its rows: bounds activation memory for many
@@ -64,7 +65,7 @@ class PromptGroup:
     routes: list[Tensor] = field(default_factory=list)
 
 
-def _routing(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, Tensor | None]]:
+def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, Tensor | None]]:
     """LoraModel.route assignments: rows grouped by adapter (None: every row)."""
     distinct = list(dict.fromkeys(keys_B))
     if len(distinct) == 1:
@@ -99,16 +100,19 @@ def layer_types(config: PretrainedConfig) -> list[str]:
 
 def forward_rows(
     gm: GeneratorModel,
-    cache: KVCache | FanoutKVCache,
+    cache: KVCache | FanoutKVCache | StaticDecodeCache,
     tokens_BQ: Tensor,
-    num_new_B: Tensor,
+    num_new_B: Tensor | None,
     keys_B: list[str],
     routes_out: list[Tensor] | None = None,
     uniform: tuple[int, int] | None = None,
+    adapter_routing: list[tuple[str, Tensor | None]] | None = None,
 ) -> Tensor:
     """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H].
     With `routes_out`, also append the experts every position used, [B, Q, L, K].
-    `uniform`: what the caller knows of the rows' lengths (KVCache.begin)."""
+    `uniform`: what the caller knows of the rows' lengths (KVCache.begin). `adapter_routing`: the
+    rows' adapter routing made once (routing_of(keys_B)), for passes a CUDA graph captures
+    (no index tensor may be made from the host inside one)."""
     config = gm.model.config
     positions_BQ = cache.begin(num_new_B, uniform)
     kinds = layer_types(config)
@@ -120,7 +124,7 @@ def forward_rows(
         rows, 1, width, cache.placeholder_columns(positions_BQ)
     )
     with (
-        gm.lora.route(_routing(keys_B, tokens_BQ.device)),
+        gm.lora.route(adapter_routing or routing_of(keys_B, tokens_BQ.device)),
         attention.pass_layout([masks[kind] for kind in kinds]),
         routing.capture() if routes_out is not None else nullcontext() as captured,
     ):
@@ -138,8 +142,13 @@ def forward_rows(
     return hidden_BQH
 
 
-def head_logits(gm: GeneratorModel, hidden_BH: Tensor, keys_B: list[str]) -> Tensor:
-    with gm.lora.route(_routing(keys_B, hidden_BH.device)):
+def head_logits(
+    gm: GeneratorModel,
+    hidden_BH: Tensor,
+    keys_B: list[str],
+    adapter_routing: list[tuple[str, Tensor | None]] | None = None,
+) -> Tensor:
+    with gm.lora.route(adapter_routing or routing_of(keys_B, hidden_BH.device)):
         return output_head(gm.model)(hidden_BH)
 
 

@@ -13,12 +13,18 @@ operations and sessions can share passes) and runs:
    decode cache of this one call): the prefill's KV stays one copy per prompt, read by all of
    its num_samples rows (shared-prefix attention, model/attention.py), and each row stores only
    the tokens it generates.
-3. Decode, one token per live row per pass. A row stops on its own (EOS, a stop string even
-   when it spans tokens, its max_tokens); finished rows leave the batch and the cache is
-   compacted (prompts no live row continues too), so long rows never pay for finished ones.
-   A pass reads nothing back from the device but its sampled tokens and logprobs, in one
-   transfer: what it needs of the rows is kept ready between passes (decode_rows.py).
-4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between passes `between_tokens` may
+3. Decode, one token per live row per pass, in blocks of K passes (DECODE_BLOCK_STEPS on an
+   accelerator, 1 on the CPU): a block reads nothing back from the device but, at its end,
+   the sampled tokens and logprobs of its K passes, in one transfer; what a pass needs of the
+   rows is kept ready between passes (decode_rows.py). The host then records each row's K
+   tokens up to its stop (EOS, a stop string even when it spans tokens, its max_tokens) and
+   drops the passes a row ran past it: its random stream is its own, so no other row's tokens
+   change (their logprobs may in the last bits: a matrix product's rows depend on how many
+   rows it has). Finished rows leave the batch at block ends and the cache is compacted
+   (prompts no live row continues too), so long rows never pay for finished ones.
+   Static-shape passes (decode_graph.py; the default on CUDA, where they are captured in CUDA
+   graphs and replayed) keep finished rows as padding until at most half the batch runs.
+4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between blocks `between_tokens` may
    publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy
    segment starting at the next generated token, so every token after the switch is exactly what
@@ -50,6 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from posttrain.engine.decode_graph import DecodeStep, static_passes_supported
 from posttrain.engine.decode_rows import LiveRows, SampledRow
 from posttrain.engine.logprobs import log_softmax_float32
 from posttrain.engine.model_passes import (
@@ -66,6 +73,7 @@ from posttrain.engine.sampling_math import choose_tokens, hit_stop_string, row_s
 from posttrain.errors import NonFiniteLoss
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
+from posttrain.model.static_decode_cache import StaticDecodeCache
 from posttrain.types import (
     PolicySegment,
     SampledSequence,
@@ -78,6 +86,27 @@ from posttrain.types import (
 # Decode positions allocated at a time: memory follows the longest live row instead of being
 # reserved for every row's max_tokens up front.
 DECODE_POSITIONS_PER_GROWTH = 256
+
+# Decode passes per block on an accelerator: the block's tokens and logprobs come back in one
+# transfer (one device synchronisation per 8 tokens instead of per token), for at most 7
+# discarded passes of a row that stops early and a PIPELINE weights switch up to 8 tokens
+# later. On the CPU a read-back costs nothing and each pass of a stopped row costs its full
+# compute, so blocks are CPU_BLOCK_STEPS = 1 pass there (the per-token path).
+DECODE_BLOCK_STEPS = 8
+CPU_BLOCK_STEPS = 1
+
+# Static-shape decode passes (engine/decode_graph.py), captured in a CUDA graph on CUDA: the
+# default off the CPU, where a small model's step is hundreds of kernel launches. On the CPU
+# a static pass attends over the own part's whole capacity and keeps finished rows as padding
+# for nothing a graph gives back, so it runs only when asked (the tests check it there).
+STATIC_DECODE = True
+CPU_STATIC_DECODE = False
+CUDA_GRAPHS = True
+
+
+def default_block_steps(device: torch.device) -> int:
+    """Decode passes per block on `device` (see DECODE_BLOCK_STEPS)."""
+    return CPU_BLOCK_STEPS if device.type == "cpu" else DECODE_BLOCK_STEPS
 
 
 @dataclass(frozen=True)
@@ -111,14 +140,16 @@ def generate(
     *,
     versions: Mapping[str, WeightsVersion],
     between_tokens: Callable[[], None] | None = None,
+    block_steps: int | None = None,
 ) -> list[SampleResult]:
     """Sample every request; results align with `requests`.
 
     `versions` maps each adapter key to what it serves now and is read again after every
-    `between_tokens()` call, which may publish new weights (PIPELINE weights-sync)."""
+    `between_tokens()` call, which may publish new weights (PIPELINE weights-sync).
+    `block_steps`: decode passes per host read (None: default_block_steps of the device)."""
     attention.install(gm.model)
     with torch.no_grad():
-        return _generate(gm, requests, versions, between_tokens)
+        return _generate(gm, requests, versions, between_tokens, block_steps)
 
 
 def _plan(
@@ -165,8 +196,8 @@ def _record(gm: GeneratorModel, row: SampledRow, token: int, logprob: float) -> 
         row.stop_reason = StopReason.LENGTH
 
 
-def _sample_step(gm: GeneratorModel, batch: LiveRows, logits_BV: Tensor) -> list[int]:
-    """Draw and record one token for every live row; returns the batch positions still live."""
+def _draw(batch: LiveRows, logits_BV: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per live row and its logprob ([B] each), on the device: nothing read back."""
     logprobs_BV = log_softmax_float32(logits_BV)
     tokens_B = choose_tokens(
         logprobs_BV,
@@ -177,22 +208,39 @@ def _sample_step(gm: GeneratorModel, batch: LiveRows, logits_BV: Tensor) -> list
         batch.kind,
     )
     batch.last_tokens_B = tokens_B
-    logprobs_B = logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
-    tokens, logprobs = batch.to_host(tokens_B, logprobs_B)
-    if not all(map(math.isfinite, logprobs)):
-        # Finite logits give finite logprobs for every token the draw can pick (it never
-        # picks a zero-probability token), so only non-finite logits get here: NaN or
-        # infinite generator weights, or a forward that overflowed. No sample answers null.
-        raise NonFiniteLoss(
-            "the generator's logits are not finite (non-finite weights?): a sampled token"
-            " would have no logprob, so no sample of this pass is returned"
-        )
-    still_live = []
-    for i, (r, token, logprob) in enumerate(zip(batch.live, tokens, logprobs, strict=True)):
-        _record(gm, batch.rows[r], token, logprob)
-        if batch.rows[r].stop_reason is None:
-            still_live.append(i)
-    return still_live
+    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+def _record_steps(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    tokens_KB: list[list[int]],
+    logprobs_KB: list[list[float]],
+    routes_K: list[Tensor] | None = None,
+) -> list[int]:
+    """Record the K steps' tokens of every live row in order, each row up to its stop (the
+    tokens a row computed after it stopped are dropped: its random stream is its own, so no
+    other row saw them); returns the batch positions still live. `routes_K`: step k's
+    routes [B, 1, L, K], kept for the rows that were live when step k fed their last token."""
+    rows = batch.rows
+    for k, (tokens, logprobs) in enumerate(zip(tokens_KB, logprobs_KB, strict=True)):
+        for i, (r, token, logprob) in enumerate(zip(batch.live, tokens, logprobs, strict=True)):
+            row = rows[r]
+            if row.stop_reason is not None:
+                continue
+            if not math.isfinite(logprob):
+                # Finite logits give finite logprobs for every token the draw can pick (it
+                # never picks a zero-probability token), so only non-finite logits get here:
+                # NaN or infinite generator weights, or a forward that overflowed. No sample
+                # answers null.
+                raise NonFiniteLoss(
+                    "the generator's logits are not finite (non-finite weights?): a sampled"
+                    " token would have no logprob, so no sample of this pass is returned"
+                )
+            if routes_K is not None and row.routes is not None:
+                row.routes.append(routes_K[k][i, 0])
+            _record(gm, row, token, logprob)
+    return [i for i, r in enumerate(batch.live) if rows[r].stop_reason is None]
 
 
 def _generate(
@@ -200,6 +248,7 @@ def _generate(
     requests: list[GenerationRequest],
     versions: Mapping[str, WeightsVersion],
     between_tokens: Callable[[], None] | None,
+    block_steps: int | None,
 ) -> list[SampleResult]:
     device = gm.model.get_input_embeddings().weight.device
     groups, group_of_request, rows = _plan(gm, requests, versions)
@@ -209,7 +258,9 @@ def _generate(
     vocab = first_logits_GV.shape[-1]
     batch = LiveRows(rows, list(range(len(rows))), device, vocab)
     group_of_row_R = torch.tensor([row.group for row in rows], device=device)
-    batch.keep(_sample_step(gm, batch, first_logits_GV[group_of_row_R]))
+    first_B = _draw(batch, first_logits_GV[group_of_row_R])
+    tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
+    batch.keep(_record_steps(gm, batch, tokens_1B, logprobs_1B))
     if not batch.live:
         return _results(requests, groups, group_of_request, rows, segments)
     longest_completion = max(rows[r].params.max_tokens for r in batch.live)
@@ -220,17 +271,75 @@ def _generate(
     # Frees the prompts whose every sample already ended on its first token.
     cache.keep(torch.arange(len(batch.live), device=device))
     # Own positions every live row holds: all rows start decoding together and each pass adds
-    # one to every live row (a weights update recomputes them to the same count), so the
-    # host knows when the cache is full without asking the device.
+    # one to every row of the batch (a weights update recomputes them to the same count), so
+    # the host knows when the cache is full without asking the device.
     own_positions = 0
-    while batch.live:
+    steps_per_block = block_steps if block_steps is not None else default_block_steps(device)
+    static = use_static_passes(gm, device)
+    step: DecodeStep | None = None  # the static pass of the current layout
+    # Batch positions of the rows still running; with static passes, finished rows may stay
+    # in the batch as padding (see _keeps_layout).
+    running = list(range(len(batch.live)))
+    while running:
         if between_tokens is not None:
+            served = {key: v.generation for key, v in versions.items()}
             between_tokens()
-            _apply_new_weights(gm, batch, cache, groups, requests, versions, segments)
-        if own_positions >= cache.capacity:
-            cache.grow(cache.capacity + DECODE_POSITIONS_PER_GROWTH)
+            if _apply_new_weights(gm, batch, cache, groups, requests, versions, segments):
+                step = None
+            elif served != {key: v.generation for key, v in versions.items()}:
+                # New weights of rows that no longer run: a captured pass may hold the
+                # addresses of the weights they replaced, so it is made again.
+                step = None
+        # No row runs past the longest max_tokens still wanted: the last block is shortened.
+        steps = min(
+            steps_per_block,
+            max(
+                rows[batch.live[i]].params.max_tokens - len(rows[batch.live[i]].tokens)
+                for i in running
+            ),
+        )
+        if own_positions + steps > cache.capacity:
+            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))
+            step = None
+        routes_K: list[Tensor] | None = [] if batch.wants_routes else None
+        if static:
+            if step is None:
+                step = DecodeStep(
+                    gm, StaticDecodeCache(cache, own_positions), batch, _use_graphs(device)
+                )
+            tokens_KB, logprobs_KB = _static_block(step, batch, steps)
+        else:
+            tokens_KB, logprobs_KB = _dynamic_block(
+                gm, batch, cache, steps, own_positions, routes_K
+            )
+        own_positions += steps
+        tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
+        running = _record_steps(gm, batch, tokens, logprobs, routes_K)
+        if running and not (static and _keeps_layout(len(running), len(batch.live))):
+            if len(running) < len(batch.live):
+                order = _fill_holes(running)
+                cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
+                batch.keep(order)
+                running = list(range(len(order)))
+                step = None
+    return _results(requests, groups, group_of_request, rows, segments)
+
+
+def _dynamic_block(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    cache: FanoutKVCache,
+    steps: int,
+    own_positions: int,
+    routes_K: list[Tensor] | None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`steps` passes of every row of the batch, shapes following the rows' lengths; each
+    step's tokens and logprobs [B] stay on the device (routes appended to routes_K)."""
+    tokens_KB: list[Tensor] = []
+    logprobs_KB: list[Tensor] = []
+    for k in range(steps):
         assert batch.last_tokens_B is not None
-        routes_out = [] if batch.wants_routes else None
+        routes_out = [] if routes_K is not None else None
         hidden_B1H = forward_rows(
             gm,
             cache,
@@ -238,19 +347,47 @@ def _generate(
             batch.ones_B,
             batch.keys,
             routes_out,
-            uniform=(1, own_positions + 1),
+            uniform=(1, own_positions + k + 1),
         )
-        own_positions += 1
-        if routes_out is not None:
-            for i, r in enumerate(batch.live):
-                if rows[r].routes is not None:
-                    rows[r].routes.append(routes_out[0][i, 0])
-        keep = _sample_step(gm, batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
-        if len(keep) < len(batch.live):
-            order = _fill_holes(keep)
-            cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
-            batch.keep(order)
-    return _results(requests, groups, group_of_request, rows, segments)
+        if routes_K is not None:
+            assert routes_out is not None
+            routes_K.append(routes_out[0])
+        tokens_B, logprobs_B = _draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
+        tokens_KB.append(tokens_B)
+        logprobs_KB.append(logprobs_B)
+    return tokens_KB, logprobs_KB
+
+
+def _static_block(
+    step: DecodeStep, batch: LiveRows, steps: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`steps` static passes (replayed graphs on CUDA): the same, out of persistent tensors."""
+    tokens_KB: list[Tensor] = []
+    logprobs_KB: list[Tensor] = []
+    for _ in range(steps):
+        step.run(batch.uniforms())
+        tokens_KB.append(step.tokens_B.clone())
+        logprobs_KB.append(step.logprobs_B.clone())
+    batch.last_tokens_B = step.tokens_B
+    return tokens_KB, logprobs_KB
+
+
+def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
+    """Static-shape decode passes (engine/decode_graph.py) for this model on this device."""
+    wanted = CPU_STATIC_DECODE if device.type == "cpu" else STATIC_DECODE
+    return wanted and static_passes_supported(gm)
+
+
+def _use_graphs(device: torch.device) -> bool:
+    return device.type == "cuda" and CUDA_GRAPHS
+
+
+def _keeps_layout(running: int, rows: int) -> bool:
+    """With static passes, whether the batch stays as it is although only `running` of its
+    `rows` still run: the finished rows ride along as padding (their tokens are dropped)
+    until at most half the rows run, so a batch changes shape, and a new pass is captured,
+    at most log2(rows) times instead of at every finished row."""
+    return running > rows // 2
 
 
 def _fill_holes(keep: list[int]) -> list[int]:
@@ -270,18 +407,19 @@ def _apply_new_weights(
     requests: list[GenerationRequest],
     versions: Mapping[str, WeightsVersion],
     segments: list[list[PolicySegment]],
-) -> None:
-    """After a publish: recompute the KV of the live rows whose adapter changed with the new
+) -> bool:
+    """After a publish: recompute the KV of the running rows whose adapter changed with the new
     weights (their prompt once, then each row's tokens so far but the last, which the next pass
-    feeds), and open a policy segment at their next token."""
+    feeds), and open a policy segment at their next token. Finished rows kept as padding
+    (static passes) are left alone. Returns whether anything changed."""
     rows = batch.rows
     changed = {
         g
-        for g in {rows[r].group for r in batch.live}
+        for g in {rows[r].group for r in batch.live if rows[r].stop_reason is None}
         if versions[groups[g].adapter_key].generation != groups[g].generation
     }
     if not changed:
-        return
+        return False
     fresh: list[PromptGroup] = []
     for g in sorted(changed):
         current = versions[groups[g].adapter_key]
@@ -290,7 +428,11 @@ def _apply_new_weights(
     group_cache, _ = prefill(gm, fresh, with_logits=False)
     for fresh_row, g in enumerate(sorted(changed)):
         cache.replace_prefix(g, group_cache, fresh_row)
-    positions = [i for i, r in enumerate(batch.live) if rows[r].group in changed]
+    positions = [
+        i
+        for i, r in enumerate(batch.live)
+        if rows[r].group in changed and rows[r].stop_reason is None
+    ]
     affected = [rows[batch.live[i]] for i in positions]
     suffixes = [row.tokens[:-1] for row in affected]
     own = new_cache(gm, len(affected), max(map(len, suffixes)) or 1)
@@ -311,6 +453,7 @@ def _apply_new_weights(
         version = versions[requests[r].adapter_key].version
         if segments[r][-1].version != version:
             segments[r].append(PolicySegment(start, version))
+    return True
 
 
 def _results(

@@ -48,17 +48,23 @@ def filter_logits(logits_BV: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor
     if not bool(needs_B.any()):
         return logits_BV
     rows = needs_B.nonzero().squeeze(1)
-    sorted_BV, order_BV = torch.sort(logits_BV[rows], dim=-1, descending=True)
+    filtered_BV = logits_BV.clone()
+    filtered_BV[rows] = _filter_rows(logits_BV[rows], top_k_B[rows], top_p_B[rows])
+    return filtered_BV
+
+
+def _filter_rows(logits_BV: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
+    """filter_logits on every row, whether its settings cut anything or not."""
+    vocab = logits_BV.shape[-1]
+    sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
     rank_V = torch.arange(vocab, device=logits_BV.device)
-    k_B = torch.where(top_k_B[rows] > 0, top_k_B[rows], vocab)
+    k_B = torch.where(top_k_B > 0, top_k_B, vocab)
     sorted_BV = sorted_BV.masked_fill(rank_V[None, :] >= k_B[:, None], float("-inf"))
     probs_BV = torch.softmax(sorted_BV, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
-    drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p_B[rows, None]
+    drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p_B[:, None]
     sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
-    filtered_BV = logits_BV.clone()
-    filtered_BV[rows] = torch.full_like(sorted_BV, float("-inf")).scatter(1, order_BV, sorted_BV)
-    return filtered_BV
+    return torch.full_like(sorted_BV, float("-inf")).scatter(1, order_BV, sorted_BV)
 
 
 def is_plain(temperature, top_k, top_p, vocab: int):
@@ -121,6 +127,38 @@ def choose_tokens(
             drawn_B[collapsed_B] = logprobs_BV[shaped][collapsed_B].argmax(-1)
         tokens_B[shaped] = drawn_B
     return tokens_B
+
+
+def choose_tokens_static(
+    logprobs_BV: Tensor,
+    temperature_B: Tensor,
+    top_k_B: Tensor,
+    top_p_B: Tensor,
+    uniform_B: Tensor,
+    kind: str | None,
+) -> Tensor:
+    """choose_tokens with nothing read back to the host, so a CUDA graph can hold it: a mixed
+    batch computes every way of choosing for every row (argmax, the plain draw, the tempered
+    and filtered draw) and keeps each row's own, instead of indexing the rows of each kind
+    (which needs their count on the host). Every row's arithmetic is choose_tokens's, so the
+    tokens are the same; it costs a sort of the whole batch's logprobs per step."""
+    if kind in (GREEDY, PLAIN):
+        return choose_tokens(logprobs_BV, temperature_B, top_k_B, top_p_B, uniform_B, kind)
+    vocab = logprobs_BV.shape[-1]
+    greedy_B = temperature_B == 0
+    plain_B = is_plain(temperature_B, top_k_B, top_p_B, vocab)
+    argmax_B = logprobs_BV.argmax(-1)
+    drawn_plain_B = draw_inverse_cdf(logprobs_BV.exp(), uniform_B)
+    # Greedy rows temper by 1 here (their draw is not kept): no division by 0.
+    tempered_BV = logprobs_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None]
+    needs_B = ((top_k_B > 0) & (top_k_B < vocab)) | (top_p_B < 1.0)
+    filtered_BV = torch.where(
+        needs_B[:, None], _filter_rows(tempered_BV, top_k_B, top_p_B), tempered_BV
+    )
+    drawn_B = draw_inverse_cdf(torch.softmax(filtered_BV, dim=-1), uniform_B)
+    # As in choose_tokens: a temperature whose every tempered value is -inf is greedy.
+    drawn_B = torch.where(tempered_BV.amax(-1) == float("-inf"), argmax_B, drawn_B)
+    return torch.where(greedy_B, argmax_B, torch.where(plain_B, drawn_plain_B, drawn_B))
 
 
 def draw_inverse_cdf(probs_BV: Tensor, uniform_B: Tensor) -> Tensor:

@@ -107,6 +107,20 @@ class FanoutKVCache:
             self._prefix_columns = int(self.prefix.lengths_B[: self.prefix.num_rows].max())
         return self._prefix_columns
 
+    def prefix_layout(self) -> tuple[Tensor, Tensor | None, int, Tensor, Tensor | None]:
+        """What a decode pass's prefix part reads, fixed until rows change: (the live prefix
+        keys and values [N, 2, G, Hkv, P, D], slot_B and M of the group layout, the prefix
+        length of each row [B], the full-attention prefix bias of one query per row
+        [B, 1, P] or None). For static-shape passes (model/static_decode_cache.py)."""
+        slot_B, m, prefix_lengths_B = self._group_layout()
+        columns = self._longest_prefix()
+        prefix_kv = self.prefix.kv[:, :, : self.prefix.num_rows, :, :columns]
+        if 1 not in self._full_prefix_bias:
+            prefix_P = torch.arange(columns, device=prefix_lengths_B.device)
+            visible_B1P = (prefix_P[None, :] < prefix_lengths_B[:, None])[:, None, :]
+            self._full_prefix_bias[1] = _bias(visible_B1P, 1)
+        return prefix_kv, slot_B, m, prefix_lengths_B, self._full_prefix_bias[1]
+
     def placeholder_columns(self, positions_BQ: Tensor) -> int:
         """Columns of the placeholder mask a pass hands the model: its last position + 1."""
         if self._uniform:

@@ -25,6 +25,9 @@ KEYS = {
     "generate_tokens_per_s",
     "sampler_over_generate",
     "weights_sync_ms",
+    "decode_graphs_tokens_per_s",
+    "decode_static_eager_tokens_per_s",
+    "decode_per_token_tokens_per_s",
 }
 
 

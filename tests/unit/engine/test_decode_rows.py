@@ -14,6 +14,7 @@ from posttrain.engine.sampling_math import (
     PLAIN,
     batch_kind,
     choose_tokens,
+    choose_tokens_static,
     is_plain,
     row_seed,
 )
@@ -79,10 +80,33 @@ def test_host_kind_agrees_with_the_device_rule_and_changes_no_token():
         assert torch.equal(hinted, choose_tokens(logprobs, temperature, top_k, top_p, uniform))
 
 
-def test_one_transfer_gives_exact_tokens_and_float32_logprobs():
+def test_one_transfer_gives_exact_tokens_and_float32_logprobs_of_a_block():
     batch = LiveRows(rows_of([SamplingParams()] * 3), [0, 1, 2], torch.device("cpu"), VOCAB)
-    tokens_B = torch.tensor([0, 151935, 2**40])
-    logprobs_B = torch.tensor([-1e-30, -3.3, float("-inf")], dtype=torch.float32)
-    tokens, logprobs = batch.to_host(tokens_B, logprobs_B)
-    assert tokens == tokens_B.tolist() and all(isinstance(t, int) for t in tokens)
-    assert logprobs == logprobs_B.tolist()
+    tokens_KB = torch.tensor([[0, 151935, 2**40], [7, 8, 9]])  # two steps of three rows
+    logprobs_KB = torch.tensor(
+        [[-1e-30, -3.3, float("-inf")], [-0.5, -1e-7, -20.25]], dtype=torch.float32
+    )
+    tokens, logprobs = batch.to_host(tokens_KB, logprobs_KB)
+    assert tokens == tokens_KB.tolist() and all(isinstance(t, int) for k in tokens for t in k)
+    assert logprobs == logprobs_KB.tolist()
+
+
+def test_the_static_choice_draws_what_choose_tokens_draws_without_host_reads():
+    # Every kind of row in one batch (greedy, plain, tempered, top-k, top-p, a temperature so
+    # small every tempered logprob is -inf), many uniforms: the same tokens, byte for byte.
+    generator = torch.Generator().manual_seed(3)
+    rows = 7
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.9, 1e-40, 1.0])
+    top_k = torch.tensor([0, 0, 0, 5, 0, 0, VOCAB])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.6, 1.0, 1.0])
+    for _ in range(20):
+        logprobs = torch.log_softmax(torch.randn(rows, VOCAB, generator=generator) * 3, dim=-1)
+        uniform = torch.rand(rows, generator=generator)
+        expected = choose_tokens(logprobs, temperature, top_k, top_p, uniform)
+        got = choose_tokens_static(logprobs, temperature, top_k, top_p, uniform, None)
+        assert torch.equal(got, expected)
+    for kind, t in ((GREEDY, 0.0), (PLAIN, 1.0)):
+        same = torch.full((rows,), t)
+        expected = choose_tokens(logprobs, same, top_k * 0, top_p * 0 + 1, uniform, kind)
+        got = choose_tokens_static(logprobs, same, top_k * 0, top_p * 0 + 1, uniform, kind)
+        assert torch.equal(got, expected)

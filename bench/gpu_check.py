@@ -18,8 +18,9 @@ posttrain's LocalEngine on it (LoRA rank 32, as a session trains and samples):
    row's own KV) over --bandwidth-tbs;
 4. sampler vs transformers `generate` on the RL shape (--prompts x --prompt-tokens,
    --samples each, --new-tokens), same model and adapter, generated tokens/s, medians;
-5. decode paths: sampler tokens/s with static-shape passes replayed from CUDA graphs, the
-   same passes eager, and the per-token dynamic passes (engine/decode_graph.py);
+5. decode paths: sampler tokens/s with static-shape passes replayed from CUDA graphs
+   (`--cuda-graphs on`), the same passes eager, dynamic passes in blocks of 8 (the default),
+   and the per-token dynamic passes (engine/decode_graph.py): this decides the default;
 6. weights-sync latency: `publish` of the session's trained adapter to its generator.
 
 Prints a text summary and the report as JSON (last line; --json also writes it to a file).
@@ -325,12 +326,15 @@ def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> d
 
 
 def measure_decode_paths(engine, args, device, generator, vocab) -> dict:
-    """Sampler tokens/s on the RL shape three ways, alternated: static-shape passes in blocks
-    of 8 replayed from CUDA graphs (on CUDA; eager elsewhere), the same passes eager, and the
-    per-token dynamic passes (one host read per token). Whole sample calls, prefill included."""
+    """Sampler tokens/s on the RL shape four ways, alternated: static-shape passes in blocks
+    of 8 replayed from CUDA graphs (on CUDA; eager elsewhere; `--cuda-graphs on`), the same
+    passes eager, dynamic passes in blocks of 8 (the CUDA default), and the per-token dynamic
+    passes (one host read per token). Whole sample calls, prefill and captures included."""
     ways = {
         "graphs": dict(static=True, graphs=True, block=sampler.DECODE_BLOCK_STEPS),
         "static_eager": dict(static=True, graphs=False, block=sampler.DECODE_BLOCK_STEPS),
+        # the CUDA default (--cuda-graphs off): dynamic passes, one host read per block
+        "blocks": dict(static=False, graphs=False, block=sampler.DECODE_BLOCK_STEPS),
         "per_token": dict(static=False, graphs=False, block=1),
     }
     saved = {
@@ -401,6 +405,7 @@ def summary(report: dict) -> str:
         f"  decode paths  {get('decode_graphs_tokens_per_s', '{:,.0f}')} tokens/s static"
         " passes in CUDA graphs (eager off CUDA),"
         f" {get('decode_static_eager_tokens_per_s', '{:,.0f}')} static eager,"
+        f" {get('decode_blocks_tokens_per_s', '{:,.0f}')} dynamic blocks (the default),"
         f" {get('decode_per_token_tokens_per_s', '{:,.0f}')} per-token dynamic"
         f" ({get('decode_graphs_over_per_token', '{:.2f}')}x)",
         f"  weights sync (publish)  {get('weights_sync_ms')} ms",

@@ -79,6 +79,13 @@ def parser() -> argparse.ArgumentParser:
         " broadcast (default) or each replica's pipe",
     )
     serve.add_argument(
+        "--cuda-graphs",
+        choices=("on", "off"),
+        default=None,
+        help="on CUDA, replay decode passes from captured CUDA graphs (default off: dynamic"
+        " passes in blocks of 8 with one host read per block)",
+    )
+    serve.add_argument(
         "--ray",
         default=None,
         metavar="local|ADDRESS",
@@ -204,6 +211,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         workers=args.workers,
         generators=args.generators,
         weights_transport=args.weights_transport,
+        cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
         ray=args.ray,
         ray_strategy=args.ray_strategy,
         trainer_ranks=args.trainer_ranks,

@@ -102,6 +102,17 @@ class EngineConfig(BaseModel):
         " (engine/weights_broadcast.py; down the pipes when the group cannot form), or down each"
         " replica's pipe",
     )
+    # Built, tested eagerly on the CPU (the same static passes) and by `-m gpu` tests, but not
+    # yet measured on a GPU: a layout's graph is captured per generate call, and whether its
+    # replays win back the capture on short generations is what bench/gpu_check.py's "decode
+    # paths" line measures. Until then CUDA decodes in dynamic blocks of 8 passes (one host
+    # read per block), which needs no capture.
+    cuda_graphs: bool = Field(
+        False,
+        description="on CUDA, decode in static-shape passes captured in CUDA graphs and"
+        " replayed (engine/decode_graph.py); off: dynamic passes in blocks of 8, one host read"
+        " per block. No effect on other devices",
+    )
     ray: str | None = Field(
         None,
         min_length=1,

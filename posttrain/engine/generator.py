@@ -117,6 +117,7 @@ def sample_batch(
         prefix_cache=resource.prefix_cache,
         logprob_chunk_tokens=config.logprob_chunk_tokens,
         moe=loaded.moe,
+        cuda_graphs=config.cuda_graphs,
     )
     requests = []
     for session, request in items:

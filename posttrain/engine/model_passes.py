@@ -46,6 +46,7 @@ class GeneratorModel:
     prefix_cache: PrefixCache
     logprob_chunk_tokens: int
     moe: MoeShape | None = None  # the model's expert-route shape; None: dense
+    cuda_graphs: bool = False  # EngineConfig.cuda_graphs: static passes in CUDA graphs on CUDA
 
 
 @dataclass

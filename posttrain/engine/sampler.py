@@ -22,8 +22,9 @@ operations and sessions can share passes) and runs:
    change (their logprobs may in the last bits: a matrix product's rows depend on how many
    rows it has). Finished rows leave the batch at block ends and the cache is compacted
    (prompts no live row continues too), so long rows never pay for finished ones.
-   Static-shape passes (decode_graph.py; the default on CUDA, where they are captured in CUDA
-   graphs and replayed) keep finished rows as padding until at most half the batch runs.
+   Static-shape passes (decode_graph.py; on CUDA with `--cuda-graphs on`, where they are
+   captured in CUDA graphs and replayed) keep finished rows as padding until at most half the
+   batch runs.
 4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between blocks `between_tokens` may
    publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy
@@ -95,11 +96,13 @@ DECODE_POSITIONS_PER_GROWTH = 256
 DECODE_BLOCK_STEPS = 8
 CPU_BLOCK_STEPS = 1
 
-# Static-shape decode passes (engine/decode_graph.py), captured in a CUDA graph on CUDA: the
-# default off the CPU, where a small model's step is hundreds of kernel launches. On the CPU
-# a static pass attends over the own part's whole capacity and keeps finished rows as padding
-# for nothing a graph gives back, so it runs only when asked (the tests check it there).
-STATIC_DECODE = True
+# Static-shape decode passes (engine/decode_graph.py), captured in a CUDA graph on CUDA, where
+# a small model's step is hundreds of kernel launches: asked for by EngineConfig.cuda_graphs
+# (`posttrain serve --cuda-graphs on`; off by default until a GPU run measures capture against
+# replay, config.py says why) or by STATIC_DECODE (benchmarks). On the CPU a static pass
+# attends over the own part's whole capacity and keeps finished rows as padding for nothing a
+# graph gives back, so it runs only when CPU_STATIC_DECODE asks (the tests check it there).
+STATIC_DECODE = False
 CPU_STATIC_DECODE = False
 CUDA_GRAPHS = True
 
@@ -374,7 +377,7 @@ def _static_block(
 
 def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
     """Static-shape decode passes (engine/decode_graph.py) for this model on this device."""
-    wanted = CPU_STATIC_DECODE if device.type == "cpu" else STATIC_DECODE
+    wanted = CPU_STATIC_DECODE if device.type == "cpu" else (STATIC_DECODE or gm.cuda_graphs)
     return wanted and static_passes_supported(gm)
 
 

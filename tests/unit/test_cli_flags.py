@@ -81,3 +81,11 @@ def test_a_memory_limit_without_a_known_unit_is_refused(capsys):
 def test_memory_limit_config_key_takes_the_same_units():
     assert EngineConfig(memory_limit="2GiB").memory_limit == 2 << 30
     assert EngineConfig().memory_limit is None
+
+
+def test_cuda_graphs_flag_becomes_the_engine_setting_and_is_off_by_default():
+    assert EngineConfig().cuda_graphs is False
+    on = engine_config(parser().parse_args(["serve", "--cuda-graphs", "on"]))
+    assert on == EngineConfig(cuda_graphs=True)
+    off = engine_config(parser().parse_args(["serve", "--cuda-graphs", "off"]))
+    assert off == EngineConfig(cuda_graphs=False)

@@ -8,6 +8,7 @@ dropped; their random streams are their own, so nothing else changes."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -319,3 +320,31 @@ def test_cuda_graph_replay_equals_the_eager_static_passes(monkeypatch):
                 assert x.tokens == y.tokens and x.logprobs == y.logprobs
                 assert x.tokens == z.tokens
                 torch.testing.assert_close(x.logprobs, z.logprobs, atol=1e-4, rtol=0)
+
+
+def test_cuda_graphs_setting_reaches_the_sampler_and_picks_static_passes_off_the_cpu(
+    monkeypatch,
+):
+    """EngineConfig.cuda_graphs (`--cuda-graphs on`) travels to the sampler's model, where it
+    picks static passes (captured in graphs) on CUDA and changes nothing on the CPU."""
+    from posttrain.engine import generator
+
+    engine = LocalEngine(
+        EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, prefix_cache_mib=0),
+        {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR},
+    )
+    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
+    seen = []
+    generate = generator.generate
+    monkeypatch.setattr(
+        generator, "generate", lambda gm, *a, **k: seen.append(gm) or generate(gm, *a, **k)
+    )
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=3)
+    engine.sample_batch("r", [("s", SampleRequest(((5, 6, 7),), 2, params))])
+    (gm,) = seen
+    assert gm.cuda_graphs
+    assert sampler.use_static_passes(gm, torch.device("cuda"))
+    assert not sampler.use_static_passes(gm, torch.device("cpu"))  # CPU_STATIC_DECODE only
+    off = dataclasses.replace(gm, cuda_graphs=False)
+    assert not sampler.use_static_passes(off, torch.device("cuda"))  # the default

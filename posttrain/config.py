@@ -128,6 +128,14 @@ class EngineConfig(BaseModel):
         " --workers) or a torch.distributed group of N rank processes that split each"
         " forward-backward's rows and all-reduce its gradients (engine/trainer_group.py)",
     )
+    # ZeRO-3 (engine/param_shards.py): on trainer_ranks > 1 a full-weight session's
+    # parameters are sharded too, each rank holding only the parameters it owns between
+    # operations and gathering a layer's just before its forward and backward.
+    shard_parameters: bool = Field(
+        False,
+        description="on a trainer group, shard a full-weight session's parameters over the"
+        " ranks as well as its gradients and optimizer state (ZeRO-3; engine/param_shards.py)",
+    )
     max_generator_replicas: int = Field(
         8,
         ge=1,

@@ -36,7 +36,9 @@ class ResourceFootprint:
 
 
 def nbytes(tensors: Iterable[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes the tensors hold; none for a parameter another rank holds (engine/param_shards.py
+    frees its storage and keeps its shape)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().nbytes())
 
 
 def state_tensors(state: object) -> list[Tensor]:

@@ -42,7 +42,10 @@ def served(resource: ResourceState, session: SessionState) -> WeightsVersion:
 
 def refresh(resource: ResourceState, session: SessionState) -> None:
     """The generator serves a copy of the trainer's current weights (same policy version)."""
-    if session.generator_model is not None:
+    if session.generator_model is not None and resource.param_shards is not None:
+        # From each parameter's owner (engine/param_shards.py).
+        resource.param_shards.publish(resource.loaded.model, session.generator_model)
+    elif session.generator_model is not None:
         full_weight.publish(resource.loaded.model, session.generator_model)
     else:
         resource.lora.copy_adapter(session.trainer_key, session.generator_key)

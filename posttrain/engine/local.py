@@ -36,6 +36,7 @@ from posttrain.engine.footprint import (
 from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.optim import SessionOptimizer
+from posttrain.engine.param_shards import ParamShards
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import InvalidRequest, NotFound
@@ -172,6 +173,9 @@ class LocalEngine:
         generator.forget(resource, session)
         if session.is_full_weight:
             assert resource.model_path is not None, "full-weight resource without a model path"
+            if resource.param_shards is not None:  # every rank holds the whole model again
+                resource.param_shards.unshard()
+                resource.param_shards = None
             full_weight.restore_base(resource.lora, resource.model_path, resource.loaded.device)
             return
         resource.lora.remove_adapter(session.trainer_key)
@@ -184,6 +188,9 @@ class LocalEngine:
         named = full_weight.trainable_parameters(resource.lora)
         shards = sharding.Sharding.over(resource.group, named)  # None: fewer than 2 ranks
         optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=shards)
+        if shards is not None and self.config.shard_parameters:
+            resource.param_shards = ParamShards(shards, resource.loaded.model, named)
+            optimizer.params_sharded = True
         resource.sessions[session_id] = SessionState(
             session_id,
             generator.generator_key(session_id),
@@ -348,7 +355,7 @@ class LocalEngine:
         values: dict[str, Any] = {}
         for part in parts:
             if part == "trainer":
-                values[part] = dict(session.optimizer.named_params)
+                values[part] = _trainer_tensors(resource, session)
             elif part == "generator":
                 values[part] = dict(generator.parameters(resource, session))
             elif part == "optimizer":
@@ -369,7 +376,7 @@ class LocalEngine:
         _, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
         named = session.optimizer.named_params
-        weights.copy_into(named, parts["trainer"])
+        _copy_into_trainer(resource, session, parts["trainer"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         weights.restore_rng(parts["optimizer"]["rng"])
         saved = {n: g for n, g in parts.get("gradients", {}).items() if session.optimizer.owns(n)}
@@ -382,10 +389,11 @@ class LocalEngine:
 
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         """Trainable tensors, optimizer state and RNG state of a session into `directory`."""
-        _, session = self._session(resource_id, session_id)
+        resource, session = self._session(resource_id, session_id)
         state = session.optimizer.full_state_dict()  # sharded: gathered onto rank 0
+        tensors = _trainer_tensors(resource, session)
         if self.writes_files:
-            weights.save_training_state(directory, dict(session.optimizer.named_params), state)
+            weights.save_training_state(directory, tensors, state)
 
     def save_adapter(
         self,
@@ -412,7 +420,7 @@ class LocalEngine:
         checkpoint; the generator then serves the loaded weights."""
         resource, session = self._session(resource_id, session_id)
         state = weights.load_training_state(directory)
-        weights.copy_into(session.optimizer.named_params, state.tensors)
+        _copy_into_trainer(resource, session, state.tensors)
         if load_optimizer:
             session.optimizer.load_state_dict(state.optimizer)
             weights.restore_rng(state.rng)
@@ -429,9 +437,10 @@ class LocalEngine:
         self, resource_id: str, session_id: str, directory: Path, *, base_model: str
     ) -> None:
         """A full-weight session's weights as a complete model directory (its MERGED variant)."""
-        _, session = self._session(resource_id, session_id)
-        tensors = {name: p.detach() for name, p in session.optimizer.named_params}
-        weights.export_full_weights(self.model_paths[base_model], tensors, directory)
+        resource, session = self._session(resource_id, session_id)
+        tensors = _trainer_tensors(resource, session)
+        if self.writes_files:
+            weights.export_full_weights(self.model_paths[base_model], tensors, directory)
 
     def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None:
         """A merged model directory from a PEFT adapter over `base_model`'s own files."""
@@ -447,3 +456,28 @@ class LocalEngine:
                     f"{param}[{index}] = {token} is outside the vocabulary [0, {vocab})",
                     param=param,
                 )
+
+
+def _trainer_tensors(resource: ResourceState, session: SessionState) -> dict[str, Tensor]:
+    """The session's trainable tensors by name; sharded parameters (engine/param_shards.py)
+    gathered in full, kept on rank 0 alone (the one that writes; {} elsewhere)."""
+    shards = resource.param_shards
+    if shards is None or not session.is_full_weight:
+        return {name: p.detach() for name, p in session.optimizer.named_params}
+    keep = shards.sharding.group.rank == 0
+    return {name: full for name, full in shards.full_tensors() if keep}
+
+
+def _copy_into_trainer(
+    resource: ResourceState, session: SessionState, saved: dict[str, Tensor]
+) -> None:
+    """weights.copy_into the session's parameters; sharded, each rank its own (the names are
+    checked against every parameter first)."""
+    named = session.optimizer.named_params
+    shards = resource.param_shards
+    if shards is None or not session.is_full_weight:
+        weights.copy_into(named, saved)
+        return
+    weights.check_names(named, saved)
+    owned = shards.owned()
+    weights.copy_into(owned, {name: saved[name] for name, _ in owned})

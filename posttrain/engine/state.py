@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -55,3 +56,6 @@ class ResourceState:
     # This process's rank in the resource's trainer group (engine/trainer_group.py); None: the
     # resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None
+    # A full-weight session's parameters sharded over the group (engine/param_shards.py, ZeRO-3);
+    # None: every rank holds every parameter.
+    param_shards: Any = None

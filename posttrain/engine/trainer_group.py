@@ -71,7 +71,6 @@ RANK_ZERO = (
     "session_footprint",
     "generator_state",
     "save_adapter",
-    "save_full_model",
 )
 # How long a rank waits in a collective for the others: a live group's ranks run the same
 # command side by side, so only a rank that is gone (or wedged) makes one wait this long.
@@ -131,6 +130,11 @@ class RankEngine(LocalEngine):
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         if self.writes_files or self._is_sharded(resource_id, session_id):
             super().save_training_state(resource_id, session_id, directory)
+
+    def save_full_model(self, resource_id: str, session_id: str, *args: Any, **kw: Any) -> None:
+        """Rank 0 writes; another rank only takes part in gathering sharded parameters."""
+        if self.writes_files or self._resource(resource_id).param_shards is not None:
+            super().save_full_model(resource_id, session_id, *args, **kw)
 
     def _is_sharded(self, resource_id: str, session_id: str) -> bool:
         return self._session(resource_id, session_id)[1].optimizer.sharding is not None

@@ -373,7 +373,7 @@ class LocalEngine:
     ) -> dict[str, Any]:
         """A freshly created session takes the state persist_session wrote (its generator
         serving policy version `version`); returns the record written with it."""
-        _, session = self._session(resource_id, session_id)
+        resource, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
         named = session.optimizer.named_params
         _copy_into_trainer(resource, session, parts["trainer"])

@@ -8,6 +8,7 @@ by one process resumes on two, and every resumed run continues as the one-proces
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,97 @@ def test_checkpoints_resume_across_rank_counts(group, tmp_path):
         actual = resumed(group, "ckpt", directory, tmp_path / f"{directory.name}-2", scaling)
         assert_runs_equal(actual, expected)
     group.unload_resource("ckpt")
+
+
+# ZeRO-3 (engine/param_shards.py): parameters sharded too. Bucket overhead 0 gives one forward
+# per distinct length, so the ranks' shares of THREE (lengths 7 | 5, 3) take 1 and 2 buckets,
+# and ONE leaves rank 1 without rows: both ranks must still run the same layer calls.
+ZERO3 = EngineConfig(device="cpu", trainer_ranks=2, shard_parameters=True, bucket_overhead_tokens=0)
+PER_LENGTH = EngineConfig(device="cpu", bucket_overhead_tokens=0)
+ONE = ForwardBackwardRequest((rl_sample([50, 51, 52, 53, 54, 55], 0.3),), GRPO)
+UNEVEN = (BATCHES[0], ONE, BATCHES[1])
+# These batches' gradients differ from one process's by float32 rounding (1e-5 relative, as
+# above), and AdamW (eps 1e-6) turns the rounding of a near-zero gradient entry into up to
+# 4.4e-5 of weight after three steps: measured the same, to the bit, with the parameters
+# replicated (ZeRO-2, shard_parameters off), so it is not the parameter sharding's.
+UNEVEN_WEIGHTS = 10 * WEIGHTS
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    engine = TrainerGroupEngine(ZERO3, MODELS)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("scaling", [None, MuonScaling.MATCH_ADAM], ids=["adamw", "muon"])
+def test_zero3_ranks_train_what_one_process_does_holding_half_the_weights(
+    zero3, tmp_path, scaling, monkeypatch
+):
+    monkeypatch.setattr(sys.modules[__name__], "BATCHES", UNEVEN)
+    monkeypatch.setattr(sys.modules[__name__], "WEIGHTS", UNEVEN_WEIGHTS)
+    local = LocalEngine(PER_LENGTH, MODELS)
+    fresh(local, "r", scaling)
+    expected = train(local, "r", tmp_path / "local", scaling, steps=3)
+    resource = f"zero3-{scaling}"
+    fresh(zero3, resource, scaling)
+    assert_runs_equal(train(zero3, resource, tmp_path / "group", scaling, steps=3), expected)
+
+    # Weights, optimizer state and gradients: each rank holds its own parameters' share
+    # (whole parameters, so within one parameter of half), together exactly one process's.
+    forward_backward(local, "r", "f", ONE)
+    forward_backward(zero3, resource, "f", ONE)
+    one = local.session_footprint("r", "f")
+    ranks = zero3.on_every_rank(resource, "session_footprint", "f")
+    named = local._session("r", "f")[1].optimizer.named_params
+    largest = max(p.numel() * p.element_size() for _, p in named)
+    for part in ("weights_bytes", "optimizer_bytes", "gradient_bytes"):
+        total = getattr(one, part)
+        assert sum(getattr(r, part) for r in ranks) == total > 0, part
+        assert all(getattr(r, part) <= total / 2 + 2 * largest for r in ranks), part
+
+    # weights-sync gathers the shards into the generator's copy, exactly the trained weights.
+    zero3.discard_gradients(resource, "f")
+    zero3.publish(resource, "f", version=1)
+    parts = state(zero3, resource, tmp_path / "group", ("trainer", "generator"))
+    # The generator's copy keeps model/lora.py's wrapper names (`<layer>.base.weight`).
+    served = {n.replace(".base.", "."): t for n, t in parts["generator"].items()}
+    assert served.keys() == parts["trainer"].keys()
+    assert all(torch.equal(served[n], t) for n, t in parts["trainer"].items())
+    zero3.unload_resource(resource)
+
+
+def test_zero3_checkpoints_resume_across_rank_counts_and_sessions_end_unsharded(
+    zero3, tmp_path, monkeypatch
+):
+    """Two ZeRO-3 ranks write what one process writes, a checkpoint from either resumes on
+    the other and continues as one process does; a dropped session leaves every rank the
+    whole base model."""
+    monkeypatch.setattr(sys.modules[__name__], "BATCHES", UNEVEN)
+    monkeypatch.setattr(sys.modules[__name__], "WEIGHTS", UNEVEN_WEIGHTS)
+    for scaling in (None, MuonScaling.MATCH_ADAM):
+        resource = f"ckpt3-{scaling}"
+        fresh(zero3, resource, scaling)
+        train(zero3, resource, tmp_path / f"a{scaling}", scaling, steps=2)
+        from_two = checkpoint(zero3, resource, tmp_path / f"from-two-{scaling}")
+        local = LocalEngine(PER_LENGTH, MODELS)
+        fresh(local, "r", scaling)
+        train(local, "r", tmp_path / f"b{scaling}", scaling, steps=2)
+        from_one = checkpoint(local, "r", tmp_path / f"from-one-{scaling}")
+        two, one = weights.load_training_state(from_two), weights.load_training_state(from_one)
+        assert two.tensors.keys() == one.tensors.keys()
+        for family in two.optimizer:
+            assert two.optimizer[family].keys() == one.optimizer[family].keys()
+        for directory in (from_two, from_one):
+            root = tmp_path / f"{directory.name}"
+            expected = resumed(local, "r", directory, root / "1", scaling)
+            actual = resumed(zero3, resource, directory, root / "2", scaling)
+            assert_runs_equal(actual, expected)
+        # The session ends: each rank holds the whole base model again, as one process does.
+        zero3.drop_session(resource, "f")
+        local.drop_session("r", "f")
+        assert (
+            zero3.on_every_rank(resource, "resource_footprint")
+            == [local.resource_footprint("r")] * 2
+        )
+        zero3.unload_resource(resource)

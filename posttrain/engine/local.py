@@ -315,8 +315,11 @@ class LocalEngine:
         ]
         requests = [request for _, request in items]
         chunk = self.config.logprob_chunk_tokens
+        # Sharded parameters (param_shards.py): `trainable` counts this rank's own alone; a
+        # pass also gathers others' for a while.
+        shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
         if kind == OperationKind.FORWARD_BACKWARD:
-            return estimate.forward_backward_bytes(
+            return shards + estimate.forward_backward_bytes(
                 shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
             )
         if kind == OperationKind.SAMPLE:
@@ -324,7 +327,7 @@ class LocalEngine:
         ((request,), (session,)) = requests, sessions
         if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
             assert isinstance(request, CustomForwardBackwardRequest)
-            return estimate.custom_forward_backward_bytes(
+            return shards + estimate.custom_forward_backward_bytes(
                 shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
             )
         if kind == OperationKind.OPTIM_STEP:
@@ -334,6 +337,9 @@ class LocalEngine:
             largest = max((nbytes([p]) for p in params), default=0)
             has_moments = session.optimizer.has_state()
             return estimate.optim_step_bytes(trainable[0], largest, has_moments=has_moments)
+        if resource.param_shards is not None and isinstance(session, SessionState):
+            # Gathered in full on rank 0 (a checkpoint) or into the generator, one at a time.
+            return sum(p.numel() * p.element_size() for _, p in session.optimizer.named_params)
         return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
 
     def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:

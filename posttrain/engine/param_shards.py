@@ -90,6 +90,18 @@ class ParamShards:
         """Bytes of parameters this rank holds now (its own, between operations)."""
         return sum(p.untyped_storage().nbytes() for _, p in self.named)
 
+    def operation_bytes(self) -> int:
+        """What a forward-backward adds on this rank beyond its own parameters and their
+        gradients (which the memory estimate counts): the root's other parameters, gathered
+        throughout, its full gradients until summed onto their owners, and the largest layer
+        gathered with its gradients of one forward."""
+
+        def size(unit: Sequence[tuple[str, nn.Parameter]]) -> int:
+            return sum(p.numel() * p.element_size() for _, p in unit)
+
+        others = [(n, p) for n, p in self.root if not self.sharding.owns(n)]
+        return size(others) + size(self.root) + 2 * max(map(size, self.layers), default=0)
+
     def owned(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named if self.sharding.owns(n)]
 

@@ -18,10 +18,12 @@ from engine_calls import forward_backward
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine import durable, weights
 from posttrain.engine.data_parallel import DataParallel
+from posttrain.engine.interface import Headroom
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.sharding import Sharding
 from posttrain.engine.trainer_group import TrainerGroupEngine
 from posttrain.errors import NonFiniteLoss
+from posttrain.service.admission import plan_passes
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,
@@ -31,6 +33,7 @@ from posttrain.types import (
     LossType,
     MuonParams,
     MuonScaling,
+    OperationKind,
     OptimStepRequest,
     TrainingSample,
 )
@@ -326,3 +329,44 @@ def test_zero3_checkpoints_resume_across_rank_counts_and_sessions_end_unsharded(
             == [local.resource_footprint("r")] * 2
         )
         zero3.unload_resource(resource)
+
+
+def test_a_memory_limit_that_refuses_a_full_weight_step_on_one_process_admits_it_on_zero3(zero3):
+    """Memory admission with the real estimates (peak_bytes, resource_footprint; no clock):
+    the first optim-step (its AdamW moments appear) and a forward-backward of a full-weight
+    session need resident + peak bytes; under a limit between one process's need and a ZeRO-3
+    rank's (the group is admitted on rank 0's numbers), one process is refused and the
+    sharded ranks admit it."""
+    local = LocalEngine(PER_LENGTH, MODELS)
+    fresh(local, "r", None)
+    fresh(zero3, "admit", None)
+    operations = (
+        (OperationKind.OPTIM_STEP, STEPS[None]),
+        (OperationKind.FORWARD_BACKWARD, BATCHES[0]),
+    )
+    for kind, request in operations:
+        one, rank = _need(local, "r", kind, request), _need(zero3, "admit", kind, request)
+        assert sum(rank) < 0.8 * sum(one), (kind, one, rank)
+        limit = (sum(one) + sum(rank)) // 2
+        # plan_passes with each engine's real estimate of the one member.
+        for engine, resource, (resident, _), admitted in (
+            (local, "r", one, False),
+            (zero3, "admit", rank, True),
+        ):
+            room = Headroom(limit - resident, "--memory-limit")
+            passes, refused = plan_passes(
+                kind,
+                ["f"],
+                lambda members, e=engine, r=resource, k=kind, q=request: e.peak_bytes(
+                    r, k, [(m, q) for m in members]
+                ),
+                room,
+            )
+            assert (passes == [["f"]]) is admitted and (0 in refused) is not admitted, kind
+    zero3.unload_resource("admit")
+
+
+def _need(engine, resource: str, kind, request) -> tuple[int, int]:
+    """Resident bytes of the resource and the estimated peak of one operation beyond them."""
+    resident = engine.resource_footprint(resource).total_bytes
+    return resident, engine.peak_bytes(resource, kind, [("f", request)])

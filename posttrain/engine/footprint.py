@@ -54,6 +54,8 @@ def session_footprint(resource: ResourceState, session: SessionState) -> Session
     params = [p for _, p in session.optimizer.named_params]
     if session.generator_model is not None:
         generator = nbytes(session.generator_model.parameters())
+    elif session.has_no_generator:
+        generator = 0
     else:
         generator = nbytes(p for _, p in resource.lora.adapter_parameters(session.generator_key))
     return SessionFootprint(

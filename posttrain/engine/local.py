@@ -183,12 +183,16 @@ class LocalEngine:
 
     def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
         assert not resource.sessions, "a full-weight session shares its resource with no one"
-        # The copy is taken while the model is frozen, so it never holds gradients.
-        generator_model = full_weight.generator_copy(resource.loaded.model)
         named = full_weight.trainable_parameters(resource.lora)
         shards = sharding.Sharding.over(resource.group, named)  # None: fewer than 2 ranks
+        zero3 = shards is not None and self.config.shard_parameters
+        # The copy is taken while the model is frozen, so it never holds gradients. ZeRO-3:
+        # on rank 0 alone, which samples (trainer_group.RANK_ZERO).
+        generator_model = None
+        if not zero3 or shards.group.rank == 0:
+            generator_model = full_weight.generator_copy(resource.loaded.model)
         optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=shards)
-        if shards is not None and self.config.shard_parameters:
+        if zero3:
             resource.param_shards = ParamShards(shards, resource.loaded.model, named)
             optimizer.params_sharded = True
         resource.sessions[session_id] = SessionState(
@@ -196,6 +200,7 @@ class LocalEngine:
             generator.generator_key(session_id),
             optimizer,
             generator_model=generator_model,
+            full_weight=True,
         )
 
     # ------------------------------------------------------------ training (trainer.py)

@@ -118,19 +118,23 @@ class ParamShards:
             yield name, full
 
     @torch.no_grad()
-    def publish(self, trainer: nn.Module, generator: nn.Module) -> None:
-        """weights-sync (full_weight.publish) from the shards: each of the generator's
-        parameters broadcast from the trainer parameter's owner straight into it, on every
-        rank. A collective."""
+    def publish(self, trainer: nn.Module, generator: nn.Module | None) -> None:
+        """weights-sync (full_weight.publish) from the shards into rank 0's generator copy
+        (`generator`, None on the other ranks): each parameter sent by its owner straight into
+        the copy's parameter, one at a time. A collective."""
         names = {id(p): name for name, p in self.named}
         rank = self.sharding.group.rank
-        pairs = zip(trainer.named_parameters(), generator.named_parameters(), strict=True)
-        for (name, source), (copy_name, target) in pairs:
-            assert name == copy_name, f"generator copy has {copy_name} where the trainer has {name}"
+        group = self.sharding.group.group
+        targets = dict(generator.named_parameters()) if generator is not None else {}
+        for name, source in trainer.named_parameters():
             owner = self.sharding.owners[names[id(source)]]
-            if owner == rank:
-                target.copy_(source)
-            dist.broadcast(target, src=owner, group=self.sharding.group.group)
+            if rank == 0:
+                if owner == 0:
+                    targets[name].copy_(source)
+                else:
+                    dist.recv(targets[name], src=owner, group=group)
+            elif owner == rank:
+                dist.send(source.detach(), dst=0, group=group)
 
     def unshard(self) -> None:
         """Every rank holds every parameter again, and the hooks are gone (session end)."""

@@ -34,10 +34,18 @@ class SessionState:
     # Full-weight sessions only: the generator's own copy of the model (engine/full_weight.py).
     # LoRA sessions sample through their generator adapter on the shared model instead.
     generator_model: nn.Module | None = None
+    # A full-weight session; on a rank of a ZeRO-3 group other than 0 it has no generator copy
+    # (engine/param_shards.py: sampling runs on rank 0 alone).
+    full_weight: bool = False
 
     @property
     def is_full_weight(self) -> bool:
-        return self.generator_model is not None
+        return self.full_weight or self.generator_model is not None
+
+    @property
+    def has_no_generator(self) -> bool:
+        """A full-weight session whose generator copy lives on another rank."""
+        return self.full_weight and self.generator_model is None
 
 
 @dataclass

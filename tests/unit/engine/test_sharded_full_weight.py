@@ -283,6 +283,8 @@ def test_zero3_ranks_train_what_one_process_does_holding_half_the_weights(
         total = getattr(one, part)
         assert sum(getattr(r, part) for r in ranks) == total > 0, part
         assert all(getattr(r, part) <= total / 2 + 2 * largest for r in ranks), part
+    # The generator's copy, which sampling uses, is rank 0's alone.
+    assert [r.generator_bytes for r in ranks] == [one.generator_bytes, 0]
 
     # weights-sync gathers the shards into the generator's copy, exactly the trained weights.
     zero3.discard_gradients(resource, "f")

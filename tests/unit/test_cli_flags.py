@@ -81,3 +81,11 @@ def test_a_memory_limit_without_a_known_unit_is_refused(capsys):
 def test_memory_limit_config_key_takes_the_same_units():
     assert EngineConfig(memory_limit="2GiB").memory_limit == 2 << 30
     assert EngineConfig().memory_limit is None
+
+
+def test_shard_parameters_flag_turns_zero3_on_and_is_off_without_it():
+    args = parser().parse_args(["serve", "--trainer-ranks", "2", "--shard-parameters"])
+    assert engine_config(args) == EngineConfig(trainer_ranks=2, shard_parameters=True)
+    assert not engine_config(
+        parser().parse_args(["serve", "--trainer-ranks", "2"])
+    ).shard_parameters

@@ -1,29 +1,40 @@
 """A full-weight session's parameters sharded over its trainer group (ZeRO-3,
-`--shard-parameters` with `--trainer-ranks N`, N > 1).
+`posttrain serve --trainer-ranks N --shard-parameters`, N > 1).
 
 Each parameter lives whole on its owner rank (engine/sharding.py's map, balanced by bytes) and
 nowhere else between operations: on the other ranks its tensor keeps its shape but its storage
 is resized to 0 bytes. Whole parameters, not flat 1/N slices, because the owner already holds
 the whole parameter's gradient and optimizer state (ZeRO-2), so torch's AdamW and the Muon loop
-(which orthogonalises whole matrices) step it unchanged; the price is balance to within one
-parameter instead of one element.
+(which orthogonalises whole matrices) step it unchanged and checkpoints keep their formats; the
+price is balance to within one parameter instead of one element. Own hooks rather than FSDP2's
+`fully_shard` for the same reasons: its Shard(0) DTensors would give every rank slices of every
+matrix (Muon would gather each one per step), change the parameters the optimizer, the
+checkpoints and the generator copy read, and it has no way back to plain parameters when the
+session ends.
 
 The model is cut into units: each decoder layer, and the root (everything else: embeddings,
 final norm, head; tied weights once). An operation (a forward-backward or a forward) gathers
 the root on entry and frees it on exit. A layer is gathered just before each of its forwards
 (one flat broadcast per owner and dtype), freed right after, gathered again when the backward
-reaches its output, and freed when the backward reaches its input: every layer instance's
-weights are alive only while it computes, so the model's full weights are never held at once
-(the memory estimate of a layer's weights is small next to its activations, so re-gathering
-for the backward is the choice). At the same point the layer's gradients of that forward are
-summed onto their owners (dist.reduce: gloo has no reduce_scatter of uneven whole parameters)
-and dropped elsewhere; the root's gradients are summed onto their owners after the backward,
-as ZeRO-2 does.
+reaches its output, and freed when the backward reaches its input, so a rank never holds more
+than the root and one layer of others' weights. Keeping the layers gathered from forward to
+backward would save one broadcast per layer and bucket but hold every layer's weights at the
+peak, which is what sharding them is for. When the backward leaves a layer its gradients of
+that forward are summed onto their owners (dist.reduce; gloo's reduce_scatter works in torch
+2.13 but slices flat buffers, which whole-parameter ownership does not need) and dropped
+elsewhere; the root's are summed onto their owners after the backward, as ZeRO-2 does. Refills
+go through `.data`, so they do not bump the version counters autograd checks.
 
 The collectives are per layer call, so every rank must call the layers the same number of
-times in the same order: the trainer pads ranks with fewer length buckets with forwards that
-contribute exactly 0 (trainer.aligned_forwards), and torch's autograd engine runs the
-backward of the last-created bucket first, layer by layer, on every rank alike.
+times in the same order: the trainer pads a rank with fewer length buckets (or no rows) with
+forwards whose logprobs enter times 0 (trainer.aligned_forwards), and torch's autograd engine
+runs the backward of the last-created bucket first, layer by layer, alike on every rank.
+
+The generator's copy lives on rank 0 alone (sampling runs there: trainer_group.RANK_ZERO);
+weights-sync sends each parameter from its owner into it. Checkpoints, exports and persisted
+state gather the full tensors one at a time onto rank 0, which writes the one-process formats;
+loading copies each rank's own. When the session ends every rank gathers the whole model again
+and the hooks go (engine/full_weight.restore_base then puts the base weights back).
 
 Imports: torch (torch.distributed); engine (sharding).
 """

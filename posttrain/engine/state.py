@@ -13,12 +13,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.optim import SessionOptimizer
+from posttrain.engine.param_shards import ParamShards
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import WeightsVersion
 from posttrain.model.loader import LoadedModel
@@ -66,4 +66,4 @@ class ResourceState:
     group: DataParallel | None = None
     # A full-weight session's parameters sharded over the group (engine/param_shards.py, ZeRO-3);
     # None: every rank holds every parameter.
-    param_shards: Any = None
+    param_shards: ParamShards | None = None

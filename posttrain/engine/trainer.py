@@ -10,7 +10,10 @@ fails its item and leaves that session's accumulated gradients exactly as they w
 On a rank of a trainer group (ResourceState.group, engine/trainer_group.py) the same code runs
 data parallel: the rank forwards only its share of the rows, the others' logprobs are gathered
 from them, every member is scored on the whole batch, and the gradients are summed over the
-ranks before their check (engine/data_parallel.py). Without a group nothing of that runs.
+ranks before their check (engine/data_parallel.py). With sharded parameters
+(engine/param_shards.py) every rank runs the same number of bucket forwards
+(aligned_forwards), so the ranks meet in the per-layer gathers. Without a group nothing of
+that runs.
 
 Not here: which sessions exist (local.py, the registry), what the generator serves
 (generator.py), the loss math (losses.py) and the optimizer math (optim.py).

@@ -4,7 +4,7 @@ rank processes (engine/trainer_group.py). Through the SDK against a real server,
 with the in-thread engine gets: losses and metrics within 1e-5 relative, the same tokens for
 the same seeds; its two ranks are stopped at shutdown. A --trainer-ranks beyond the cores is a
 start-up error naming the flag. With --shard-parameters (ZeRO-3) a full-weight session does
-the same, and checkpoints, ends and resumes.
+the same, and checkpoints, ends and resumes."""
 
 from __future__ import annotations
 

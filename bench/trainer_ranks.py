@@ -44,6 +44,7 @@ from posttrain.types import (  # noqa: E402
     LoraConfig,
     LossConfig,
     LossType,
+    OperationKind,
     OptimStepRequest,
 )
 
@@ -282,6 +283,15 @@ def zero3(args: argparse.Namespace) -> None:
                 name: held_bytes(engine, 1 if name == "one" else args.ranks)
                 for name, engine in engines.items()
             }
+            # The memory admission's numbers (rank 0's for a group): resident + estimated peak.
+            request = ForwardBackwardRequest(samples, CE)
+            admission = {
+                name: (
+                    engine.resource_footprint("r").total_bytes,
+                    engine.peak_bytes("r", OperationKind.FORWARD_BACKWARD, [("f", request)]),
+                )
+                for name, engine in engines.items()
+            }
         finally:
             for name, engine in engines.items():
                 if name != "one":
@@ -300,6 +310,11 @@ def zero3(args: argparse.Namespace) -> None:
                 f"    {name} rank {rank}: {total / mib:.0f}; {weights / mib:.0f},"
                 f" {optimizer / mib:.1f}, {gradients / mib:.1f}"
             )
+    print("  admission, rank 0 (MiB resident + estimated forward-backward peak = need):")
+    for name, (resident, peak) in admission.items():
+        print(
+            f"    {name}: {resident / mib:.0f} + {peak / mib:.0f} = {(resident + peak) / mib:.0f}"
+        )
 
 
 if __name__ == "__main__":

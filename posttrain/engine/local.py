@@ -13,6 +13,7 @@ come and go from other threads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from posttrain.config import EngineConfig
 from posttrain.engine import durable, full_weight, generator, sharding, trainer, weights
 from posttrain.engine import memory_estimate as estimate
+from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.footprint import (
     ResourceFootprint,
     SessionFootprint,
@@ -310,7 +312,10 @@ class LocalEngine:
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
     ) -> int:
         """Estimated peak bytes that running `items` of `kind` as one pass adds to what the
-        resource holds now (a session without state here counts no trainable tensors)."""
+        resource holds now (a session without state here counts no trainable tensors). On a
+        rank of a trainer group: a training pass's largest share of rows, and what sharded
+        parameters gather (engine/param_shards.py); the group is admitted on rank 0's numbers,
+        and its ranks hold about the same."""
         resource = self._resource(resource_id)
         shape = estimate.model_shape(resource.loaded.model.config, self.dtype.itemsize)
         sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
@@ -323,18 +328,33 @@ class LocalEngine:
         # Sharded parameters (param_shards.py): `trainable` counts this rank's own alone; a
         # pass also gathers others' for a while.
         shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
-        if kind == OperationKind.FORWARD_BACKWARD:
-            return shards + estimate.forward_backward_bytes(
-                shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
+        if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
+
+            def pass_bytes(requests: list[Any]) -> int:
+                if kind == OperationKind.FORWARD_BACKWARD:
+                    return estimate.forward_backward_bytes(
+                        shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
+                    )
+                (request,) = requests
+                return estimate.custom_forward_backward_bytes(
+                    shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
+                )
+
+            if resource.group is None:
+                return pass_bytes(requests)
+            # A rank forwards only its share of the rows (data_parallel.py), but packs and
+            # scores the whole batch: the largest share's pass, and the whole batch's packing.
+            samples = [s for request in requests for s in request.samples]
+            packed = len(samples) * max(len(s.tokens) for s in samples)
+            shares = _rank_shares(resource.group, requests)
+            return (
+                shards
+                + max(pass_bytes(share) for share in shares)
+                + packed * estimate.PACKED_BYTES_PER_TOKEN
             )
         if kind == OperationKind.SAMPLE:
             return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
-        ((request,), (session,)) = requests, sessions
-        if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
-            assert isinstance(request, CustomForwardBackwardRequest)
-            return shards + estimate.custom_forward_backward_bytes(
-                shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
-            )
+        (session,) = sessions
         if kind == OperationKind.OPTIM_STEP:
             if not isinstance(session, SessionState):
                 return 0
@@ -492,3 +512,26 @@ def _copy_into_trainer(
     weights.check_names(named, saved)
     owned = shards.owned()
     weights.copy_into(owned, {name: saved[name] for name, _ in owned})
+
+
+def _rank_shares(group: DataParallel, requests: list[Any]) -> list[list[Any]]:
+    """Each rank's share of a training pass's `requests` (their samples, and a custom
+    request's gradients, cut to the rank's rows), and the batch's shortest row besides: a
+    padding forward (trainer.aligned_forwards) or a rank without rows forwards it."""
+    samples = [s for request in requests for s in request.samples]
+    lengths = [len(s.tokens) for s in samples]
+    shortest = min(range(len(samples)), key=lambda r: lengths[r])
+    shares = []
+    for rows in group.shares(lengths):
+        keep = {*rows, shortest}
+        share, first = [], 0
+        for request in requests:
+            kept = [i for i in range(len(request.samples)) if first + i in keep]
+            first += len(request.samples)
+            cut = {"samples": tuple(request.samples[i] for i in kept)}
+            if isinstance(request, CustomForwardBackwardRequest):
+                cut["gradients"] = tuple(request.gradients[i] for i in kept)
+            # Kept without rows too: its session's gradients still appear on every rank.
+            share.append(dataclasses.replace(request, **cut))
+        shares.append(share)
+    return shares

@@ -175,7 +175,12 @@ class ParamShards:
     def _post_forward(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             self._free(self.layers[index])
-            if torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
+            if not torch.is_grad_enabled():
+                return output
+            # Without the hook on its output the backward would find the layer freed.
+            if not isinstance(output, Tensor):
+                raise TypeError(f"decoder layer {index} returned {type(output).__name__}")
+            if output.requires_grad:
                 return _BeforeBackward.apply(output, self, index)
             return output
 

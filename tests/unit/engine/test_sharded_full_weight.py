@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_calls import forward_backward
 
-from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, BUILTIN_MODELS, EngineConfig
 from posttrain.engine import durable, weights
 from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.interface import Headroom
@@ -251,9 +251,13 @@ UNEVEN = (BATCHES[0], ONE, BATCHES[1])
 UNEVEN_WEIGHTS = 10 * WEIGHTS
 
 
+MOE = "posttrain/tiny-qwen3-moe"
+WITH_MOE = {**MODELS, MOE: BUILTIN_MODELS[MOE]}
+
+
 @pytest.fixture(scope="module")
 def zero3():
-    engine = TrainerGroupEngine(ZERO3, MODELS)
+    engine = TrainerGroupEngine(ZERO3, WITH_MOE)
     yield engine
     engine.close()
 
@@ -295,6 +299,22 @@ def test_zero3_ranks_train_what_one_process_does_holding_half_the_weights(
     assert served.keys() == parts["trainer"].keys()
     assert all(torch.equal(served[n], t) for n, t in parts["trainer"].items())
     zero3.unload_resource(resource)
+
+
+def test_zero3_trains_an_moe_model_as_one_process_does(zero3):
+    """The MoE model's experts (fused 3-D parameters) shard and gather like any layer's."""
+    local = LocalEngine(PER_LENGTH, WITH_MOE)
+    for engine in (local, zero3):
+        engine.load_resource("moe", MOE, muon_scaling=None)
+        engine.create_session("moe", "f", None)
+    for batch in UNEVEN:
+        want = forward_backward(local, "moe", "f", batch).loss
+        assert forward_backward(zero3, "moe", "f", batch).loss == pytest.approx(want, rel=REL)
+        for engine in (local, zero3):
+            engine.optim_step("moe", "f", STEPS[None])
+    ranks = zero3.on_every_rank("moe", "session_footprint", "f")
+    assert sum(r.weights_bytes for r in ranks) == local.session_footprint("moe", "f").weights_bytes
+    zero3.unload_resource("moe")
 
 
 def test_zero3_checkpoints_resume_across_rank_counts_and_sessions_end_unsharded(

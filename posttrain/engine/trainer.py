@@ -25,7 +25,7 @@ H = hidden size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -290,7 +290,12 @@ def forward_logprobs(
     ]
     if not pieces_BL:  # a rank with no rows, forwarding padding alone
         return _padding_forwards(
-            config, resource, packed, routing, forwards or 0, valid_ST.new_zeros(valid_ST.shape)
+            config,
+            resource,
+            packed,
+            routing,
+            forwards or 0,
+            torch.zeros(valid_ST.shape, device=valid_ST.device),
         )
     logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
     # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
@@ -300,7 +305,9 @@ def forward_logprobs(
     return _padding_forwards(config, resource, packed, routing, missing, logprobs_ST)
 
 
-def aligned_forwards(config: EngineConfig, resource: ResourceState, lengths_S) -> int | None:
+def aligned_forwards(
+    config: EngineConfig, resource: ResourceState, lengths_S: Sequence[int]
+) -> int | None:
     """On a trainer group whose parameters are sharded (engine/param_shards.py), the number of
     model forwards every rank runs: the most buckets of any rank's share, so the ranks meet in
     the same per-layer collectives, a rank with fewer buckets (or no rows) padding the rest.

@@ -97,10 +97,6 @@ class ParamShards:
         finally:
             self._free(self.named)
 
-    def held_bytes(self) -> int:
-        """Bytes of parameters this rank holds now (its own, between operations)."""
-        return sum(p.untyped_storage().nbytes() for _, p in self.named)
-
     def operation_bytes(self) -> int:
         """What a forward-backward adds on this rank beyond its own parameters and their
         gradients (which the memory estimate counts): the root's other parameters, gathered
@@ -118,13 +114,12 @@ class ParamShards:
 
     @torch.no_grad()
     def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter in full, one at a time, on every rank (a collective): what a
-        checkpoint or a copy needs without holding the whole model twice."""
+        """Every parameter in full, one at a time, on every rank (a collective; the owner's
+        own tensor, a fresh copy elsewhere): a caller that keeps only some (a checkpoint on
+        rank 0) never holds the others."""
         for name, p in self.named:
             owner = self.sharding.owners[name]
             full = p.detach() if owner == self.sharding.group.rank else torch.empty_like(p)
-            if full.untyped_storage().nbytes() == 0:
-                full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             dist.broadcast(full, src=owner, group=self.sharding.group.group)
             yield name, full
 
@@ -200,15 +195,14 @@ class ParamShards:
         for (owner, _), params in sorted(buckets.items(), key=lambda b: (b[0][0], str(b[0][1]))):
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.reduce(flat, dst=owner, group=self.sharding.group.group)
-            for p in params:
-                if owner != rank:
-                    p.grad = None
-                    continue
-            if owner == rank:
-                offset = 0
+            if owner != rank:  # the owner holds the sum now
                 for p in params:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
+                    p.grad = None
+                continue
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
         self._free(unit)
 
     # ------------------------------------------------------------ gather and free

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, BUILTIN_MODELS, EngineConfig
-from posttrain.engine import durable, weights
+from posttrain.engine import durable, trainer, weights
+from posttrain.engine.batching import pack
 from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.interface import Headroom
 from posttrain.engine.local import LocalEngine
@@ -392,3 +394,55 @@ def _need(engine, resource: str, kind, request) -> tuple[int, int]:
     """Resident bytes of the resource and the estimated peak of one operation beyond them."""
     resident = engine.resource_footprint(resource).total_bytes
     return resident, engine.peak_bytes(resource, kind, [("f", request)])
+
+
+def test_padding_forwards_leave_logprobs_and_gradients_the_same_bit_for_bit():
+    """trainer.forward_logprobs with `forwards` beyond its buckets (what a ZeRO-3 rank with
+    fewer buckets, or none, runs): the extra forwards run, and the logprobs and every gradient
+    equal those without them exactly. aligned_forwards gives every rank the most buckets of
+    any rank's share."""
+    local = LocalEngine(PER_LENGTH, MODELS)
+    fresh(local, "r", None)
+    resource, session = local._session("r", "f")
+    packed = pack(THREE, resource.loaded.device)  # lengths 7, 3, 5
+    routing = [(session.trainer_key, None)]
+    named = session.optimizer.named_params
+    calls = []
+    layer = resource.loaded.model.base_model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: calls.append(1))
+    weights_ST = torch.linspace(-1.0, 1.0, packed.tokens_ST.numel()).view_as(packed.tokens_ST)
+
+    def run(rows: list[int], forwards: int | None) -> tuple[torch.Tensor, list, int]:
+        calls.clear()
+        for _, p in named:
+            p.grad = None
+        logprobs = trainer.forward_logprobs(
+            PER_LENGTH, resource, packed, routing, rows=rows, forwards=forwards
+        )
+        (logprobs * weights_ST[rows]).sum().backward()
+        return logprobs.detach(), [p.grad for _, p in named], len(calls)
+
+    try:
+        for rows in ([0, 2], [1]):
+            plain, plain_grads, plain_calls = run(rows, None)
+            padded, padded_grads, padded_calls = run(rows, plain_calls + 2)
+            assert padded_calls == plain_calls + 2
+            assert torch.equal(padded, plain)
+            assert all(
+                (g is None and h is None) or torch.equal(g, h)
+                for g, h in zip(padded_grads, plain_grads, strict=True)
+            )
+        # A rank without rows forwards padding alone, and its gradients are exact zeros.
+        empty, empty_grads, empty_calls = run([], 2)
+        assert empty.shape == (0, packed.tokens_ST.shape[1]) and empty_calls == 2
+        assert all(g is None or not g.any() for g in empty_grads)
+    finally:
+        handle.remove()
+
+    # Two ranks' shares of THREE (7 | 5, 3) plan 1 and 2 buckets, of ONE (6 | none) 1 and 0.
+    group = DataParallel(0, 2)
+    sharded = types.SimpleNamespace(group=group, param_shards=object())
+    assert trainer.aligned_forwards(PER_LENGTH, sharded, [7, 3, 5]) == 2
+    assert trainer.aligned_forwards(PER_LENGTH, sharded, [6]) == 1
+    replicated = types.SimpleNamespace(group=group, param_shards=None)
+    assert trainer.aligned_forwards(PER_LENGTH, replicated, [7, 3, 5]) is None

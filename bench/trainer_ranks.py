@@ -12,7 +12,11 @@
 3. The per-operation overhead of the group against LocalEngine on the built-in tiny model:
    small operations, alternated, medians over --op-reps.
 
-    python bench/trainer_ranks.py [--ranks 2] [--reps 5]
+4. With --zero3: only (1)'s full-weight step and bytes, for one process, N ranks with the
+   parameters replicated (ZeRO-2) and N ranks with them sharded (ZeRO-3,
+   engine/param_shards.py), the three alternated.
+
+    python bench/trainer_ranks.py [--ranks 2] [--reps 5] [--zero3]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from posttrain.types import (  # noqa: E402
     LoraConfig,
     LossConfig,
     LossType,
+    OperationKind,
     OptimStepRequest,
 )
 
@@ -163,7 +168,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--op-reps", type=int, default=20)
+    parser.add_argument("--zero3", action="store_true", help="ZeRO-2 against ZeRO-3 only")
     args = parser.parse_args()
+    if args.zero3:
+        zero3(args)
+        return
     torch.set_num_threads(1)  # one thread per rank, and one for the single process
     one = EngineConfig(device="cpu")
     group_config = EngineConfig(device="cpu", trainer_ranks=args.ranks)
@@ -244,6 +253,67 @@ def per_operation(reps: int, one: EngineConfig, group_config: EngineConfig) -> N
         print(
             f"{op:36} {local_ms:9.2f} {group_ms:9.2f} {group_ms - local_ms:9.2f}"
             f" {group_ms / local_ms:6.2f}"
+        )
+
+
+def zero3(args: argparse.Namespace) -> None:
+    """Full-weight steps and bytes held per rank: one process, ZeRO-2 and ZeRO-3 ranks."""
+    torch.set_num_threads(1)
+    configs = {
+        "one": EngineConfig(device="cpu"),
+        "zero2": EngineConfig(device="cpu", trainer_ranks=args.ranks),
+        "zero3": EngineConfig(device="cpu", trainer_ranks=args.ranks, shard_parameters=True),
+    }
+    print(f"cores={os.cpu_count()} ranks={args.ranks} torch threads per process=1")
+    with tempfile.TemporaryDirectory() as directory:
+        write_model(Path(directory))
+        models = {MODEL_ID: Path(directory)}
+        samples = make_samples([args.tokens] * args.rows, seed=1)
+        engines = {
+            name: LocalEngine(config, models)
+            if name == "one"
+            else TrainerGroupEngine(config, models)
+            for name, config in configs.items()
+        }
+        try:
+            for engine in engines.values():
+                engine.load_resource("r", MODEL_ID, muon_scaling=None)
+            full = training_steps(engines, samples, args.reps, None)
+            held = {
+                name: held_bytes(engine, 1 if name == "one" else args.ranks)
+                for name, engine in engines.items()
+            }
+            # The memory admission's numbers (rank 0's for a group): resident + estimated peak.
+            request = ForwardBackwardRequest(samples, CE)
+            admission = {
+                name: (
+                    engine.resource_footprint("r").total_bytes,
+                    engine.peak_bytes("r", OperationKind.FORWARD_BACKWARD, [("f", request)]),
+                )
+                for name, engine in engines.items()
+            }
+        finally:
+            for name, engine in engines.items():
+                if name != "one":
+                    engine.close()
+    mib = 1 << 20
+    print(f"\n38M full-weight step ({args.rows} x {args.tokens} tokens, CE, then AdamW)")
+    for name, times in full.items():
+        listed = ", ".join(f"{t:.3f}" for t in times)
+        print(f"  {name:6} median {statistics.median(times):.3f} s  ({listed})")
+    z2, z3 = statistics.median(full["zero2"]), statistics.median(full["zero3"])
+    print(f"  zero3 / zero2 step time: {z3 / z2:.2f}")
+    print("  MiB held (resource total; session weights, optimizer state, gradients):")
+    for name, rows in held.items():
+        for rank, (total, weights, optimizer, gradients) in enumerate(rows):
+            print(
+                f"    {name} rank {rank}: {total / mib:.0f}; {weights / mib:.0f},"
+                f" {optimizer / mib:.1f}, {gradients / mib:.1f}"
+            )
+    print("  admission, rank 0 (MiB resident + estimated forward-backward peak = need):")
+    for name, (resident, peak) in admission.items():
+        print(
+            f"    {name}: {resident / mib:.0f} + {peak / mib:.0f} = {(resident + peak) / mib:.0f}"
         )
 
 

@@ -110,6 +110,14 @@ def parser() -> argparse.ArgumentParser:
         " the CUDA devices)",
     )
     serve.add_argument(
+        "--shard-parameters",
+        action="store_true",
+        default=None,
+        help="with --trainer-ranks N > 1, shard a full-weight session's parameters over the"
+        " ranks too (ZeRO-3): each rank holds 1/N of the weights, gradients and optimizer"
+        " state, and rank 0 alone the generator's copy",
+    )
+    serve.add_argument(
         "--max-generator-replicas",
         type=int,
         default=None,
@@ -215,6 +223,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         ray=args.ray,
         ray_strategy=args.ray_strategy,
         trainer_ranks=args.trainer_ranks,
+        shard_parameters=args.shard_parameters,
         max_generator_replicas=args.max_generator_replicas,
         memory_limit=args.memory_limit,
     )

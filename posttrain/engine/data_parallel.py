@@ -58,10 +58,11 @@ class DataParallel:
         device: torch.device,
     ) -> Tensor:
         """The batch's float32 [S, width] logprobs: `forward(rows)` ([R, width], in graph) of
-        this rank's rows, the other ranks' rows gathered from them, detached."""
+        this rank's rows (called with no rows too), the other ranks' rows gathered from them,
+        detached."""
         shares = self.shares(lengths_S)
         own = shares[self.rank]
-        own_RT = forward(own) if own else torch.zeros(0, width, device=device)
+        own_RT = forward(own)
         most = max(len(share) for share in shares)
         padded_RT = torch.zeros(most, width, device=device)
         padded_RT[: len(own)] = own_RT.detach()
@@ -71,10 +72,10 @@ class DataParallel:
         for share, rows_RT in zip(shares, gathered, strict=True):
             if share:
                 full_ST[torch.tensor(share, device=device)] = rows_RT[: len(share)]
-        if not own:
-            return full_ST
-        # Out of place: the rank's rows carry the graph of its forward, the rest carry none.
-        return full_ST.index_copy(0, torch.tensor(own, device=device), own_RT)
+        # Out of place: the rank's rows carry the graph of its forward, the rest carry none
+        # (a rank without rows still carries the graph of its padding forwards, if any).
+        own_R = torch.tensor(own, dtype=torch.int64, device=device)
+        return full_ST.index_copy(0, own_R, own_RT)
 
     def all_true(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
         """Each flag AND-ed over the ranks, so every rank decides alike."""

@@ -36,7 +36,9 @@ class ResourceFootprint:
 
 
 def nbytes(tensors: Iterable[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes the tensors hold; none for a parameter another rank holds (engine/param_shards.py
+    frees its storage and keeps its shape)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().nbytes())
 
 
 def state_tensors(state: object) -> list[Tensor]:
@@ -52,6 +54,8 @@ def session_footprint(resource: ResourceState, session: SessionState) -> Session
     params = [p for _, p in session.optimizer.named_params]
     if session.generator_model is not None:
         generator = nbytes(session.generator_model.parameters())
+    elif session.has_no_generator:
+        generator = 0
     else:
         generator = nbytes(p for _, p in resource.lora.adapter_parameters(session.generator_key))
     return SessionFootprint(

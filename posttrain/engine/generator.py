@@ -42,7 +42,10 @@ def served(resource: ResourceState, session: SessionState) -> WeightsVersion:
 
 def refresh(resource: ResourceState, session: SessionState) -> None:
     """The generator serves a copy of the trainer's current weights (same policy version)."""
-    if session.generator_model is not None:
+    if session.is_full_weight and resource.param_shards is not None:
+        # From each parameter's owner into rank 0's copy (engine/param_shards.py).
+        resource.param_shards.publish(resource.loaded.model, session.generator_model)
+    elif session.generator_model is not None:
         full_weight.publish(resource.loaded.model, session.generator_model)
     else:
         resource.lora.copy_adapter(session.trainer_key, session.generator_key)
@@ -69,6 +72,8 @@ def parameters(resource: ResourceState, session: SessionState) -> list[tuple[str
     """What the session's generator serves: its adapter, or a full-weight session's model."""
     if session.generator_model is not None:
         return list(session.generator_model.named_parameters())
+    if session.has_no_generator:  # a ZeRO-3 rank other than 0: the copy is rank 0's
+        return []
     return list(resource.lora.adapter_parameters(session.generator_key))
 
 
@@ -84,7 +89,8 @@ def install(
 ) -> None:
     """The session's generator serves these tensors (a trainer's `state`) as policy version
     `version`; a new generation, so no prefix-cache entry of the old weights hits again."""
-    copy_into(parameters(resource, session), tensors)
+    if not session.has_no_generator:
+        copy_into(parameters(resource, session), tensors)
     resource.served[session.generator_key] = WeightsVersion(next(resource.generations), version)
     resource.prefix_cache.drop_owner(session.generator_key)
 

@@ -13,6 +13,7 @@ come and go from other threads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from posttrain.config import EngineConfig
 from posttrain.engine import durable, full_weight, generator, sharding, trainer, weights
 from posttrain.engine import memory_estimate as estimate
+from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.footprint import (
     ResourceFootprint,
     SessionFootprint,
@@ -36,6 +38,7 @@ from posttrain.engine.footprint import (
 from posttrain.engine.headroom import headroom
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.optim import SessionOptimizer
+from posttrain.engine.param_shards import ParamShards
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import InvalidRequest, NotFound
@@ -172,6 +175,9 @@ class LocalEngine:
         generator.forget(resource, session)
         if session.is_full_weight:
             assert resource.model_path is not None, "full-weight resource without a model path"
+            if resource.param_shards is not None:  # every rank holds the whole model again
+                resource.param_shards.unshard()
+                resource.param_shards = None
             full_weight.restore_base(resource.lora, resource.model_path, resource.loaded.device)
             return
         resource.lora.remove_adapter(session.trainer_key)
@@ -179,16 +185,24 @@ class LocalEngine:
 
     def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
         assert not resource.sessions, "a full-weight session shares its resource with no one"
-        # The copy is taken while the model is frozen, so it never holds gradients.
-        generator_model = full_weight.generator_copy(resource.loaded.model)
         named = full_weight.trainable_parameters(resource.lora)
         shards = sharding.Sharding.over(resource.group, named)  # None: fewer than 2 ranks
+        zero3 = shards is not None and self.config.shard_parameters
+        # The copy is taken while the model is frozen, so it never holds gradients. ZeRO-3:
+        # on rank 0 alone, which samples (trainer_group.RANK_ZERO).
+        generator_model = None
+        if not zero3 or shards.group.rank == 0:
+            generator_model = full_weight.generator_copy(resource.loaded.model)
         optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=shards)
+        if zero3:
+            resource.param_shards = ParamShards(shards, resource.loaded.model, named)
+            optimizer.params_sharded = True
         resource.sessions[session_id] = SessionState(
             session_id,
             generator.generator_key(session_id),
             optimizer,
             generator_model=generator_model,
+            full_weight=True,
         )
 
     # ------------------------------------------------------------ training (trainer.py)
@@ -298,7 +312,10 @@ class LocalEngine:
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
     ) -> int:
         """Estimated peak bytes that running `items` of `kind` as one pass adds to what the
-        resource holds now (a session without state here counts no trainable tensors)."""
+        resource holds now (a session without state here counts no trainable tensors). On a
+        rank of a trainer group: a training pass's largest share of rows, and what sharded
+        parameters gather (engine/param_shards.py); the group is admitted on rank 0's numbers,
+        and its ranks hold about the same."""
         resource = self._resource(resource_id)
         shape = estimate.model_shape(resource.loaded.model.config, self.dtype.itemsize)
         sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
@@ -308,18 +325,36 @@ class LocalEngine:
         ]
         requests = [request for _, request in items]
         chunk = self.config.logprob_chunk_tokens
-        if kind == OperationKind.FORWARD_BACKWARD:
-            return estimate.forward_backward_bytes(
-                shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
+        # Sharded parameters (param_shards.py): `trainable` counts this rank's own alone; a
+        # pass also gathers others' for a while.
+        shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
+        if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
+
+            def pass_bytes(requests: list[Any]) -> int:
+                if kind == OperationKind.FORWARD_BACKWARD:
+                    return estimate.forward_backward_bytes(
+                        shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
+                    )
+                (request,) = requests
+                return estimate.custom_forward_backward_bytes(
+                    shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
+                )
+
+            if resource.group is None:
+                return pass_bytes(requests)
+            # A rank forwards only its share of the rows (data_parallel.py), but packs and
+            # scores the whole batch: the largest share's pass, and the whole batch's packing.
+            samples = [s for request in requests for s in request.samples]
+            packed = len(samples) * max(len(s.tokens) for s in samples)
+            shares = _rank_shares(resource.group, requests)
+            return (
+                shards
+                + max(pass_bytes(share) for share in shares)
+                + packed * estimate.PACKED_BYTES_PER_TOKEN
             )
         if kind == OperationKind.SAMPLE:
             return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
-        ((request,), (session,)) = requests, sessions
-        if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
-            assert isinstance(request, CustomForwardBackwardRequest)
-            return estimate.custom_forward_backward_bytes(
-                shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
-            )
+        (session,) = sessions
         if kind == OperationKind.OPTIM_STEP:
             if not isinstance(session, SessionState):
                 return 0
@@ -327,6 +362,9 @@ class LocalEngine:
             largest = max((nbytes([p]) for p in params), default=0)
             has_moments = session.optimizer.has_state()
             return estimate.optim_step_bytes(trainable[0], largest, has_moments=has_moments)
+        if resource.param_shards is not None and isinstance(session, SessionState):
+            # Gathered in full on rank 0 (a checkpoint) or into the generator, one at a time.
+            return sum(p.numel() * p.element_size() for _, p in session.optimizer.named_params)
         return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
 
     def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
@@ -348,7 +386,7 @@ class LocalEngine:
         values: dict[str, Any] = {}
         for part in parts:
             if part == "trainer":
-                values[part] = dict(session.optimizer.named_params)
+                values[part] = _trainer_tensors(resource, session)
             elif part == "generator":
                 values[part] = dict(generator.parameters(resource, session))
             elif part == "optimizer":
@@ -366,10 +404,10 @@ class LocalEngine:
     ) -> dict[str, Any]:
         """A freshly created session takes the state persist_session wrote (its generator
         serving policy version `version`); returns the record written with it."""
-        _, session = self._session(resource_id, session_id)
+        resource, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
         named = session.optimizer.named_params
-        weights.copy_into(named, parts["trainer"])
+        _copy_into_trainer(resource, session, parts["trainer"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         weights.restore_rng(parts["optimizer"]["rng"])
         saved = {n: g for n, g in parts.get("gradients", {}).items() if session.optimizer.owns(n)}
@@ -382,10 +420,11 @@ class LocalEngine:
 
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         """Trainable tensors, optimizer state and RNG state of a session into `directory`."""
-        _, session = self._session(resource_id, session_id)
+        resource, session = self._session(resource_id, session_id)
         state = session.optimizer.full_state_dict()  # sharded: gathered onto rank 0
+        tensors = _trainer_tensors(resource, session)
         if self.writes_files:
-            weights.save_training_state(directory, dict(session.optimizer.named_params), state)
+            weights.save_training_state(directory, tensors, state)
 
     def save_adapter(
         self,
@@ -412,7 +451,7 @@ class LocalEngine:
         checkpoint; the generator then serves the loaded weights."""
         resource, session = self._session(resource_id, session_id)
         state = weights.load_training_state(directory)
-        weights.copy_into(session.optimizer.named_params, state.tensors)
+        _copy_into_trainer(resource, session, state.tensors)
         if load_optimizer:
             session.optimizer.load_state_dict(state.optimizer)
             weights.restore_rng(state.rng)
@@ -429,9 +468,10 @@ class LocalEngine:
         self, resource_id: str, session_id: str, directory: Path, *, base_model: str
     ) -> None:
         """A full-weight session's weights as a complete model directory (its MERGED variant)."""
-        _, session = self._session(resource_id, session_id)
-        tensors = {name: p.detach() for name, p in session.optimizer.named_params}
-        weights.export_full_weights(self.model_paths[base_model], tensors, directory)
+        resource, session = self._session(resource_id, session_id)
+        tensors = _trainer_tensors(resource, session)
+        if self.writes_files:
+            weights.export_full_weights(self.model_paths[base_model], tensors, directory)
 
     def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None:
         """A merged model directory from a PEFT adapter over `base_model`'s own files."""
@@ -447,3 +487,51 @@ class LocalEngine:
                     f"{param}[{index}] = {token} is outside the vocabulary [0, {vocab})",
                     param=param,
                 )
+
+
+def _trainer_tensors(resource: ResourceState, session: SessionState) -> dict[str, Tensor]:
+    """The session's trainable tensors by name; sharded parameters (engine/param_shards.py)
+    gathered in full, kept on rank 0 alone (the one that writes; {} elsewhere)."""
+    shards = resource.param_shards
+    if shards is None or not session.is_full_weight:
+        return {name: p.detach() for name, p in session.optimizer.named_params}
+    keep = shards.sharding.group.rank == 0
+    return {name: full for name, full in shards.full_tensors() if keep}
+
+
+def _copy_into_trainer(
+    resource: ResourceState, session: SessionState, saved: dict[str, Tensor]
+) -> None:
+    """weights.copy_into the session's parameters; sharded, each rank its own (the names are
+    checked against every parameter first)."""
+    named = session.optimizer.named_params
+    shards = resource.param_shards
+    if shards is None or not session.is_full_weight:
+        weights.copy_into(named, saved)
+        return
+    weights.check_names(named, saved)
+    owned = shards.owned()
+    weights.copy_into(owned, {name: saved[name] for name, _ in owned})
+
+
+def _rank_shares(group: DataParallel, requests: list[Any]) -> list[list[Any]]:
+    """Each rank's share of a training pass's `requests` (their samples, and a custom
+    request's gradients, cut to the rank's rows), and the batch's shortest row besides: a
+    padding forward (trainer.aligned_forwards) or a rank without rows forwards it."""
+    samples = [s for request in requests for s in request.samples]
+    lengths = [len(s.tokens) for s in samples]
+    shortest = min(range(len(samples)), key=lambda r: lengths[r])
+    shares = []
+    for rows in group.shares(lengths):
+        keep = {*rows, shortest}
+        share, first = [], 0
+        for request in requests:
+            kept = [i for i in range(len(request.samples)) if first + i in keep]
+            first += len(request.samples)
+            cut = {"samples": tuple(request.samples[i] for i in kept)}
+            if isinstance(request, CustomForwardBackwardRequest):
+                cut["gradients"] = tuple(request.gradients[i] for i in kept)
+            # Kept without rows too: its session's gradients still appear on every rank.
+            share.append(dataclasses.replace(request, **cut))
+        shares.append(share)
+    return shares

@@ -133,6 +133,9 @@ class SessionOptimizer:
         self.named_params = named_params
         self.muon_scaling = muon_scaling
         self.sharding = sharding
+        # Parameters sharded too (engine/param_shards.py): a rank holds only its own, so the
+        # owners keep their stepped weights instead of broadcasting them.
+        self.params_sharded = False
         is_muon = [
             muon_scaling is not None and is_muon_param(name, p.ndim) for name, p in named_params
         ]
@@ -241,7 +244,7 @@ class SessionOptimizer:
 
     def _share_stepped(self, names: list[str]) -> None:
         """Sharded: every rank takes the stepped parameters from their owners."""
-        if self.sharding is not None:
+        if self.sharding is not None and not self.params_sharded:
             named = dict(self.named_params)
             self.sharding.broadcast([(name, named[name]) for name in names])
 
@@ -283,8 +286,16 @@ class SessionOptimizer:
     def _measure_bounds(self) -> None:
         """The bounds from the tensors themselves: at the first step, after a state load, and
         after a copy-backed step (one pass over weights and moments)."""
-        weights = [p.detach().abs().max() for _, p in self.named_params if p.numel()]
+        weights = [
+            p.detach().abs().max()
+            for _, p in self.named_params
+            if p.numel() and p.untyped_storage().nbytes()  # not another rank's (param_shards)
+        ]
         self._weight_bound = float(torch.stack(weights).max()) if weights else 0.0
+        if self.params_sharded:  # each rank holds its own weights
+            assert self.sharding is not None
+            device = self.named_params[0][1].device
+            self._weight_bound = self.sharding.max(self._weight_bound, device)
         moments = [t for t in self._moment_tensors() if t.numel()]
         self._grad_bound = (
             float(torch.stack([t.abs().max() for t in moments]).max()) if moments else 0.0

@@ -18,6 +18,7 @@ from torch import nn
 
 from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.optim import SessionOptimizer
+from posttrain.engine.param_shards import ParamShards
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import WeightsVersion
 from posttrain.model.loader import LoadedModel
@@ -33,10 +34,18 @@ class SessionState:
     # Full-weight sessions only: the generator's own copy of the model (engine/full_weight.py).
     # LoRA sessions sample through their generator adapter on the shared model instead.
     generator_model: nn.Module | None = None
+    # A full-weight session; on a rank of a ZeRO-3 group other than 0 it has no generator copy
+    # (engine/param_shards.py: sampling runs on rank 0 alone).
+    full_weight: bool = False
 
     @property
     def is_full_weight(self) -> bool:
-        return self.generator_model is not None
+        return self.full_weight or self.generator_model is not None
+
+    @property
+    def has_no_generator(self) -> bool:
+        """A full-weight session whose generator copy lives on another rank."""
+        return self.full_weight and self.generator_model is None
 
 
 @dataclass
@@ -55,3 +64,6 @@ class ResourceState:
     # This process's rank in the resource's trainer group (engine/trainer_group.py); None: the
     # resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None
+    # A full-weight session's parameters sharded over the group (engine/param_shards.py, ZeRO-3);
+    # None: every rank holds every parameter.
+    param_shards: ParamShards | None = None

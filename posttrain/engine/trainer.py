@@ -10,7 +10,10 @@ fails its item and leaves that session's accumulated gradients exactly as they w
 On a rank of a trainer group (ResourceState.group, engine/trainer_group.py) the same code runs
 data parallel: the rank forwards only its share of the rows, the others' logprobs are gathered
 from them, every member is scored on the whole batch, and the gradients are summed over the
-ranks before their check (engine/data_parallel.py). Without a group nothing of that runs.
+ranks before their check (engine/data_parallel.py). With sharded parameters
+(engine/param_shards.py) every rank runs the same number of bucket forwards
+(aligned_forwards), so the ranks meet in the per-layer gathers. Without a group nothing of
+that runs.
 
 Not here: which sessions exist (local.py, the registry), what the generator serves
 (generator.py), the loss math (losses.py) and the optimizer math (optim.py).
@@ -22,7 +25,7 @@ H = hidden size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -125,11 +128,13 @@ def _shared_pass(
     scored: dict[int, _Scored] = {}
     gradient = None
     needed_ST = _needed(merged, members)
+    operation = resource.param_shards.operation() if resource.param_shards else nullcontext()
     if len(members) == 1 and train and resource.group is None:
         (lone,) = members
         loss_batch = member_loss_batch(merged, lone.rows, lone.request.samples)
         gradient = token_gradient(lone.request.loss, loss_batch)
     with (
+        operation,
         torch.set_grad_enabled(train),
         _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
     ):
@@ -154,7 +159,9 @@ def _shared_pass(
                 trainable.append((member, output.loss))
         if trainable:
             failed = accumulate_many(
-                [(m.session, loss) for m, loss in trainable], group=resource.group
+                [(m.session, loss) for m, loss in trainable],
+                group=resource.group,
+                reduced=_reduced_in_backward(resource),
             )
             for (member, _), error in zip(trainable, failed, strict=True):
                 if error is not None:
@@ -192,8 +199,20 @@ def custom_forward_backward(
         logprobs_ST = forward_logprobs(config, resource, packed, routing, gradient=gradient)
     else:  # the surrogate is a sum over rows: each rank back-propagates its own
         rows = resource.group.shares(packed.lengths_S)[resource.group.rank]
-        logprobs_ST = forward_logprobs(config, resource, packed, routing, rows=rows)
-        gradients_ST, valid_ST = gradients_ST[rows], valid_ST[rows]
+        forwards = aligned_forwards(config, resource, packed.lengths_S)
+        operation = resource.param_shards.operation() if resource.param_shards else nullcontext()
+        with operation:
+            logprobs_ST = forward_logprobs(
+                config, resource, packed, routing, rows=rows, forwards=forwards
+            )
+            gradients_ST, valid_ST = gradients_ST[rows], valid_ST[rows]
+            surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
+            (error,) = accumulate_many(
+                [(session, surrogate)], group=resource.group, reduced=_reduced_in_backward(resource)
+            )
+        if error is not None:
+            raise error
+        return
     surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
     (error,) = accumulate_many([(session, surrogate)], group=resource.group)
     if error is not None:
@@ -221,9 +240,10 @@ def _batch_logprobs(
         return forward_logprobs(
             config, resource, merged, routing, gradient=gradient, needed_ST=needed_ST
         )
+    forwards = aligned_forwards(config, resource, merged.lengths_S)
     return resource.group.logprobs(
         lambda rows: forward_logprobs(
-            config, resource, merged, routing, rows=rows, needed_ST=needed_ST
+            config, resource, merged, routing, rows=rows, needed_ST=needed_ST, forwards=forwards
         ),
         merged.lengths_S,
         merged.tokens_ST.shape[1],
@@ -240,15 +260,20 @@ def forward_logprobs(
     rows: list[int] | None = None,
     gradient: TokenGradient | None = None,
     needed_ST: Tensor | None = None,
+    forwards: int | None = None,
 ) -> Tensor:
     """float32 [S, T] logprob of each target token, 0.0 at padding, with each adapter of
     `routing` applied to its rows (positions in `packed`; None: every row). With `rows`, only
     those rows of `packed`, in that order: [len(rows), T].
 
     Rows of similar length share a forward (engine/buckets.py), each padded only to its own
-    longest row; the result has the layout of one padded forward over the whole batch."""
+    longest row; the result has the layout of one padded forward over the whole batch.
+
+    `forwards` (aligned_forwards): run exactly that many model forwards, the missing ones
+    padding forwards of one batch row whose logprobs enter the result times 0, so the result
+    and every gradient are exactly those without them."""
     valid_ST = packed.loss_batch.valid_ST
-    if rows == []:  # a trainer group's rank with no share of a small batch
+    if rows == [] and forwards is None:  # a trainer group's rank with no share of a batch
         return torch.zeros(0, valid_ST.shape[1], device=valid_ST.device)
     if rows is None:
         buckets = plan_buckets(packed.lengths_S, config.bucket_overhead_tokens)
@@ -263,10 +288,64 @@ def forward_logprobs(
         )
         for bucket in chosen
     ]
+    if not pieces_BL:  # a rank with no rows, forwarding padding alone
+        return _padding_forwards(
+            config,
+            resource,
+            packed,
+            routing,
+            forwards or 0,
+            torch.zeros(valid_ST.shape, device=valid_ST.device),
+        )
     logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
     # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
     # whichever bucket a row landed in.
-    return torch.where(valid_ST, logprobs_ST, 0.0)
+    logprobs_ST = torch.where(valid_ST, logprobs_ST, 0.0)
+    missing = (forwards or 0) - len(pieces_BL)
+    return _padding_forwards(config, resource, packed, routing, missing, logprobs_ST)
+
+
+def aligned_forwards(
+    config: EngineConfig, resource: ResourceState, lengths_S: Sequence[int]
+) -> int | None:
+    """On a trainer group whose parameters are sharded (engine/param_shards.py), the number of
+    model forwards every rank runs: the most buckets of any rank's share, so the ranks meet in
+    the same per-layer collectives, a rank with fewer buckets (or no rows) padding the rest.
+    None (each rank its own buckets) otherwise."""
+    group = resource.group
+    if group is None or resource.param_shards is None:
+        return None
+    overhead = config.bucket_overhead_tokens
+    counts = [
+        len(plan_buckets([lengths_S[r] for r in share], overhead)) if share else 0
+        for share in group.shares(lengths_S)
+    ]
+    return max(counts)
+
+
+def _padding_forwards(
+    config: EngineConfig,
+    resource: ResourceState,
+    packed: PackedBatch,
+    routing: Routing,
+    count: int,
+    logprobs_ST: Tensor,
+) -> Tensor:
+    """`logprobs_ST` after `count` forwards of the batch's shortest row whose logprobs it
+    takes times 0: every value and every gradient stays exactly as it was (the logprobs are
+    finite, so the products are zeros), but the forwards (and their backward) run, through
+    every layer, as on the ranks with more buckets. The result depends on them even where
+    `logprobs_ST` has no rows, so the backward reaches them on every rank."""
+    if count <= 0:
+        return logprobs_ST
+    lengths_S = packed.lengths_S
+    shortest = min(range(len(lengths_S)), key=lambda r: (lengths_S[r], r))
+    one = [shortest]
+    zero = sum(
+        _bucket_logprobs(config, resource, packed, one, bucket_routing(routing, one)).sum() * 0.0
+        for _ in range(count)
+    )
+    return logprobs_ST + zero
 
 
 def _bucket_logprobs(
@@ -356,8 +435,16 @@ def _needed(merged: PackedBatch, members: list[_Member]) -> Tensor:
     return needed_ST
 
 
+def _reduced_in_backward(resource: ResourceState) -> frozenset[int]:
+    shards = resource.param_shards
+    return frozenset() if shards is None else shards.reduced_in_backward
+
+
 def accumulate_many(
-    items: list[tuple[SessionState, Tensor]], *, group: DataParallel | None = None
+    items: list[tuple[SessionState, Tensor]],
+    *,
+    group: DataParallel | None = None,
+    reduced: frozenset[int] = frozenset(),
 ) -> list[NonFiniteLoss | None]:
     """Add d loss_i / d params_i to each session's gradients, all-or-nothing per session.
 
@@ -367,7 +454,8 @@ def accumulate_many(
     gradients added back; otherwise they are restored exactly and its item fails. In a
     trainer `group` the new gradients are first summed over its ranks (data_parallel.py), onto
     their owners alone for a sharded session (engine/sharding.py), and the ranks AND their
-    finiteness, so every rank decides the same."""
+    finiteness, so every rank decides the same. `reduced`: ids of parameters whose gradients
+    the backward itself already summed onto their owners (engine/param_shards.py)."""
     stashed = []
     for session, _ in items:
         params = [p for _, p in session.optimizer.named_params]
@@ -382,7 +470,9 @@ def accumulate_many(
             if total.requires_grad:  # else none of the rank's rows is a trainable member's
                 total.backward()
             owners = [rank for session, _ in items for rank in session.optimizer.owner_ranks()]
-            group.all_reduce_gradients([p for params, _ in stashed for p in params], owners)
+            params = [p for params, _ in stashed for p in params]
+            rest = [(p, o) for p, o in zip(params, owners, strict=True) if id(p) not in reduced]
+            group.all_reduce_gradients([p for p, _ in rest], [o for _, o in rest])
     except BaseException:
         # Out of memory mid-backward, say: the items fail, their earlier gradients stay.
         for params, earlier in stashed:

@@ -25,7 +25,9 @@ state (replicated data parallel: each rank forwards about 1/N of a batch's token
 the whole optimizer step; measured in bench/trainer_ranks.py, where replicating the frozen
 base is the choice for LoRA). A full-weight session's gradients and AdamW/Muon state are
 sharded over the ranks (engine/sharding.py, ZeRO-2): each rank steps only the parameters it
-owns and broadcasts them; its parameters stay replicated.
+owns and broadcasts them; its parameters stay replicated, unless `--shard-parameters` (ZeRO-3,
+engine/param_shards.py): then each rank holds only its own parameters, and rank 0 alone the
+generator's copy.
 
 A rank that dies fails the call in flight with WorkerDied naming the rank; its group is stopped
 (the others would wait for it in the next collective), `is_loaded` answers False, and
@@ -60,9 +62,10 @@ from posttrain.model.loader import resolve_device
 from posttrain.types import MuonScaling
 
 # Served by rank 0 alone: they read a rank's state (or write files from it) and change nothing
-# the next training command depends on. Not persist_session and save_training_state: a sharded
-# session's optimizer state and gradients are gathered from every rank (engine/sharding.py),
-# so every rank takes part, and only rank 0 writes (RankEngine.writes_files).
+# the next training command depends on. Not persist_session, save_training_state and
+# save_full_model: a sharded session's optimizer state and gradients (engine/sharding.py) and
+# sharded parameters (engine/param_shards.py) are gathered from every rank, so every rank takes
+# part, and only rank 0 writes (RankEngine.writes_files).
 RANK_ZERO = (
     "sample_batch",
     "peak_bytes",
@@ -71,7 +74,6 @@ RANK_ZERO = (
     "session_footprint",
     "generator_state",
     "save_adapter",
-    "save_full_model",
 )
 # How long a rank waits in a collective for the others: a live group's ranks run the same
 # command side by side, so only a rank that is gone (or wedged) makes one wait this long.
@@ -131,6 +133,11 @@ class RankEngine(LocalEngine):
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         if self.writes_files or self._is_sharded(resource_id, session_id):
             super().save_training_state(resource_id, session_id, directory)
+
+    def save_full_model(self, resource_id: str, session_id: str, *args: Any, **kw: Any) -> None:
+        """Rank 0 writes; another rank only takes part in gathering sharded parameters."""
+        if self.writes_files or self._resource(resource_id).param_shards is not None:
+            super().save_full_model(resource_id, session_id, *args, **kw)
 
     def _is_sharded(self, resource_id: str, session_id: str) -> bool:
         return self._session(resource_id, session_id)[1].optimizer.sharding is not None

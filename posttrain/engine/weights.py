@@ -342,14 +342,8 @@ def _fsync_files(directory: Path, names: Iterable[str]) -> None:
 
 def copy_into(named_params: list[tuple[str, torch.nn.Parameter]], saved: dict[str, Tensor]) -> None:
     """Overwrite parameters in place with saved tensors of the same names and shapes."""
+    check_names(named_params, saved)
     params = dict(named_params)
-    if set(saved) != set(params):
-        missing = sorted(set(params) - set(saved))[:3]
-        extra = sorted(set(saved) - set(params))[:3]
-        raise InvalidRequest(
-            f"checkpoint parameters do not match this session (missing {missing}, extra {extra})",
-            param="resume_from_checkpoint_id",
-        )
     with torch.no_grad():
         for name, value in saved.items():
             if value.shape != params[name].shape:
@@ -359,3 +353,17 @@ def copy_into(named_params: list[tuple[str, torch.nn.Parameter]], saved: dict[st
                     param="resume_from_checkpoint_id",
                 )
             params[name].copy_(value)
+
+
+def check_names(
+    named_params: list[tuple[str, torch.nn.Parameter]], saved: dict[str, Tensor]
+) -> None:
+    """InvalidRequest unless `saved` has exactly the parameters' names."""
+    params = dict(named_params)
+    if set(saved) != set(params):
+        missing = sorted(set(params) - set(saved))[:3]
+        extra = sorted(set(saved) - set(params))[:3]
+        raise InvalidRequest(
+            f"checkpoint parameters do not match this session (missing {missing}, extra {extra})",
+            param="resume_from_checkpoint_id",
+        )

@@ -3,7 +3,8 @@ rank processes (engine/trainer_group.py). Through the SDK against a real server,
 (sample, score with a batch-global loss, step, weights-sync, sample again) gets what a server
 with the in-thread engine gets: losses and metrics within 1e-5 relative, the same tokens for
 the same seeds; its two ranks are stopped at shutdown. A --trainer-ranks beyond the cores is a
-start-up error naming the flag."""
+start-up error naming the flag. With --shard-parameters (ZeRO-3) a full-weight session does
+the same, and checkpoints, ends and resumes."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import sys
 
 import pytest
 from conftest import ServerProcess
-from helpers import open_session
+from helpers import API_KEY, BASE_MODEL, open_session
 from test_worker_processes import alive, workers_of
-from together.post_training import SessionClient
+from together.post_training import ModelResourcesClient, SessionClient
 
 FAST = 0.05
 LORA = {"rank": 4, "seed": 5}
@@ -117,3 +118,39 @@ def test_more_trainer_ranks_than_cores_is_a_start_up_error(tmp_path):
     )
     assert completed.returncode == 2
     assert f"--trainer-ranks {too_many} is more than the" in completed.stderr
+
+
+def full_weight_session(base_url: str) -> tuple[ModelResourcesClient, SessionClient]:
+    resources = ModelResourcesClient.create(
+        base_url=base_url, api_key=API_KEY, base_model=BASE_MODEL, lora_enabled=False, interval=0.2
+    )
+    return resources, resources.create_session(interval=0.2)
+
+
+def test_a_full_weight_rl_loop_on_two_zero3_ranks_equals_the_in_thread_engine(tmp_path):
+    """`--shard-parameters` (ZeRO-3): the same loop on a full-weight session, sampling from
+    rank 0's generator copy that weights-sync fills from every rank's shard; then checkpoints
+    (a MERGED export and a training state gathered from the shards), the session's end, and a
+    resume on the same ranks."""
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "thread").mkdir()
+    flags = ("--poll-hold-seconds", "0", "--trainer-ranks", "2", "--shard-parameters")
+    ranks = ServerProcess.started(tmp_path / "ranks", *flags)
+    try:
+        resources, session = full_weight_session(ranks.base_url)
+        on_ranks = rl_loop(session, 3)
+        session.create_inference_checkpoint()
+        training = session.create_training_checkpoint()
+        session.stop()
+        resumed = resources.create_session(resume_from_checkpoint_id=training.id, interval=0.2)
+        assert resumed.retrieve().step == 3
+    finally:
+        ranks.stop()
+
+    thread = ServerProcess.started(tmp_path / "thread", "--poll-hold-seconds", "0")
+    try:
+        _, twin = full_weight_session(thread.base_url)
+        in_thread = rl_loop(twin, 3)
+    finally:
+        thread.stop()
+    assert_equal_across_ranks(on_ranks, in_thread)

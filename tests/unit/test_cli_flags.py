@@ -89,3 +89,11 @@ def test_cuda_graphs_flag_becomes_the_engine_setting_and_is_off_by_default():
     assert on == EngineConfig(cuda_graphs=True)
     off = engine_config(parser().parse_args(["serve", "--cuda-graphs", "off"]))
     assert off == EngineConfig(cuda_graphs=False)
+
+
+def test_shard_parameters_flag_turns_zero3_on_and_is_off_without_it():
+    args = parser().parse_args(["serve", "--trainer-ranks", "2", "--shard-parameters"])
+    assert engine_config(args) == EngineConfig(trainer_ranks=2, shard_parameters=True)
+    assert not engine_config(
+        parser().parse_args(["serve", "--trainer-ranks", "2"])
+    ).shard_parameters

@@ -8,19 +8,24 @@ by one process resumes on two, and every resumed run continues as the one-proces
 from __future__ import annotations
 
 import itertools
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from engine_calls import forward_backward
 
-from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import durable, weights
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, BUILTIN_MODELS, EngineConfig
+from posttrain.engine import durable, trainer, weights
+from posttrain.engine.batching import pack
 from posttrain.engine.data_parallel import DataParallel
+from posttrain.engine.interface import Headroom
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.sharding import Sharding
 from posttrain.engine.trainer_group import TrainerGroupEngine
 from posttrain.errors import NonFiniteLoss
+from posttrain.service.admission import plan_passes
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,
@@ -30,6 +35,7 @@ from posttrain.types import (
     LossType,
     MuonParams,
     MuonScaling,
+    OperationKind,
     OptimStepRequest,
     TrainingSample,
 )
@@ -231,3 +237,212 @@ def test_checkpoints_resume_across_rank_counts(group, tmp_path):
         actual = resumed(group, "ckpt", directory, tmp_path / f"{directory.name}-2", scaling)
         assert_runs_equal(actual, expected)
     group.unload_resource("ckpt")
+
+
+# ZeRO-3 (engine/param_shards.py): parameters sharded too. Bucket overhead 0 gives one forward
+# per distinct length, so the ranks' shares of THREE (lengths 7 | 5, 3) take 1 and 2 buckets,
+# and ONE leaves rank 1 without rows: both ranks must still run the same layer calls.
+ZERO3 = EngineConfig(device="cpu", trainer_ranks=2, shard_parameters=True, bucket_overhead_tokens=0)
+PER_LENGTH = EngineConfig(device="cpu", bucket_overhead_tokens=0)
+ONE = ForwardBackwardRequest((rl_sample([50, 51, 52, 53, 54, 55], 0.3),), GRPO)
+UNEVEN = (BATCHES[0], ONE, BATCHES[1])
+# These batches' gradients differ from one process's by float32 rounding (1e-5 relative, as
+# above), and AdamW (eps 1e-6) turns the rounding of a near-zero gradient entry into up to
+# 4.4e-5 of weight after three steps: measured the same, to the bit, with the parameters
+# replicated (ZeRO-2, shard_parameters off), so it is not the parameter sharding's.
+UNEVEN_WEIGHTS = 10 * WEIGHTS
+
+
+MOE = "posttrain/tiny-qwen3-moe"
+WITH_MOE = {**MODELS, MOE: BUILTIN_MODELS[MOE]}
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    engine = TrainerGroupEngine(ZERO3, WITH_MOE)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("scaling", [None, MuonScaling.MATCH_ADAM], ids=["adamw", "muon"])
+def test_zero3_ranks_train_what_one_process_does_holding_half_the_weights(
+    zero3, tmp_path, scaling, monkeypatch
+):
+    monkeypatch.setattr(sys.modules[__name__], "BATCHES", UNEVEN)
+    monkeypatch.setattr(sys.modules[__name__], "WEIGHTS", UNEVEN_WEIGHTS)
+    local = LocalEngine(PER_LENGTH, MODELS)
+    fresh(local, "r", scaling)
+    expected = train(local, "r", tmp_path / "local", scaling, steps=3)
+    resource = f"zero3-{scaling}"
+    fresh(zero3, resource, scaling)
+    assert_runs_equal(train(zero3, resource, tmp_path / "group", scaling, steps=3), expected)
+
+    # Weights, optimizer state and gradients: each rank holds its own parameters' share
+    # (whole parameters, so within one parameter of half), together exactly one process's.
+    forward_backward(local, "r", "f", ONE)
+    forward_backward(zero3, resource, "f", ONE)
+    one = local.session_footprint("r", "f")
+    ranks = zero3.on_every_rank(resource, "session_footprint", "f")
+    named = local._session("r", "f")[1].optimizer.named_params
+    largest = max(p.numel() * p.element_size() for _, p in named)
+    for part in ("weights_bytes", "optimizer_bytes", "gradient_bytes"):
+        total = getattr(one, part)
+        assert sum(getattr(r, part) for r in ranks) == total > 0, part
+        assert all(getattr(r, part) <= total / 2 + 2 * largest for r in ranks), part
+    # The generator's copy, which sampling uses, is rank 0's alone.
+    assert [r.generator_bytes for r in ranks] == [one.generator_bytes, 0]
+
+    # weights-sync gathers the shards into the generator's copy, exactly the trained weights.
+    zero3.discard_gradients(resource, "f")
+    zero3.publish(resource, "f", version=1)
+    parts = state(zero3, resource, tmp_path / "group", ("trainer", "generator"))
+    # The generator's copy keeps model/lora.py's wrapper names (`<layer>.base.weight`).
+    served = {n.replace(".base.", "."): t for n, t in parts["generator"].items()}
+    assert served.keys() == parts["trainer"].keys()
+    assert all(torch.equal(served[n], t) for n, t in parts["trainer"].items())
+    zero3.unload_resource(resource)
+
+
+def test_zero3_trains_an_moe_model_as_one_process_does(zero3):
+    """The MoE model's experts (fused 3-D parameters) shard and gather like any layer's."""
+    local = LocalEngine(PER_LENGTH, WITH_MOE)
+    for engine in (local, zero3):
+        engine.load_resource("moe", MOE, muon_scaling=None)
+        engine.create_session("moe", "f", None)
+    for batch in UNEVEN:
+        want = forward_backward(local, "moe", "f", batch).loss
+        assert forward_backward(zero3, "moe", "f", batch).loss == pytest.approx(want, rel=REL)
+        for engine in (local, zero3):
+            engine.optim_step("moe", "f", STEPS[None])
+    ranks = zero3.on_every_rank("moe", "session_footprint", "f")
+    assert sum(r.weights_bytes for r in ranks) == local.session_footprint("moe", "f").weights_bytes
+    zero3.unload_resource("moe")
+
+
+def test_zero3_checkpoints_resume_across_rank_counts_and_sessions_end_unsharded(
+    zero3, tmp_path, monkeypatch
+):
+    """Two ZeRO-3 ranks write what one process writes, a checkpoint from either resumes on
+    the other and continues as one process does; a dropped session leaves every rank the
+    whole base model."""
+    monkeypatch.setattr(sys.modules[__name__], "BATCHES", UNEVEN)
+    monkeypatch.setattr(sys.modules[__name__], "WEIGHTS", UNEVEN_WEIGHTS)
+    for scaling in (None, MuonScaling.MATCH_ADAM):
+        resource = f"ckpt3-{scaling}"
+        fresh(zero3, resource, scaling)
+        train(zero3, resource, tmp_path / f"a{scaling}", scaling, steps=2)
+        from_two = checkpoint(zero3, resource, tmp_path / f"from-two-{scaling}")
+        local = LocalEngine(PER_LENGTH, MODELS)
+        fresh(local, "r", scaling)
+        train(local, "r", tmp_path / f"b{scaling}", scaling, steps=2)
+        from_one = checkpoint(local, "r", tmp_path / f"from-one-{scaling}")
+        two, one = weights.load_training_state(from_two), weights.load_training_state(from_one)
+        assert two.tensors.keys() == one.tensors.keys()
+        for family in two.optimizer:
+            assert two.optimizer[family].keys() == one.optimizer[family].keys()
+        for directory in (from_two, from_one):
+            root = tmp_path / f"{directory.name}"
+            expected = resumed(local, "r", directory, root / "1", scaling)
+            actual = resumed(zero3, resource, directory, root / "2", scaling)
+            assert_runs_equal(actual, expected)
+        # The session ends: each rank holds the whole base model again, as one process does.
+        zero3.drop_session(resource, "f")
+        local.drop_session("r", "f")
+        assert (
+            zero3.on_every_rank(resource, "resource_footprint")
+            == [local.resource_footprint("r")] * 2
+        )
+        zero3.unload_resource(resource)
+
+
+def test_a_memory_limit_that_refuses_a_full_weight_step_on_one_process_admits_it_on_zero3(zero3):
+    """Memory admission with the real estimates (peak_bytes, resource_footprint; no clock):
+    the first optim-step (its AdamW moments appear) and a forward-backward of a full-weight
+    session need resident + peak bytes; under a limit between one process's need and a ZeRO-3
+    rank's (the group is admitted on rank 0's numbers), one process is refused and the
+    sharded ranks admit it."""
+    local = LocalEngine(PER_LENGTH, MODELS)
+    fresh(local, "r", None)
+    fresh(zero3, "admit", None)
+    operations = (
+        (OperationKind.OPTIM_STEP, STEPS[None]),
+        (OperationKind.FORWARD_BACKWARD, BATCHES[0]),
+    )
+    for kind, request in operations:
+        one, rank = _need(local, "r", kind, request), _need(zero3, "admit", kind, request)
+        assert sum(rank) < 0.8 * sum(one), (kind, one, rank)
+        limit = (sum(one) + sum(rank)) // 2
+        # plan_passes with each engine's real estimate of the one member.
+        for engine, resource, (resident, _), admitted in (
+            (local, "r", one, False),
+            (zero3, "admit", rank, True),
+        ):
+            room = Headroom(limit - resident, "--memory-limit")
+            passes, refused = plan_passes(
+                kind,
+                ["f"],
+                lambda members, e=engine, r=resource, k=kind, q=request: e.peak_bytes(
+                    r, k, [(m, q) for m in members]
+                ),
+                room,
+            )
+            assert (passes == [["f"]]) is admitted and (0 in refused) is not admitted, kind
+    zero3.unload_resource("admit")
+
+
+def _need(engine, resource: str, kind, request) -> tuple[int, int]:
+    """Resident bytes of the resource and the estimated peak of one operation beyond them."""
+    resident = engine.resource_footprint(resource).total_bytes
+    return resident, engine.peak_bytes(resource, kind, [("f", request)])
+
+
+def test_padding_forwards_leave_logprobs_and_gradients_the_same_bit_for_bit():
+    """trainer.forward_logprobs with `forwards` beyond its buckets (what a ZeRO-3 rank with
+    fewer buckets, or none, runs): the extra forwards run, and the logprobs and every gradient
+    equal those without them exactly. aligned_forwards gives every rank the most buckets of
+    any rank's share."""
+    local = LocalEngine(PER_LENGTH, MODELS)
+    fresh(local, "r", None)
+    resource, session = local._session("r", "f")
+    packed = pack(THREE, resource.loaded.device)  # lengths 7, 3, 5
+    routing = [(session.trainer_key, None)]
+    named = session.optimizer.named_params
+    calls = []
+    layer = resource.loaded.model.base_model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: calls.append(1))
+    weights_ST = torch.linspace(-1.0, 1.0, packed.tokens_ST.numel()).view_as(packed.tokens_ST)
+
+    def run(rows: list[int], forwards: int | None) -> tuple[torch.Tensor, list, int]:
+        calls.clear()
+        for _, p in named:
+            p.grad = None
+        logprobs = trainer.forward_logprobs(
+            PER_LENGTH, resource, packed, routing, rows=rows, forwards=forwards
+        )
+        (logprobs * weights_ST[rows]).sum().backward()
+        return logprobs.detach(), [p.grad for _, p in named], len(calls)
+
+    try:
+        for rows in ([0, 2], [1]):
+            plain, plain_grads, plain_calls = run(rows, None)
+            padded, padded_grads, padded_calls = run(rows, plain_calls + 2)
+            assert padded_calls == plain_calls + 2
+            assert torch.equal(padded, plain)
+            assert all(
+                (g is None and h is None) or torch.equal(g, h)
+                for g, h in zip(padded_grads, plain_grads, strict=True)
+            )
+        # A rank without rows forwards padding alone, and its gradients are exact zeros.
+        empty, empty_grads, empty_calls = run([], 2)
+        assert empty.shape == (0, packed.tokens_ST.shape[1]) and empty_calls == 2
+        assert all(g is None or not g.any() for g in empty_grads)
+    finally:
+        handle.remove()
+
+    # Two ranks' shares of THREE (7 | 5, 3) plan 1 and 2 buckets, of ONE (6 | none) 1 and 0.
+    group = DataParallel(0, 2)
+    sharded = types.SimpleNamespace(group=group, param_shards=object())
+    assert trainer.aligned_forwards(PER_LENGTH, sharded, [7, 3, 5]) == 2
+    assert trainer.aligned_forwards(PER_LENGTH, sharded, [6]) == 1
+    replicated = types.SimpleNamespace(group=group, param_shards=None)
+    assert trainer.aligned_forwards(PER_LENGTH, replicated, [7, 3, 5]) is None

@@ -111,11 +111,12 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--shard-parameters",
-        action="store_true",
+        choices=("on", "off"),
         default=None,
         help="with --trainer-ranks N > 1, shard a full-weight session's parameters over the"
-        " ranks too (ZeRO-3): each rank holds 1/N of the weights, gradients and optimizer"
-        " state, and rank 0 alone the generator's copy",
+        " ranks too (on, the default: ZeRO-3, each rank holds 1/N of the weights, gradients"
+        " and optimizer state, and rank 0 alone the generator's copy) or replicate them (off:"
+        " ZeRO-2, gradients and optimizer state sharded)",
     )
     serve.add_argument(
         "--max-generator-replicas",
@@ -223,7 +224,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
         ray=args.ray,
         ray_strategy=args.ray_strategy,
         trainer_ranks=args.trainer_ranks,
-        shard_parameters=args.shard_parameters,
+        shard_parameters=None if args.shard_parameters is None else args.shard_parameters == "on",
         max_generator_replicas=args.max_generator_replicas,
         memory_limit=args.memory_limit,
     )

@@ -142,11 +142,12 @@ class EngineConfig(BaseModel):
     # ZeRO-3 (engine/param_shards.py): on trainer_ranks > 1 a full-weight session's
     # parameters are sharded too, each rank holding only the parameters it owns between
     # operations and gathering a layer's just before its forward and backward, and rank 0
-    # alone the generator's copy. Off by default while it is new. On the 2-core CPU its step
-    # time equals ZeRO-2's, and a 38M session's ranks hold 439 and 293 MiB against ZeRO-2's
-    # 512 each (docs/benchmarks.md, "ZeRO-3").
+    # alone the generator's copy. The default: on the 2-core CPU its step time equals
+    # ZeRO-2's (0.89-1.04x), and a 38M session's ranks hold 439 and 293 MiB against ZeRO-2's
+    # 512 each (docs/benchmarks.md, "ZeRO-3"), so a model whose weights and AdamW state do not
+    # fit one device trains on N. Off: ZeRO-2, parameters replicated.
     shard_parameters: bool = Field(
-        False,
+        True,
         description="on a trainer group, shard a full-weight session's parameters over the"
         " ranks as well as its gradients and optimizer state (ZeRO-3; engine/param_shards.py)",
     )

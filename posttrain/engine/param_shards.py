@@ -1,5 +1,5 @@
 """A full-weight session's parameters sharded over its trainer group (ZeRO-3,
-`posttrain serve --trainer-ranks N --shard-parameters`, N > 1).
+`posttrain serve --trainer-ranks N`, N > 1; `--shard-parameters off` turns it off).
 
 Each parameter lives whole on its owner rank (engine/sharding.py's map, balanced by bytes) and
 nowhere else between operations: on the other ranks its tensor keeps its shape but its storage

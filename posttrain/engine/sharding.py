@@ -10,14 +10,14 @@ state only for parameters with a gradient, hold only their moments and momentum 
 owner steps its parameters, and then broadcasts them, so every rank holds every weight again.
 
 What is sharded: accumulated gradients and optimizer state (about 1/N per rank each, whole
-parameters at a time: Muon orthogonalises whole matrices). What is not, by default: the
-parameters themselves (every rank forwards its rows through the whole model;
-engine/data_parallel.py), the generator's copy of the model, and the full gradients a backward
-produces before they are summed onto their owners. With `--shard-parameters` (ZeRO-3,
-engine/param_shards.py) those are sharded too, by the same owner map: a parameter lives on its
-owner alone, is gathered per layer for the forward and again for the backward, a layer's
-gradients are summed onto their owners as the backward leaves it, and the generator's copy is
-rank 0's alone; the owner then keeps its stepped parameters instead of broadcasting them.
+parameters at a time: Muon orthogonalises whole matrices). By default (ZeRO-3,
+engine/param_shards.py) so are the parameters themselves, by the same owner map: a parameter
+lives on its owner alone, is gathered per layer for the forward and again for the backward, a
+layer's gradients are summed onto their owners as the backward leaves it, the generator's copy
+is rank 0's alone, and the owner keeps its stepped parameters. With `--shard-parameters off`
+(ZeRO-2) the parameters stay replicated (every rank forwards its rows through the whole
+model; engine/data_parallel.py), as do the generator's copy and the full gradients a backward
+produces before they are summed onto their owners; the owner then broadcasts what it stepped.
 
 The clipping norm is exact: the per-parameter norms are summed into one vector in parameter
 order (each entry has a single non-zero contributor, so the sum adds only zeros) and reduced

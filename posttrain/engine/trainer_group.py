@@ -24,10 +24,10 @@ Every rank holds a full replica of the base model and the LoRA adapters with the
 state (replicated data parallel: each rank forwards about 1/N of a batch's tokens and runs
 the whole optimizer step; measured in bench/trainer_ranks.py, where replicating the frozen
 base is the choice for LoRA). A full-weight session's gradients and AdamW/Muon state are
-sharded over the ranks (engine/sharding.py, ZeRO-2): each rank steps only the parameters it
-owns and broadcasts them; its parameters stay replicated, unless `--shard-parameters` (ZeRO-3,
-engine/param_shards.py): then each rank holds only its own parameters, and rank 0 alone the
-generator's copy.
+sharded over the ranks (engine/sharding.py): each rank steps only the parameters it owns. By
+default its parameters are sharded too (ZeRO-3, engine/param_shards.py): each rank holds only
+its own, and rank 0 alone the generator's copy; with `--shard-parameters off` (ZeRO-2) they
+stay replicated and each owner broadcasts what it stepped.
 
 A rank that dies fails the call in flight with WorkerDied naming the rank; its group is stopped
 (the others would wait for it in the next collective), `is_loaded` answers False, and

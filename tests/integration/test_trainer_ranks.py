@@ -3,8 +3,8 @@ rank processes (engine/trainer_group.py). Through the SDK against a real server,
 (sample, score with a batch-global loss, step, weights-sync, sample again) gets what a server
 with the in-thread engine gets: losses and metrics within 1e-5 relative, the same tokens for
 the same seeds; its two ranks are stopped at shutdown. A --trainer-ranks beyond the cores is a
-start-up error naming the flag. With --shard-parameters (ZeRO-3) a full-weight session does
-the same, and checkpoints, ends and resumes."""
+start-up error naming the flag. With ZeRO-3 (--shard-parameters on, the default) a full-weight
+session does the same, and checkpoints, ends and resumes."""
 
 from __future__ import annotations
 
@@ -128,13 +128,13 @@ def full_weight_session(base_url: str) -> tuple[ModelResourcesClient, SessionCli
 
 
 def test_a_full_weight_rl_loop_on_two_zero3_ranks_equals_the_in_thread_engine(tmp_path):
-    """`--shard-parameters` (ZeRO-3): the same loop on a full-weight session, sampling from
-    rank 0's generator copy that weights-sync fills from every rank's shard; then checkpoints
-    (a MERGED export and a training state gathered from the shards), the session's end, and a
-    resume on the same ranks."""
+    """`--shard-parameters on` (ZeRO-3, the default): the same loop on a full-weight session,
+    sampling from rank 0's generator copy that weights-sync fills from every rank's shard;
+    then checkpoints (a MERGED export and a training state gathered from the shards), the
+    session's end, and a resume on the same ranks."""
     (tmp_path / "ranks").mkdir()
     (tmp_path / "thread").mkdir()
-    flags = ("--poll-hold-seconds", "0", "--trainer-ranks", "2", "--shard-parameters")
+    flags = ("--poll-hold-seconds", "0", "--trainer-ranks", "2", "--shard-parameters", "on")
     ranks = ServerProcess.started(tmp_path / "ranks", *flags)
     try:
         resources, session = full_weight_session(ranks.base_url)

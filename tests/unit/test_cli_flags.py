@@ -91,9 +91,10 @@ def test_cuda_graphs_flag_becomes_the_engine_setting_and_is_off_by_default():
     assert off == EngineConfig(cuda_graphs=False)
 
 
-def test_shard_parameters_flag_turns_zero3_on_and_is_off_without_it():
-    args = parser().parse_args(["serve", "--trainer-ranks", "2", "--shard-parameters"])
-    assert engine_config(args) == EngineConfig(trainer_ranks=2, shard_parameters=True)
-    assert not engine_config(
-        parser().parse_args(["serve", "--trainer-ranks", "2"])
-    ).shard_parameters
+def test_shard_parameters_is_on_by_default_and_the_flag_turns_it_off():
+    assert EngineConfig().shard_parameters is True
+    args = parser().parse_args(["serve", "--trainer-ranks", "2", "--shard-parameters", "off"])
+    assert engine_config(args) == EngineConfig(trainer_ranks=2, shard_parameters=False)
+    on = parser().parse_args(["serve", "--trainer-ranks", "2", "--shard-parameters", "on"])
+    assert engine_config(on).shard_parameters
+    assert engine_config(parser().parse_args(["serve", "--trainer-ranks", "2"])).shard_parameters

@@ -41,7 +41,8 @@ from posttrain.types import (
 )
 
 CONFIG = EngineConfig(device="cpu")
-GROUP = EngineConfig(device="cpu", trainer_ranks=2)
+# ZeRO-2: parameters replicated (shard_parameters off); ZERO3 below shards them too.
+GROUP = EngineConfig(device="cpu", trainer_ranks=2, shard_parameters=False)
 MODELS = {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
 # eps above the gradients' rounding noise, as in test_trainer_group.py (whose comment says why).
 LEARNING_RATE = 1e-2

@@ -41,7 +41,7 @@ Imports: torch (torch.distributed); engine (sharding).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -152,17 +152,20 @@ class ParamShards:
     # ------------------------------------------------------------ hooks
 
     def _pre_forward(self, index: int):
+        def after() -> None:
+            self._after_layer_backward(index)
+
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             self._gather(self.layers[index])
             if not torch.is_grad_enabled():
                 return args, kwargs
             # The backward reaching the layer's input means its own backward is done.
             if args and isinstance(args[0], Tensor) and args[0].requires_grad:
-                args = (_AfterBackward.apply(args[0], self, index), *args[1:])
+                args = (_OnBackward.apply(args[0], after), *args[1:])
             elif isinstance(kwargs.get("hidden_states"), Tensor):
                 hidden = kwargs["hidden_states"]
                 if hidden.requires_grad:
-                    kwargs = {**kwargs, "hidden_states": _AfterBackward.apply(hidden, self, index)}
+                    kwargs = {**kwargs, "hidden_states": _OnBackward.apply(hidden, after)}
             return args, kwargs
 
         return hook
@@ -176,7 +179,7 @@ class ParamShards:
             if not isinstance(output, Tensor):
                 raise TypeError(f"decoder layer {index} returned {type(output).__name__}")
             if output.requires_grad:
-                return _BeforeBackward.apply(output, self, index)
+                return _OnBackward.apply(output, lambda: self._gather(self.layers[index]))
             return output
 
         return hook
@@ -240,29 +243,16 @@ class ParamShards:
                 p.untyped_storage().resize_(0)
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity on a layer's output; its backward gathers the layer for the layer's backward."""
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward first calls `then`. On a layer's output it gathers the layer for
+    the layer's backward; on the layer's input it runs once the layer's backward is done."""
 
     @staticmethod
-    def forward(ctx: Any, output: Tensor, shards: ParamShards, index: int) -> Tensor:
-        ctx.shards, ctx.index = shards, index
-        return output.view_as(output)
+    def forward(ctx: Any, x: Tensor, then: Callable[[], None]) -> Tensor:
+        ctx.then = then
+        return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        ctx.shards._gather(ctx.shards.layers[ctx.index])
-        return grad, None, None
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a layer's input; its backward runs once the layer's backward is done."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: Tensor, shards: ParamShards, index: int) -> Tensor:
-        ctx.shards, ctx.index = shards, index
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        ctx.shards._after_layer_backward(ctx.index)
-        return grad, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.then()
+        return grad, None

@@ -261,7 +261,7 @@ def zero3(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     configs = {
         "one": EngineConfig(device="cpu"),
-        "zero2": EngineConfig(device="cpu", trainer_ranks=args.ranks),
+        "zero2": EngineConfig(device="cpu", trainer_ranks=args.ranks, shard_parameters=False),
         "zero3": EngineConfig(device="cpu", trainer_ranks=args.ranks, shard_parameters=True),
     }
     print(f"cores={os.cpu_count()} ranks={args.ranks} torch threads per process=1")

@@ -115,11 +115,17 @@ class FanoutKVCache:
         slot_B, m, prefix_lengths_B = self._group_layout()
         columns = self._longest_prefix()
         prefix_kv = self.prefix.kv[:, :, : self.prefix.num_rows, :, :columns]
-        if 1 not in self._full_prefix_bias:
-            prefix_P = torch.arange(columns, device=prefix_lengths_B.device)
+        return prefix_kv, slot_B, m, prefix_lengths_B, self._full_prefix_bias_of(1)
+
+    def _full_prefix_bias_of(self, width: int) -> Tensor | None:
+        """The full-attention prefix bias [B, width, P] of a pass of `width` queries per row
+        (each row sees its own prompt's columns), kept per layout; None if all are seen."""
+        if width not in self._full_prefix_bias:
+            _, _, prefix_lengths_B = self._group_layout()
+            prefix_P = torch.arange(self._longest_prefix(), device=prefix_lengths_B.device)
             visible_B1P = (prefix_P[None, :] < prefix_lengths_B[:, None])[:, None, :]
-            self._full_prefix_bias[1] = _bias(visible_B1P, 1)
-        return prefix_kv, slot_B, m, prefix_lengths_B, self._full_prefix_bias[1]
+            self._full_prefix_bias[width] = _bias(visible_B1P, width)
+        return self._full_prefix_bias[width]
 
     def placeholder_columns(self, positions_BQ: Tensor) -> int:
         """Columns of the placeholder mask a pass hands the model: its last position + 1."""
@@ -157,9 +163,7 @@ class FanoutKVCache:
             if sliding:
                 prefix_bias = _bias(prefix_visible, width)
             else:
-                if width not in self._full_prefix_bias:
-                    self._full_prefix_bias[width] = _bias(prefix_visible, width)
-                prefix_bias = self._full_prefix_bias[width]
+                prefix_bias = self._full_prefix_bias_of(width)
             uniform_own = self._uniform and not sliding
             masks[layer_type] = SharedPrefixAttention(
                 prefix_kv,

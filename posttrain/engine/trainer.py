@@ -128,13 +128,12 @@ def _shared_pass(
     scored: dict[int, _Scored] = {}
     gradient = None
     needed_ST = _needed(merged, members)
-    operation = resource.param_shards.operation() if resource.param_shards else nullcontext()
     if len(members) == 1 and train and resource.group is None:
         (lone,) = members
         loss_batch = member_loss_batch(merged, lone.rows, lone.request.samples)
         gradient = token_gradient(lone.request.loss, loss_batch)
     with (
-        operation,
+        _sharded_operation(resource),
         torch.set_grad_enabled(train),
         _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
     ):
@@ -194,27 +193,21 @@ def custom_forward_backward(
         gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
     routing: Routing = [(session.trainer_key, None)]
     valid_ST = packed.loss_batch.valid_ST
-    if resource.group is None:
-        gradient = given_gradient(gradients_ST, valid_ST)
-        logprobs_ST = forward_logprobs(config, resource, packed, routing, gradient=gradient)
-    else:  # the surrogate is a sum over rows: each rank back-propagates its own
-        rows = resource.group.shares(packed.lengths_S)[resource.group.rank]
-        forwards = aligned_forwards(config, resource, packed.lengths_S)
-        operation = resource.param_shards.operation() if resource.param_shards else nullcontext()
-        with operation:
+    with _sharded_operation(resource):
+        if resource.group is None:
+            gradient = given_gradient(gradients_ST, valid_ST)
+            logprobs_ST = forward_logprobs(config, resource, packed, routing, gradient=gradient)
+        else:  # the surrogate is a sum over rows: each rank back-propagates its own
+            rows = resource.group.shares(packed.lengths_S)[resource.group.rank]
+            forwards = aligned_forwards(config, resource, packed.lengths_S)
             logprobs_ST = forward_logprobs(
                 config, resource, packed, routing, rows=rows, forwards=forwards
             )
             gradients_ST, valid_ST = gradients_ST[rows], valid_ST[rows]
-            surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
-            (error,) = accumulate_many(
-                [(session, surrogate)], group=resource.group, reduced=_reduced_in_backward(resource)
-            )
-        if error is not None:
-            raise error
-        return
-    surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
-    (error,) = accumulate_many([(session, surrogate)], group=resource.group)
+        surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
+        (error,) = accumulate_many(
+            [(session, surrogate)], group=resource.group, reduced=_reduced_in_backward(resource)
+        )
     if error is not None:
         raise error
 
@@ -433,6 +426,12 @@ def _needed(merged: PackedBatch, members: list[_Member]) -> Tensor:
         width = batch.valid_ST.shape[1]
         needed_ST[m.first_row : m.rows.stop, :width] = needed_positions(m.request.loss, batch)
     return needed_ST
+
+
+def _sharded_operation(resource: ResourceState):
+    """One operation of a resource whose parameters are sharded (engine/param_shards.py: its
+    root gathered on entry, freed on exit); nothing otherwise."""
+    return resource.param_shards.operation() if resource.param_shards else nullcontext()
 
 
 def _reduced_in_backward(resource: ResourceState) -> frozenset[int]:

@@ -1,6 +1,6 @@
 """ASGI middleware: each sample POST counts as arriving (service/arrivals.py) from the moment
 its request is received until its operation is queued (or, for a request refused with a 4xx,
-until it is answered).
+until it is answered), and as unanswered until it is answered.
 
 Imports: service (through the app's state).
 """
@@ -34,5 +34,5 @@ class ArrivalsMiddleware:
         try:
             await self.app(scope, receive, send)
         finally:
-            arrival.done()
+            arrival.answered()
             CURRENT_ARRIVAL.reset(reset)

@@ -318,13 +318,18 @@ class LocalEngine:
         and its ranks hold about the same."""
         resource = self._resource(resource_id)
         shape = estimate.model_shape(resource.loaded.model.config, self.dtype.itemsize)
-        sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
-        trainable = [
-            nbytes(p for _, p in s.optimizer.named_params) if isinstance(s, SessionState) else 0
-            for s in sessions
-        ]
         requests = [request for _, request in items]
         chunk = self.config.logprob_chunk_tokens
+        if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts
+            return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
+        sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
+        # Once per session: the scheduler asks about every prefix of a queue (admission.py),
+        # often one session's operations, and walking a model's tensors is not free.
+        own_bytes: dict[int, int] = {}
+        for s in sessions:
+            if isinstance(s, SessionState) and id(s) not in own_bytes:
+                own_bytes[id(s)] = nbytes(p for _, p in s.optimizer.named_params)
+        trainable = [own_bytes.get(id(s), 0) for s in sessions]
         # Sharded parameters (param_shards.py): `trainable` counts this rank's own alone; a
         # pass also gathers others' for a while.
         shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
@@ -352,8 +357,6 @@ class LocalEngine:
                 + max(pass_bytes(share) for share in shares)
                 + packed * estimate.PACKED_BYTES_PER_TOKEN
             )
-        if kind == OperationKind.SAMPLE:
-            return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
         (session,) = sessions
         if kind == OperationKind.OPTIM_STEP:
             if not isinstance(session, SessionState):

@@ -129,6 +129,7 @@ def build_services(
             scheduler.queue_depth,
             busy_seconds=scheduler.busy_seconds,
             held_polls=watch.waiting,
+            unanswered_samples=scheduler.arrivals.unanswered,
         ),
         watch=watch,
     )

@@ -8,6 +8,9 @@ about to run a sample pass first waits, up to a short limit, while sample POSTs 
 its resource are still being received; they join the pass. A loop that submits one operation
 at a time never waits: nothing else is arriving.
 
+The same count, kept until each POST is answered, says which sample POSTs came beside others of
+their session (api/routes/operations.py holds those until their operation is done).
+
 Imports: nothing from posttrain.
 """
 
@@ -21,12 +24,20 @@ from contextvars import ContextVar
 
 class Arrival:
     """One sample submission being received; `done()` (idempotent) once it is queued, or once
-    its request ended without queueing."""
+    its request ended without queueing; `answered()` (once) when its request has ended."""
 
     def __init__(self, arrivals: Arrivals, session_id: str) -> None:
         self._arrivals = arrivals
         self._session_id = session_id
         self._done = False
+
+    def answered(self) -> None:
+        self.done()
+        with self._arrivals._lock:
+            posts = self._arrivals._unanswered
+            posts[self._session_id] -= 1
+            if posts[self._session_id] <= 0:
+                del posts[self._session_id]
 
     def done(self) -> None:
         with self._arrivals._lock:
@@ -49,12 +60,22 @@ class Arrivals:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._count: Counter[str] = Counter()
+        self._count: Counter[str] = Counter()  # received, not yet queued
+        self._unanswered: Counter[str] = Counter()  # received, not yet answered
 
     def start(self, session_id: str) -> Arrival:
         with self._lock:
             self._count[session_id] += 1
+            self._unanswered[session_id] += 1
         return Arrival(self, session_id)
+
+    def unanswered(self, session_id: str | None = None) -> int:
+        """Sample POSTs of the session (default: of every session) received and not yet
+        answered, the caller's included."""
+        with self._lock:
+            if session_id is None:
+                return sum(self._unanswered.values())
+            return self._unanswered[session_id]
 
     def count(self, counts_for: Callable[[str], bool]) -> int:
         """Submissions in flight of the sessions `counts_for` accepts."""

@@ -152,12 +152,14 @@ class MetricsService:
         *,
         busy_seconds: Callable[[], dict[str, float]],
         held_polls: Callable[[], int],
+        unanswered_samples: Callable[[], int],
     ):
         self.repo = repo
         self.operations = operations
         self.queue_depth = queue_depth
         self.busy_seconds = busy_seconds
         self.held_polls = held_polls
+        self.unanswered_samples = unanswered_samples
 
     def render(self) -> str:
         """The whole exposition, one family after another, ending with a newline."""
@@ -244,8 +246,15 @@ class MetricsService:
         lines += _family(
             "posttrain_held_polls",
             "gauge",
-            "Operation GETs waiting for their operation to finish (poll_hold_seconds).",
+            "Operation GETs, and sample POSTs sent beside others of their session, waiting for"
+            " their operation to finish (poll_hold_seconds).",
             [f"posttrain_held_polls {self.held_polls()}"],
+        )
+        lines += _family(
+            "posttrain_sample_posts_unanswered",
+            "gauge",
+            "Sample POSTs received and not yet answered (held ones included).",
+            [f"posttrain_sample_posts_unanswered {self.unanswered_samples()}"],
         )
         lines += _family(
             "posttrain_sessions",

@@ -5,6 +5,7 @@ answered at once, held GETs cost no thread each, and a shutdown ends them cleanl
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import uuid
@@ -180,3 +181,72 @@ def test_held_gets_cost_no_thread_each_leave_other_requests_unblocked_and_end_at
         assert "Application shutdown complete" in proc.log()
     finally:
         proc.stop()
+
+
+def test_a_sample_post_sent_beside_another_of_its_session_answers_done(tmp_path):
+    """The SDK checks a POST's answer before it polls: a sample POST held until its operation
+    is done is never polled. A POST sent alone is answered at once (a loop that submits one by
+    one and collects later keeps submitting while its operations run)."""
+    proc = server_with_hold(tmp_path, 30.0)
+    try:
+        resources, session = open_session(proc.base_url)
+        with resources, session:
+            sid = session.session_id
+            url = f"/v1/rl/training-sessions/{sid}/operations/sample"
+            quick = {
+                "model_inputs": [{"chunks": [{"encoded_text": {"tokens": [3, 4, 5]}}]}],
+                "num_samples": 2,
+                "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 5},
+            }
+            body = json.dumps(quick).encode()
+
+            async def scenario() -> tuple[httpx.Response, httpx.Response]:
+                async with httpx.AsyncClient(
+                    base_url=proc.base_url, headers=HEADERS, timeout=60
+                ) as client:
+                    release = asyncio.Event()
+
+                    async def slow_body():  # a POST whose body is still arriving
+                        yield body[:10]
+                        await release.wait()
+                        yield body[10:]
+
+                    def key() -> dict[str, str]:
+                        return {"Idempotency-Key": str(uuid.uuid4())}
+
+                    slow = asyncio.create_task(client.post(url, content=slow_body(), headers=key()))
+                    for _ in range(3000):
+                        await asyncio.sleep(0.01)
+                        if await client_metric(client, "posttrain_sample_posts_unanswered") >= 1:
+                            break
+                    beside = await client.post(url, json=quick, headers=key())
+                    release.set()
+                    return beside, await slow
+
+            beside, alone = asyncio.run(scenario())
+            assert beside.status_code == 200 and alone.status_code == 200, beside.text
+            done = beside.json()
+            assert done["status"] == "TRAINING_OPERATION_STATUS_COMPLETED"
+            assert beside.headers["connection"] == "close"  # held, like a held GET
+            # What the POST answered is what a GET answers: the whole result.
+            with httpx.Client(base_url=proc.base_url, headers=HEADERS, timeout=60) as client:
+                polled = client.get(op_url(sid, "sample", done["id"]))
+                assert polled.json() == done
+                (result,) = done["output"]["results"]
+                assert [len(seq["tokens"]) for seq in result["sequences"]] == [6, 6]
+                # Answered at once: its operation had not run yet (nothing was held).
+                assert alone.json()["status"] in (
+                    "TRAINING_OPERATION_STATUS_PENDING",
+                    "TRAINING_OPERATION_STATUS_RUNNING",
+                )
+                assert alone.headers.get("connection") != "close"
+                assert metric(client, "posttrain_sample_posts_unanswered") == 0
+                assert metric(client, "posttrain_held_polls") == 0
+    finally:
+        proc.stop()
+
+
+async def client_metric(client: httpx.AsyncClient, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", (await client.get("/metrics")).text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))

@@ -4,12 +4,22 @@ The route turns the wire body (with any offloaded payload merged in, api.md 1.6)
 request and hands it to the service; the request fingerprint is taken over the inline body
 only, because retries resend the same inline body with the same payload_id (api.md 7.1).
 A replay of a known Idempotency-Key is answered before the body is validated or its payload
-loaded. The POST handler is synchronous, so FastAPI runs it (JSON decoding included) on a
-worker thread, never on the event loop.
+loaded. Every step that parses, reads the store or renders runs on a worker thread, never on
+the event loop.
 
 The GET of a PENDING or RUNNING operation is held until the operation finishes or
 `poll_hold_seconds` pass (service/completion.py): the SDK's first poll, sent right after the
 POST, then already carries the result, and the SDK never sleeps its 0.5 s poll interval.
+
+A sample POST sent while other sample POSTs of its session are unanswered is held the same way
+(service/arrivals.py counts them). The SDK checks the status a POST answers before it polls
+(`async_wait_for_operation`), so an operation answered done is never polled: a client that
+fans out one-sample operations (tinker-cookbook's RL loop, `Generator.sample_async` under
+asyncio.gather) sends one request per operation instead of two. Measured, 64 such operations
+cost the SDK 0.19 s of CPU instead of 0.55-0.77 s (docs/benchmarks.md). A POST sent alone is
+answered at once: a loop that submits operations one by one and collects them later (the
+tinker shim's synchronous `sample`, which blocks until its POST is answered) keeps submitting
+while they run, and their operations still share a pass.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from posttrain.api.schemas.outputs import OPERATION_REPLIES
 from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
 from posttrain.errors import InvalidRequest, NotFound, Unsupported
 from posttrain.service import Services
+from posttrain.service.completion import Waiter
 from posttrain.types import (
     OPERATION_TERMINAL,
     CheckpointRequest,
@@ -85,7 +96,7 @@ def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> Oper
 
 def submit(
     svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
-) -> Response:
+) -> OperationRecord:
     if not key:
         raise InvalidRequest(
             "the Idempotency-Key header is required on operation POSTs", param="Idempotency-Key"
@@ -97,9 +108,9 @@ def submit(
     ).hexdigest()
     replayed = svc.operations.replay(session_id, kind, key, fingerprint)
     if replayed is not None:
-        return rendered(replayed)
+        return replayed
     request = parsed(svc, session_id, kind, body)
-    record = svc.operations.submit(
+    return svc.operations.submit(
         user,
         session_id,
         kind,
@@ -108,7 +119,6 @@ def submit(
         request=request,
         body=raw,
     )
-    return rendered(record)
 
 
 def parsed(svc: Services, session_id: str, kind: OperationKind, body: dict[str, Any]):
@@ -133,38 +143,76 @@ def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest
 
 # April-era route (api.md 5.6), an alias of .../operations/sample (registered below, once
 # _poster is defined).
+async def answered_when_done(
+    svc: Services, look: Callable[[], OperationRecord], read: Callable[[str], OperationRecord]
+) -> Response:
+    """The operation `look` returns, answered once it finishes or the poll hold passes.
+
+    On one worker thread: `look`, then, for an operation not yet terminal, a watch on it and a
+    second `read`, so a completion in between is not missed (a terminal one is rendered in the
+    same trip). A woken request renders the record the completion handed over; `read` reads it
+    again after a hold that passed (or a shutdown)."""
+    hold = svc.config.poll_hold_seconds
+    loop = asyncio.get_running_loop()
+    watched: list[Waiter] = []
+
+    def first() -> tuple[OperationRecord, Response | None]:
+        op = look()
+        if op.status in OPERATION_TERMINAL or hold <= 0:
+            return op, rendered(op)
+        watched.append(svc.watch.watch(op.id, loop))
+        op = read(op.id)
+        return op, (rendered(op) if op.status in OPERATION_TERMINAL else None)
+
+    try:
+        op, response = await run_in_threadpool(first)
+        if response is not None:
+            return response
+        (waiter,) = watched
+        try:
+            await asyncio.wait_for(waiter.wait(), timeout=hold)
+        except TimeoutError:
+            pass  # the hold passed: answer the current status, the SDK polls again
+        done = waiter.record
+        response = await run_in_threadpool(rendered, done if done is not None else read(op.id))
+    finally:
+        for waiter in watched:
+            svc.watch.forget(waiter)
+    # A client with many operations in flight holds a connection per held request besides
+    # those of its other requests, and httpx's pool (the SDK's client) scans every idle
+    # connection on each request and response: measured, 64 concurrent one-sample SDK
+    # operations took 1.7-2.4 s with the connections kept and 0.5-0.7 s with held GETs closing
+    # theirs (docs/benchmarks.md). A new loopback connection costs well under a millisecond.
+    response.headers["Connection"] = "close"
+    return response
+
+
 async def held(
     svc: Services, user: str, session_id: str, kind: OperationKind, operation_id: str
 ) -> Response:
-    """The operation, answered once it finishes or the poll hold passes."""
+    """The GET of an operation, answered once it finishes or the poll hold passes."""
 
-    def read() -> OperationRecord:
-        return svc.operations.get(user, session_id, kind, operation_id)
+    def read(op_id: str) -> OperationRecord:
+        return svc.operations.get(user, session_id, kind, op_id)
 
-    hold = svc.config.poll_hold_seconds
-    was_held = False
-    # Registered before the first read: a completion between read and wait still wakes it.
-    done = svc.watch.watch(operation_id)
-    try:
-        op = await run_in_threadpool(read)
-        if op.status not in OPERATION_TERMINAL and hold > 0:
-            was_held = True
-            try:
-                await asyncio.wait_for(done.wait(), timeout=hold)
-            except TimeoutError:
-                pass  # the hold passed: answer the current status, the SDK polls again
-            op = await run_in_threadpool(read)
-    finally:
-        svc.watch.forget(operation_id, done)
-    response = await run_in_threadpool(rendered, op)
-    if was_held:
-        # A client with many operations in flight holds a connection per held GET besides
-        # those of its POSTs, and httpx's pool (the SDK's client) scans every idle connection
-        # on each request and response: measured, 64 concurrent one-sample SDK operations
-        # took 1.7-2.4 s with the connections kept and 0.5-0.7 s with held GETs closing theirs
-        # (docs/benchmarks.md). A new loopback connection costs well under a millisecond.
-        response.headers["Connection"] = "close"
-    return response
+    return await answered_when_done(svc, lambda: read(operation_id), read)
+
+
+async def posted(
+    svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
+) -> Response:
+    """The POST of an operation; a sample POST beside others of its session is held."""
+
+    def look() -> OperationRecord:
+        return submit(svc, user, session_id, kind, raw, key)
+
+    if kind == OperationKind.SAMPLE and svc.arrivals.unanswered(session_id) > 1:
+
+        def read(op_id: str) -> OperationRecord:
+            return svc.operations.get(user, session_id, kind, op_id)
+
+        return await answered_when_done(svc, look, read)
+    return await run_in_threadpool(lambda: rendered(look()))
 
 
 # The body model of each operation kind that takes one; the checkpoints take none.
@@ -177,8 +225,8 @@ BODIES: dict[OperationKind, type[BaseModel]] = {
 }
 
 
-def _poster(kind: OperationKind) -> Callable[..., Response]:
-    def create(
+def _poster(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
+    async def create(
         *,
         session_id: str,
         body: RawBodyDep,
@@ -186,7 +234,7 @@ def _poster(kind: OperationKind) -> Callable[..., Response]:
         svc: ServicesDep,
         user: UserDep,
     ) -> Response:
-        return submit(svc, user, session_id, kind, body, idempotency_key)
+        return await posted(svc, user, session_id, kind, body, idempotency_key)
 
     return create
 
@@ -235,7 +283,7 @@ _add_kind_routes()  # before the templated routes, which would match the same pa
 
 
 @router.post("/{session_id}/operations/{kind}", include_in_schema=False)
-def create_operation(
+async def create_operation(
     *,
     session_id: str,
     kind: str,
@@ -244,7 +292,7 @@ def create_operation(
     svc: ServicesDep,
     user: UserDep,
 ) -> Response:
-    return submit(svc, user, session_id, _kind(kind), body, idempotency_key)
+    return await posted(svc, user, session_id, _kind(kind), body, idempotency_key)
 
 
 @router.get("/{session_id}/operations/{kind}/{operation_id}", include_in_schema=False)

@@ -151,8 +151,9 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="S",
-        help="an operation GET waits up to S seconds for a pending or running operation to"
-        " finish before answering (10; 0 answers at once)",
+        help="an operation GET, or a sample POST sent beside others of its session, waits up"
+        " to S seconds for a pending or running operation to finish before answering (10; 0"
+        " answers at once)",
     )
     serve.add_argument(
         "--routed-experts-ttl-s",

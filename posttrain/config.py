@@ -331,8 +331,9 @@ class ServerConfig(BaseModel):
         10.0,
         ge=0,
         le=50,
-        description="how long an operation GET of a PENDING or RUNNING operation waits for it"
-        " to finish before answering the current status; 0 turns holding off",
+        description="how long an operation GET of a PENDING or RUNNING operation (or a sample"
+        " POST sent beside others of its session) waits for it to finish before answering the"
+        " current status; 0 turns holding off",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="engine settings")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="sample defaults")

@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -183,11 +184,13 @@ def test_held_gets_cost_no_thread_each_leave_other_requests_unblocked_and_end_at
         proc.stop()
 
 
-def test_a_sample_post_sent_beside_another_of_its_session_answers_done(tmp_path):
+@pytest.mark.parametrize("hold", [30.0, 0.0])
+def test_a_sample_post_sent_beside_another_of_its_session_answers_done(tmp_path, hold):
     """The SDK checks a POST's answer before it polls: a sample POST held until its operation
     is done is never polled. A POST sent alone is answered at once (a loop that submits one by
-    one and collects later keeps submitting while its operations run)."""
-    proc = server_with_hold(tmp_path, 30.0)
+    one and collects later keeps submitting while its operations run). A hold of 0 holds
+    nothing."""
+    proc = server_with_hold(tmp_path, hold)
     try:
         resources, session = open_session(proc.base_url)
         with resources, session:
@@ -219,6 +222,7 @@ def test_a_sample_post_sent_beside_another_of_its_session_answers_done(tmp_path)
                         await asyncio.sleep(0.01)
                         if await client_metric(client, "posttrain_sample_posts_unanswered") >= 1:
                             break
+                    assert await client_metric(client, "posttrain_sample_posts_unanswered") == 1
                     beside = await client.post(url, json=quick, headers=key())
                     release.set()
                     return beside, await slow
@@ -226,10 +230,22 @@ def test_a_sample_post_sent_beside_another_of_its_session_answers_done(tmp_path)
             beside, alone = asyncio.run(scenario())
             assert beside.status_code == 200 and alone.status_code == 200, beside.text
             done = beside.json()
-            assert done["status"] == "TRAINING_OPERATION_STATUS_COMPLETED"
-            assert beside.headers["connection"] == "close"  # held, like a held GET
-            # What the POST answered is what a GET answers: the whole result.
             with httpx.Client(base_url=proc.base_url, headers=HEADERS, timeout=60) as client:
+                if not hold:  # answered at once, as submitted
+                    assert done["status"] in (
+                        "TRAINING_OPERATION_STATUS_PENDING",
+                        "TRAINING_OPERATION_STATUS_RUNNING",
+                    )
+                    assert beside.headers.get("connection") != "close"
+                    for _ in range(600):  # unheld polls: the client polls until it is done
+                        done = client.get(op_url(sid, "sample", done["id"])).json()
+                        if done["status"] in TERMINAL:
+                            break
+                        time.sleep(0.05)
+                else:
+                    assert beside.headers["connection"] == "close"  # held, like a held GET
+                assert done["status"] == "TRAINING_OPERATION_STATUS_COMPLETED"
+                # What the POST answered is what a GET answers: the whole result.
                 polled = client.get(op_url(sid, "sample", done["id"]))
                 assert polled.json() == done
                 (result,) = done["output"]["results"]

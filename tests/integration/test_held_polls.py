@@ -266,3 +266,43 @@ async def client_metric(client: httpx.AsyncClient, name: str) -> float:
     match = re.search(rf"^{name} (\S+)$", (await client.get("/metrics")).text, re.M)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
+
+
+def test_sdk_samples_sent_together_return_what_each_returns_alone(tmp_path):
+    """tinker-cookbook's shape: one-sample operations under asyncio.gather. Those whose POSTs
+    were held return the result their POST answered; every one equals the same request run
+    alone."""
+    proc = server_with_hold(tmp_path, 30.0)
+    try:
+        resources, session = open_session(proc.base_url)
+        with resources, session:
+            prompt = {"chunks": [{"encoded_text": {"tokens": [3, 4, 5, 6]}}]}
+
+            def params(seed: int) -> dict:
+                return {"max_tokens": 8, "temperature": 1.0, "seed": seed}
+
+            async def together() -> list:
+                return await asyncio.gather(
+                    *(
+                        session.generator.sample_async(
+                            prompt, num_samples=1, sampling_params=params(seed)
+                        )
+                        for seed in range(8)
+                    )
+                )
+
+            gathered = asyncio.run(together())
+            alone = [
+                session.generator.sample(prompt, num_samples=1, sampling_params=params(seed))
+                for seed in range(8)
+            ]
+            for seed, (one, other) in enumerate(zip(gathered, alone, strict=True)):
+                assert [s.tokens for s in one.sequences] == [s.tokens for s in other.sequences]
+                for mine, theirs in zip(one.sequences, other.sequences, strict=True):
+                    assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5), seed
+            assert len({tuple(r.sequences[0].tokens) for r in gathered}) > 1  # seeds differ
+            sid = session.session_id
+        log = proc.log()
+        assert requests_of(log, "POST", sid, "sample") == 16
+    finally:
+        proc.stop()

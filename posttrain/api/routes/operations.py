@@ -16,7 +16,7 @@ A sample POST sent while other sample POSTs of its session are unanswered is hel
 (`async_wait_for_operation`), so an operation answered done is never polled: a client that
 fans out one-sample operations (tinker-cookbook's RL loop, `Generator.sample_async` under
 asyncio.gather) sends one request per operation instead of two. Measured, 64 such operations
-cost the SDK 0.19 s of CPU instead of 0.55-0.77 s (docs/benchmarks.md). A POST sent alone is
+cost the SDK 0.16 s of CPU instead of 0.43 s (docs/benchmarks.md). A POST sent alone is
 answered at once: a loop that submits operations one by one and collects them later (the
 tinker shim's synchronous `sample`, which blocks until its POST is answered) keeps submitting
 while they run, and their operations still share a pass.
@@ -141,8 +141,6 @@ def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest
     return parsed(svc, op.session_id, op.kind, loads_strict(raw))
 
 
-# April-era route (api.md 5.6), an alias of .../operations/sample (registered below, once
-# _poster is defined).
 async def answered_when_done(
     svc: Services, look: Callable[[], OperationRecord], read: Callable[[str], OperationRecord]
 ) -> Response:
@@ -174,7 +172,9 @@ async def answered_when_done(
         except TimeoutError:
             pass  # the hold passed: answer the current status, the SDK polls again
         done = waiter.record
-        response = await run_in_threadpool(rendered, done if done is not None else read(op.id))
+        response = await run_in_threadpool(
+            lambda: rendered(done if done is not None else read(op.id))
+        )
     finally:
         for waiter in watched:
             svc.watch.forget(waiter)
@@ -239,6 +239,7 @@ def _poster(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
     return create
 
 
+# April-era route (api.md 5.6), an alias of .../operations/sample.
 router.post(
     "/{session_id}:sample",
     name="sample_alias",

@@ -10,6 +10,7 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -27,6 +28,8 @@ from posttrain.types import (
     ResourceRecord,
     ResourceStatus,
 )
+
+log = logging.getLogger("posttrain.resources")
 
 # How long create waits for the model to load before answering CREATING.
 READY_WAIT_S = 30.0
@@ -63,6 +66,15 @@ class ResourceService:
         self.check_base_model(base_model)
         self.check_inactive_timeout(inactive_timeout)
         self.check_generator_replicas(num_generator_replicas)
+        if num_generator_replicas > 1 and self.config.engine.generators == "inline":
+            # Accepted and reported as asked (the SDK reads it back), but an inline generator
+            # is one, on the trainer: say so where the operator looks, not silently.
+            log.warning(
+                "compute_config.num_generator_replicas %d: this server runs one inline"
+                " generator per model resource; start it with --generators process for"
+                " replica processes that sample beside the trainer",
+                num_generator_replicas,
+            )
         now = time.time()
         record = ResourceRecord(
             id=new_id("mr"),

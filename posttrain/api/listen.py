@@ -21,7 +21,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port and listening; SO_REUSEADDR as uvicorn sets it, so a
     restart right after a crash can take the port back from connections in TIME_WAIT."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: accepted sockets inherit it, and asyncio turns Nagle's
+    # algorithm off (TCP_NODELAY) only on sockets whose proto says TCP. With proto 0 every
+    # response on a kept-alive connection (headers and body are two writes) waited for the
+    # client's delayed ACK: 44 ms per request against 0.25 ms (measured, GET /healthz).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -14,6 +14,7 @@ import sys
 import types
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -269,6 +270,21 @@ def zero3():
     engine.close()
 
 
+def assert_each_rank_holds_its_share(local, zero3, resource: str) -> tuple[Any, list[Any]]:
+    """Session "f": weights, optimizer state and gradients, each rank its own parameters' share
+    (whole parameters, so within one parameter of half), together exactly one process's (the
+    one-process session "f" of resource "r"). Returns both footprints."""
+    one = local.session_footprint("r", "f")
+    ranks = zero3.on_every_rank(resource, "session_footprint", "f")
+    named = local._session("r", "f")[1].optimizer.named_params
+    largest = max(p.numel() * p.element_size() for _, p in named)
+    for part in ("weights_bytes", "optimizer_bytes", "gradient_bytes"):
+        total = getattr(one, part)
+        assert sum(getattr(r, part) for r in ranks) == total > 0, part
+        assert all(getattr(r, part) <= total / 2 + 2 * largest for r in ranks), part
+    return one, ranks
+
+
 @pytest.mark.parametrize("scaling", [None, MuonScaling.MATCH_ADAM], ids=["adamw", "muon"])
 def test_zero3_ranks_train_what_one_process_does_holding_half_the_weights(
     zero3, tmp_path, scaling, monkeypatch
@@ -286,14 +302,7 @@ def test_zero3_ranks_train_what_one_process_does_holding_half_the_weights(
     # (whole parameters, so within one parameter of half), together exactly one process's.
     forward_backward(local, "r", "f", ONE)
     forward_backward(zero3, resource, "f", ONE)
-    one = local.session_footprint("r", "f")
-    ranks = zero3.on_every_rank(resource, "session_footprint", "f")
-    named = local._session("r", "f")[1].optimizer.named_params
-    largest = max(p.numel() * p.element_size() for _, p in named)
-    for part in ("weights_bytes", "optimizer_bytes", "gradient_bytes"):
-        total = getattr(one, part)
-        assert sum(getattr(r, part) for r in ranks) == total > 0, part
-        assert all(getattr(r, part) <= total / 2 + 2 * largest for r in ranks), part
+    one, ranks = assert_each_rank_holds_its_share(local, zero3, resource)
     # The generator's copy, which sampling uses, is rank 0's alone.
     assert [r.generator_bytes for r in ranks] == [one.generator_bytes, 0]
 
@@ -405,14 +414,7 @@ def test_zero3_custom_forward_backward_trains_what_one_process_does_holding_half
     one_sample = CustomForwardBackwardRequest(ONE.samples, ((0.5, -0.25, 1.0, 0.0, -1.0),))
     local.custom_forward_backward("r", "f", one_sample)
     zero3.custom_forward_backward("custom3", "f", one_sample)
-    one = local.session_footprint("r", "f")
-    ranks = zero3.on_every_rank("custom3", "session_footprint", "f")
-    named = local._session("r", "f")[1].optimizer.named_params
-    largest = max(p.numel() * p.element_size() for _, p in named)
-    for part in ("weights_bytes", "optimizer_bytes", "gradient_bytes"):
-        total = getattr(one, part)
-        assert sum(getattr(r, part) for r in ranks) == total > 0, part
-        assert all(getattr(r, part) <= total / 2 + 2 * largest for r in ranks), part
+    assert_each_rank_holds_its_share(local, zero3, "custom3")
     zero3.unload_resource("custom3")
 
 

@@ -218,11 +218,16 @@ def test_a_sample_post_sent_beside_another_of_its_session_answers_done(tmp_path,
                         return {"Idempotency-Key": str(uuid.uuid4())}
 
                     slow = asyncio.create_task(client.post(url, content=slow_body(), headers=key()))
+
+                    def unanswered() -> float:
+                        with httpx.Client(base_url=proc.base_url, headers=HEADERS) as probe:
+                            return metric(probe, "posttrain_sample_posts_unanswered")
+
                     for _ in range(3000):
                         await asyncio.sleep(0.01)
-                        if await client_metric(client, "posttrain_sample_posts_unanswered") >= 1:
+                        if await asyncio.to_thread(unanswered) >= 1:
                             break
-                    assert await client_metric(client, "posttrain_sample_posts_unanswered") == 1
+                    assert await asyncio.to_thread(unanswered) == 1
                     beside = await client.post(url, json=quick, headers=key())
                     release.set()
                     return beside, await slow
@@ -260,12 +265,6 @@ def test_a_sample_post_sent_beside_another_of_its_session_answers_done(tmp_path,
                 assert metric(client, "posttrain_held_polls") == 0
     finally:
         proc.stop()
-
-
-async def client_metric(client: httpx.AsyncClient, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", (await client.get("/metrics")).text, re.M)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
 
 
 def test_sdk_samples_sent_together_return_what_each_returns_alone(tmp_path):

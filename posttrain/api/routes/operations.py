@@ -142,14 +142,22 @@ def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest
 
 
 async def answered_when_done(
-    svc: Services, look: Callable[[], OperationRecord], read: Callable[[str], OperationRecord]
+    svc: Services,
+    user: str,
+    session_id: str,
+    kind: OperationKind,
+    look: Callable[[], OperationRecord],
 ) -> Response:
     """The operation `look` returns, answered once it finishes or the poll hold passes.
 
     On one worker thread: `look`, then, for an operation not yet terminal, a watch on it and a
-    second `read`, so a completion in between is not missed (a terminal one is rendered in the
-    same trip). A woken request renders the record the completion handed over; `read` reads it
-    again after a hold that passed (or a shutdown)."""
+    second read, so a completion in between is not missed (a terminal one is rendered in the
+    same trip). A woken request renders the record the completion handed over; one that was
+    not (a hold that passed, a shutdown) reads it again."""
+
+    def read(op_id: str) -> OperationRecord:
+        return svc.operations.get(user, session_id, kind, op_id)
+
     hold = svc.config.poll_hold_seconds
     loop = asyncio.get_running_loop()
     watched: list[Waiter] = []
@@ -192,10 +200,10 @@ async def held(
 ) -> Response:
     """The GET of an operation, answered once it finishes or the poll hold passes."""
 
-    def read(op_id: str) -> OperationRecord:
-        return svc.operations.get(user, session_id, kind, op_id)
+    def look() -> OperationRecord:
+        return svc.operations.get(user, session_id, kind, operation_id)
 
-    return await answered_when_done(svc, lambda: read(operation_id), read)
+    return await answered_when_done(svc, user, session_id, kind, look)
 
 
 async def posted(
@@ -207,11 +215,7 @@ async def posted(
         return submit(svc, user, session_id, kind, raw, key)
 
     if kind == OperationKind.SAMPLE and svc.arrivals.unanswered(session_id) > 1:
-
-        def read(op_id: str) -> OperationRecord:
-            return svc.operations.get(user, session_id, kind, op_id)
-
-        return await answered_when_done(svc, look, read)
+        return await answered_when_done(svc, user, session_id, kind, look)
     return await run_in_threadpool(lambda: rendered(look()))
 
 

@@ -147,13 +147,16 @@ async def answered_when_done(
     session_id: str,
     kind: OperationKind,
     look: Callable[[], OperationRecord],
+    known_id: str | None = None,
 ) -> Response:
     """The operation `look` returns, answered once it finishes or the poll hold passes.
 
-    On one worker thread: `look`, then, for an operation not yet terminal, a watch on it and a
-    second read, so a completion in between is not missed (a terminal one is rendered in the
-    same trip). A woken request renders the record the completion handed over; one that was
-    not (a hold that passed, a shutdown) reads it again."""
+    On one worker thread, the operation is watched before its status is read, so a completion
+    in between is not missed: when `known_id` names it (a GET), the watch comes first and
+    `look` is the one read; otherwise (a POST, whose id `look` makes) `look`, then for an
+    operation not yet terminal a watch and a second read. A terminal one is rendered in the
+    same trip. A woken request renders the record the completion handed over; one that was not
+    (a hold that passed, a shutdown) reads it again."""
 
     def read(op_id: str) -> OperationRecord:
         return svc.operations.get(user, session_id, kind, op_id)
@@ -163,11 +166,14 @@ async def answered_when_done(
     watched: list[Waiter] = []
 
     def first() -> tuple[OperationRecord, Response | None]:
+        if known_id is not None and hold > 0:
+            watched.append(svc.watch.watch(known_id, loop))
         op = look()
         if op.status in OPERATION_TERMINAL or hold <= 0:
             return op, rendered(op)
-        watched.append(svc.watch.watch(op.id, loop))
-        op = read(op.id)
+        if not watched:
+            watched.append(svc.watch.watch(op.id, loop))
+            op = read(op.id)
         return op, (rendered(op) if op.status in OPERATION_TERMINAL else None)
 
     try:
@@ -203,7 +209,7 @@ async def held(
     def look() -> OperationRecord:
         return svc.operations.get(user, session_id, kind, operation_id)
 
-    return await answered_when_done(svc, user, session_id, kind, look)
+    return await answered_when_done(svc, user, session_id, kind, look, known_id=operation_id)
 
 
 async def posted(

@@ -11,6 +11,7 @@ starts no real work.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 
@@ -177,7 +178,10 @@ def test_real_answers_of_an_sdk_loop_match_the_served_schema(server):
             json=body,
             headers={"Idempotency-Key": str(uuid.uuid4())},
         ).json()
-        for _ in range(600):
+        # Polls are not held here (--poll-hold-seconds 0) and answer in about a millisecond,
+        # so the wait paces itself: a count alone would bound it at a second or two, less
+        # than a loaded machine takes to run a sample.
+        for _ in range(2400):
             op = checked(
                 "GET",
                 f"{prefix}/operations/{kind}/{op['id']}",
@@ -185,6 +189,7 @@ def test_real_answers_of_an_sdk_loop_match_the_served_schema(server):
             ).json()
             if op["status"].endswith(("COMPLETED", "FAILED")):
                 break
+            time.sleep(0.05)
         assert op["status"] == "TRAINING_OPERATION_STATUS_COMPLETED", op
         outputs[kind] = op["output"]
     assert outputs["custom-forward-backward"] == {}

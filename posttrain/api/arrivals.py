@@ -28,11 +28,20 @@ class ArrivalsMiddleware:
             await self.app(scope, receive, send)
             return
         arrival = services.arrivals.start(match.group(1))  # type: ignore[union-attr]
+
+        async def answering(message: dict) -> None:
+            # Counted answered before the answer's last bytes leave, not after: a client that
+            # sends its next sample POST as soon as this one is answered (the tinker shim's
+            # synchronous sample) must not find this one still unanswered and be held.
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                arrival.answered()
+            await send(message)
+
         # Seen by the handler's worker thread (the context is copied there): the scheduler
         # ends the arrival once the operation is queued.
         reset = CURRENT_ARRIVAL.set(arrival)
         try:
-            await self.app(scope, receive, send)
-        finally:
+            await self.app(scope, receive, answering)
+        finally:  # a request that ended without an answer (a dropped connection)
             arrival.answered()
             CURRENT_ARRIVAL.reset(reset)

@@ -23,17 +23,21 @@ from contextvars import ContextVar
 
 
 class Arrival:
-    """One sample submission being received; `done()` (idempotent) once it is queued, or once
-    its request ended without queueing; `answered()` (once) when its request has ended."""
+    """One sample submission being received; `done()` once it is queued, or once its request
+    ended without queueing; `answered()` as its answer leaves. Both are idempotent."""
 
     def __init__(self, arrivals: Arrivals, session_id: str) -> None:
         self._arrivals = arrivals
         self._session_id = session_id
         self._done = False
+        self._answered = False
 
     def answered(self) -> None:
         self.done()
         with self._arrivals._lock:
+            if self._answered:
+                return
+            self._answered = True
             posts = self._arrivals._unanswered
             posts[self._session_id] -= 1
             if posts[self._session_id] <= 0:

@@ -35,23 +35,23 @@ class Arrival:
     def answered(self) -> None:
         self.done()
         with self._arrivals._lock:
-            if self._answered:
-                return
-            self._answered = True
-            posts = self._arrivals._unanswered
-            posts[self._session_id] -= 1
-            if posts[self._session_id] <= 0:
-                del posts[self._session_id]
+            if not self._answered:
+                self._answered = True
+                _decrement(self._arrivals._unanswered, self._session_id)
 
     def done(self) -> None:
         with self._arrivals._lock:
-            if self._done:
-                return
-            self._done = True
-            count = self._arrivals._count
-            count[self._session_id] -= 1
-            if count[self._session_id] <= 0:
-                del count[self._session_id]
+            if not self._done:
+                self._done = True
+                _decrement(self._arrivals._count, self._session_id)
+
+
+def _decrement(counts: Counter[str], session_id: str) -> None:
+    """One fewer for the session; a session at zero leaves the counter, so sums and lookups
+    stay over the sessions that have requests in flight. Caller holds the lock."""
+    counts[session_id] -= 1
+    if counts[session_id] <= 0:
+        del counts[session_id]
 
 
 # The arrival of the request being handled: the API sets it, the scheduler ends it as soon as

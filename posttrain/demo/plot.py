@@ -1,9 +1,12 @@
-"""Line charts written straight to PNG with zlib and struct: no plotting dependency.
+"""Charts described as data (Figure, Panel, Series) and drawn straight to PNG with zlib and
+struct: no plotting dependency.
 
-The demo's plot needs a few line charts with titles and tick labels, nothing more. Drawing them
-on an RGB pixel buffer with a built-in 5x7 bitmap font keeps the `examples` extra free of
-matplotlib (and its compiled dependencies), works offline, and writes the same bytes for the
-same numbers. Lower-case letters render as capitals.
+The demo's plot needs a few line and point charts with titles, axis titles and tick labels,
+nothing more. Drawing them on an RGB pixel buffer with a built-in 5x7 bitmap font keeps the
+`examples` extra free of matplotlib (and its compiled dependencies), works offline, and writes
+the same bytes for the same numbers. Lower-case letters render as capitals. The Figure is
+what a test inspects (panel order, axis titles, x ranges, which series are points); `render`
+is the only code that knows pixels.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 Color = tuple[int, int, int]
@@ -127,6 +130,24 @@ class Canvas:
                             color,
                         )
 
+    def text_up(self, x: int, y: int, text: str, color: Color = BLACK) -> None:
+        """Text turned 90 degrees counter-clockwise, read bottom to top, starting at (x, y)
+        (its baseline runs up the column x + GLYPH_H)."""
+        for index, char in enumerate(text.upper()):
+            rows = FONT.get(char, FONT["?"])
+            bottom = y - index * (GLYPH_W + 1)
+            for row, bits in enumerate(rows):
+                for col in range(GLYPH_W):
+                    if bits & (1 << (GLYPH_W - 1 - col)):
+                        self.dot(x + row, bottom - col, color)
+
+    def disc(self, cx: float, cy: float, radius: int, color: Color) -> None:
+        x0, y0 = round(cx), round(cy)
+        for dy in range(-radius, radius + 1):
+            for dx in range(-radius, radius + 1):
+                if dx * dx + dy * dy <= radius * radius + radius:
+                    self.dot(x0 + dx, y0 + dy, color)
+
     def png(self) -> bytes:
         return encode_png(self.width, self.height, bytes(self.pixels))
 
@@ -177,15 +198,21 @@ def format_tick(value: float, decimals: int) -> str:
 
 @dataclass(frozen=True)
 class Series:
+    """One data series. `is_points` draws a marker per value and no connecting line (a value
+    measured a few times, not a trend); `point_labels`, one per point, are written above them."""
+
     label: str
     xs: Sequence[float]
     ys: Sequence[float]
     color: Color
     is_points: bool = False
+    point_labels: Sequence[str] = ()
 
 
 def nice_range(values: Sequence[float]) -> tuple[float, float]:
     """A y-range with a little headroom; a flat series gets a unit-wide band."""
+    if not values:
+        return 0.0, 1.0
     low, high = min(values), max(values)
     if math.isclose(low, high):
         return low - 0.5, high + 0.5
@@ -193,56 +220,138 @@ def nice_range(values: Sequence[float]) -> tuple[float, float]:
     return low - pad, high + pad
 
 
-def line_chart(
-    canvas: Canvas,
-    box: tuple[int, int, int, int],
-    title: str,
-    series: Sequence[Series],
-    *,
-    y_range: tuple[float, float] | None = None,
-) -> None:
-    """Draw `series` into box = (left, top, right, bottom): title, grid, ticks, lines, legend."""
-    left, top, right, bottom = box
-    canvas.text(left, top, title, BLACK, scale=2)
-    plot_left, plot_top, plot_right, plot_bottom = left + 64, top + 40, right - 10, bottom - 28
-    points = [(x, y) for s in series for x, y in zip(s.xs, s.ys, strict=True)]
-    if not points:
-        canvas.text(plot_left, plot_top + 20, "no data", AXIS, scale=2)
-        return
-    x_low, x_high = min(p[0] for p in points), max(p[0] for p in points)
-    if x_low == x_high:
-        x_low, x_high = x_low - 1, x_high + 1
-    y_low, y_high = y_range or nice_range([p[1] for p in points])
+@dataclass(frozen=True)
+class Panel:
+    """One chart: title, axis titles, series. `x_ticks` names positions (categories such as
+    checkpoints); without it the x axis counts steps and labels whole numbers."""
 
-    def to_px(x: float, y: float) -> tuple[float, float]:
-        px = plot_left + (x - x_low) / (x_high - x_low) * (plot_right - plot_left)
-        py = plot_bottom - (y - y_low) / (y_high - y_low) * (plot_bottom - plot_top)
-        return px, py
+    title: str
+    x_label: str
+    y_label: str
+    series: Sequence[Series]
+    y_range: tuple[float, float] | None = None
+    x_ticks: Sequence[tuple[float, str]] = ()
+
+    def x_limits(self) -> tuple[float, float]:
+        if self.x_ticks:
+            positions = [x for x, _ in self.x_ticks]
+            return min(positions) - 0.5, max(positions) + 0.5
+        xs = [x for s in self.series for x in s.xs]
+        if not xs:
+            return 0.0, 1.0
+        low, high = min(xs), max(xs)
+        return (low - 1, high + 1) if low == high else (low, high)
+
+    def y_limits(self) -> tuple[float, float]:
+        return self.y_range or nice_range([y for s in self.series for y in s.ys])
+
+
+@dataclass(frozen=True)
+class Figure:
+    """Panels in rows, read left to right then top to bottom, under a title and a subtitle."""
+
+    title: str
+    subtitle: str
+    rows: Sequence[Sequence[Panel]]
+    width: int
+    height: int
+
+    @property
+    def panels(self) -> list[Panel]:
+        return [panel for row in self.rows for panel in row]
+
+
+# Margins inside a panel's box, in pixels: room for the y-axis title and tick labels on the
+# left, the x tick labels and x-axis title below.
+PLOT_LEFT, PLOT_RIGHT, PLOT_BOTTOM = 78, 14, 40
+HEADER_H = 62
+MIN_TICK_GAP = 28
+
+
+def render(figure: Figure) -> bytes:
+    """The figure as PNG bytes."""
+    canvas = Canvas(figure.width, figure.height)
+    canvas.text(20, 12, figure.title, scale=2)
+    canvas.text(20, 36, figure.subtitle, BLACK)
+    row_h = (figure.height - HEADER_H) // len(figure.rows)
+    for r, row in enumerate(figure.rows):
+        col_w = figure.width // len(row)
+        top = HEADER_H + r * row_h
+        for c, panel in enumerate(row):
+            draw_panel(canvas, (c * col_w + 10, top, (c + 1) * col_w - 10, top + row_h - 12), panel)
+    return canvas.png()
+
+
+def draw_legend(canvas: Canvas, left: int, top: int, right: int, series: Sequence[Series]) -> int:
+    """Legend entries, wrapped to the box; returns the y below the last line."""
+    x, y = left, top
+    for s in series:
+        width = 20 + text_width(s.label) + 22
+        if x + width > right and x > left:
+            x, y = left, y + 12
+        if s.is_points:
+            canvas.disc(x + 7, y + 3, 3, s.color)
+        else:
+            canvas.fill(x, y + 2, x + 14, y + 5, s.color)
+        canvas.text(x + 20, y, s.label, BLACK)
+        x += width
+    return y + 12
+
+
+def step_ticks(x_low: float, x_high: float, to_px: Callable[[float], float]) -> list[float]:
+    """Whole-number ticks including the first step, none closer than MIN_TICK_GAP pixels."""
+    values, _ = ticks(x_low, x_high, num_ticks=6)
+    candidates = sorted({round(v) for v in values if math.isclose(v, round(v))})
+    if math.isclose(x_low, round(x_low)):
+        candidates = [round(x_low), *(v for v in candidates if v != round(x_low))]
+    kept: list[float] = []
+    for value in candidates:
+        if all(abs(to_px(value) - to_px(k)) >= MIN_TICK_GAP for k in kept):
+            kept.append(value)
+    return kept
+
+
+def draw_panel(canvas: Canvas, box: tuple[int, int, int, int], panel: Panel) -> None:
+    """Title, legend, grid, ticks, axis titles and series of one panel in box (l, t, r, b)."""
+    left, top, right, bottom = box
+    canvas.text(left, top, panel.title, BLACK, scale=2)
+    plot_left, plot_right, plot_bottom = left + PLOT_LEFT, right - PLOT_RIGHT, bottom - PLOT_BOTTOM
+    plot_top = draw_legend(canvas, plot_left, top + 22, right, panel.series) + 8
+    x_low, x_high = panel.x_limits()
+    y_low, y_high = panel.y_limits()
+
+    def px(x: float) -> float:
+        return plot_left + (x - x_low) / (x_high - x_low) * (plot_right - plot_left)
+
+    def py(y: float) -> float:
+        return plot_bottom - (y - y_low) / (y_high - y_low) * (plot_bottom - plot_top)
 
     y_ticks, decimals = ticks(y_low, y_high, num_ticks=5)
     for value in y_ticks:
-        _, py = to_px(x_low, value)
-        canvas.line(plot_left, py, plot_right, py, GRID)
+        canvas.line(plot_left, py(value), plot_right, py(value), GRID)
         label = format_tick(value, decimals)
-        canvas.text(plot_left - 8 - text_width(label), round(py) - 3, label, AXIS)
-    x_ticks, _ = ticks(x_low, x_high, num_ticks=6)
-    for value in x_ticks:
-        if not math.isclose(value, round(value)):
-            continue  # x is a step number: label whole steps only
-        px, _ = to_px(value, y_low)
-        label = format_tick(value, 0)
-        canvas.text(round(px) - text_width(label) // 2, plot_bottom + 8, label, AXIS)
+        canvas.text(plot_left - 8 - text_width(label), round(py(value)) - 3, label, AXIS)
+    x_ticks = panel.x_ticks or [(v, format_tick(v, 0)) for v in step_ticks(x_low, x_high, px)]
+    for value, label in x_ticks:
+        canvas.line(px(value), plot_bottom, px(value), plot_bottom + 4, AXIS)
+        canvas.text(round(px(value)) - text_width(label) // 2, plot_bottom + 8, label, AXIS)
     canvas.line(plot_left, plot_top, plot_left, plot_bottom, AXIS)
     canvas.line(plot_left, plot_bottom, plot_right, plot_bottom, AXIS)
-    for s in series:
-        pixels = [to_px(x, y) for x, y in zip(s.xs, s.ys, strict=True)]
-        if s.is_points:
-            for px, py in pixels:
-                canvas.fill(round(px) - 4, round(py) - 4, round(px) + 5, round(py) + 5, s.color)
-        for (ax, ay), (bx, by) in zip(pixels, pixels[1:], strict=False):
-            canvas.line(ax, ay, bx, by, s.color, width=1 if s.is_points else 2)
-    legend_x = plot_left
-    for s in series:
-        canvas.fill(legend_x, top + 24, legend_x + 14, top + 30, s.color)
-        canvas.text(legend_x + 20, top + 24, s.label, BLACK)
-        legend_x += 20 + text_width(s.label) + 24
+    middle = (plot_left + plot_right) // 2
+    canvas.text(middle - text_width(panel.x_label) // 2, plot_bottom + 24, panel.x_label, BLACK)
+    y_middle = (plot_top + plot_bottom) // 2
+    canvas.text_up(left, y_middle + text_width(panel.y_label) // 2, panel.y_label, BLACK)
+    if not any(s.xs for s in panel.series):
+        canvas.text(plot_left + 20, plot_top + 20, "no data", AXIS, scale=2)
+    for s in panel.series:
+        pixels = [(px(x), py(y)) for x, y in zip(s.xs, s.ys, strict=True)]
+        if not s.is_points:
+            for (ax, ay), (bx, by) in zip(pixels, pixels[1:], strict=False):
+                canvas.line(ax, ay, bx, by, s.color, width=2)
+            continue
+        for index, (x, y) in enumerate(pixels):
+            canvas.disc(x, y, 5, s.color)
+            if index < len(s.point_labels):
+                label = s.point_labels[index]
+                label_y = round(y) - 26 if y - 26 > plot_top else round(y) + 12
+                canvas.text(round(x) - text_width(label, 2) // 2, label_y, label, s.color, scale=2)

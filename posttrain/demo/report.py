@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+from dataclasses import fields
 from pathlib import Path
 
-from posttrain.demo.loop import DemoResult
-from posttrain.demo.plot import BLUE, GREEN, ORANGE, PURPLE, RED, Canvas, Series, line_chart
+from posttrain.demo.loop import DemoConfig, DemoResult, StepRecord
+from posttrain.demo.plot import (
+    BLUE,
+    GREEN,
+    ORANGE,
+    PURPLE,
+    Color,
+    Figure,
+    Panel,
+    Series,
+    render,
+)
 
-PLOT_WIDTH, PLOT_HEIGHT = 1000, 680
+PLOT_WIDTH, PLOT_HEIGHT = 1000, 720
+LIGHT_BLUE: Color = (158, 196, 228)
+LIGHT_PURPLE: Color = (206, 188, 226)
+WARMUP_WINDOW, RL_WINDOW = 10, 5
+# The examples' prompt text, as loop.heldout_accuracy writes it.
+PROMPT = re.compile(r"(?P<a>\d+)\+(?P<b>\d+)=")
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -19,57 +37,101 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def render_plot(result: DemoResult) -> bytes:
-    """Four panels: RL reward (with held-out accuracy), RL loss, KL, warm-up loss."""
+def percent(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def demo_figure(result: DemoResult) -> Figure:
+    """Four panels in time order: the warm-up's loss, GRPO's reward and KL, then the held-out
+    accuracy at its three checkpoints. Each phase numbers its steps from 1, as its loop does.
+
+    The GRPO loss is not charted: with group-centred advantages it sums to about 0 on-policy
+    whatever the policy learns, so its curve is noise; the KL from the warm-up policy says how
+    far GRPO moved."""
     warmup = [r for r in result.steps if r.phase == "warmup"]
     rl = [r for r in result.steps if r.phase == "rl"]
-    canvas = Canvas(PLOT_WIDTH, PLOT_HEIGHT)
-    headline = (
-        f"posttrain demo: held-out accuracy {100 * result.accuracy_base:.1f}% (base) -> "
-        f"{100 * result.accuracy_warmup:.1f}% (warm-up) -> {100 * result.accuracy_rl:.1f}% (RL)"
-    )
-    canvas.text(20, 14, headline, scale=2)
-    half_w, top, half_h = PLOT_WIDTH // 2, 50, (PLOT_HEIGHT - 50) // 2
-    rl_x = [r.step for r in rl]
+    warmup_x = list(range(1, len(warmup) + 1))
+    rl_x = list(range(1, len(rl) + 1))
+    losses = [r.loss for r in warmup]
     rewards = [r.reward or 0.0 for r in rl]
-    accuracy_x = [rl_x[0] - 1, rl_x[-1]] if rl_x else []
-    line_chart(
-        canvas,
-        (10, top, half_w - 10, top + half_h - 10),
-        "reward per RL step",
+    kl = [(x, r.kl) for x, r in zip(rl_x, rl, strict=True) if r.kl is not None]
+    accuracies = [result.accuracy_base, result.accuracy_warmup, result.accuracy_rl]
+    config = result.config
+    warmup_panel = Panel(
+        "Warm-up: cross-entropy loss",
+        "warm-up step",
+        "loss per answer token",
         [
-            Series("mean reward", rl_x, rewards, BLUE),
-            Series("avg of 5", rl_x, moving_average(rewards, 5), ORANGE),
+            Series("loss", warmup_x, losses, LIGHT_BLUE),
             Series(
-                "held-out acc",
-                accuracy_x,
-                [result.accuracy_warmup, result.accuracy_rl][: len(accuracy_x)],
-                GREEN,
-                is_points=True,
+                f"{WARMUP_WINDOW}-step average",
+                warmup_x,
+                moving_average(losses, WARMUP_WINDOW),
+                BLUE,
             ),
         ],
-        y_range=(0.0, max([0.1, *rewards, result.accuracy_rl]) * 1.1),
     )
-    line_chart(
-        canvas,
-        (half_w + 10, top, PLOT_WIDTH - 10, top + half_h - 10),
-        "GRPO loss per RL step",
-        [Series("loss (about 0 on-policy: advantages sum to 0)", rl_x, [r.loss for r in rl], RED)],
+    reward_panel = Panel(
+        "GRPO: reward",
+        "GRPO step",
+        "mean reward (share correct)",
+        [
+            Series(
+                f"reward ({config.group_size} samples x {config.prompts_per_step} prompts)",
+                rl_x,
+                rewards,
+                LIGHT_BLUE,
+            ),
+            Series(f"{RL_WINDOW}-step average", rl_x, moving_average(rewards, RL_WINDOW), ORANGE),
+        ],
+        y_range=(0.0, 1.0),
     )
-    line_chart(
-        canvas,
-        (10, top + half_h, half_w - 10, PLOT_HEIGHT - 10),
-        "warm-up loss per answer token",
-        [Series("cross-entropy", [r.step for r in warmup], [r.loss for r in warmup], BLUE)],
+    kl_panel = Panel(
+        "GRPO: KL from the warm-up policy",
+        "GRPO step",
+        "KL per token (k3)",
+        [
+            Series("KL", [x for x, _ in kl], [k for _, k in kl], LIGHT_PURPLE),
+            Series(
+                f"{RL_WINDOW}-step average",
+                [x for x, _ in kl],
+                moving_average([k for _, k in kl], RL_WINDOW),
+                PURPLE,
+            ),
+        ],
     )
-    kl = [(r.step, r.kl) for r in rl if r.kl is not None]
-    line_chart(
-        canvas,
-        (half_w + 10, top + half_h, PLOT_WIDTH - 10, PLOT_HEIGHT - 10),
-        "KL to warm-up policy per RL step",
-        [Series("kl (k3)", [s for s, _ in kl], [k for _, k in kl], PURPLE)],
+    accuracy_panel = Panel(
+        "Held-out accuracy",
+        f"checkpoint (greedy, {config.num_heldout} unseen problems)",
+        "accuracy (%)",
+        [
+            Series(
+                "exact answers",
+                [0, 1, 2],
+                [100 * a for a in accuracies],
+                GREEN,
+                is_points=True,
+                point_labels=[percent(a) for a in accuracies],
+            ),
+        ],
+        y_range=(0.0, 100.0),
+        x_ticks=((0, "base"), (1, "after warm-up"), (2, "after GRPO")),
     )
-    return canvas.png()
+    return Figure(
+        title=f"posttrain demo: {config.base_model} learns two-digit addition",
+        subtitle=(
+            f"{len(warmup)} warm-up steps, then {len(rl)} GRPO steps. held-out accuracy "
+            f"{percent(result.accuracy_base)} (base) -> {percent(result.accuracy_warmup)} "
+            f"(warm-up) -> {percent(result.accuracy_rl)} (GRPO). seed {config.seed}"
+        ),
+        rows=[[warmup_panel, reward_panel], [kl_panel, accuracy_panel]],
+        width=PLOT_WIDTH,
+        height=PLOT_HEIGHT,
+    )
+
+
+def render_plot(result: DemoResult) -> bytes:
+    return render(demo_figure(result))
 
 
 def write_outputs(result: DemoResult, out_dir: Path) -> dict[str, Path]:
@@ -84,6 +146,16 @@ def write_outputs(result: DemoResult, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def marked_example(example: dict[str, str]) -> str:
+    """`12+34=46`, or `12+34=47 ✗ (46)` for a wrong answer, with the expected sum."""
+    shown = f"{example['prompt']}{example['completion']}"
+    match = PROMPT.fullmatch(example["prompt"])
+    if match is None:
+        return shown
+    expected = str(int(match["a"]) + int(match["b"]))
+    return shown if example["completion"] == expected else f"{shown} ✗ ({expected})"
+
+
 def closing_text(result: DemoResult, paths: dict[str, Path]) -> str:
     gain = 100 * (result.accuracy_rl - result.accuracy_warmup)
     lines = [
@@ -93,10 +165,49 @@ def closing_text(result: DemoResult, paths: dict[str, Path]) -> str:
         f"  after warm-up     {100 * result.accuracy_warmup:5.1f}%",
         f"  after GRPO        {100 * result.accuracy_rl:5.1f}%   ({gain:+.1f} points from RL)",
         f"finished in {result.seconds:.0f}s",
-        "examples after RL: "
-        + ", ".join(f"{e['prompt']}{e['completion']}" for e in result.examples[:6]),
+        "examples after RL (✗: wrong, the right sum in brackets): "
+        + ", ".join(marked_example(e) for e in result.examples[:6]),
         f"plot      {paths['plot']}",
         f"step log  {paths['steps']}",
         f"summary   {paths['summary']}",
     ]
     return "\n".join(lines)
+
+
+def load_result(out_dir: Path) -> DemoResult:
+    """The DemoResult a finished run left in out_dir (steps.jsonl, summary.json), so the plot
+    can be drawn again without training. Fields a newer or older run wrote and this code does
+    not know are ignored; missing ones take their defaults."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    config_fields = {f.name for f in fields(DemoConfig)}
+    config = DemoConfig(**{k: v for k, v in summary["config"].items() if k in config_fields})
+    step_fields = {f.name for f in fields(StepRecord)}
+    steps = [
+        StepRecord(**{k: v for k, v in json.loads(line).items() if k in step_fields})
+        for line in (out_dir / "steps.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    accuracy = summary["heldout_accuracy"]
+    return DemoResult(
+        config=config,
+        accuracy_base=accuracy["base"],
+        accuracy_warmup=accuracy["after_warmup"],
+        accuracy_rl=accuracy["after_rl"],
+        steps=steps,
+        seconds=summary.get("seconds", 0.0),
+        examples=summary.get("examples", []),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m posttrain.demo.report DIR`: redraw DIR/demo.png from DIR's logs."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out_dir", type=Path, help="a demo's --out folder")
+    args = parser.parse_args(argv)
+    path = args.out_dir / "demo.png"
+    path.write_bytes(render_plot(load_result(args.out_dir)))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,27 @@
-"""The demo's hand-written PNG: a valid file whose pixels are what was drawn."""
+"""The demo's plot: a Figure whose panels read in time order with titled axes, steps numbered
+per phase from 1 and accuracy as labelled points; and the hand-written PNG it renders to, a valid
+file whose pixels are what was drawn."""
 
 from __future__ import annotations
 
 import struct
 import zlib
+from pathlib import Path
 
-from posttrain.demo.loop import DemoConfig, DemoResult, StepRecord
-from posttrain.demo.plot import FONT, GLYPH_H, GLYPH_W, Canvas, encode_png, ticks
-from posttrain.demo.report import PLOT_HEIGHT, PLOT_WIDTH, render_plot
+import pytest
+
+from posttrain.demo.loop import DemoConfig, DemoResult, StepLog, StepRecord
+from posttrain.demo.plot import FONT, GLYPH_H, GLYPH_W, Canvas, encode_png, step_ticks, ticks
+from posttrain.demo.report import (
+    PLOT_HEIGHT,
+    PLOT_WIDTH,
+    demo_figure,
+    load_result,
+    main,
+    marked_example,
+    render_plot,
+    write_outputs,
+)
 
 
 def decode_png(data: bytes) -> tuple[int, int, bytes]:
@@ -62,13 +76,119 @@ def test_ticks_are_round_numbers_covering_the_range():
     assert len(values) == 5 and decimals == 3
 
 
-def test_demo_plot_has_the_expected_size():
-    steps = [StepRecord("warmup", i + 1, 1.0 - 0.01 * i, 0.1, 10, 100.0) for i in range(5)]
+def test_text_up_turns_glyphs_a_quarter_counter_clockwise():
+    canvas = Canvas(20, 20)
+    canvas.text_up(3, 15, "7", (0, 0, 255))
+    _, _, rgb = decode_png(canvas.png())
+    for row, bits in enumerate(FONT["7"]):
+        for col in range(GLYPH_W):
+            x, y = 3 + row, 15 - col
+            lit = rgb[3 * (y * 20 + x) : 3 * (y * 20 + x) + 3] == bytes((0, 0, 255))
+            assert lit == bool(bits & (1 << (GLYPH_W - 1 - col))), (row, col)
+
+
+def test_step_ticks_label_the_first_step_and_round_ones_apart():
+    def to_px(x: float) -> float:
+        return 400 * (x - 1) / (210 - 1)
+
+    assert step_ticks(1, 210, to_px) == [1, 50, 100, 150, 200]
+    # 90 steps over 400 px: 1 and 20 are 84 px apart; steps 1..3 label every step.
+    assert step_ticks(1, 90, lambda x: 400 * (x - 1) / 89) == [1, 20, 40, 60, 80]
+    assert step_ticks(1, 3, lambda x: 200 * (x - 1) / 2) == [1, 2, 3]
+
+
+NUM_WARMUP, NUM_RL = 6, 5
+
+
+def demo_result() -> DemoResult:
+    """A run as loop.py logs it: warm-up steps 1..6, then GRPO steps counted on (7..11)."""
+    steps = [StepRecord("warmup", i + 1, 1.0 - 0.01 * i, 0.1, 10, 100.0) for i in range(NUM_WARMUP)]
     steps += [
-        StepRecord("rl", 6 + i, 0.001 * i, 0.1, 10, 100.0, reward=0.1 * i, kl=0.01 * i)
-        for i in range(5)
+        StepRecord("rl", NUM_WARMUP + 1 + i, 0.001 * i, 0.1, 10, 100.0, reward=0.1 * i, kl=0.01 * i)
+        for i in range(NUM_RL)
     ]
-    result = DemoResult(DemoConfig(), 0.01, 0.1, 0.4, steps, 12.0)
-    width, height, rgb = decode_png(render_plot(result))
+    examples = [{"prompt": "12+34=", "completion": "46"}, {"prompt": "7+8=", "completion": "16"}]
+    return DemoResult(DemoConfig(num_heldout=50), 0.01, 0.1, 0.4, steps, 12.0, examples)
+
+
+def test_panels_run_in_time_order_with_titled_axes():
+    figure = demo_figure(demo_result())
+    titles = [p.title for p in figure.panels]
+    assert titles == [
+        "Warm-up: cross-entropy loss",
+        "GRPO: reward",
+        "GRPO: KL from the warm-up policy",
+        "Held-out accuracy",
+    ]
+    assert [p.x_label for p in figure.panels] == [
+        "warm-up step",
+        "GRPO step",
+        "GRPO step",
+        "checkpoint (greedy, 50 unseen problems)",
+    ]
+    assert [p.y_label for p in figure.panels] == [
+        "loss per answer token",
+        "mean reward (share correct)",
+        "KL per token (k3)",
+        "accuracy (%)",
+    ]
+    assert "1.0% (base) -> 10.0% (warm-up) -> 40.0% (GRPO)" in figure.subtitle
+
+
+def test_each_phase_numbers_its_steps_from_one():
+    warmup, reward, kl, _ = demo_figure(demo_result()).panels
+    assert warmup.x_limits() == (1, NUM_WARMUP)
+    assert list(warmup.series[0].xs) == list(range(1, NUM_WARMUP + 1))
+    assert warmup.series[0].ys == pytest.approx([1.0 - 0.01 * i for i in range(NUM_WARMUP)])
+    # The log counts GRPO steps on from the warm-up (7..11); the plot counts them from 1.
+    for panel in (reward, kl):
+        assert panel.x_limits() == (1, NUM_RL)
+        assert list(panel.series[0].xs) == list(range(1, NUM_RL + 1))
+    assert reward.series[0].ys == pytest.approx([0.1 * i for i in range(NUM_RL)])
+    assert reward.y_limits() == (0.0, 1.0)
+    assert kl.series[0].ys == pytest.approx([0.01 * i for i in range(NUM_RL)])
+
+
+def test_heldout_accuracy_is_three_labelled_points_and_no_grpo_loss_is_charted():
+    figure = demo_figure(demo_result())
+    accuracy = figure.panels[-1]
+    (points,) = accuracy.series
+    assert points.is_points
+    assert list(points.ys) == pytest.approx([1.0, 10.0, 40.0])
+    assert list(points.point_labels) == ["1.0%", "10.0%", "40.0%"]
+    assert [label for _, label in accuracy.x_ticks] == ["base", "after warm-up", "after GRPO"]
+    assert accuracy.y_limits() == (0.0, 100.0)
+    # Every other series is a line, and none is the GRPO loss (about 0: noise).
+    lines = [s for p in figure.panels[:-1] for s in p.series]
+    assert not any(s.is_points for s in lines)
+    rl_losses = [0.001 * i for i in range(NUM_RL)]
+    assert all(list(s.ys) != pytest.approx(rl_losses) for s in lines)
+
+
+def test_demo_plot_renders_at_its_size():
+    width, height, rgb = decode_png(render_plot(demo_result()))
     assert (width, height) == (PLOT_WIDTH, PLOT_HEIGHT)
     assert len(set(rgb[i : i + 3] for i in range(0, len(rgb), 3))) > 5  # not blank
+
+
+def test_wrong_examples_are_marked_with_the_right_sum():
+    assert marked_example({"prompt": "12+34=", "completion": "46"}) == "12+34=46"
+    assert marked_example({"prompt": "7+8=", "completion": "16"}) == "7+8=16 ✗ (15)"
+    assert marked_example({"prompt": "7+8=", "completion": ""}) == "7+8= ✗ (15)"
+
+
+def test_the_plot_redraws_from_a_runs_files(tmp_path: Path, capsys):
+    result = demo_result()
+    log = StepLog(tmp_path / "steps.jsonl")
+    for record in result.steps:
+        log.add(record)
+    paths = write_outputs(result, tmp_path)
+    loaded = load_result(tmp_path)
+    assert loaded.steps == result.steps
+    assert loaded.config == result.config and loaded.examples == result.examples
+    assert (loaded.accuracy_base, loaded.accuracy_warmup, loaded.accuracy_rl) == (0.01, 0.1, 0.4)
+    drawn = paths["plot"].read_bytes()
+    paths["plot"].unlink()
+    main([str(tmp_path)])
+    assert paths["plot"].read_bytes() == drawn
+    assert capsys.readouterr().out.strip() == str(paths["plot"])

@@ -21,7 +21,7 @@ from posttrain.demo.plot import (
     render,
 )
 
-PLOT_WIDTH, PLOT_HEIGHT = 1000, 720
+PLOT_WIDTH, PLOT_HEIGHT = 1000, 680
 LIGHT_BLUE: Color = (158, 196, 228)
 LIGHT_PURPLE: Color = (206, 188, 226)
 WARMUP_WINDOW, RL_WINDOW = 10, 5

@@ -16,7 +16,14 @@ from posttrain.errors import NotFound
 from posttrain.store.repo import OperationDigest, Repo
 from posttrain.types import OperationKind, OperationStatus, ResourceRecord, SessionRecord
 
-__all__ = ["DashboardService", "OperationDigest", "Overview", "SeriesPoint", "SessionSeries"]
+__all__ = [
+    "DashboardService",
+    "OperationDigest",
+    "Overview",
+    "SeriesPoint",
+    "SessionSeries",
+    "loss_per_token",
+]
 
 RECENT_OPERATIONS = 60
 # A chart needs no more points than a screen has pixels across.
@@ -32,14 +39,26 @@ class Overview:
     queue_depth: int
 
 
+def loss_per_token(loss: float | None, metrics: dict[str, float]) -> float | None:
+    """The summed loss over the tokens it counted (`valid_tokens:sum`): the per-token loss an SDK
+    loop prints (examples/sft.py divides by its answer tokens, the same count). None when the
+    loss reported no count, or counted nothing."""
+    count = metrics.get("valid_tokens:sum")
+    if loss is None or not count:
+        return None
+    return loss / count
+
+
 @dataclass(frozen=True)
 class SeriesPoint:
-    """One completed forward-backward. `step` is the optimizer step its gradients went into:
-    the number of optim-steps the session had completed before it."""
+    """One completed forward-backward. `step` is the optimizer step its gradients went into,
+    numbered from 1 as an SDK loop counts its steps: one more than the number of optim-steps
+    the session had completed before it. `loss` is the summed loss the operation returned."""
 
     step: int
     created_at: float
     loss: float
+    loss_per_token: float | None
     metrics: dict[str, float]
 
 
@@ -71,11 +90,14 @@ class DashboardService:
         completed = [d for d in digests if d.status == OperationStatus.COMPLETED]
         # When the window cuts off early history, start counting where the window starts.
         num_steps = sum(d.kind == OperationKind.OPTIM_STEP for d in completed)
-        step = max(0, session.step - num_steps)
+        step = max(0, session.step - num_steps) + 1
         points = []
         for digest in completed:
             if digest.kind == OperationKind.OPTIM_STEP:
                 step += 1
             elif digest.loss is not None:
-                points.append(SeriesPoint(step, digest.created_at, digest.loss, digest.metrics))
+                per_token = loss_per_token(digest.loss, digest.metrics)
+                points.append(
+                    SeriesPoint(step, digest.created_at, digest.loss, per_token, digest.metrics)
+                )
         return SessionSeries(session, points)

@@ -1,7 +1,8 @@
 """The dashboard page, its JSON, and /metrics, against a real server driven by the SDK.
 
-The browser test runs Debian's headless `chromium` over the live page: after a few training
-steps the rendered DOM must list the session and hold a loss chart with one point per step.
+The browser tests run Debian's headless `chromium` over the live page: after a few training
+steps the rendered DOM must list the session and hold a loss chart with one point per step,
+numbered from 1 and valued per token as the SDK loop printed it, with titled axes.
 It skips, saying why, only where no chromium binary exists (.ci/run installs it).
 """
 
@@ -43,6 +44,11 @@ def batch() -> list[dict]:
         answer_ids = TOKENIZER.encode(answer, add_special_tokens=False)
         samples.append(sft_sample(prompt_ids + answer_ids + [0], len(prompt_ids)))
     return samples
+
+
+def num_targets(samples: list[dict]) -> int:
+    """The answer tokens the loss counts (weight 1): what examples/sft.py divides by."""
+    return sum(w != 0 for s in samples for w in s["loss_fn_inputs"]["weights"]["data"])
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +110,25 @@ def test_series_has_one_point_per_step_with_the_reported_losses(trained):
     base_url, session_id, losses = trained
     body = get(base_url, f"/v1/dashboard/sessions/{session_id}/series").json()
     points = body["points"]
-    assert [p["step"] for p in points] == list(range(NUM_STEPS))
+    # Numbered as the SDK loop numbers its steps: the first optim-step is step 1.
+    assert [p["step"] for p in points] == list(range(1, NUM_STEPS + 1))
     assert [p["loss"] for p in points] == pytest.approx(losses)
     assert points[0]["metrics"]["loss:sum"] == pytest.approx(losses[0])
+    # Per token: the summed loss over the answer tokens, as examples/sft.py prints it.
+    per_token = [loss / num_targets(batch()) for loss in losses]
+    assert [p["loss_per_token"] for p in points] == pytest.approx(per_token)
+    assert 0 < per_token[0] < losses[0] / 10  # two samples' answers: 10 loss tokens
+
+
+def test_overview_operations_carry_the_per_token_loss(trained):
+    base_url, session_id, losses = trained
+    body = get(base_url, "/v1/dashboard/overview").json()
+    mine = [op for op in body["operations"] if op["session_id"] == session_id]
+    fb = [op for op in reversed(mine) if op["kind"] == "forward-backward"]  # oldest first
+    assert [op["loss"] for op in fb] == pytest.approx(losses)
+    per_token = [loss / num_targets(batch()) for loss in losses]
+    assert [op["loss_per_token"] for op in fb] == pytest.approx(per_token)
+    assert all(op["loss_per_token"] is None for op in mine if op["kind"] != "forward-backward")
 
 
 def test_dashboard_json_needs_a_key_and_hides_unknown_sessions(trained):
@@ -209,6 +231,52 @@ def test_headless_chromium_renders_session_and_loss_chart(trained, browser_profi
         f"{base_url}/?session={session_id}",
     )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def header_cells(dom: str, table: str) -> dict[str, bool]:
+    """{column title: shown} of a table's header row in the dumped DOM."""
+    head = re.search(rf'<table id="{table}">.*?</thead>', dom, re.S)
+    assert head, table
+    cells = re.findall(r"<th([^>]*)>(.*?)</th>", head.group(0))
+    return {title: "hidden" not in attrs for attrs, title in cells}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+def test_the_page_reads_like_the_sdk_loop(trained, browser_profile):
+    """Per-token losses as printed, steps from 1, titled axes, plurals, empty columns hidden."""
+    base_url, session_id, losses = trained
+    dom = run_chromium(
+        browser_profile,
+        "--virtual-time-budget=8000",
+        "--dump-dom",
+        f"{base_url}/?session={session_id}",
+    ).stdout
+    chart = re.search(r'<div class="chart" data-metric="loss"[^>]*>.*?</svg>', dom, re.S)
+    assert chart, dom[-3000:]
+    loss_chart = chart.group(0)
+    assert 'data-mode="per-token"' in loss_chart and f'data-steps="1-{NUM_STEPS}"' in loss_chart
+    assert "<h3>loss per token</h3>" in loss_chart
+    assert ">optimizer step</text>" in loss_chart and ">loss per token</text>" in loss_chart
+    # The first step is labelled on the x axis, and no step 0 exists.
+    ticks = re.findall(r'<text class="tick"[^>]*text-anchor="middle">(\d+)</text>', loss_chart)
+    assert ticks[0] == "1" and "0" not in ticks, ticks
+    # Each step's tooltip carries the per-token loss as examples/sft.py prints it (step N,
+    # loss / answer tokens to 4 decimals).
+    shown = re.findall(r"<title>step (\d+): loss/token (\S+),", loss_chart)
+    per_token = [f"{loss / num_targets(batch()):.4f}" for loss in losses]
+    assert shown == [(str(i + 1), v) for i, v in enumerate(per_token)]
+    # Every metric chart has both axes titled.
+    assert dom.count('class="axis-label"') == 2 * dom.count('class="chart"')
+    # "2 sessions", "1 session": the count decides the noun.
+    count, noun = re.search(r'<span id="status" class="muted">(\d+) (sessions?),', dom).groups()
+    assert noun == ("session" if count == "1" else "sessions")
+    title = re.search(r'<h2 id="session-title">(.*?)</h2>', dom).group(1)
+    assert f"{NUM_STEPS} optimizer steps, {NUM_STEPS} forward-backward results" in title
+    # A column nobody filled is hidden; one that holds a value for any row is not.
+    assert header_cells(dom, "resources")["expires"] is True  # the READY resource's expiry
+    assert header_cells(dom, "sessions")["name"] is True  # this session has a name
+    assert header_cells(dom, "operations")["error"] is False  # no operation failed
+    assert header_cells(dom, "operations")["loss/token"] is True
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")

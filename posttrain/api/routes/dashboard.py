@@ -18,7 +18,7 @@ from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
 from posttrain.api.schemas import dashboard as d
 from posttrain.errors import NotFound
-from posttrain.service.dashboard import OperationDigest, SessionSeries
+from posttrain.service.dashboard import OperationDigest, SessionSeries, loss_per_token
 from posttrain.types import ResourceRecord, SessionRecord
 
 router = APIRouter()
@@ -80,6 +80,7 @@ def operation_json(d: OperationDigest) -> dict[str, Any]:
         "error_code": d.error_code,
         "error_message": d.error_message,
         "loss": d.loss,
+        "loss_per_token": loss_per_token(d.loss, d.metrics),
     }
 
 
@@ -87,7 +88,13 @@ def series_json(series: SessionSeries) -> dict[str, Any]:
     return {
         "session": session_json(series.session),
         "points": [
-            {"step": p.step, "created_at": p.created_at, "loss": p.loss, "metrics": p.metrics}
+            {
+                "step": p.step,
+                "created_at": p.created_at,
+                "loss": p.loss,
+                "loss_per_token": p.loss_per_token,
+                "metrics": p.metrics,
+            }
             for p in series.points
         ],
     }

@@ -42,6 +42,8 @@ class DashboardOperation(Reply):
     error_code: str | None
     error_message: str | None
     loss: float | None
+    # The summed loss over the tokens it counted: what an SDK loop prints as loss per token.
+    loss_per_token: float | None
 
 
 class Overview(Reply):
@@ -52,9 +54,10 @@ class Overview(Reply):
 
 
 class SeriesPoint(Reply):
-    step: int
+    step: int  # the optimizer step the gradients went into, from 1 as an SDK loop counts
     created_at: float
-    loss: float
+    loss: float  # summed over tokens, as the operation returned it
+    loss_per_token: float | None
     metrics: dict[str, float]
 
 

@@ -6,11 +6,16 @@ const REFRESH_MS = 2000;
 const KEY_STORAGE = "posttrain.apiKey";
 const MAX_CHARTS = 9;
 const SVG_NS = "http://www.w3.org/2000/svg";
+const LOSS_MODE_STORAGE = "posttrain.lossMode";
+const MIN_TICK_GAP = 24;
 
 // A server without --api-key/--keys-file accepts any non-empty bearer key, so start with a
 // placeholder and ask for a real key only when the server answers 401.
 let apiKey = localStorage.getItem(KEY_STORAGE) || "local";
 let selected = new URLSearchParams(location.search).get("session");
+// The loss chart shows the loss per token (what an SDK loop prints) or the summed loss.
+let lossMode = localStorage.getItem(LOSS_MODE_STORAGE) === "sum" ? "sum" : "per-token";
+let lastSeries = null;
 
 class AuthError extends Error {}
 
@@ -58,9 +63,26 @@ function codeCell(text) {
   return td;
 }
 
+function plural(count, noun) {
+  return `${count} ${noun}${count === 1 ? "" : "s"}`;
+}
+
+// Rows, then every column whose cells are all empty is hidden (a name nobody set, a resource
+// that never expires): an empty column only pushes the others apart.
 function fillTable(id, rows) {
-  const body = document.querySelector(`#${id} tbody`);
-  body.replaceChildren(...rows);
+  const table = document.getElementById(id);
+  table.tBodies[0].replaceChildren(...rows);
+  const headers = [...table.tHead.rows[0].cells];
+  headers.forEach((th, index) => {
+    const cells = rows.map((tr) => tr.cells[index]);
+    const isEmpty = cells.length > 0 && cells.every((td) => td.textContent === "");
+    th.hidden = isEmpty;
+    for (const td of cells) td.hidden = isEmpty;
+  });
+}
+
+function formatLoss(value) {
+  return value === null || value === undefined ? "" : value.toFixed(4);
 }
 
 function renderResources(resources) {
@@ -94,11 +116,14 @@ function renderOperations(operations) {
     const tr = document.createElement("tr");
     const finished = ["COMPLETED", "FAILED"].includes(shortStatus(op.status));
     const took = finished ? `${(op.updated_at - op.created_at).toFixed(2)}s` : "";
-    const loss = op.loss === null || op.loss === undefined ? "" : op.loss.toPrecision(4);
+    // Per token, as an SDK loop prints it; the summed loss the operation returned on hover.
+    const hasPerToken = op.loss_per_token !== null && op.loss_per_token !== undefined;
+    const loss = cell(hasPerToken ? formatLoss(op.loss_per_token) : formatLoss(op.loss));
+    if (op.loss !== null && op.loss !== undefined) loss.title = `summed: ${op.loss.toPrecision(6)}`;
     const code = (op.error_code || "").split("_ERROR_CODE_").pop();
     const error = op.error_code ? `${code}: ${op.error_message || ""}` : "";
     tr.append(cell(time(op.created_at)), codeCell(op.session_id), cell(op.kind),
-      cell(shortStatus(op.status), statusClass(op.status)), cell(took), cell(loss),
+      cell(shortStatus(op.status), statusClass(op.status)), cell(took), loss,
       cell(error, "error"));
     return tr;
   }));
@@ -132,26 +157,45 @@ function svg(tag, attrs, text) {
   return el;
 }
 
-// One chart of y over optimizer step; points at one step (gradient accumulation) are averaged.
-function chart(title, points) {
-  const byStep = new Map();
-  for (const [x, y] of points) {
-    if (!Number.isFinite(y)) continue;
-    const entry = byStep.get(x) || [0, 0];
-    byStep.set(x, [entry[0] + y, entry[1] + 1]);
+// Whole-step ticks that always include the first step, none closer than MIN_TICK_GAP units.
+function stepTicks(low, high, px) {
+  const values = ticks(low, high).map(([v]) => v).filter(Number.isInteger);
+  if (Number.isInteger(low)) values.unshift(low);
+  const kept = [];
+  for (const v of values) {
+    if (kept.every((k) => Math.abs(px(v) - px(k)) >= MIN_TICK_GAP)) kept.push(v);
   }
-  const series = [...byStep.entries()].sort((a, b) => a[0] - b[0]).map(([x, [sum, n]]) => [x, sum / n]);
+  return kept;
+}
+
+// One chart of y over optimizer step; points at one step (gradient accumulation) are averaged.
+// points: [step, y, tooltip]; labels: {x, y} axis titles.
+function chart(title, points, labels, metric = title) {
+  const byStep = new Map();
+  for (const [x, y, tip] of points) {
+    if (!Number.isFinite(y)) continue;
+    const entry = byStep.get(x) || [0, 0, []];
+    byStep.set(x, [entry[0] + y, entry[1] + 1, [...entry[2], tip || ""]]);
+  }
+  const series = [...byStep.entries()].sort((a, b) => a[0] - b[0])
+    .map(([x, [sum, n, tips]]) => [x, sum / n, tips.filter(Boolean).join("\n")]);
   const box = document.createElement("div");
   box.className = "chart";
-  box.dataset.metric = title;
+  box.dataset.metric = metric;
   box.dataset.points = String(series.length);
   const heading = document.createElement("h3");
   heading.textContent = title;
   box.appendChild(heading);
-  const W = 400, H = 180, left = 52, right = 10, top = 8, bottom = 22;
+  const W = 400, H = 200, left = 64, right = 12, top = 8, bottom = 38;
   const plot = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title });
   box.appendChild(plot);
+  plot.appendChild(svg("text", { class: "axis-label", x: left + (W - left - right) / 2, y: H - 4,
+    "text-anchor": "middle" }, labels.x));
+  const yMid = top + (H - top - bottom) / 2;
+  plot.appendChild(svg("text", { class: "axis-label", x: 12, y: yMid, "text-anchor": "middle",
+    transform: `rotate(-90 12 ${yMid})` }, labels.y));
   if (series.length === 0) return box;
+  box.dataset.steps = `${series[0][0]}-${series[series.length - 1][0]}`;
   let xLow = series[0][0], xHigh = series[series.length - 1][0];
   if (xLow === xHigh) { xLow -= 1; xHigh += 1; }
   let yLow = Math.min(...series.map((p) => p[1])), yHigh = Math.max(...series.map((p) => p[1]));
@@ -164,37 +208,68 @@ function chart(title, points) {
     plot.appendChild(svg("line", { class: "grid", x1: left, x2: W - right, y1: py(v), y2: py(v) }));
     plot.appendChild(svg("text", { class: "tick", x: left - 4, y: py(v) + 3, "text-anchor": "end" }, label));
   }
-  for (const [v, label] of ticks(xLow, xHigh)) {
-    if (!Number.isInteger(v)) continue;
-    plot.appendChild(svg("text", { class: "tick", x: px(v), y: H - 6, "text-anchor": "middle" }, label));
+  const xFirst = series[0][0], xLast = series[series.length - 1][0];
+  for (const v of stepTicks(xFirst, xLast, px)) {
+    plot.appendChild(svg("text", { class: "tick", x: px(v), y: H - bottom + 13, "text-anchor": "middle" }, String(v)));
   }
   plot.appendChild(svg("line", { class: "axis", x1: left, x2: left, y1: top, y2: H - bottom }));
   plot.appendChild(svg("line", { class: "axis", x1: left, x2: W - right, y1: H - bottom, y2: H - bottom }));
   const coords = series.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" ");
   plot.appendChild(svg("polyline", { class: "series", points: coords }));
-  if (series.length < 40) {
-    for (const [x, y] of series) plot.appendChild(svg("circle", { class: "dot", cx: px(x), cy: py(y), r: 2.5 }));
+  // A dot per step (drawn while few enough to see), each with its numbers as a hover tooltip.
+  const className = series.length < 40 ? "dot" : "dot hit";
+  for (const [x, y, tip] of series) {
+    const dot = svg("circle", { class: className, cx: px(x), cy: py(y), r: 3 });
+    dot.appendChild(svg("title", {}, tip || `step ${x}: ${y.toPrecision(5)}`));
+    plot.appendChild(dot);
   }
   return box;
 }
 
+function lossChart(points) {
+  const perToken = lossMode === "per-token";
+  const tip = (p) => `step ${p.step}: loss/token ${formatLoss(p.loss_per_token)}, ` +
+    `summed ${p.loss.toPrecision(6)} over ${p.metrics["valid_tokens:sum"] ?? "?"} tokens`;
+  const values = points.map((p) => [p.step, perToken ? p.loss_per_token ?? NaN : p.loss, tip(p)]);
+  const title = perToken ? "loss per token" : "loss (summed over tokens)";
+  const box = chart(title, values, {
+    x: "optimizer step",
+    y: perToken ? "loss per token" : "loss, summed over tokens",
+  }, "loss");
+  box.dataset.mode = lossMode;
+  return box;
+}
+
 function renderSeries(data) {
+  lastSeries = data;
   const title = document.getElementById("session-title");
   title.textContent = `Session ${data.session.id}` +
     (data.session.display_name ? ` (${data.session.display_name})` : "") +
-    ` - step ${data.session.step}, ${data.points.length} forward-backward results`;
+    ` - ${plural(data.session.step, "optimizer step")}, ` +
+    `${plural(data.points.length, "forward-backward result")}`;
   document.getElementById("session-hint").hidden = data.points.length > 0;
+  document.getElementById("loss-mode").hidden = data.points.length === 0;
   if (data.points.length === 0) {
     document.getElementById("session-hint").textContent = "No forward-backward results yet.";
   }
   const keys = new Set();
   for (const p of data.points) for (const k of Object.keys(p.metrics || {})) keys.add(k);
-  keys.delete("loss:sum");  // the same number as the loss
-  const charts = [chart("loss", data.points.map((p) => [p.step, p.loss]))];
+  keys.delete("loss:sum");  // the summed loss: the loss chart's other mode
+  const charts = [lossChart(data.points)];
   for (const key of [...keys].sort().slice(0, MAX_CHARTS - 1)) {
-    charts.push(chart(key, data.points.map((p) => [p.step, p.metrics[key]])));
+    charts.push(chart(key, data.points.map((p) => [p.step, p.metrics[key]]),
+      { x: "optimizer step", y: key }));
   }
   document.getElementById("charts").replaceChildren(...charts);
+}
+
+function setLossMode(mode) {
+  lossMode = mode;
+  localStorage.setItem(LOSS_MODE_STORAGE, mode);
+  for (const button of document.querySelectorAll("#loss-mode button")) {
+    button.setAttribute("aria-pressed", String(button.dataset.mode === mode));
+  }
+  if (lastSeries) renderSeries(lastSeries);
 }
 
 // ---------------------------------------------------------------- refresh loop
@@ -216,7 +291,8 @@ async function refresh() {
     if (selected) {
       renderSeries(await getJson(`/v1/dashboard/sessions/${encodeURIComponent(selected)}/series`));
     }
-    status.textContent = `${view.sessions.length} sessions, queue depth ${view.queue_depth}, ` +
+    status.textContent = `${plural(view.sessions.length, "session")}, ` +
+      `${plural(view.queue_depth, "operation")} queued, ` +
       `refreshed ${new Date().toLocaleTimeString()}`;
     status.className = "muted";
   } catch (error) {
@@ -232,6 +308,11 @@ document.getElementById("key-form").addEventListener("submit", (event) => {
   document.getElementById("key-form").hidden = true;
   refresh();
 });
+
+for (const button of document.querySelectorAll("#loss-mode button")) {
+  button.addEventListener("click", () => setLossMode(button.dataset.mode));
+}
+setLossMode(lossMode);
 
 async function loop() {
   await refresh();

@@ -8,6 +8,13 @@ const MAX_CHARTS = 9;
 const SVG_NS = "http://www.w3.org/2000/svg";
 const LOSS_MODE_STORAGE = "posttrain.lossMode";
 const MIN_TICK_GAP = 24;
+// Readable titles for the metrics the built-in losses report; the key stays on the y axis.
+const METRIC_TITLES = {
+  "valid_tokens:sum": "tokens the loss counted",
+  "loss/ratio/mean": "policy / sampler probability ratio (mean)",
+  "loss/kl_policy/mean": "KL from the sampler policy (mean per token)",
+  "loss/sampler_mismatch/mean": "|trainer - sampler| logprob (mean per token)",
+};
 
 // A server without --api-key/--keys-file accepts any non-empty bearer key, so start with a
 // placeholder and ask for a real key only when the server answers 401.
@@ -132,7 +139,7 @@ function renderOperations(operations) {
 // ---------------------------------------------------------------- charts
 
 function niceStep(span) {
-  const raw = span / 4;
+  const raw = span / 5;
   const power = Math.pow(10, Math.floor(Math.log10(raw)));
   for (const m of [1, 2, 5, 10]) {
     if (m * power >= raw * 0.999) return m * power;
@@ -257,8 +264,8 @@ function renderSeries(data) {
   keys.delete("loss:sum");  // the summed loss: the loss chart's other mode
   const charts = [lossChart(data.points)];
   for (const key of [...keys].sort().slice(0, MAX_CHARTS - 1)) {
-    charts.push(chart(key, data.points.map((p) => [p.step, p.metrics[key]]),
-      { x: "optimizer step", y: key }));
+    charts.push(chart(METRIC_TITLES[key] || key, data.points.map((p) => [p.step, p.metrics[key]]),
+      { x: "optimizer step", y: key }, key));
   }
   document.getElementById("charts").replaceChildren(...charts);
 }

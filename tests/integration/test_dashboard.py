@@ -266,6 +266,20 @@ def test_the_page_reads_like_the_sdk_loop(trained, browser_profile):
     shown = re.findall(r"<title>step (\d+): loss/token (\S+),", loss_chart)
     per_token = [f"{loss / num_targets(batch()):.4f}" for loss in losses]
     assert shown == [(str(i + 1), v) for i, v in enumerate(per_token)]
+    summed = run_chromium(
+        browser_profile,
+        "--virtual-time-budget=8000",
+        "--dump-dom",
+        f"{base_url}/?session={session_id}&loss=sum",
+    ).stdout
+    chart = re.search(r'<div class="chart" data-metric="loss"[^>]*>.*?</svg>', summed, re.S)
+    assert chart and 'data-mode="sum"' in chart.group(0), summed[-3000:]
+    assert ">loss, summed over tokens</text>" in chart.group(0)
+    # The y axis spans each mode's own values: per token, then summed (8 times larger here).
+    per_token_values = [loss / num_targets(batch()) for loss in losses]
+    for svg_text, values in ((loss_chart, per_token_values), (chart.group(0), losses)):
+        y_ticks = [float(t) for t in re.findall(r'text-anchor="end">([^<]+)</text>', svg_text)]
+        assert y_ticks and all(0.5 * min(values) <= t <= 1.5 * max(values) for t in y_ticks)
     # Every metric chart has both axes titled.
     assert dom.count('class="axis-label"') == 2 * dom.count('class="chart"')
     # "2 sessions", "1 session": the count decides the noun.

@@ -14,6 +14,10 @@ const METRIC_TITLES = {
   "loss/ratio/mean": "policy / sampler probability ratio (mean)",
   "loss/kl_policy/mean": "KL from the sampler policy (mean per token)",
   "loss/sampler_mismatch/mean": "|trainer - sampler| logprob (mean per token)",
+  "loss/kl_ref/mean": "KL from the reference policy (mean per token)",
+  "loss/clip/high_fraction": "share of tokens clipped high",
+  "loss/clip/low_fraction": "share of tokens clipped low",
+  "loss/clip/clipped_ratio/mean": "clipped probability ratio (mean)",
 };
 
 // A server without --api-key/--keys-file accepts any non-empty bearer key, so start with a
@@ -21,7 +25,9 @@ const METRIC_TITLES = {
 let apiKey = localStorage.getItem(KEY_STORAGE) || "local";
 let selected = new URLSearchParams(location.search).get("session");
 // The loss chart shows the loss per token (what an SDK loop prints) or the summed loss.
-let lossMode = localStorage.getItem(LOSS_MODE_STORAGE) === "sum" ? "sum" : "per-token";
+// `?loss=sum` in the address picks it too (a link to the summed view).
+const askedLossMode = new URLSearchParams(location.search).get("loss") || localStorage.getItem(LOSS_MODE_STORAGE);
+let lossMode = askedLossMode === "sum" ? "sum" : "per-token";
 let lastSeries = null;
 
 class AuthError extends Error {}
@@ -154,7 +160,9 @@ function ticks(low, high) {
     values.push(k * step);
   }
   const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
-  return values.map((v) => [v, Math.abs(v) < Math.pow(10, -(decimals + 1)) ? "0" : v.toFixed(decimals)]);
+  // Tiny steps (a metric that is 0 up to float noise) in exponent form: "4e-8", not 10 digits.
+  const label = (v) => (decimals > 4 ? v.toExponential(1) : v.toFixed(decimals));
+  return values.map((v) => [v, Math.abs(v) < Math.pow(10, -(decimals + 1)) ? "0" : label(v)]);
 }
 
 function svg(tag, attrs, text) {
@@ -206,6 +214,13 @@ function chart(title, points, labels, metric = title) {
   let xLow = series[0][0], xHigh = series[series.length - 1][0];
   if (xLow === xHigh) { xLow -= 1; xHigh += 1; }
   let yLow = Math.min(...series.map((p) => p[1])), yHigh = Math.max(...series.map((p) => p[1]));
+  // A span under a thousandth of the values' size is float noise around a constant (a ratio
+  // of 1 +- 4e-9): widen it so the axis shows the constant, not ten-digit tick labels.
+  const minSpan = 1e-3 * Math.max(Math.abs(yLow), Math.abs(yHigh));
+  if (yHigh - yLow < minSpan) {
+    const middle = (yLow + yHigh) / 2;
+    yLow = middle - minSpan / 2; yHigh = middle + minSpan / 2;
+  }
   if (yLow === yHigh) { yLow -= 0.5; yHigh += 0.5; }
   const pad = 0.05 * (yHigh - yLow);
   yLow -= pad; yHigh += pad;
@@ -234,16 +249,20 @@ function chart(title, points, labels, metric = title) {
 }
 
 function lossChart(points) {
-  const perToken = lossMode === "per-token";
+  // A loss that reports no token count (valid_tokens:sum) has only its summed loss to show.
+  const hasPerToken = points.some((p) => p.loss_per_token !== null && p.loss_per_token !== undefined);
+  const perToken = lossMode === "per-token" && hasPerToken;
   const tip = (p) => `step ${p.step}: loss/token ${formatLoss(p.loss_per_token)}, ` +
     `summed ${p.loss.toPrecision(6)} over ${p.metrics["valid_tokens:sum"] ?? "?"} tokens`;
   const values = points.map((p) => [p.step, perToken ? p.loss_per_token ?? NaN : p.loss, tip(p)]);
-  const title = perToken ? "loss per token" : "loss (summed over tokens)";
+  const title = perToken ? "loss per token"
+    : `loss (summed over tokens${hasPerToken ? "" : "; no token count reported"})`;
   const box = chart(title, values, {
     x: "optimizer step",
     y: perToken ? "loss per token" : "loss, summed over tokens",
   }, "loss");
-  box.dataset.mode = lossMode;
+  box.dataset.mode = perToken ? "per-token" : "sum";
+  markLossButtons(box.dataset.mode, hasPerToken);
   return box;
 }
 
@@ -270,12 +289,18 @@ function renderSeries(data) {
   document.getElementById("charts").replaceChildren(...charts);
 }
 
+// The pressed button is the mode the chart shows (summed when per token is not reported).
+function markLossButtons(shown, hasPerToken) {
+  for (const button of document.querySelectorAll("#loss-mode button")) {
+    button.setAttribute("aria-pressed", String(button.dataset.mode === shown));
+    if (button.dataset.mode === "per-token") button.disabled = !hasPerToken;
+  }
+}
+
 function setLossMode(mode) {
   lossMode = mode;
   localStorage.setItem(LOSS_MODE_STORAGE, mode);
-  for (const button of document.querySelectorAll("#loss-mode button")) {
-    button.setAttribute("aria-pressed", String(button.dataset.mode === mode));
-  }
+  markLossButtons(mode, true);
   if (lastSeries) renderSeries(lastSeries);
 }
 

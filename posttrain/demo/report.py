@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -35,6 +36,13 @@ def moving_average(values: list[float], window: int) -> list[float]:
         chunk = values[max(0, i - window + 1) : i + 1]
         out.append(sum(chunk) / len(chunk))
     return out
+
+
+def share_axis_top(values: list[float]) -> float:
+    """The top of a 0-based axis of shares: the next tenth above the largest value plus a
+    fifth, at most 1, so a reward that stays low still shows its trend."""
+    top = max(values, default=0.0) * 1.2
+    return min(1.0, max(0.1, math.ceil(round(top * 10, 6)) / 10))
 
 
 def percent(value: float) -> str:
@@ -84,7 +92,7 @@ def demo_figure(result: DemoResult) -> Figure:
             ),
             Series(f"{RL_WINDOW}-step average", rl_x, moving_average(rewards, RL_WINDOW), ORANGE),
         ],
-        y_range=(0.0, 1.0),
+        y_range=(0.0, share_axis_top(rewards)),
     )
     kl_panel = Panel(
         "GRPO: KL from the warm-up policy",

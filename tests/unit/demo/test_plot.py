@@ -20,6 +20,7 @@ from posttrain.demo.report import (
     main,
     marked_example,
     render_plot,
+    share_axis_top,
     write_outputs,
 )
 
@@ -145,7 +146,7 @@ def test_each_phase_numbers_its_steps_from_one():
         assert panel.x_limits() == (1, NUM_RL)
         assert list(panel.series[0].xs) == list(range(1, NUM_RL + 1))
     assert reward.series[0].ys == pytest.approx([0.1 * i for i in range(NUM_RL)])
-    assert reward.y_limits() == (0.0, 1.0)
+    assert reward.y_limits() == (0.0, 0.5)  # rewards up to 0.4: the axis stops at 0.5
     assert kl.series[0].ys == pytest.approx([0.01 * i for i in range(NUM_RL)])
 
 
@@ -169,6 +170,13 @@ def test_demo_plot_renders_at_its_size():
     width, height, rgb = decode_png(render_plot(demo_result()))
     assert (width, height) == (PLOT_WIDTH, PLOT_HEIGHT)
     assert len(set(rgb[i : i + 3] for i in range(0, len(rgb), 3))) > 5  # not blank
+
+
+def test_the_reward_axis_starts_at_zero_and_tops_out_above_the_data():
+    assert share_axis_top([0.06, 0.09]) == 0.2
+    assert share_axis_top([0.3, 0.75]) == 0.9
+    assert share_axis_top([0.9, 1.0]) == 1.0
+    assert share_axis_top([0.0]) == 0.1
 
 
 def test_wrong_examples_are_marked_with_the_right_sum():

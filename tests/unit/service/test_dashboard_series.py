@@ -12,15 +12,10 @@ from posttrain.errors import NotFound
 from posttrain.service.dashboard import DashboardService, loss_per_token
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    OperationKind,
-    OperationRecord,
-    OperationStatus,
-    ResourceRecord,
-    ResourceStatus,
-    SessionRecord,
-    SessionStatus,
-)
+from posttrain.types import OperationKind, OperationRecord, OperationStatus, ResourceStatus
+from posttrain.types import ResourceRecord as Resource
+from posttrain.types import SessionRecord as Session
+from posttrain.types import SessionStatus as Status
 
 FB, OPT = OperationKind.FORWARD_BACKWARD, OperationKind.OPTIM_STEP
 
@@ -28,8 +23,8 @@ FB, OPT = OperationKind.FORWARD_BACKWARD, OperationKind.OPTIM_STEP
 def service_with_steps(tmp_path: Path, outputs: list[dict]) -> DashboardService:
     """One session that ran forward-backward + optim-step once per output."""
     repo = Repo(connect(tmp_path))
-    repo.put_resource(ResourceRecord("mr-a", "m", "alice", 1.0, 1.0, ResourceStatus.READY))
-    session = SessionRecord("ts-1", "mr-a", "m", "alice", 1.0, 1.0, SessionStatus.RUNNING)
+    repo.put_resource(Resource("mr-a", "m", "alice", 1.0, 1.0, ResourceStatus.READY))
+    session = Session("ts-1", "mr-a", "m", "alice", 1.0, 1.0, Status.RUNNING)
     repo.put_session(dataclasses.replace(session, step=len(outputs)))
     for index, output in enumerate(outputs):
         for kind, body in ((FB, output), (OPT, {})):

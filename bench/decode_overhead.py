@@ -39,6 +39,7 @@ from posttrain.engine.decode_rows import LiveRows
 from posttrain.engine.model_passes import GeneratorModel
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
+from posttrain.model.kv_shape import kv_shape
 from posttrain.model.lora import AdapterSpec, LoraLinear, LoraModel
 from posttrain.types import SamplingParams
 
@@ -151,6 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     sampler.CPU_STATIC_DECODE = args.static
     model = build_model(args.model, torch.device("cpu"), torch.float32)
+    kv = kv_shape(model)
     lora = LoraModel(model)
     lora.add_adapter(
         ADAPTER, AdapterSpec(rank=8, alpha=16, dropout=0.0, seed=0, train_unembed=True)
@@ -159,7 +161,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
     eos = int(model.config.eos_token_id)
     # EOS that no token is: every row runs its max_tokens, so every step has the same rows.
-    gm = GeneratorModel(model, lora, tokenizer, frozenset({-1}), PrefixCache(0), 1024)
+    gm = GeneratorModel(model, lora, tokenizer, frozenset({-1}), PrefixCache(0), 1024, kv)
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)

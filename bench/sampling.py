@@ -41,6 +41,7 @@ from posttrain.engine import sampler
 from posttrain.engine.model_passes import GeneratorModel
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
+from posttrain.model.kv_shape import kv_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import SamplingParams
 
@@ -159,13 +160,14 @@ def timed(run: Callable[[], int], device: torch.device) -> float:
 
 def bench_model(name: str, shape: Shape, reps: int, device: torch.device, dtype: torch.dtype):
     model = build_model(name, device, dtype)
+    kv = kv_shape(model)
     lora = LoraModel(model)
     lora.add_adapter(
         ADAPTER, AdapterSpec(rank=8, alpha=16, dropout=0.0, seed=0, train_unembed=True)
     )
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)  # decodes stop strings only
     eos = int(model.config.eos_token_id)
-    gm = GeneratorModel(model, lora, tokenizer, frozenset({eos}), PrefixCache(0), 1024)
+    gm = GeneratorModel(model, lora, tokenizer, frozenset({eos}), PrefixCache(0), 1024, kv)
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())
     print(f"\n{name}: {params / 1e6:.1f}M parameters, {dtype}, {device}, {shape}")

@@ -122,6 +122,7 @@ def sample_batch(
         eos_token_ids=loaded.eos_token_ids,
         prefix_cache=resource.prefix_cache,
         logprob_chunk_tokens=config.logprob_chunk_tokens,
+        kv=loaded.kv,
         moe=loaded.moe,
         cuda_graphs=config.cuda_graphs,
     )

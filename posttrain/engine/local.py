@@ -317,7 +317,8 @@ class LocalEngine:
         parameters gather (engine/param_shards.py); the group is admitted on rank 0's numbers,
         and its ranks hold about the same."""
         resource = self._resource(resource_id)
-        shape = estimate.model_shape(resource.loaded.model.config, self.dtype.itemsize)
+        loaded = resource.loaded
+        shape = estimate.model_shape(loaded.model.config, loaded.kv, self.dtype.itemsize)
         requests = [request for _, request in items]
         chunk = self.config.logprob_chunk_tokens
         if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts

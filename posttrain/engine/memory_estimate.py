@@ -42,6 +42,7 @@ from transformers import PretrainedConfig
 
 from posttrain.engine.model_passes import PREFILL_TOKENS_PER_PASS
 from posttrain.engine.sampler import DECODE_POSITIONS_PER_GROWTH
+from posttrain.model.kv_shape import KVShape
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
@@ -66,7 +67,8 @@ PYTHON_BYTES_PER_GENERATED_TOKEN = 256
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The widths that size a pass's tensors, read once from the model's config."""
+    """The widths that size a pass's tensors: attention's from the model's modules (a config
+    may carry head counts its family ignores), the rest from its config."""
 
     layers: int
     hidden: int
@@ -77,11 +79,9 @@ class ModelShape:
     dtype_bytes: int  # the model's compute dtype
 
 
-def model_shape(config: PretrainedConfig, dtype_bytes: int) -> ModelShape:
-    """ModelShape of a Hugging Face decoder config (dense or MoE families)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+def model_shape(config: PretrainedConfig, kv: KVShape, dtype_bytes: int) -> ModelShape:
+    """ModelShape of a Hugging Face decoder (dense or MoE families) whose attention writes `kv`
+    (model/kv_shape.py)."""
     top_k = getattr(config, "num_experts_per_tok", None)
     ffn = config.intermediate_size
     if top_k:
@@ -92,10 +92,10 @@ def model_shape(config: PretrainedConfig, dtype_bytes: int) -> ModelShape:
         shared = getattr(config, "shared_expert_intermediate_size", None) or 0
         ffn = top_k * (expert + config.hidden_size) + shared
     return ModelShape(
-        layers=config.num_hidden_layers,
+        layers=kv.num_layers,
         hidden=config.hidden_size,
-        query_width=heads * head_dim,
-        kv_width=kv_heads * head_dim,
+        query_width=config.num_attention_heads * kv.head_dim,
+        kv_width=kv.num_kv_heads * kv.head_dim,
         ffn_width=ffn,
         vocab=config.vocab_size,
         dtype_bytes=dtype_bytes,

@@ -25,6 +25,7 @@ from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.model import attention, routing
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache
+from posttrain.model.kv_shape import KVShape
 from posttrain.model.logit_head import output_head
 from posttrain.model.lora import LoraModel
 from posttrain.model.static_decode_cache import StaticDecodeCache
@@ -45,6 +46,7 @@ class GeneratorModel:
     eos_token_ids: frozenset[int]
     prefix_cache: PrefixCache
     logprob_chunk_tokens: int
+    kv: KVShape  # the KV shape its attention writes (LoadedModel.kv)
     moe: MoeShape | None = None  # the model's expert-route shape; None: dense
     cuda_graphs: bool = False  # EngineConfig.cuda_graphs: static passes in CUDA graphs on CUDA
 
@@ -80,7 +82,7 @@ def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, T
 def new_cache(gm: GeneratorModel, num_rows: int, capacity: int) -> KVCache:
     embedding = gm.model.get_input_embeddings().weight
     return KVCache.for_model(
-        gm.model.config,
+        gm.kv,
         num_rows=num_rows,
         capacity=capacity,
         dtype=embedding.dtype,

@@ -51,7 +51,7 @@ from posttrain.engine.placement import GENERATOR, LocalPlacement, Placement
 from posttrain.engine.replica_engine import ReplicaEngine
 from posttrain.engine.weights_broadcast import Delivery, Root, pack
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
-from posttrain.model.loader import resolve_device, resolve_dtype
+from posttrain.model.loader import path_kv_shape, resolve_device, resolve_dtype
 from posttrain.types import (
     LoraConfig,
     MuonScaling,
@@ -403,9 +403,10 @@ class ReplicatedEngine:
         return state
 
     def _shape(self, base_model: str) -> estimate.ModelShape:
-        config = AutoConfig.from_pretrained(self.model_paths[base_model])
+        path = self.model_paths[base_model]
         dtype = resolve_dtype(self.config.dtype, resolve_device(self.config.device))
-        return estimate.model_shape(config, dtype.itemsize)
+        config, kv = AutoConfig.from_pretrained(path), path_kv_shape(path)
+        return estimate.model_shape(config, kv, dtype.itemsize)
 
 
 def _buckets(tensors: dict[str, Tensor], limit: int) -> list[dict[str, Tensor]]:

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import PretrainedConfig
+
+from posttrain.model.kv_shape import KVShape
 
 
 class KVCache:
@@ -63,23 +64,21 @@ class KVCache:
     @classmethod
     def for_model(
         cls,
-        config: PretrainedConfig,
+        shape: KVShape,
         *,
         num_rows: int,
         capacity: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> KVCache:
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        """A cache of the shape a model's attention writes (model/kv_shape.py probes it from
+        the modules: a config may carry head counts its family ignores)."""
         return cls(
-            num_layers=config.num_hidden_layers,
+            num_layers=shape.num_layers,
             num_rows=num_rows,
             capacity=capacity,
-            # Families without grouped-query attention (GPT-NeoX) have one KV head per query head.
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=head_dim,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             dtype=dtype,
             device=device,
         )

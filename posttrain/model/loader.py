@@ -23,6 +23,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.errors import EngineFailure
 from posttrain.model import attention, routing
+from posttrain.model.kv_shape import KVShape, kv_shape
 from posttrain.types import MoeShape
 
 
@@ -34,6 +35,7 @@ class LoadedModel:
     vocab_size: int
     context_length: int
     eos_token_ids: frozenset[int]
+    kv: KVShape  # what its attention layers write to a KV cache, probed from its modules
     moe: MoeShape | None = None  # the shape of its expert routes; None: dense
 
 
@@ -90,6 +92,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         vocab_size=int(config.vocab_size),
         context_length=int(getattr(config, "max_position_embeddings", 2048)),
         eos_token_ids=frozenset(eos_ids),
+        kv=kv_shape(model),
         moe=routing.moe_shape(model),
     )
 
@@ -101,6 +104,15 @@ def route_shape(path: Path) -> MoeShape | None:
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return routing.moe_shape(AutoModelForCausalLM.from_config(config))
+
+
+def path_kv_shape(path: Path) -> KVShape:
+    """The KV shape of the model in `path`, from a meta-device build: no weights are read or
+    allocated."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return kv_shape(AutoModelForCausalLM.from_config(config))
 
 
 def servable_problem(path: Path) -> str | None:

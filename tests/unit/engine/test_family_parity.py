@@ -1,10 +1,13 @@
 """Every decoder family (tests/unit/model/families.py) and both built-in models at engine level:
 the trainer's logprobs are the model's own (log_softmax of plain transformers' logits), and
 sampling works: the sampler's logprobs equal a forward_only of the sampled sequence, greedy
-KV-cache decode equals full recompute, and a prefix-cache hit gives the same tokens."""
+KV-cache decode equals full recompute, and a prefix-cache hit gives the same tokens. The same
+holds for a GPT-NeoX whose config.json carries fields the family ignores (IGNORED): the KV
+cache and the memory estimate take their shapes from its modules."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -17,7 +20,10 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
 from posttrain.config import BUILTIN_MODELS, EngineConfig  # noqa: E402
+from posttrain.engine import memory_estimate as estimate  # noqa: E402
 from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.model.kv_shape import KVShape  # noqa: E402
+from posttrain.model.loader import path_kv_shape  # noqa: E402
 from posttrain.types import (  # noqa: E402
     ForwardBackwardRequest,
     LoraConfig,
@@ -30,14 +36,21 @@ from posttrain.types import (  # noqa: E402
 
 CE = LossConfig(LossType.CROSS_ENTROPY)
 TOKENS = [1, 40, 41, 42, 50, 60, 70, 80, 33, 34, 35, 36, 90, 91, 92, 20]
-# The random-init families, then the built-in models (pretrained, dense and MoE) by their ids.
-MODELS = [*families.FAMILIES, *BUILTIN_MODELS]
+# GPT-NeoX with num_key_value_heads and head_dim in its config.json, which it ignores.
+IGNORED = "gpt_neox+ignored_fields"
+# The random-init families, IGNORED, then the built-in models (pretrained, dense and MoE).
+MODELS = [*families.FAMILIES, IGNORED, *BUILTIN_MODELS]
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {**{f: families.build(f, root / f) for f in families.FAMILIES}, **BUILTIN_MODELS}
+    extra = families.IGNORED_FIELDS["gpt_neox"]
+    return {
+        **{f: families.build(f, root / f) for f in families.FAMILIES},
+        IGNORED: families.build("gpt_neox", root / IGNORED, extra=extra),
+        **BUILTIN_MODELS,
+    }
 
 
 def engine_for(directory: Path) -> LocalEngine:
@@ -115,3 +128,19 @@ def test_greedy_decode_equals_full_recompute_and_a_prefix_cache_hit_the_same(fam
             cut = expected.index(eos) + 1 if eos in expected else len(expected)
             assert sequence.tokens == expected[:cut]
     assert second.sequences[0].prompt_cache_hit_tokens > 0
+
+
+def test_kv_shapes_come_from_the_modules_not_config_fields_the_family_ignores(family_dirs):
+    directory = family_dirs[IGNORED]
+    saved = json.loads((directory / "config.json").read_text())
+    extra = families.IGNORED_FIELDS["gpt_neox"]
+    assert {k: saved[k] for k in extra} == extra  # the fields really travel in the directory
+    # What GPT-NeoX builds: one KV head per query head, hidden / heads wide.
+    built = KVShape(num_layers=2, num_kv_heads=families.NUM_HEADS, head_dim=families.TESTS.head_dim)
+    assert (saved["num_key_value_heads"], saved["head_dim"]) != (built.num_kv_heads, built.head_dim)
+    loaded = engine_for(directory)._resource("r").loaded
+    assert loaded.kv == built
+    assert path_kv_shape(directory) == built  # a meta build: the replicas' estimate
+    shape = estimate.model_shape(loaded.model.config, loaded.kv, 4)
+    hidden = loaded.model.config.hidden_size
+    assert (shape.layers, shape.query_width, shape.kv_width) == (2, hidden, hidden)

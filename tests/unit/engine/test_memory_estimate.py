@@ -81,7 +81,8 @@ def engine_over(directory: Path) -> LocalEngine:
 @pytest.mark.parametrize("overrides", [MLP_HEAVY, ATTENTION_HEAVY], ids=["mlp", "attention"])
 def test_saved_activations_are_counted_by_the_per_layer_model(tmp_path, overrides):
     engine = engine_over(build_model(tmp_path, overrides))
-    model = engine._resource("r").loaded.model
+    loaded = engine._resource("r").loaded
+    model = loaded.model
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -96,7 +97,7 @@ def test_saved_activations_are_counted_by_the_per_layer_model(tmp_path, override
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         (outcome,) = engine.forward_backward_batch("r", [("s", request)])
     assert not isinstance(outcome, Exception)
-    shape = estimate.model_shape(model.config, 4)
+    shape = estimate.model_shape(model.config, loaded.kv, 4)
     counted = estimate.saved_activation_bytes(shape, rows * tokens)
     measured = sum(saved.values())
     assert measured <= counted <= 1.6 * measured, (measured, counted)

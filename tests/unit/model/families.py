@@ -91,6 +91,12 @@ FAMILIES: dict[str, dict[str, object]] = {
     },
 }
 
+# Fields some checkpoints carry that their family ignores, for `extra=`: GPT-NeoX attention has
+# one KV head per query head, hidden / heads wide, whatever these say.
+IGNORED_FIELDS: dict[str, dict[str, object]] = {
+    "gpt_neox": {"num_key_value_heads": 2, "head_dim": 8},
+}
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -110,17 +116,20 @@ REPLAY_FAMILIES: dict[str, dict[str, object]] = {
 }
 
 
-def config(family: str, size: Size = TESTS):
+def config(family: str, size: Size = TESTS, extra: dict[str, object] | None = None):
+    """The family's config; `extra` fields are set last (IGNORED_FIELDS)."""
     overrides = FAMILIES[family] if family in FAMILIES else REPLAY_FAMILIES[family]
-    settings = {**_COMMON, **size.settings(), **overrides}
+    settings = {**_COMMON, **size.settings(), **overrides, **(extra or {})}
     settings = {k: _sized(v, size) for k, v in settings.items() if v is not None}
     return AutoConfig.for_model(family, **settings)
 
 
-def model(family: str, *, seed: int = 0, size: Size = TESTS) -> torch.nn.Module:
+def model(
+    family: str, *, seed: int = 0, size: Size = TESTS, extra: dict[str, object] | None = None
+) -> torch.nn.Module:
     """A random-init `family` model (float32, eval mode)."""
     torch.manual_seed(seed)
-    built = AutoModelForCausalLM.from_config(config(family, size), dtype=torch.float32)
+    built = AutoModelForCausalLM.from_config(config(family, size, extra), dtype=torch.float32)
     # Random-init norms are ones and biases zeros; perturb every parameter so that no family
     # feature (a norm's offset, a bias) is invisible to the comparisons.
     with torch.no_grad():
@@ -129,10 +138,17 @@ def model(family: str, *, seed: int = 0, size: Size = TESTS) -> torch.nn.Module:
     return built.eval()
 
 
-def build(family: str, directory: Path, *, seed: int = 0, size: Size = TESTS) -> Path:
+def build(
+    family: str,
+    directory: Path,
+    *,
+    seed: int = 0,
+    size: Size = TESTS,
+    extra: dict[str, object] | None = None,
+) -> Path:
     """A random-init `family` model with the built-in tokenizer, saved in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    model(family, seed=seed, size=size).save_pretrained(directory)
+    model(family, seed=seed, size=size, extra=extra).save_pretrained(directory)
     for name in _TOKENIZER_FILES:
         shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
     return directory

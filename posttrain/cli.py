@@ -161,7 +161,7 @@ def check_data_dir(path: Path) -> None:
         raise ConfigError(f"--data-dir {path}: {exc.strerror}", param="data_dir") from None
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace) -> NoReturn:
     from posttrain.api.listen import listening_socket
 
     config = serve_config(args)
@@ -176,6 +176,7 @@ def serve(args: argparse.Namespace) -> int:
         ) from exc
 
     from posttrain.api.app import create_app
+    from posttrain.api.server import leave
     from posttrain.api.server import serve as run_server
     from posttrain.engine.trainer_group import check_trainer_ranks
     from posttrain.model.loader import servable_problem
@@ -187,7 +188,7 @@ def serve(args: argparse.Namespace) -> int:
         if spec.id not in BUILTIN_MODELS and (problem := servable_problem(spec.path)):
             raise ConfigError(f"--model {spec.path}: {problem}", param="models")
     check_trainer_ranks(config.engine)
-    return run_server(create_app(config), sock=sock, config=config)
+    leave(run_server(create_app(config), sock=sock, config=config))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "serve":
             try:
-                sys.exit(serve(args))
+                serve(args)
             except KeyboardInterrupt:  # Ctrl-C before the server had started
                 print("posttrain: interrupted while starting", file=sys.stderr)
                 sys.exit(130)

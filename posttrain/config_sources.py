@@ -72,9 +72,11 @@ def settings(
 
 
 def stay_offline() -> None:
-    """Every model is a local directory: transformers must never reach for a hub. Set before
-    transformers is imported (it reads the variable then); worker processes inherit it."""
+    """Every model is a local directory: transformers must never reach for a hub, and a
+    server's output is its log lines, not download or loading progress bars. Set before
+    transformers is imported (it reads both then); worker processes inherit them."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def model_spec_from_path(path: str | Path) -> ModelSpec:

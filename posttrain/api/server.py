@@ -5,16 +5,22 @@ operation GET (service/completion.py) would keep it waiting up to the hold limit
 server wakes every held GET first, and each answers the operation's current status.
 
 A signal stops the server once: uvicorn would re-raise it after its shutdown (a SIGINT as a
-KeyboardInterrupt traceback), so the signal is kept and becomes the exit status instead.
-Log records are one line each; a traceback is shown at log level debug only.
+KeyboardInterrupt traceback), so the signal is kept and becomes the exit status instead. The
+process then ends without Python's finalization (`leave`): a resource's worker thread may
+still be inside a torch pass, and finalization ends such a daemon thread with pthread_exit,
+which aborts the process in torch's C++ frames ("terminate called without an active
+exception"). The store is crash-safe, so what that pass had not recorded runs again at the
+next start. Log records are one line each; a traceback is shown at log level debug only.
 
 Imports: api.app (through the app's state), config, uvicorn.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -22,6 +28,7 @@ import threading
 from collections.abc import Generator
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 from fastapi import FastAPI
@@ -135,3 +142,14 @@ def serve(app: FastAPI, *, sock: socket.socket, config: ServerConfig) -> int:
     name = signal.Signals(stop).name if stop is not None else "shutdown"
     print(f"posttrain: stopped ({name})", file=sys.stderr, flush=True)
     return EXIT_STATUS.get(stop, 0) if stop is not None else 0
+
+
+def leave(status: int) -> NoReturn:
+    """End the process with `status` after the server stopped: the atexit handlers (worker
+    processes, Ray) and the flushes of a normal exit, without the finalization that would
+    abort on a worker thread still inside torch (the module docstring says why)."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

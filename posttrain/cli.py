@@ -181,13 +181,17 @@ def serve(args: argparse.Namespace) -> NoReturn:
     from posttrain.engine.trainer_group import check_trainer_ranks
     from posttrain.model.loader import servable_problem
 
-    check_data_dir(config.data_dir)
-    check_device(config.engine.device)
-    # The built-ins are known to be servable; only the user's directories are checked.
-    for spec in config.models:
-        if spec.id not in BUILTIN_MODELS and (problem := servable_problem(spec.path)):
-            raise ConfigError(f"--model {spec.path}: {problem}", param="models")
-    check_trainer_ranks(config.engine)
+    try:
+        check_data_dir(config.data_dir)
+        check_device(config.engine.device)
+        # The built-ins are known to be servable; only the user's directories are checked.
+        for spec in config.models:
+            if spec.id not in BUILTIN_MODELS and (problem := servable_problem(spec.path)):
+                raise ConfigError(f"--model {spec.path}: {problem}", param="models")
+        check_trainer_ranks(config.engine)
+    except ConfigError:
+        sock.close()
+        raise
     leave(run_server(create_app(config), sock=sock, config=config))
 
 

@@ -1,5 +1,6 @@
 """Where a ServerConfig's values come from: POSTTRAIN_* environment variables, `posttrain
-serve` flags (config.settings()), the keys file and the model directories a user names.
+serve` flags (`settings()`: the fields config.py declares as flags), the keys file and the
+model directories a user names.
 
 The only module that reads or writes os.environ. Imports: config, errors.
 """
@@ -164,11 +165,13 @@ def build_config(
             origins[setting.path] = f"{setting.env}={value}"
     values.update({k: v for k, v in overrides.items() if v is not None})
     named = {setting.path: setting.flag for setting in settings()}
-    for path, value in (flags or {}).items():
+    for path, given in (flags or {}).items():
+        value = given
         if path == ("models",):
-            value = (*builtin_model_specs(), *(model_spec_from_path(p) for p in value))  # type: ignore[attr-defined]
+            assert isinstance(given, list)
+            value = (*builtin_model_specs(), *(model_spec_from_path(p) for p in given))
         _place(values, path, value)
-        origins[path] = f"{named[path]} {value}"
+        origins[path] = f"{named[path]} {given}"
     api_key = api_key or os.environ.get(ENV_PREFIX + "API_KEY") or None
     keys_file = keys_file or os.environ.get(ENV_PREFIX + "KEYS_FILE") or None
     if api_key or keys_file:

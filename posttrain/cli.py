@@ -112,9 +112,12 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = root.add_subparsers(dest="command", required=True, metavar="{serve,demo}")
+    commands = root.add_subparsers(
+        title="commands", dest="command", required=True, metavar="COMMAND"
+    )
     serve = commands.add_parser(
         "serve",
+        usage="%(prog)s [flags]",  # 27 flags: the groups below list them
         help="run the server (the API, and a dashboard at its root URL)",
         description="Run the posttrain server: the Together RL post-training API, and a\n"
         "dashboard of its sessions at the root URL.",

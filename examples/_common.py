@@ -4,33 +4,57 @@ Every example takes `--base-url URL` to use a running `posttrain serve` (or any 
 speaks the API); without it, the example starts `posttrain serve` on a free port itself and
 stops it at the end. The API key comes from TOGETHER_API_KEY (a server started without
 --api-key accepts any non-empty key).
+
+Nothing here loads transformers, torch or the SDK on import (each takes seconds): the
+tokenizer loads on first use, and each example imports the SDK after parsing its arguments,
+so `--help` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-from transformers import AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
 from posttrain.demo.server import local_server
 
 API_KEY = os.environ.get("TOGETHER_API_KEY", "local-key")
 BASE_MODEL = BUILTIN_MODEL_ID
-TOKENIZER = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
-EOS = TOKENIZER.eos_token_id
+
+
+@functools.cache
+def tokenizer():
+    """The built-in model's tokenizer (a transformers PreTrainedTokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
+
+
+def eos() -> int:
+    return tokenizer().eos_token_id
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The docstring as written, and each option's default after its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return action.help
+        return f"{action.help} (default: %(default)s)"
 
 
 def parser(description: str | None) -> argparse.ArgumentParser:
     """An argument parser with --base-url; each example adds its own knobs."""
-    result = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    result = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    result.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="a running server (default: start `posttrain serve` on a free port for the run)",
     )
-    result.add_argument("--base-url", help="a running server; omitted: start `posttrain serve`")
     return result
 
 
@@ -45,11 +69,11 @@ def server(base_url: str | None) -> Iterator[str]:
 
 
 def encode(text: str) -> list[int]:
-    return TOKENIZER.encode(text, add_special_tokens=False)
+    return tokenizer().encode(text, add_special_tokens=False)
 
 
 def decode(tokens: list[int]) -> str:
-    return TOKENIZER.decode([int(t) for t in tokens], skip_special_tokens=True)
+    return tokenizer().decode([int(t) for t in tokens], skip_special_tokens=True)
 
 
 def model_input(tokens: list[int]) -> dict:

@@ -16,28 +16,28 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from _common import (
     API_KEY,
     BASE_MODEL,
-    EOS,
     addition_problems,
     decode,
     encode,
+    eos,
     model_input,
     parser,
     server,
 )
-from together import Together
-from together.post_training import ModelResourcesClient, download_checkpoint
-from transformers import AutoModelForCausalLM, AutoTokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 ADAM = {"learning_rate": 3e-3, "weight_decay": 0.0}
 
 
 def sft_sample(prompt: str, answer: str) -> dict:
-    prompt_ids, answer_ids = encode(prompt), encode(answer) + [EOS]
+    prompt_ids, answer_ids = encode(prompt), encode(answer) + [eos()]
     tokens = prompt_ids + answer_ids
     return {
         "model_input": model_input(tokens[:-1]),
@@ -59,15 +59,25 @@ def train(session, batch: list[dict], steps: int) -> list[float]:
 
 
 def probe_logprobs(session, probe: dict) -> torch.Tensor:
+    import torch
+
     result = session.trainer.forward(samples=[probe], loss={"type": "cross_entropy"})
     return torch.tensor(result.loss_fn_outputs[0].tensors["logprobs"].data)
 
 
 def main() -> None:
     args_parser = parser(__doc__)
-    args_parser.add_argument("--steps", type=int, default=10)
-    args_parser.add_argument("--out", type=Path, default=Path("posttrain-export"))
+    args_parser.add_argument("--steps", type=int, default=10, help="training steps")
+    args_parser.add_argument(
+        "--out", type=Path, default=Path("posttrain-export"), help="where the merged model goes"
+    )
     args = args_parser.parse_args()
+    # After --help: torch, transformers and the SDK take seconds to load.
+    import torch
+    from together import Together
+    from together.post_training import ModelResourcesClient, download_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     rng = random.Random(0)
     problems = addition_problems(seed=1, count=200)
     batch = [sft_sample(p, a) for p, a in rng.sample(problems, 32)]
@@ -116,7 +126,11 @@ def main() -> None:
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False, return_tensors="pt")
         with torch.no_grad():
             generated = model.generate(
-                prompt_ids, max_new_tokens=5, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
+                prompt_ids,
+                max_new_tokens=5,
+                do_sample=False,
+                eos_token_id=eos(),
+                pad_token_id=eos(),
             )[0, prompt_ids.shape[1] :].tolist()
         local, remote = decode(generated), decode(served.tokens)
         print(

@@ -20,18 +20,19 @@ training, scored once at the start.
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
-from _common import API_KEY, BASE_MODEL, EOS, encode, model_input, parser, server
-from together.post_training import ModelResourcesClient
+from _common import API_KEY, BASE_MODEL, encode, eos, model_input, parser, server
+
+if TYPE_CHECKING:
+    import torch
 
 BETA = 0.5
 
 
 def scored_sample(prompt: str, answer: str) -> dict:
     """A sample whose weights select the answer tokens: forward() returns their logprobs."""
-    prompt_ids, answer_ids = encode(prompt), encode(answer) + [EOS]
+    prompt_ids, answer_ids = encode(prompt), encode(answer) + [eos()]
     tokens = prompt_ids + answer_ids
     return {
         "model_input": model_input(tokens[:-1]),
@@ -56,20 +57,29 @@ def preference_pairs(seed: int, count: int) -> list[tuple[dict, dict]]:
 
 def answer_logprobs(trainer, samples: list[dict]) -> list[torch.Tensor]:
     """Per-token logprobs of every sample; forward() returns 0.0 where the weight is 0."""
+    import torch
+
     result = trainer.forward(samples=samples, loss={"type": "cross_entropy"})
     return [torch.tensor(out.tensors["logprobs"].data) for out in result.loss_fn_outputs]
 
 
 def answer_mask(sample: dict) -> torch.Tensor:
+    import torch
+
     return torch.tensor(sample["loss_fn_inputs"]["weights"])
 
 
 def main() -> None:
     args_parser = parser(__doc__)
-    args_parser.add_argument("--steps", type=int, default=15)
-    args_parser.add_argument("--pairs", type=int, default=32)
-    args_parser.add_argument("--learning-rate", type=float, default=2e-3)
+    args_parser.add_argument("--steps", type=int, default=15, help="DPO steps")
+    args_parser.add_argument("--pairs", type=int, default=32, help="preference pairs per step")
+    args_parser.add_argument("--learning-rate", type=float, default=2e-3, help="Adam learning rate")
     args = args_parser.parse_args()
+    # After --help: torch and the SDK take seconds to load.
+    import torch
+    import torch.nn.functional as F
+    from together.post_training import ModelResourcesClient
+
     pairs = preference_pairs(seed=0, count=args.pairs)
     samples = [s for pair in pairs for s in pair]  # chosen, rejected, chosen, rejected, ...
     with (

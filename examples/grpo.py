@@ -30,7 +30,6 @@ from _common import (
     parser,
     server,
 )
-from together.post_training import ModelResourcesClient
 
 
 def grpo_sample(prompt: list[int], tokens: list[int], logprobs: list[float], advantage: float):
@@ -50,11 +49,13 @@ def grpo_sample(prompt: list[int], tokens: list[int], logprobs: list[float], adv
 
 def main() -> None:
     args_parser = parser(__doc__)
-    args_parser.add_argument("--steps", type=int, default=20)
+    args_parser.add_argument("--steps", type=int, default=20, help="GRPO steps")
     args_parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     args_parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    args_parser.add_argument("--learning-rate", type=float, default=1e-3)
+    args_parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam learning rate")
     args = args_parser.parse_args()
+    from together.post_training import ModelResourcesClient  # after --help: it loads torch
+
     train = addition_problems(seed=1, count=2000)
     rng = random.Random(0)
     with (

@@ -10,8 +10,7 @@ The reward here is a toy: the completion should start with the right digit of 12
 
 from __future__ import annotations
 
-from _common import API_KEY, BASE_MODEL, TOKENIZER, parser, server
-from together.post_training import ModelResourcesClient
+from _common import API_KEY, BASE_MODEL, parser, server, tokenizer
 
 
 def reward(text: str) -> float:
@@ -19,8 +18,10 @@ def reward(text: str) -> float:
 
 
 def run(base_url: str) -> None:
-    tokenizer = TOKENIZER
-    prompt = tokenizer.encode("<|im_start|>12+34=", add_special_tokens=False)
+    from together.post_training import ModelResourcesClient  # after --help: it loads torch
+
+    decode = tokenizer().decode
+    prompt = tokenizer().encode("<|im_start|>12+34=", add_special_tokens=False)
     model_input = {"chunks": [{"encoded_text": {"tokens": prompt}}]}
     with (
         ModelResourcesClient.create(
@@ -32,7 +33,7 @@ def run(base_url: str) -> None:
         result = generator.sample(
             model_input, num_samples=8, sampling_params={"max_tokens": 6, "temperature": 1.0}
         )
-        texts = [tokenizer.decode(s.tokens) for s in result.sequences]
+        texts = [decode(s.tokens) for s in result.sequences]
         rewards = [reward(t) for t in texts]
         mean = sum(rewards) / len(rewards)
         print(f"policy v{result.policy_segments[0].version} samples: {texts}")
@@ -68,7 +69,7 @@ def run(base_url: str) -> None:
         again = generator.sample(model_input, num_samples=4, sampling_params={"max_tokens": 6})
         print(
             f"policy v{again.policy_segments[0].version} samples: "
-            f"{[tokenizer.decode(s.tokens) for s in again.sequences]}"
+            f"{[decode(s.tokens) for s in again.sequences]}"
         )
 
 

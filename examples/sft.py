@@ -16,20 +16,19 @@ import random
 from _common import (
     API_KEY,
     BASE_MODEL,
-    EOS,
     addition_problems,
     encode,
+    eos,
     greedy_accuracy,
     model_input,
     parser,
     server,
 )
-from together.post_training import ModelResourcesClient
 
 
 def sft_sample(prompt: str, answer: str) -> dict:
     """Predict (prompt + answer)[1:] from (prompt + answer)[:-1]; only the answer counts."""
-    prompt_ids, answer_ids = encode(prompt), encode(answer) + [EOS]
+    prompt_ids, answer_ids = encode(prompt), encode(answer) + [eos()]
     tokens = prompt_ids + answer_ids
     return {
         "model_input": model_input(tokens[:-1]),
@@ -42,13 +41,15 @@ def sft_sample(prompt: str, answer: str) -> dict:
 
 def main() -> None:
     args_parser = parser(__doc__)
-    args_parser.add_argument("--steps", type=int, default=60)
-    args_parser.add_argument("--batch-size", type=int, default=64)
-    args_parser.add_argument("--learning-rate", type=float, default=3e-3)
+    args_parser.add_argument("--steps", type=int, default=60, help="training steps")
+    args_parser.add_argument("--batch-size", type=int, default=64, help="problems per step")
+    args_parser.add_argument("--learning-rate", type=float, default=3e-3, help="Adam learning rate")
     args_parser.add_argument(
         "--num-problems", type=int, default=5000, help="size of the training set"
     )
     args = args_parser.parse_args()
+    from together.post_training import ModelResourcesClient  # after --help: it loads torch
+
     train = addition_problems(seed=1, count=args.num_problems)
     heldout = addition_problems(seed=2, count=100)
     rng = random.Random(0)

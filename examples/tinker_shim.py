@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 
-import together.post_training.tinker as tinker
 from _common import (
     API_KEY,
     BASE_MODEL,
@@ -28,11 +27,13 @@ from _common import (
 
 def main() -> None:
     args_parser = parser(__doc__)
-    args_parser.add_argument("--steps", type=int, default=10)
+    args_parser.add_argument("--steps", type=int, default=10, help="training steps")
     args_parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     args_parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    args_parser.add_argument("--learning-rate", type=float, default=1e-3)
+    args_parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam learning rate")
     args = args_parser.parse_args()
+    import together.post_training.tinker as tinker  # after --help: it loads torch
+
     train = addition_problems(seed=1, count=2000)
     rng = random.Random(0)
     with server(args.base_url) as base_url:

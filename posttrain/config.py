@@ -1,20 +1,20 @@
-"""The ServerConfig tree: built once by cli.py from flags and POSTTRAIN_* env, then passed down.
+"""The ServerConfig tree: built once at start-up (config_sources.py), then passed down.
 
-Every field has a default or is required, and a description. This is the only module that reads
-os.environ. Imports: errors.
+Every field has a default or is required, and a description, which is also the help of its
+`posttrain serve` flag: a field is a flag when its `json_schema_extra` is `flag(...)` (its help
+group, and where it differs from the rule: its name, hidden, an environment variable). Each
+setting is declared here once; config_sources.py turns the declarations into flags, reads the
+environment and builds the tree. Imports: errors.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from posttrain.errors import ConfigError
-
-ENV_PREFIX = "POSTTRAIN_"
 
 # The built-in models, shipped as package data (built by scripts/build_tiny_model.py): id ->
 # directory. Every server offers all of them; BUILTIN_MODEL_ID (the dense one) is the default
@@ -27,33 +27,56 @@ BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
 BUILTIN_MODEL_DIR = BUILTIN_MODELS[BUILTIN_MODEL_ID]
 
 
-# Unit suffixes of a byte count (`--memory-limit 8GiB`): binary and decimal prefixes.
-BYTE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
+# Unit suffixes of a byte count (`--memory-limit 8GiB`): decimal KB..TB, binary KiB..TiB, and
+# the one-letter K..T read as binary, as `free -h` and most tools print them.
+BYTE_UNITS = {"B": 1} | {p + "B": 1000 ** (i + 1) for i, p in enumerate("KMGT")}
+BYTE_UNITS |= {p + s: 1 << 10 * (i + 1) for i, p in enumerate("KMGT") for s in ("", "IB")}
 
 
 def parse_bytes(text: str) -> int:
-    """A byte count with an optional unit suffix: `8GiB`, `512MiB`, `1.5GB`, `4096`."""
+    """A byte count with a unit: `8GiB`, `8G` (= GiB), `512MiB`, `512M`, `1.5GB`, `4096B`.
+
+    A bare number is refused: `--memory-limit 8` meant as gigabytes would otherwise be 8 bytes."""
     stripped = text.strip()
     number = stripped.rstrip("BbIiKkMmGgTt ")
     unit = stripped[len(number) :].strip().upper()
-    if unit not in BYTE_UNITS:
-        raise ValueError(f"{text!r}: unknown unit {unit!r} (B, KB, MB, GB, TB, KiB .. TiB)")
     try:
         value = float(number)
     except ValueError:
         raise ValueError(f"{text!r} is not a number of bytes with a unit, e.g. 8GiB") from None
+    if not unit:
+        raise ValueError(
+            f"{text!r} has no unit: give one, e.g. {number}GiB, {number}MiB or {number}B"
+        )
+    if unit not in BYTE_UNITS:
+        raise ValueError(
+            f"{text!r}: unknown unit {unit!r} (B, KiB/K, MiB/M, GiB/G, TiB/T, KB .. TB)"
+        )
     return int(value * BYTE_UNITS[unit])
+
+
+# The groups of `posttrain serve --help` (config_sources.FLAG_GROUPS says what each holds).
+FlagGroup = Literal["basics", "models", "limits and auth", "scale-out", "performance"]
+
+
+def flag(
+    group: FlagGroup,
+    *,
+    name: str | None = None,
+    hidden: bool = False,
+    env: bool = False,
+    metavar: str | None = None,
+    default: str | None = None,
+    switch: bool = False,
+) -> dict[str, Any]:
+    """The `json_schema_extra` of a field `posttrain serve` takes as a flag in help `group`.
+
+    `name`: the flag when it is not `--` plus the field's name with dashes; `hidden`: kept out
+    of --help (test knobs); `env`: also read from POSTTRAIN_<FIELD NAME>; `default`: what --help
+    says for the default when the value alone would not tell a user; `switch`: a bool given as
+    a bare `--flag` (bools are otherwise `on|off`)."""
+    spec = {"group": group, "name": name, "hidden": hidden, "env": env, "metavar": metavar}
+    return {"flag": {**spec, "default": default, "switch": switch}}
 
 
 class ModelSpec(BaseModel):
@@ -69,63 +92,74 @@ def builtin_model_specs() -> tuple[ModelSpec, ...]:
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    device: str = Field("auto", description="torch device: auto (cuda if present), cpu, cuda")
+    device: str = Field(
+        "auto",
+        description="torch device: auto (cuda when present, else cpu), cpu, cuda or cuda:N",
+        json_schema_extra=flag("basics"),
+    )
     # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs about 0.5 ms a
     # call, within the noise of every operation but a publish; a worker process costs a start
     # (spawn, import torch, load the model: seconds) and its own copy of the libraries. Threads
-    # stay the default until the trainer and generators run apart (issue 15).
+    # stay the default until the trainer and generators run apart. The process: engine/process.py.
     workers: Literal["thread", "process"] = Field(
         "thread",
-        description="where each model resource's engine runs: a thread of the API process, or"
-        " a worker process of its own (engine/process.py: a crash or out-of-memory there fails"
-        " that resource's operations, not the server, and its sessions are restored)",
+        description="where each model resource's engine runs: a thread of the server, or a"
+        " worker process of its own (a crash or out-of-memory there fails that resource's"
+        " operations, not the server, and its sessions are restored)",
+        json_schema_extra=flag("scale-out"),
     )
     # Measured (bench/scale_out.py, docs/benchmarks.md): a replica process costs a start
     # (spawn, import torch, load the model: seconds) and a copy of the model, and each
     # weights-sync pickles the published tensors across a pipe. It pays where samples are long
     # and several sessions train while others sample; on the built-in model and in the tests
-    # the inline generator is faster, so it stays the default.
+    # the inline generator is faster, so it stays the default. Replicas: engine/replicas.py.
     generators: Literal["inline", "process"] = Field(
         "inline",
         description="where each model resource's generators run: inline, on the trainer's"
-        " model and lane (a sample waits for the trainer and the trainer for it), or as"
-        " compute_config.num_generator_replicas replica processes that sample beside the"
-        " trainer (engine/replicas.py)",
+        " model (a sample waits for the trainer and the trainer for it), or as"
+        " compute_config.num_generator_replicas processes that sample beside the trainer",
+        json_schema_extra=flag("scale-out"),
     )
     # Measured (bench/scale_out.py, docs/benchmarks.md): on one CPU host a broadcast and the
     # pipes move an adapter alike; a broadcast sends a bucket's bytes once for all replicas
     # instead of pickling them down each pipe, and is what crosses machines under --ray.
+    # The broadcast: engine/weights_broadcast.py.
     weights_transport: Literal["broadcast", "pipe"] = Field(
         "broadcast",
-        description="how a weights-sync's bytes reach --generators process replicas: one gloo"
-        " broadcast per 64 MiB bucket in a torch.distributed group of the resource's replicas"
-        " (engine/weights_broadcast.py; down the pipes when the group cannot form), or down each"
-        " replica's pipe",
+        description="how a weights-sync reaches --generators process replicas: a"
+        " torch.distributed (gloo) broadcast in 64 MiB buckets to all replicas at once (each"
+        " replica's pipe when the group cannot form), or down each replica's pipe",
+        json_schema_extra=flag("scale-out"),
     )
-    # Built, tested eagerly on the CPU (the same static passes) and by `-m gpu` tests, but not
-    # yet measured on a GPU: a layout's graph is captured per generate call, and whether its
-    # replays win back the capture on short generations is what bench/gpu_check.py's "decode
-    # paths" line measures. Until then CUDA decodes in dynamic blocks of 8 passes (one host
-    # read per block), which needs no capture.
+    # Built, tested eagerly on the CPU (the same static passes) and by `-m gpu` tests: a
+    # layout's graph is captured per generate call, and whether its replays win back the
+    # capture on short generations is what bench/gpu_check.py's "decode paths" line measures.
+    # Until then CUDA decodes in dynamic blocks of 8 passes (one host read per block), which
+    # needs no capture. The graphs: engine/decode_graph.py.
     cuda_graphs: bool = Field(
         False,
         description="on CUDA, decode in static-shape passes captured in CUDA graphs and"
-        " replayed (engine/decode_graph.py); off: dynamic passes in blocks of 8, one host read"
-        " per block. No effect on other devices",
+        " replayed; off: dynamic passes in blocks of 8, one host read per block. No effect on"
+        " other devices",
+        json_schema_extra=flag("performance"),
     )
+    # Placement: engine/ray_placement.py.
     ray: str | None = Field(
         None,
         min_length=1,
-        description="place each model resource's processes (its --workers process trainer,"
-        " its --generators process replicas) as Ray actors in a placement group of its own:"
-        " 'local' starts a Ray instance on this machine, anything else is the address of a"
-        " Ray cluster to join (engine/ray_placement.py; pip install 'posttrain[ray]');"
-        " None: local processes, and nothing imports Ray",
+        description="place each model resource's processes (its --workers process engine,"
+        " its --trainer-ranks, its --generators process replicas) as Ray actors in a placement"
+        " group of its own: 'local' starts a Ray instance on this machine, anything else is the"
+        " address of a Ray cluster to join (needs pip install 'posttrain[ray]')",
+        json_schema_extra=flag(
+            "scale-out", metavar="local|ADDRESS", default="off: local processes"
+        ),
     )
     ray_strategy: Literal["PACK", "SPREAD"] = Field(
         "PACK",
         description="how a resource's placement group lays out its processes on the Ray"
         " cluster's nodes: PACK (as few nodes as possible) or SPREAD (across nodes)",
+        json_schema_extra=flag("scale-out"),
     )
     # Data parallel (engine/trainer_group.py): each rank holds the whole model and forwards its
     # share of a batch's rows; a full-weight session's gradients and optimizer state are
@@ -137,7 +171,9 @@ class EngineConfig(BaseModel):
         ge=1,
         description="processes each model resource's trainer runs on: 1 (in the engine of"
         " --workers) or a torch.distributed group of N rank processes that split each"
-        " forward-backward's rows and all-reduce its gradients (engine/trainer_group.py)",
+        " forward-backward's rows and all-reduce its gradients (at most the CPU cores, or the"
+        " CUDA devices)",
+        json_schema_extra=flag("scale-out", metavar="N"),
     )
     # ZeRO-3 (engine/param_shards.py): on trainer_ranks > 1 a full-weight session's
     # parameters are sharded too, each rank holding only the parameters it owns between
@@ -148,18 +184,22 @@ class EngineConfig(BaseModel):
     # fit one device trains on N. Off: ZeRO-2, parameters replicated.
     shard_parameters: bool = Field(
         True,
-        description="on a trainer group, shard a full-weight session's parameters over the"
-        " ranks as well as its gradients and optimizer state (ZeRO-3; engine/param_shards.py)",
+        description="with --trainer-ranks N > 1, shard a full-weight session's parameters"
+        " over the ranks as well as its gradients and optimizer state (on: ZeRO-3, each rank"
+        " holds 1/N of the weights; off: ZeRO-2, weights replicated)",
+        json_schema_extra=flag("scale-out"),
     )
     max_generator_replicas: int = Field(
         8,
         ge=1,
         description="the most compute_config.num_generator_replicas a model resource may ask for",
+        json_schema_extra=flag("scale-out", metavar="N"),
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="base weights' dtype: auto = bfloat16 on CUDA, float32 on CPU; float32 on"
         " CUDA makes sampler and trainer logprobs agree to float32 rounding",
+        json_schema_extra=flag("models"),
     )
     max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank a client may request")
     max_batch_size: int = Field(256, ge=1, description="most samples in one forward-backward")
@@ -177,13 +217,14 @@ class EngineConfig(BaseModel):
     # On a GPU (estimated, not measured yet) the fixed cost is a forward's hundreds of kernel
     # launches, some milliseconds: a few hundred tokens of a 0.2B model at the 43k tokens/s of
     # docs/benchmarks.md. 256 suits the GPU, where serving runs, and costs the CPU little.
+    # The grouping: engine/buckets.py.
     bucket_overhead_tokens: int = Field(
         256,
         ge=0,
         description="fixed cost of one model forward, in tokens of work: a training batch's rows"
-        " are grouped by length into forwards that minimise padded tokens plus this per forward"
-        " (engine/buckets.py); 0 gives one forward per distinct length, a huge value one padded"
-        " forward for the whole batch",
+        " are grouped by length into forwards that minimise padded tokens plus this per forward;"
+        " 0 gives one forward per distinct length, a huge value one padded forward for the"
+        " whole batch",
     )
     prefix_cache_mib: int = Field(
         512,
@@ -194,17 +235,20 @@ class EngineConfig(BaseModel):
     memory_limit: int | None = Field(
         None,
         ge=1,
-        description="bytes the server's process (on CUDA: torch's allocations on the device)"
-        " may use, e.g. 8GiB: an operation whose estimated peak does not fit under it fails"
-        " RESOURCE_EXHAUSTED before it runs; None: only the machine's free memory (and"
-        " RLIMIT_AS) bound it",
+        description="memory the server (on CUDA: torch's allocations on the device) may use,"
+        " with a unit: 8GiB or 8G, 512MiB or 512M, 1.5GB (a bare number is refused). An"
+        " operation whose estimated peak does not fit fails RESOURCE_EXHAUSTED before it runs",
+        json_schema_extra=flag(
+            "limits and auth", metavar="SIZE", default="none: only the free memory"
+        ),
     )
     loss_fn_outputs: Literal["requested", "always"] = Field(
         "requested",
-        description="when a forward-backward returns its per-sample loss_fn_outputs (logprobs):"
-        " requested = only when the request sets return_loss_fn_outputs (api.md); always = on"
-        " every forward-backward, for Tinker-style loops (tinker-cookbook) that read them"
-        " without asking through the tinker shim",
+        description="when a forward-backward returns its per-sample logprobs (loss_fn_outputs):"
+        " requested = only when the request sets return_loss_fn_outputs; always = on every"
+        " forward-backward, for Tinker-style loops (tinker-cookbook) that read them without"
+        " asking",
+        json_schema_extra=flag("models"),
     )
 
     @field_validator("memory_limit", mode="before")
@@ -227,7 +271,7 @@ class EngineConfig(BaseModel):
 
 class SamplerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    max_tokens: int = Field(100, ge=1, description="default sampling max_tokens (api.md 7.11)")
+    max_tokens: int = Field(100, ge=1, description="default sampling max_tokens")
     temperature: float = Field(1.0, ge=0, description="default sampling temperature")
     num_samples: int = Field(1, ge=1, description="default num_samples")
 
@@ -254,12 +298,18 @@ class LimitsConfig(BaseModel):
     # The SDK offloads any operation body over 0.5 MiB to a payload upload (api.md 1.6), so
     # inline bodies stay small; other clients may send whole batches inline.
     max_body_mib: int = Field(
-        64, ge=1, description="largest request body, except payload uploads (MiB)"
+        64,
+        ge=1,
+        description="largest request body in MiB, payload uploads aside; larger ones get a 413",
+        json_schema_extra=flag("limits and auth", metavar="MIB"),
     )
     # The SDK refuses payloads over 4.995 GiB; 1 GiB holds a 256 x 32k-token batch with its
     # loss inputs as JSON several times over.
     max_payload_mib: int = Field(
-        1024, ge=1, description="largest payload upload (PUT of a signed URL, MiB)"
+        1024,
+        ge=1,
+        description="largest payload upload in MiB (the SDK's offload of large operation bodies)",
+        json_schema_extra=flag("limits and auth", metavar="MIB"),
     )
     max_sequences: int = Field(
         4096,
@@ -280,21 +330,47 @@ class RoutedExpertsConfig(BaseModel):
     # covers slow off-policy loops too. 256 MiB holds about 5,000 sequences of 1,000 tokens
     # on a 48-layer top-8 model (2 bytes per token, layer and expert slot).
     ttl_s: float = Field(
-        3600.0, gt=0, description="how long a routed_experts_key stays usable after sampling"
+        3600.0,
+        gt=0,
+        description="seconds a routed_experts_key (MoE routing replay) stays usable after sampling",
+        json_schema_extra=flag("limits and auth", name="--routed-experts-ttl-s", metavar="S"),
     )
     memory_mib: int = Field(
         256,
         ge=0,
-        description="memory for recorded expert routes, all sessions together; the least"
+        description="memory in MiB for recorded expert routes, all sessions together; the least"
         " recently used keys are forgotten first when it is full",
+        json_schema_extra=flag("limits and auth", name="--routed-experts-mib", metavar="MIB"),
     )
 
 
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
-    data_dir: Path = Field(Path("posttrain-data"), description="SQLite store and large files")
+    host: str = Field(
+        "127.0.0.1", description="address to listen on", json_schema_extra=flag("basics", env=True)
+    )
+    port: int = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="TCP port; 0 picks a free one",
+        json_schema_extra=flag("basics", env=True),
+    )
+    data_dir: Path = Field(
+        Path("posttrain-data"),
+        description="where the server keeps its database, checkpoints and uploads",
+        json_schema_extra=flag("basics", env=True, metavar="DIR"),
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description="least severe log lines shown; debug adds tracebacks to logged errors",
+        json_schema_extra=flag("basics"),
+    )
+    access_log: bool = Field(
+        False,
+        description="log every HTTP request, and the web server's own start and stop lines",
+        json_schema_extra=flag("basics", switch=True),
+    )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description="bearer API key -> user id (created_by of that caller's objects); empty"
@@ -302,28 +378,44 @@ class ServerConfig(BaseModel):
     )
     user_id: str = Field("user_local", description="the user of single-user mode and of --api-key")
     models: tuple[ModelSpec, ...] = Field(
-        default_factory=builtin_model_specs, description="base models this server can train"
+        default_factory=builtin_model_specs,
+        description="add a local Hugging Face causal-LM directory, served as base_model"
+        " <directory name> beside the built-in posttrain/tiny-qwen3 and posttrain/tiny-qwen3-moe"
+        " (repeatable)",
+        json_schema_extra=flag(
+            "models", name="--model", metavar="PATH", default="none: the built-in models only"
+        ),
     )
     signing_key: str = Field(
         "",
-        description="HMAC key for signed URLs; empty = a random key kept in data_dir/signing.key,"
-        " so URLs survive restarts",
+        description="HMAC key of signed download and upload URLs",
+        json_schema_extra=flag(
+            "limits and auth",
+            env=True,
+            metavar="KEY",
+            default="a random key kept in the data directory, so URLs survive restarts",
+        ),
     )
     url_ttl_s: int = Field(3600, ge=1, description="lifetime of signed download/upload URLs")
     persist_every: int = Field(
         10,
         ge=1,
-        description="a full-weight session's state is written every this many optimizer steps;"
-        " the operations between are journaled and replayed after a crash (1: every step)",
+        description="write a full-weight session's state every N optimizer steps; the"
+        " operations between are journaled and replayed after a crash (1: every step)",
+        json_schema_extra=flag("performance", env=True, metavar="N"),
     )
+    # The API's minimum is 300 s; tests lower it to expire resources within seconds.
     min_inactive_timeout_s: int = Field(
         300,
         ge=1,
-        description="smallest inactive_timeout a resource may ask for (api.md 1.2: 300); lower"
-        " only for tests",
+        description="smallest inactive_timeout a resource may ask for; lower only for tests",
+        json_schema_extra=flag("limits and auth", env=True, hidden=True),
     )
     expiry_check_interval_s: float = Field(
-        30.0, gt=0, description="how often idle model resources are checked for expiry"
+        30.0,
+        gt=0,
+        description="how often idle model resources are checked for expiry",
+        json_schema_extra=flag("limits and auth", env=True, hidden=True),
     )
     # 10 s sits well under the SDK's shortest read timeout (60 s, api.md 2.6), so a held GET
     # never times out on the client; 0 answers every poll at once.
@@ -331,9 +423,10 @@ class ServerConfig(BaseModel):
         10.0,
         ge=0,
         le=50,
-        description="how long an operation GET of a PENDING or RUNNING operation (or a sample"
-        " POST sent beside others of its session) waits for it to finish before answering the"
-        " current status; 0 turns holding off",
+        description="an operation GET, or a sample POST sent beside others of its session,"
+        " waits up to S seconds for a pending or running operation to finish before answering"
+        " its current status (at most 50; 0 answers at once)",
+        json_schema_extra=flag("performance", env=True, metavar="S"),
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="engine settings")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="sample defaults")
@@ -347,94 +440,3 @@ class ServerConfig(BaseModel):
         default_factory=RoutedExpertsConfig,
         description="the store of expert routes behind routed_experts_key (MoE routing replay)",
     )
-
-
-def model_spec_from_path(path: str | Path) -> ModelSpec:
-    """`--model PATH` adds a local HF directory, listed under its directory name."""
-    directory = Path(path).expanduser().resolve()
-    if not (directory / "config.json").is_file():
-        raise ConfigError(f"--model {path}: no config.json in that directory", param="models")
-    return ModelSpec(id=directory.name, path=directory)
-
-
-def load_keys_file(path: str | Path) -> dict[str, str]:
-    """API key -> user id from a keys file: one `KEY USER_ID` pair per line, separated by
-    whitespace; blank lines and lines starting with `#` are skipped.
-
-    A malformed line, a repeated key or a file without keys raises ConfigError naming the
-    line: an empty map would silently mean single-user mode, which accepts any key."""
-    file = Path(path).expanduser()
-    try:
-        text = file.read_text()
-    except OSError as exc:
-        raise ConfigError(f"--keys-file {path}: {exc.strerror}", param="api_keys") from None
-    keys: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        fields = line.split()
-        if not fields or fields[0].startswith("#"):
-            continue
-        if len(fields) != 2:
-            raise ConfigError(
-                f"--keys-file {path}:{number}: expected `KEY USER_ID`, got {len(fields)} fields",
-                param="api_keys",
-            )
-        key, user = fields
-        if key in keys:
-            raise ConfigError(
-                f"--keys-file {path}:{number}: this key already appears above", param="api_keys"
-            )
-        keys[key] = user
-    if not keys:
-        raise ConfigError(f"--keys-file {path}: the file holds no keys", param="api_keys")
-    return keys
-
-
-def api_keys_from(
-    api_key: str | None, keys_file: str | Path | None, user_id: str
-) -> dict[str, str]:
-    """The key -> user map of `--keys-file` plus `--api-key` (which belongs to `user_id`)."""
-    keys = load_keys_file(keys_file) if keys_file else {}
-    if api_key:
-        if keys.get(api_key, user_id) != user_id:
-            raise ConfigError(
-                f"--api-key is also in --keys-file for user {keys[api_key]!r}", param="api_keys"
-            )
-        keys[api_key] = user_id
-    return keys
-
-
-def build_config(
-    *, api_key: str | None = None, keys_file: str | Path | None = None, **overrides: object
-) -> ServerConfig:
-    """ServerConfig from POSTTRAIN_* env (HOST, PORT, DATA_DIR, API_KEY, KEYS_FILE,
-    MIN_INACTIVE_TIMEOUT_S, EXPIRY_CHECK_INTERVAL_S, POLL_HOLD_SECONDS, SIGNING_KEY,
-    PERSIST_EVERY) and explicit
-    arguments.
-
-    Explicit arguments win; an invalid value raises ConfigError naming the field."""
-    values: dict[str, object] = {}
-    env_fields = {
-        "HOST": "host",
-        "PORT": "port",
-        "DATA_DIR": "data_dir",
-        "MIN_INACTIVE_TIMEOUT_S": "min_inactive_timeout_s",
-        "EXPIRY_CHECK_INTERVAL_S": "expiry_check_interval_s",
-        "POLL_HOLD_SECONDS": "poll_hold_seconds",
-        "SIGNING_KEY": "signing_key",
-        "PERSIST_EVERY": "persist_every",
-    }
-    for env_name, field_name in env_fields.items():
-        if (value := os.environ.get(ENV_PREFIX + env_name)) is not None:
-            values[field_name] = value
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    api_key = api_key or os.environ.get(ENV_PREFIX + "API_KEY") or None
-    keys_file = keys_file or os.environ.get(ENV_PREFIX + "KEYS_FILE") or None
-    if api_key or keys_file:
-        user_id = str(values.get("user_id") or ServerConfig.model_fields["user_id"].default)
-        values["api_keys"] = api_keys_from(api_key, keys_file, user_id)
-    try:
-        return ServerConfig(**values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(f"config {field}: {first['msg']}", param=field) from exc

@@ -1,4 +1,5 @@
-"""Load a Hugging Face causal LM and its tokenizer from a local directory, offline.
+"""Load a Hugging Face causal LM and its tokenizer from a local directory, offline (every
+model is a local directory: nothing is looked up on a hub).
 
 Owns device and dtype choice, and what makes a directory servable (`servable_problem`, the
 start-up check of `posttrain serve --model DIR`). Does not own adapters (lora.py) or anything
@@ -7,7 +8,6 @@ about sessions.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,10 +62,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """The base weights in `dtype` on `device`, frozen. Loss and logprob math is float32
     whatever the weights' dtype (engine/logprobs.py), and so are LoRA adapters (model/lora.py)."""
-    # Never reach for a hub: every model is a local directory.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     # The start-up check (servable_problem) reads no weights, so a missing, truncated or
     # mismatched weight file surfaces here, at resource create: name the directory and the
     # reason (transformers and safetensors raise OSError, SafetensorError, RuntimeError, ...).
@@ -79,7 +77,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     routing.install(model)  # routing capture and replay of MoE routers
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     config = model.config
     eos = config.eos_token_id
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
@@ -100,8 +98,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
 def route_shape(path: Path) -> MoeShape | None:
     """The expert-route shape of the model in `path` (None: dense), from a meta-device build:
     no weights are read or allocated."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         return routing.moe_shape(AutoModelForCausalLM.from_config(config))
 
@@ -120,9 +117,8 @@ def servable_problem(path: Path) -> str | None:
     into a decoder-only causal LM, with attention posttrain runs (sdpa or eager), and a
     tokenizer. Reads configs and tokenizer files only; the model is built on the meta device,
     so no weights are read or allocated."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure here is the directory's problem
         return f"transformers cannot read its config ({type(exc).__name__}: {exc})"
     if getattr(config, "is_encoder_decoder", False) or type(config) not in (
@@ -138,7 +134,7 @@ def servable_problem(path: Path) -> str | None:
     if implementation not in attention.SERVED:
         return f"attention {implementation!r} cannot be served (sdpa or eager)"
     try:
-        AutoTokenizer.from_pretrained(path)
+        AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001
         return f"no usable tokenizer ({type(exc).__name__}: {exc})"
     return None

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import API_KEY
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -97,3 +98,29 @@ def test_checkpoint_example_resumes_exactly_and_exports_a_working_merged_model(
     assert re.search(r"next 2 losses: .* same True", out), out
     assert (tmp_path / "export" / "model.safetensors").exists()
     assert re.search(r"transformers '.*' server '.*' \(answer .*\) match True", out), out
+
+
+@pytest.mark.parametrize(
+    "name", sorted(path.name for path in EXAMPLES.glob("*.py") if not path.name.startswith("_"))
+)
+def test_help_shows_the_defaults_without_loading_torch_transformers_or_the_sdk(name):
+    """`--help` answers at once: the heavy imports wait until the arguments are parsed."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        f"sys.argv = [{str(EXAMPLES / name)!r}, '--help']\n"
+        "try:\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as done:\n"
+        "    assert done.code in (0, None), done.code\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'together') if m in sys.modules))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    *help_lines, loaded = completed.stdout.strip().splitlines()
+    assert loaded == "[]", loaded
+    help_text = " ".join(" ".join(help_lines).split())
+    assert "--base-url URL" in help_text
+    assert "(default: " in help_text

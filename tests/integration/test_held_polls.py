@@ -29,7 +29,8 @@ HEAVY = {
 
 
 def server_with_hold(tmp_path: Path, seconds: float) -> ServerProcess:
-    return ServerProcess.started(tmp_path, "--poll-hold-seconds", str(seconds))
+    # The access log is what these tests count requests in.
+    return ServerProcess.started(tmp_path, "--poll-hold-seconds", str(seconds), "--access-log")
 
 
 def post(client: httpx.Client, session_id: str, kind: str, body: dict) -> dict:
@@ -176,10 +177,10 @@ def test_held_gets_cost_no_thread_each_leave_other_requests_unblocked_and_end_at
         assert {answer.json()["status"] for answer in answers} == {
             "TRAINING_OPERATION_STATUS_PENDING"
         }
-        # uvicorn re-raises the signal once its shutdown is complete.
-        assert proc.process.wait(timeout=60) in (0, -signal.SIGTERM)  # type: ignore[union-attr]
+        # A stop by SIGTERM that completed is a success.
+        assert proc.process.wait(timeout=60) == 0  # type: ignore[union-attr]
         proc.process = None
-        assert "Application shutdown complete" in proc.log()
+        assert "posttrain: stopped (SIGTERM)" in proc.log()
     finally:
         proc.stop()
 

@@ -29,9 +29,10 @@ def test_a_client_that_connects_during_start_up_is_answered(tmp_path):
                 break
             except ConnectionRefusedError:
                 time.sleep(0.01)
-        # uvicorn logs this once the app's start-up (imports, restore) is done; before this
-        # change the port opened only after it, so a connection could never precede it.
-        assert "Application startup complete" not in log_path.read_text()
+        # The server introduces itself once the app's start-up (imports, restore) is done;
+        # before this change the port opened only after it, so a connection could never
+        # precede it.
+        assert "posttrain: serving" not in log_path.read_text()
         with client:
             client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             answer = b""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config import api_keys_from, build_config, load_keys_file
+from posttrain.config_sources import api_keys_from, build_config, load_keys_file
 from posttrain.errors import ConfigError
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.api.app import create_app
-from posttrain.config import LimitsConfig, build_config
+from posttrain.config import LimitsConfig
+from posttrain.config_sources import build_config
 
 BODIES = {
     ("post", "/v1/rl/model-resources"): "ResourceCreateIn",

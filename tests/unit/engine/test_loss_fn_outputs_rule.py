@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_calls import forward_backward
 
-from posttrain.cli import engine_config, parser
+from posttrain.cli import parser, serve_config
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.local import LocalEngine
 from posttrain.types import ForwardBackwardRequest, LoraConfig, LossConfig, LossType, TrainingSample
@@ -40,7 +40,7 @@ def engine_with(loss_fn_outputs: Literal["requested", "always"]) -> LocalEngine:
 def test_loss_fn_outputs_flag_becomes_the_engine_config():
     assert EngineConfig().loss_fn_outputs == "requested"
     args = parser().parse_args(["serve", "--loss-fn-outputs", "always"])
-    assert engine_config(args) == EngineConfig(loss_fn_outputs="always")
+    assert serve_config(args).engine == EngineConfig(loss_fn_outputs="always")
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--loss-fn-outputs", "sometimes"])
 

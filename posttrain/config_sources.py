@@ -1,0 +1,191 @@
+"""Where a ServerConfig's values come from: POSTTRAIN_* environment variables, `posttrain
+serve` flags (`settings()`: the fields config.py declares as flags), the keys file and the
+model directories a user names.
+
+The only module that reads or writes os.environ. Imports: config, errors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from posttrain.config import ModelSpec, ServerConfig, builtin_model_specs
+from posttrain.errors import ConfigError
+
+ENV_PREFIX = "POSTTRAIN_"
+
+# `posttrain serve --help` shows its flags in these groups, in this order.
+FLAG_GROUPS: dict[str, str] = {
+    "basics": "where the server listens and keeps its data",
+    "models": "the base models served, and how they compute",
+    "limits and auth": "who may call, and how much one request or the server may take",
+    "scale-out": "worker processes, trainer ranks, generator replicas and Ray",
+    "performance": "trade-offs that do not change results",
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of the ServerConfig tree that `posttrain serve` takes as a flag."""
+
+    path: tuple[str, ...]  # ("engine", "device")
+    info: FieldInfo
+    flag: str
+    group: str
+    hidden: bool
+    env: str | None
+    metavar: str | None
+    default: str | None
+    switch: bool
+
+
+def settings(
+    model: type[BaseModel] | None = None, prefix: tuple[str, ...] = ()
+) -> Iterator[Setting]:
+    """Every flagged field of `model` (ServerConfig) and of its sub-configs, in field order."""
+    for field_name, info in (model or ServerConfig).model_fields.items():
+        path = (*prefix, field_name)
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            yield from settings(info.annotation, path)
+            continue
+        extra = info.json_schema_extra
+        spec = extra.get("flag") if isinstance(extra, dict) else None
+        if not isinstance(spec, dict):
+            continue
+        yield Setting(
+            path=path,
+            info=info,
+            flag=spec["name"] or "--" + field_name.replace("_", "-"),
+            group=spec["group"],
+            hidden=spec["hidden"],
+            env=ENV_PREFIX + "_".join(path).upper() if spec["env"] else None,
+            metavar=spec["metavar"],
+            default=spec["default"],
+            switch=spec["switch"],
+        )
+
+
+def stay_offline() -> None:
+    """Every model is a local directory: transformers must never reach for a hub, and a
+    server's output is its log lines, not download or loading progress bars. Set before
+    transformers is imported (it reads both then); worker processes inherit them."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def model_spec_from_path(path: str | Path) -> ModelSpec:
+    """`--model PATH` adds a local HF directory, listed under its directory name."""
+    directory = Path(path).expanduser().resolve()
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"--model {path}: no config.json in that directory", param="models")
+    return ModelSpec(id=directory.name, path=directory)
+
+
+def load_keys_file(path: str | Path) -> dict[str, str]:
+    """API key -> user id from a keys file: one `KEY USER_ID` pair per line, separated by
+    whitespace; blank lines and lines starting with `#` are skipped.
+
+    A malformed line, a repeated key or a file without keys raises ConfigError naming the
+    line: an empty map would silently mean single-user mode, which accepts any key."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--keys-file {path}: {exc.strerror}", param="api_keys") from None
+    keys: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) != 2:
+            raise ConfigError(
+                f"--keys-file {path}:{number}: expected `KEY USER_ID`, got {len(fields)} fields",
+                param="api_keys",
+            )
+        key, user = fields
+        if key in keys:
+            raise ConfigError(
+                f"--keys-file {path}:{number}: this key already appears above", param="api_keys"
+            )
+        keys[key] = user
+    if not keys:
+        raise ConfigError(f"--keys-file {path}: the file holds no keys", param="api_keys")
+    return keys
+
+
+def api_keys_from(
+    api_key: str | None, keys_file: str | Path | None, user_id: str
+) -> dict[str, str]:
+    """The key -> user map of `--keys-file` plus `--api-key` (which belongs to `user_id`)."""
+    keys = load_keys_file(keys_file) if keys_file else {}
+    if api_key:
+        if keys.get(api_key, user_id) != user_id:
+            raise ConfigError(
+                f"--api-key is also in --keys-file for user {keys[api_key]!r}", param="api_keys"
+            )
+        keys[api_key] = user_id
+    return keys
+
+
+def _place(values: dict[str, Any], path: tuple[str, ...], value: object) -> None:
+    """Set `value` at `path` in the nested dict of ServerConfig arguments."""
+    *parents, last = path
+    for name in parents:
+        inner = values.get(name)
+        values[name] = inner = inner.model_dump() if isinstance(inner, BaseModel) else inner or {}
+        values = inner
+    values[last] = value
+
+
+def build_config(
+    *,
+    api_key: str | None = None,
+    keys_file: str | Path | None = None,
+    flags: dict[tuple[str, ...], object] | None = None,
+    **overrides: object,
+) -> ServerConfig:
+    """ServerConfig from POSTTRAIN_* env (the settings declared with `env=True`, and API_KEY,
+    KEYS_FILE), then `overrides` (top-level fields or sub-configs), then `flags` (setting path
+    -> value as given on the command line; `models`: the `--model` directories, served beside
+    the built-ins).
+
+    Later sources win; an invalid value raises ConfigError naming the flag, variable or field."""
+    values: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
+    for setting in settings():
+        if setting.env and (value := os.environ.get(setting.env)) is not None:
+            _place(values, setting.path, value)
+            origins[setting.path] = f"{setting.env}={value}"
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    named = {setting.path: setting.flag for setting in settings()}
+    for path, given in (flags or {}).items():
+        value = given
+        if path == ("models",):
+            assert isinstance(given, list)
+            value = (*builtin_model_specs(), *(model_spec_from_path(p) for p in given))
+        _place(values, path, value)
+        origins[path] = f"{named[path]} {given}"
+    api_key = api_key or os.environ.get(ENV_PREFIX + "API_KEY") or None
+    keys_file = keys_file or os.environ.get(ENV_PREFIX + "KEYS_FILE") or None
+    if api_key or keys_file:
+        user_id = str(values.get("user_id") or ServerConfig.model_fields["user_id"].default)
+        values["api_keys"] = api_keys_from(api_key, keys_file, user_id)
+    try:
+        return ServerConfig(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = tuple(str(part) for part in first["loc"])
+        field = ".".join(loc)
+        message = first["msg"].removeprefix("Value error, ")
+        origin = next(
+            (origins[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origins), None
+        )
+        where = origin or f"config {field}"
+        raise ConfigError(f"{where}: {message}", param=field) from exc

@@ -106,8 +106,7 @@ def route_shape(path: Path) -> MoeShape | None:
 def path_kv_shape(path: Path) -> KVShape:
     """The KV shape of the model in `path`, from a meta-device build: no weights are read or
     allocated."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         return kv_shape(AutoModelForCausalLM.from_config(config))
 

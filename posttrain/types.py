@@ -453,7 +453,7 @@ class OperationRecord:
     status: OperationStatus
     created_at: float
     updated_at: float
-    idempotency_key: str
+    idempotency_key: str | None  # None: submitted without one, never deduplicated
     fingerprint: str
     created_by: str
     # The result once COMPLETED (its type follows `kind`, OUTPUT_TYPES).

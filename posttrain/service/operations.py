@@ -61,19 +61,15 @@ class OperationService:
         session_id: str,
         kind: OperationKind,
         *,
-        idempotency_key: str,
+        idempotency_key: str | None,
         fingerprint: str,
         request: OperationRequest,
         body: bytes | None = None,
     ) -> OperationRecord:
-        """Register and queue an operation. `body` is the request as it arrived, kept until
-        the operation finishes so that it runs again after a restart (resume_after_restart)."""
+        """Register and queue an operation; without an Idempotency-Key it is not
+        deduplicated. `body` is the request as it arrived, kept until the operation finishes
+        so that it runs again after a restart (resume_after_restart)."""
         session = self.sessions.get(user, session_id)
-        if not idempotency_key:
-            raise InvalidRequest(
-                "the Idempotency-Key header is required on operation POSTs",
-                param="Idempotency-Key",
-            )
         request = self._prepared(user, session, kind, request)
         now = time.time()
         active = session.status == SessionStatus.RUNNING
@@ -92,6 +88,7 @@ class OperationService:
         )
         stored = self.repo.insert_operation(op, body if active else None)
         if stored.id != op.id:  # a concurrent submission with the same key won the insert
+            assert idempotency_key is not None, "only a keyed operation finds another"
             return self.replay(session_id, kind, idempotency_key, fingerprint) or stored
         if active:
             self.resources.touch(session.resource_id)

@@ -220,7 +220,8 @@ class Repo:
         """Register an operation under its Idempotency-Key atomically, with the request `body`
         it arrived with (kept until it finishes: it runs again after a restart).
 
-        Returns the stored record: `op` itself, or the one that already holds the key."""
+        Returns the stored record: `op` itself, or the one that already holds the key (an
+        operation without a key never finds one)."""
         with self._lock:
             try:
                 self._db.execute(
@@ -239,7 +240,8 @@ class Repo:
                 )
                 return op
             except sqlite3.IntegrityError:
-                pass  # the key is taken; operations are never deleted, so it is still there
+                # The key is taken; operations are never deleted, so it is still there.
+                assert op.idempotency_key is not None, f"operation id {op.id} inserted twice"
         stored = self.find_operation(op.session_id, op.kind, op.idempotency_key)
         assert stored is not None, f"Idempotency-Key {op.idempotency_key!r} vanished"
         return stored

@@ -34,7 +34,7 @@ from fastapi import APIRouter, Header, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from posttrain.api.contract import documented
+from posttrain.api.contract import OPTIONAL_KEY, documented
 from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict, parse
 from posttrain.api.responses import operation_json
 from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
@@ -97,17 +97,13 @@ def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> Oper
 def submit(
     svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
 ) -> OperationRecord:
-    if not key:
-        raise InvalidRequest(
-            "the Idempotency-Key header is required on operation POSTs", param="Idempotency-Key"
-        )
+    """`key` None: the seed-era route, whose clients never send one (api.md 5.6)."""
     svc.sessions.get(user, session_id)  # 404 before any body work for an unknown session
     body = loads_strict(raw)
     fingerprint = hashlib.sha256(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
-    replayed = svc.operations.replay(session_id, kind, key, fingerprint)
-    if replayed is not None:
+    if key is not None and (replayed := svc.operations.replay(session_id, kind, key, fingerprint)):
         return replayed
     request = parsed(svc, session_id, kind, body)
     return svc.operations.submit(
@@ -235,6 +231,15 @@ BODIES: dict[OperationKind, type[BaseModel]] = {
 }
 
 
+def required_key(key: str | None) -> str:
+    """The Idempotency-Key every 3.1.1 operation POST carries (api.md 1.4.1)."""
+    if not key:
+        raise InvalidRequest(
+            "the Idempotency-Key header is required on operation POSTs", param="Idempotency-Key"
+        )
+    return key
+
+
 def _poster(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
     async def create(
         *,
@@ -244,17 +249,29 @@ def _poster(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
         svc: ServicesDep,
         user: UserDep,
     ) -> Response:
-        return await posted(svc, user, session_id, kind, body, idempotency_key)
+        key = required_key(idempotency_key)
+        return await posted(svc, user, session_id, kind, body, key)
 
     return create
 
 
-# April-era route (api.md 5.6), an alias of .../operations/sample.
-router.post(
+@router.post(
     "/{session_id}:sample",
     name="sample_alias",
     **documented(OPERATION_REPLIES[OperationKind.SAMPLE], body=SampleIn),
-)(_poster(OperationKind.SAMPLE))
+)
+async def sample_alias(
+    *,
+    session_id: str,
+    body: RawBodyDep,
+    idempotency_key: str | None = Header(None, alias="Idempotency-Key", description=OPTIONAL_KEY),
+    svc: ServicesDep,
+    user: UserDep,
+) -> Response:
+    """The April-era sample route (api.md 5.6), an alias of .../operations/sample. Its
+    clients sent no Idempotency-Key: without one, the operation is not deduplicated."""
+    key = idempotency_key or None
+    return await posted(svc, user, session_id, OperationKind.SAMPLE, body, key)
 
 
 def _getter(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
@@ -303,7 +320,8 @@ async def create_operation(
     svc: ServicesDep,
     user: UserDep,
 ) -> Response:
-    return await posted(svc, user, session_id, _kind(kind), body, idempotency_key)
+    known = _kind(kind)
+    return await posted(svc, user, session_id, known, body, required_key(idempotency_key))
 
 
 @router.get("/{session_id}/operations/{kind}/{operation_id}", include_in_schema=False)

@@ -40,6 +40,7 @@ from posttrain.engine.interface import Engine
 from posttrain.errors import SessionNotActive
 from posttrain.service import policy
 from posttrain.service.durability import changed_parts
+from posttrain.service.kinds import KINDS
 from posttrain.service.recording import OperationRecorder
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -102,7 +103,7 @@ class PublishMailbox:
         """Register an operation being enqueued; a ticket when it can change the trainer."""
         with self._lock:
             number = next(self._numbers)
-            if op.kind == OperationKind.SAMPLE:
+            if KINDS[op.kind].on_generator:
                 return None
             self._unfinished.setdefault(op.session_id, set()).add(number)
             return Ticket(op.session_id, number)

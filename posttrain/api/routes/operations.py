@@ -27,31 +27,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Header, Response
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from posttrain.api.contract import OPTIONAL_KEY, documented
-from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict, parse
+from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict
+from posttrain.api.kinds import WIRE_KINDS
 from posttrain.api.responses import operation_json
-from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
-from posttrain.api.schemas.outputs import OPERATION_REPLIES
-from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
-from posttrain.errors import InvalidRequest, NotFound, Unsupported
+from posttrain.errors import InvalidRequest, NotFound, posttrainError
 from posttrain.service import Services
 from posttrain.service.completion import Waiter
-from posttrain.types import (
-    OPERATION_TERMINAL,
-    CheckpointRequest,
-    CheckpointType,
-    OperationKind,
-    OperationRecord,
-    OperationRequest,
-)
+from posttrain.types import OPERATION_TERMINAL, OperationKind, OperationRecord
 
+log = logging.getLogger("posttrain.api")
 router = APIRouter(prefix="/v1/rl/training-sessions")
 
 
@@ -69,36 +61,11 @@ def _kind(kind: str) -> OperationKind:
         raise NotFound(f"unknown operation kind {kind!r}", param="kind") from None
 
 
-def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> OperationRequest:
-    if kind == OperationKind.FORWARD_BACKWARD:
-        return parse(ForwardBackwardIn, body).to_domain()
-    if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
-        return parse(CustomForwardBackwardIn, body).to_domain()
-    if kind == OperationKind.OPTIM_STEP:
-        return parse(OptimStepIn, body).to_domain()
-    if kind == OperationKind.WEIGHTS_SYNC:
-        return parse(WeightsSyncIn, body).to_domain()
-    if kind == OperationKind.SAMPLE:
-        sampler = svc.config.sampler
-        return parse(SampleIn, body).to_domain(
-            max_tokens=sampler.max_tokens,
-            temperature=sampler.temperature,
-            num_samples=sampler.num_samples,
-        )
-    if kind in (OperationKind.TRAINING_CHECKPOINT, OperationKind.INFERENCE_CHECKPOINT):
-        if body:  # these operations take no body (api.md 1.4.7, 1.4.8)
-            field = next(iter(body))
-            raise InvalidRequest(f"{field}: unknown field; {kind} takes no body", param=field)
-        training = kind == OperationKind.TRAINING_CHECKPOINT
-        return CheckpointRequest(CheckpointType.TRAINING if training else CheckpointType.INFERENCE)
-    raise Unsupported(f"{kind} operations are not supported yet", param="kind")
-
-
 def submit(
     svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
 ) -> OperationRecord:
     """`key` None: the seed-era route, whose clients never send one (api.md 5.6)."""
-    svc.sessions.get(user, session_id)  # 404 before any body work for an unknown session
+    session = svc.sessions.get(user, session_id)  # 404 before any body work
     body = loads_strict(raw)
     fingerprint = hashlib.sha256(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -107,13 +74,7 @@ def submit(
         return replayed
     request = parsed(svc, session_id, kind, body)
     return svc.operations.submit(
-        user,
-        session_id,
-        kind,
-        idempotency_key=key,
-        fingerprint=fingerprint,
-        request=request,
-        body=raw,
+        user, session, kind, idempotency_key=key, fingerprint=fingerprint, request=request
     )
 
 
@@ -128,13 +89,22 @@ def parsed(svc: Services, session_id: str, kind: OperationKind, body: dict[str, 
                 f"payload {payload_id}: {exc.message}", param="payload_id"
             ) from None
         full = {**body, **payload}
-    return to_request(kind, full, svc)
+    return WIRE_KINDS[kind].to_request(full, svc.config.sampler)
 
 
-def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest:
-    """After a restart: the request of an operation that had not finished, from the body it
-    arrived with, parsed exactly as at submit."""
-    return parsed(svc, op.session_id, op.kind, loads_strict(raw))
+def keep_wire_bodies_as_requests(svc: Services) -> None:
+    """At startup, before the restart recovery: an older server kept the HTTP bodies of
+    unfinished and journaled operations instead of their typed requests. Parse each once, as
+    at submit, and keep the request the service reads back itself. One that no longer parses
+    (its payload gone) stays unreadable: the recovery fails its operation or session, saying
+    so."""
+    for op, raw in svc.operations.wire_bodies():
+        try:
+            request = parsed(svc, op.session_id, op.kind, loads_strict(raw))
+        except posttrainError as exc:
+            log.warning("operation %s: its kept body no longer parses: %s", op.id, exc)
+            continue
+        svc.operations.keep_request(op.id, request)
 
 
 async def answered_when_done(
@@ -221,16 +191,6 @@ async def posted(
     return await run_in_threadpool(lambda: rendered(look()))
 
 
-# The body model of each operation kind that takes one; the checkpoints take none.
-BODIES: dict[OperationKind, type[BaseModel]] = {
-    OperationKind.FORWARD_BACKWARD: ForwardBackwardIn,
-    OperationKind.CUSTOM_FORWARD_BACKWARD: CustomForwardBackwardIn,
-    OperationKind.OPTIM_STEP: OptimStepIn,
-    OperationKind.WEIGHTS_SYNC: WeightsSyncIn,
-    OperationKind.SAMPLE: SampleIn,
-}
-
-
 def required_key(key: str | None) -> str:
     """The Idempotency-Key every 3.1.1 operation POST carries (api.md 1.4.1)."""
     if not key:
@@ -258,7 +218,9 @@ def _poster(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
 @router.post(
     "/{session_id}:sample",
     name="sample_alias",
-    **documented(OPERATION_REPLIES[OperationKind.SAMPLE], body=SampleIn),
+    **documented(
+        WIRE_KINDS[OperationKind.SAMPLE].reply, body=WIRE_KINDS[OperationKind.SAMPLE].body
+    ),
 )
 async def sample_alias(
     *,
@@ -288,22 +250,21 @@ def _add_kind_routes() -> None:
     path-templated routes below answer the same, and a 404 for an unknown kind."""
     for kind in OperationKind:
         path = f"/{{session_id}}/operations/{kind.value}"
-        reply = OPERATION_REPLIES[kind]
+        wire = WIRE_KINDS[kind]
         name = kind.name.lower()
-        body_required = kind != OperationKind.OPTIM_STEP  # `{}` or nothing: the defaults
         router.add_api_route(
             path,
             _poster(kind),
             methods=["POST"],
             name=f"create_{name}",
-            **documented(reply, body=BODIES.get(kind), body_required=body_required),
+            **documented(wire.reply, body=wire.body, body_required=wire.is_body_required),
         )
         router.add_api_route(
             f"{path}/{{operation_id}}",
             _getter(kind),
             methods=["GET"],
             name=f"retrieve_{name}",
-            **documented(reply),
+            **documented(wire.reply),
         )
 
 

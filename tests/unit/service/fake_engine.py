@@ -237,7 +237,12 @@ class Wired:
         self, session_id: str, kind: OperationKind, request: OperationRequest, key: str
     ) -> str:
         return self.operations.submit(
-            USER, session_id, kind, idempotency_key=key, fingerprint=key, request=request
+            USER,
+            self.sessions.get(USER, session_id),
+            kind,
+            idempotency_key=key,
+            fingerprint=key,
+            request=request,
         ).id
 
     def hold(self, resource_id: str) -> threading.Event:

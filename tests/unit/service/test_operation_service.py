@@ -30,7 +30,12 @@ def test_a_replayed_key_returns_the_first_operation_and_never_runs_twice(wired):
     first = wired.submit(sid, FB, fb(), "key")
     wired.drain(rid)
     replay = wired.operations.submit(
-        USER, sid, FB, idempotency_key="key", fingerprint="key", request=fb()
+        USER,
+        wired.sessions.get(USER, sid),
+        FB,
+        idempotency_key="key",
+        fingerprint="key",
+        request=fb(),
     )
     wired.drain(rid)
     assert replay.id == first
@@ -45,7 +50,12 @@ def test_an_operation_on_a_stopped_session_is_recorded_failed_at_once(wired):
     sid = wired.session(rid)
     wired.sessions.stop(USER, sid)
     op = wired.operations.submit(
-        USER, sid, FB, idempotency_key="late", fingerprint="late", request=fb()
+        USER,
+        wired.sessions.get(USER, sid),
+        FB,
+        idempotency_key="late",
+        fingerprint="late",
+        request=fb(),
     )
     assert op.status == OperationStatus.FAILED
     assert op.error_code == OperationErrorCode.SESSION_NOT_ACTIVE

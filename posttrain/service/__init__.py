@@ -26,6 +26,7 @@ from posttrain.service.expiry import ExpiryReaper
 from posttrain.service.metrics import MetricsService
 from posttrain.service.operations import OperationService
 from posttrain.service.payloads import PayloadService
+from posttrain.service.polls import PollHold
 from posttrain.service.resources import ResourceService
 from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.scheduler import Scheduler
@@ -53,6 +54,7 @@ class Services:
     dashboard: DashboardService
     metrics: MetricsService
     watch: CompletionWatch
+    polls: PollHold
 
     @property
     def arrivals(self) -> Arrivals:
@@ -146,4 +148,5 @@ def wire_services(config: ServerConfig) -> Services:
             unanswered_samples=scheduler.arrivals.unanswered,
         ),
         watch=watch,
+        polls=PollHold(watch, operations, hold_s=config.poll_hold_seconds),
     )

@@ -76,11 +76,8 @@ class Ticket:
 
 
 def is_deferred(kind: OperationKind, request: object) -> bool:
-    return (
-        kind == OperationKind.WEIGHTS_SYNC
-        and isinstance(request, WeightsSyncRequest)
-        and request.weight_sync_type in DEFERRED
-    )
+    """A weights-sync that publishes in the background (the request's type follows `kind`)."""
+    return isinstance(request, WeightsSyncRequest) and request.weight_sync_type in DEFERRED
 
 
 class PublishMailbox:

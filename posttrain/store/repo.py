@@ -349,42 +349,24 @@ class Repo:
 
 
 @dataclasses.dataclass(frozen=True)
-class OperationDigest:
-    """An operation without its output, plus the loss and metrics a forward-backward stored."""
+class OperationDigest(OperationRecord):
+    """An operation record without its output (always None here), plus the loss and metrics a
+    forward-backward stored."""
 
-    id: str
-    session_id: str
-    kind: OperationKind
-    status: OperationStatus
-    created_at: float
-    updated_at: float
-    error_code: str | None
-    error_message: str | None
-    loss: float | None
-    metrics: dict[str, float]
+    loss: float | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
+# The record without its output, then the output's loss and metrics, extracted inside SQLite.
 _DIGEST_COLUMNS = (
-    "o.id, o.session_id, o.kind, o.status, json_extract(o.data, '$.created_at'),"
-    " json_extract(o.data, '$.updated_at'), json_extract(o.data, '$.error_code'),"
-    " json_extract(o.data, '$.error_message'), json_extract(o.data, '$.output.loss'),"
+    "json_remove(o.data, '$.output'), json_extract(o.data, '$.output.loss'),"
     " json_extract(o.data, '$.output.metrics')"
 )
 
 
 def _digest(row: sqlite3.Row) -> OperationDigest:
-    return OperationDigest(
-        id=row[0],
-        session_id=row[1],
-        kind=OperationKind(row[2]),
-        status=OperationStatus(row[3]),
-        created_at=row[4],
-        updated_at=row[5],
-        error_code=row[6],
-        error_message=row[7],
-        loss=row[8],
-        metrics=json.loads(row[9]) if row[9] else {},
-    )
+    metrics = json.loads(row[2]) if row[2] else {}
+    return from_dict(OperationDigest, {**json.loads(row[0]), "loss": row[1], "metrics": metrics})
 
 
 def _with_request(row: sqlite3.Row) -> tuple[OperationRecord, OperationRequest | None]:

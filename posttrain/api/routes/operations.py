@@ -8,7 +8,7 @@ loaded. Every step that parses, reads the store or renders runs on a worker thre
 the event loop.
 
 The GET of a PENDING or RUNNING operation is held until the operation finishes or
-`poll_hold_seconds` pass (service/completion.py): the SDK's first poll, sent right after the
+`poll_hold_seconds` pass (service/polls.py): the SDK's first poll, sent right after the
 POST, then already carries the result, and the SDK never sleeps its 0.5 s poll interval.
 
 A sample POST sent while other sample POSTs of its session are unanswered is held the same way
@@ -24,7 +24,6 @@ while they run, and their operations still share a pass.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -40,8 +39,7 @@ from posttrain.api.kinds import WIRE_KINDS
 from posttrain.api.responses import operation_json
 from posttrain.errors import InvalidRequest, NotFound, posttrainError
 from posttrain.service import Services
-from posttrain.service.completion import Waiter
-from posttrain.types import OPERATION_TERMINAL, OperationKind, OperationRecord
+from posttrain.types import OperationKind, OperationRecord
 
 log = logging.getLogger("posttrain.api")
 router = APIRouter(prefix="/v1/rl/training-sessions")
@@ -107,63 +105,15 @@ def keep_wire_bodies_as_requests(svc: Services) -> None:
         svc.operations.keep_request(op.id, request)
 
 
-async def answered_when_done(
-    svc: Services,
-    user: str,
-    session_id: str,
-    kind: OperationKind,
-    look: Callable[[], OperationRecord],
-    known_id: str | None = None,
-) -> Response:
-    """The operation `look` returns, answered once it finishes or the poll hold passes.
-
-    On one worker thread, the operation is watched before its status is read, so a completion
-    in between is not missed: when `known_id` names it (a GET), the watch comes first and
-    `look` is the one read; otherwise (a POST, whose id `look` makes) `look`, then for an
-    operation not yet terminal a watch and a second read. A terminal one is rendered in the
-    same trip. A woken request renders the record the completion handed over; one that was not
-    (a hold that passed, a shutdown) reads it again."""
-
-    def read(op_id: str) -> OperationRecord:
-        return svc.operations.get(user, session_id, kind, op_id)
-
-    hold = svc.config.poll_hold_seconds
-    loop = asyncio.get_running_loop()
-    watched: list[Waiter] = []
-
-    def first() -> tuple[OperationRecord, Response | None]:
-        if known_id is not None and hold > 0:
-            watched.append(svc.watch.watch(known_id, loop))
-        op = look()
-        if op.status in OPERATION_TERMINAL or hold <= 0:
-            return op, rendered(op)
-        if not watched:
-            watched.append(svc.watch.watch(op.id, loop))
-            op = read(op.id)
-        return op, (rendered(op) if op.status in OPERATION_TERMINAL else None)
-
-    try:
-        op, response = await run_in_threadpool(first)
-        if response is not None:
-            return response
-        (waiter,) = watched
-        try:
-            await asyncio.wait_for(waiter.wait(), timeout=hold)
-        except TimeoutError:
-            pass  # the hold passed: answer the current status, the SDK polls again
-        done = waiter.record
-        response = await run_in_threadpool(
-            lambda: rendered(done if done is not None else read(op.id))
-        )
-    finally:
-        for waiter in watched:
-            svc.watch.forget(waiter)
-    # A client with many operations in flight holds a connection per held request besides
-    # those of its other requests, and httpx's pool (the SDK's client) scans every idle
-    # connection on each request and response: measured, 64 concurrent one-sample SDK
-    # operations took 1.7-2.4 s with the connections kept and 0.5-0.7 s with held GETs closing
-    # theirs (docs/benchmarks.md). A new loopback connection costs well under a millisecond.
-    response.headers["Connection"] = "close"
+def closing(response: Response, was_held: bool) -> Response:
+    """A request that was held closes its connection; one answered at once keeps it. A client
+    with many operations in flight holds a connection per held request besides those of its
+    other requests, and httpx's pool (the SDK's client) scans every idle connection on each
+    request and response: measured, 64 concurrent one-sample SDK operations took 1.7-2.4 s
+    with the connections kept and 0.5-0.7 s with held GETs closing theirs
+    (docs/benchmarks.md). A new loopback connection costs well under a millisecond."""
+    if was_held:
+        response.headers["Connection"] = "close"
     return response
 
 
@@ -171,24 +121,29 @@ async def held(
     svc: Services, user: str, session_id: str, kind: OperationKind, operation_id: str
 ) -> Response:
     """The GET of an operation, answered once it finishes or the poll hold passes."""
-
-    def look() -> OperationRecord:
-        return svc.operations.get(user, session_id, kind, operation_id)
-
-    return await answered_when_done(svc, user, session_id, kind, look, known_id=operation_id)
+    answer = await svc.polls.settled(user, session_id, kind, operation_id)
+    return closing(await run_in_threadpool(rendered, answer.op), answer.was_held)
 
 
 async def posted(
     svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
 ) -> Response:
-    """The POST of an operation; a sample POST beside others of its session is held."""
+    """The POST of an operation; a sample POST beside others of its session is held. What
+    finished already is rendered on the thread that submitted it."""
+    if kind != OperationKind.SAMPLE or svc.arrivals.unanswered(session_id) <= 1:
+        return await run_in_threadpool(
+            lambda: rendered(submit(svc, user, session_id, kind, raw, key))
+        )
 
-    def look() -> OperationRecord:
-        return submit(svc, user, session_id, kind, raw, key)
+    def first() -> tuple[OperationRecord, Response | None]:
+        op = submit(svc, user, session_id, kind, raw, key)
+        return op, (rendered(op) if svc.polls.is_settled(op) else None)
 
-    if kind == OperationKind.SAMPLE and svc.arrivals.unanswered(session_id) > 1:
-        return await answered_when_done(svc, user, session_id, kind, look)
-    return await run_in_threadpool(lambda: rendered(look()))
+    op, response = await run_in_threadpool(first)
+    if response is not None:
+        return response
+    answer = await svc.polls.settled(user, session_id, kind, op.id)
+    return closing(await run_in_threadpool(rendered, answer.op), answer.was_held)
 
 
 def required_key(key: str | None) -> str:

@@ -16,7 +16,13 @@ import sqlite3
 import threading
 from collections.abc import Callable, Collection
 
-from posttrain.store.codec import from_dict, operation_from_dict, request_from_json, to_json
+from posttrain.store.codec import (
+    from_dict,
+    operation_from_dict,
+    request_from_json,
+    request_to_json,
+    to_json,
+)
 from posttrain.types import (
     OPERATION_TERMINAL,
     CheckpointRecord,
@@ -141,7 +147,7 @@ class Repo:
 
         Returns the stored record: `op` itself, or the one that already holds the key (an
         operation without a key never finds one)."""
-        stored_request = None if request is None else to_json(request)
+        stored_request = None if request is None else request_to_json(request)
         with self._lock:
             try:
                 self._db.execute(
@@ -263,7 +269,7 @@ class Repo:
         """Keep `request` in place of the wire body an older server kept."""
         self._execute(
             "UPDATE operations SET request = ?, body = NULL WHERE id = ?",
-            (to_json(request), operation_id),
+            (request_to_json(request), operation_id),
         )
 
     # ------------------------------------------------------------ checkpoints

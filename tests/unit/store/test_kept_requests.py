@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.store.codec import request_from_json, to_json
+from posttrain.store.codec import request_from_json, request_to_json
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -39,7 +39,7 @@ from posttrain.types import (
 ROUTES = ExpertRoutes(num_tokens=3, num_layers=1, top_k=2, data=bytes(range(12)))
 SAMPLE = TrainingSample(
     tokens=(5, 6, 7),
-    loss_fn_inputs={"target_tokens": (6, 7, 8), "weights": (0.0, 1.0, 0.5)},
+    loss_fn_inputs={"target_tokens": (6.0, 7.0, 8.0), "weights": (0.0, 1.0, 0.5)},
     routed_experts_key="re_1",
     routed_experts=ROUTES,
 )
@@ -70,7 +70,7 @@ REQUESTS = [
     ),
     (
         OperationKind.CUSTOM_FORWARD_BACKWARD,
-        CustomForwardBackwardRequest((SAMPLE,), ((0.25, -1.0, 3),)),
+        CustomForwardBackwardRequest((SAMPLE,), ((0.25, -1.0, 3.0),)),
     ),
     (OperationKind.OPTIM_STEP, OptimStepRequest()),
     (OperationKind.OPTIM_STEP, OptimStepRequest(adam=AdamParams(learning_rate=0.5))),
@@ -94,9 +94,10 @@ REQUESTS = [
 
 @pytest.mark.parametrize(("kind", "request_"), REQUESTS)
 def test_every_typed_request_reads_back_equal(kind, request_):
-    read = request_from_json(kind, to_json(request_))
+    read = request_from_json(kind, request_to_json(request_))
     assert read == request_
-    assert type(read) is type(request_)
+    # Tokens stay ints, inputs floats (as the api parses them), tuples tuples.
+    assert repr(read) == repr(request_)
 
 
 def test_an_unfinished_operation_keeps_its_request_until_it_finishes(tmp_path: Path):

@@ -1,4 +1,5 @@
-"""Operation routes: POST .../operations/{kind} (Idempotency-Key required) and its GET.
+"""Operation routes: POST .../operations/{kind} (Idempotency-Key required) and its GET, and
+the seed-era POST .../{session_id}:sample (the key optional).
 
 The route turns the wire body (with any offloaded payload merged in, api.md 1.6) into a domain
 request and hands it to the service; the request fingerprint is taken over the inline body
@@ -39,7 +40,7 @@ from posttrain.api.kinds import WIRE_KINDS
 from posttrain.api.responses import operation_json
 from posttrain.errors import InvalidRequest, NotFound, posttrainError
 from posttrain.service import Services
-from posttrain.types import OperationKind, OperationRecord
+from posttrain.types import OperationKind, OperationRecord, OperationRequest
 
 log = logging.getLogger("posttrain.api")
 router = APIRouter(prefix="/v1/rl/training-sessions")
@@ -76,7 +77,9 @@ def submit(
     )
 
 
-def parsed(svc: Services, session_id: str, kind: OperationKind, body: dict[str, Any]):
+def parsed(
+    svc: Services, session_id: str, kind: OperationKind, body: dict[str, Any]
+) -> OperationRequest:
     """The domain request of an inline body, its offloaded payload merged in (api.md 1.6)."""
     full = body
     if isinstance(payload_id := body.get("payload_id"), str):

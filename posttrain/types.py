@@ -389,6 +389,29 @@ OperationOutput = (
 )
 
 
+@dataclass(frozen=True)
+class OperationTypes:
+    """What an operation of one kind takes and completes with. The layers' own halves of the
+    kind table build on it: service/kinds.py (scheduling, durability, restart) and
+    api/kinds.py (wire body and reply)."""
+
+    request: type
+    output: type
+
+
+OPERATION_TYPES: dict[OperationKind, OperationTypes] = {
+    OperationKind.FORWARD_BACKWARD: OperationTypes(ForwardBackwardRequest, ForwardBackwardResult),
+    OperationKind.CUSTOM_FORWARD_BACKWARD: OperationTypes(
+        CustomForwardBackwardRequest, CustomForwardBackwardOutput
+    ),
+    OperationKind.OPTIM_STEP: OperationTypes(OptimStepRequest, OptimStepOutput),
+    OperationKind.WEIGHTS_SYNC: OperationTypes(WeightsSyncRequest, WeightsSyncOutput),
+    OperationKind.SAMPLE: OperationTypes(SampleRequest, SampleOutput),
+    OperationKind.TRAINING_CHECKPOINT: OperationTypes(CheckpointRequest, CheckpointOutput),
+    OperationKind.INFERENCE_CHECKPOINT: OperationTypes(CheckpointRequest, CheckpointOutput),
+}
+
+
 # ---------------------------------------------------------------- stored records
 
 
@@ -453,10 +476,10 @@ class OperationRecord:
     status: OperationStatus
     created_at: float
     updated_at: float
-    idempotency_key: str
+    idempotency_key: str | None  # None: submitted without one, never deduplicated
     fingerprint: str
     created_by: str
-    # The result once COMPLETED (its type follows `kind`, OUTPUT_TYPES).
+    # The result once COMPLETED (its type follows `kind`, OPERATION_TYPES).
     output: OperationOutput | None = None
     error_code: OperationErrorCode | None = None
     error_message: str | None = None

@@ -32,7 +32,7 @@ from posttrain.api.routes import (
 from posttrain.api.schemas.objects import Health
 from posttrain.config import ServerConfig
 from posttrain.errors import posttrainError
-from posttrain.service import build_services
+from posttrain.service import wire_services
 
 log = logging.getLogger("posttrain.api")
 
@@ -49,7 +49,10 @@ HTTP_KINDS = {
 def create_app(config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.services = build_services(config, operations.reparsed)
+        services = wire_services(config)
+        operations.keep_wire_bodies_as_requests(services)
+        services.recover_after_restart()
+        app.state.services = services
         try:
             yield
         finally:

@@ -81,6 +81,9 @@ IDEMPOTENCY_KEY = {
     "description": "One per logical request; a retry resends it (api.md 1.4.1)",
     "schema": {"type": "string", "minLength": 1},
 }
+# The seed-era sample route's clients send none (api.md 5.6): there the key is optional, and
+# the route declares its header with this description.
+OPTIONAL_KEY = "Optional: an operation sent without one is not deduplicated (api.md 5.6)"
 
 
 def openapi(app: FastAPI, limits: LimitsConfig) -> dict[str, Any]:
@@ -141,7 +144,10 @@ def _errors(operation: dict[str, Any], method: str, authenticated: bool) -> None
     parameters = operation.get("parameters", [])
     for index, parameter in enumerate(parameters):
         if parameter["name"] == IDEMPOTENCY_KEY["name"]:
-            parameters[index] = copy.deepcopy(IDEMPOTENCY_KEY)
+            optional = parameter.get("description") == OPTIONAL_KEY
+            parameters[index] = {**copy.deepcopy(IDEMPOTENCY_KEY), "required": not optional}
+            if optional:
+                parameters[index]["description"] = OPTIONAL_KEY
     if any(p["in"] == "path" for p in parameters):
         statuses.add(404)
     if any(p["in"] != "path" for p in parameters) or method in ("post", "put", "patch"):

@@ -50,16 +50,16 @@ def write(directory: Path, parts: dict[str, dict[str, Any]], record: dict[str, A
         else:
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in value.items()}
             save_file(tensors, str(path), metadata={"format": "pt"})
-        _fsync(path)
+        fsync(path)
         if part in files:
             superseded.append(files[part])
         files[part] = name
     body = {"generation": generation, "parts": files, "record": record}
     temporary = directory / f"{MANIFEST}.tmp"
     temporary.write_text(json.dumps(body))
-    _fsync(temporary)
+    fsync(temporary)
     os.replace(temporary, directory / MANIFEST)
-    _fsync(directory)
+    fsync(directory)
     for name in superseded:  # after the switch: a crash before this leaves only litter
         (directory / name).unlink(missing_ok=True)
 
@@ -90,7 +90,8 @@ def remove(directory: Path) -> None:
         directory.rmdir()
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries (a rename inside it), to the disk."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)

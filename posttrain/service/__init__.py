@@ -1,12 +1,14 @@
 """Service layer: business rules between the HTTP api and the engine.
 
-build_services(config) wires the store, the engine and the scheduler. Imports: store, engine.
+build_services(config) wires the store, the engine and the scheduler, then recovers what a
+previous process left in the data directory. wire_services and Services.recover_after_restart
+are its two halves, for a caller with work in between (the api keeps an older server's kept
+HTTP bodies as typed requests: api/routes/operations.py). Imports: store, engine.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
@@ -24,6 +26,7 @@ from posttrain.service.expiry import ExpiryReaper
 from posttrain.service.metrics import MetricsService
 from posttrain.service.operations import OperationService
 from posttrain.service.payloads import PayloadService
+from posttrain.service.polls import PollHold
 from posttrain.service.resources import ResourceService
 from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.scheduler import Scheduler
@@ -31,7 +34,6 @@ from posttrain.service.sessions import SessionService
 from posttrain.service.signing import UrlSigner, signing_key
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
-from posttrain.types import OperationRecord, OperationRequest
 
 log = logging.getLogger("posttrain")
 
@@ -52,10 +54,21 @@ class Services:
     dashboard: DashboardService
     metrics: MetricsService
     watch: CompletionWatch
+    polls: PollHold
 
     @property
     def arrivals(self) -> Arrivals:
         return self.scheduler.arrivals
+
+    def recover_after_restart(self) -> None:
+        """First the sessions (an operation whose state reached the disk completes from it; a
+        full-weight session's journal replays), then the operations that had not finished:
+        they run again behind the sessions' restores."""
+        self.sessions.recover_after_restart()
+        self.operations.resume_after_restart()
+        self.checkpoints.remove_partial()
+        self.resources.recover_after_restart()
+        self.expiry.start()
 
     def close(self) -> None:
         self.watch.close()
@@ -65,13 +78,15 @@ class Services:
             self.engine.close()  # after the threads that call it: no orphan worker processes
 
 
-def build_services(
-    config: ServerConfig,
-    reparse: Callable[[Services, OperationRecord, bytes], OperationRequest] | None = None,
-) -> Services:
-    """Every service over config.data_dir, recovered from what a previous process left there.
-    `reparse` (the api layer's request parser) lets unfinished operations run again; without
-    it they fail."""
+def build_services(config: ServerConfig) -> Services:
+    """Every service over config.data_dir, recovered from what a previous process left there."""
+    services = wire_services(config)
+    services.recover_after_restart()
+    return services
+
+
+def wire_services(config: ServerConfig) -> Services:
+    """Every service over config.data_dir, before any recovery (recover_after_restart)."""
     repo = Repo(connect(config.data_dir))
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
@@ -110,7 +125,8 @@ def build_services(
     expiry = ExpiryReaper(
         repo, engine, scheduler, resources, interval_s=config.expiry_check_interval_s
     )
-    services = Services(
+    scheduler.on_worker_lost = sessions.recover_worker
+    return Services(
         config,
         repo,
         engine,
@@ -132,15 +148,5 @@ def build_services(
             unanswered_samples=scheduler.arrivals.unanswered,
         ),
         watch=watch,
+        polls=PollHold(watch, operations, hold_s=config.poll_hold_seconds),
     )
-    # First the sessions (an operation whose state reached the disk completes from it; a
-    # full-weight session's journal replays), then the operations that had not finished: they
-    # run again behind the sessions' restores.
-    parse = None if reparse is None else lambda op, raw: reparse(services, op, raw)
-    sessions.recover_after_restart(parse)
-    scheduler.on_worker_lost = lambda resource_id: sessions.recover_worker(resource_id, parse)
-    operations.resume_after_restart(parse)
-    checkpoints.remove_partial()
-    resources.recover_after_restart()
-    expiry.start()
-    return services

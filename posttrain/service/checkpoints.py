@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from posttrain.engine.durable import fsync
 from posttrain.engine.interface import Engine
 from posttrain.engine.weights import ADAPTER_FILES
 from posttrain.errors import InvalidRequest, NotFound
@@ -179,12 +180,12 @@ class CheckpointService:
         partial.mkdir()
         try:
             self._write(session, kind, partial)
-            _fsync_directory(partial)
+            fsync(partial)
             os.replace(partial, final)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        _fsync_directory(self.directory)
+        fsync(self.directory)
         now = time.time()
         lora = session.lora_config
         record = CheckpointRecord(
@@ -337,7 +338,7 @@ class CheckpointService:
                 except BaseException:
                     shutil.rmtree(partial, ignore_errors=True)
                     raise
-                _fsync_directory(root)
+                fsync(root)
         return merged
 
     def authorize(
@@ -354,12 +355,3 @@ class CheckpointService:
         if "/" in filename or filename.startswith(".") or not file.is_file():
             raise NotFound(f"checkpoint file {filename} not found", param="filename")
         return file
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename inside `directory` durable before the store points at its result."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

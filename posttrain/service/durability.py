@@ -2,12 +2,12 @@
 on disk, and after a crash every live session comes back RUNNING with the state of its last
 completed operation.
 
-What each kind changes (`changed_parts`): a forward-backward that trains, or a custom
-forward-backward, the accumulated gradients; an optim-step the adapter, the optimizer moments
-and the gradients (now none); a weights-sync the generator's adapter; sampling, scoring and
-checkpoints nothing. The engine writes those parts and a record (the operation, its output,
-the session's step and policy versions) atomically (engine/durable.py); a new session writes
-everything once, when it is set up.
+What each kind changes is the kind table's `changes` (service/kinds.py): a forward-backward
+that trains, or a custom forward-backward, the accumulated gradients; an optim-step the
+adapter, the optimizer moments and the gradients (now none); a weights-sync the generator's
+adapter; sampling, scoring and checkpoints nothing. The engine writes those parts and a
+record (the operation, its output, the session's step and policy versions) atomically
+(engine/durable.py); a new session writes everything once, when it is set up.
 
 After a restart, before anything runs (`reconcile`): an operation whose state reached the disk
 but whose COMPLETED record did not is completed from the record; the session's step and policy
@@ -34,11 +34,11 @@ from typing import Any
 
 from posttrain.engine import durable
 from posttrain.engine.interface import Engine
-from posttrain.errors import EngineFailure
 from posttrain.service import full_weight_durability as full_weight
-from posttrain.store.repo import OUTPUT_TYPES, Repo, from_dict
+from posttrain.service.kinds import KINDS
+from posttrain.store.codec import output_from_dict
+from posttrain.store.repo import Repo
 from posttrain.types import (
-    ForwardBackwardRequest,
     OperationKind,
     OperationOutput,
     OperationRecord,
@@ -55,16 +55,7 @@ EVERYTHING = durable.PARTS
 
 def changed_parts(kind: OperationKind, request: OperationRequest | None) -> tuple[str, ...]:
     """The parts of a session's state an operation of `kind` changes (the module docstring)."""
-    if kind == OperationKind.FORWARD_BACKWARD:
-        scoring = isinstance(request, ForwardBackwardRequest) and request.forward_only
-        return () if scoring else ("gradients",)
-    if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
-        return ("gradients",)
-    if kind == OperationKind.OPTIM_STEP:
-        return ("trainer", "optimizer", "gradients")
-    if kind == OperationKind.WEIGHTS_SYNC:
-        return ("generator",)
-    return ()
+    return KINDS[kind].changes(request)
 
 
 class SessionDurability:
@@ -97,7 +88,7 @@ class SessionDurability:
     ) -> bool:
         """Make `parts` of a session's state durable (after the engine changed them) with the
         record of `op`. Returns whether `op` is journaled instead (a full-weight session
-        between snapshots): its request body must stay until a snapshot covers it."""
+        between snapshots): its request must stay until a snapshot covers it."""
         session = self.repo.get_session(session_id)
         if not parts or session is None:
             return False
@@ -113,7 +104,7 @@ class SessionDurability:
                 return True
             self._write(session, tuple(p for p in EVERYTHING if p in unsaved), op, output)
             del self._unsaved[session_id]
-        self.repo.clear_bodies(session_id, through=op.id if op is not None else None)
+        self.repo.clear_requests(session_id, through=op.id if op is not None else None)
         return False
 
     def _write(
@@ -136,7 +127,7 @@ class SessionDurability:
 
     def forget(self, session_id: str) -> None:
         durable.remove(self.directory(session_id))
-        self.repo.clear_bodies(session_id, through=None)
+        self.repo.clear_requests(session_id, through=None)
         with self._lock:
             self._unsaved.pop(session_id, None)
 
@@ -161,7 +152,7 @@ class SessionDurability:
         op_id = record.get("operation")
         op = self.repo.get_operation(op_id) if op_id else None
         if op is not None and op.status in (OperationStatus.PENDING, OperationStatus.RUNNING):
-            output = from_dict(OUTPUT_TYPES[op.kind], record["output"])
+            output = output_from_dict(op.kind, record["output"])
             self.repo.put_operation(
                 dataclasses.replace(
                     op, status=OperationStatus.COMPLETED, updated_at=time.time(), output=output
@@ -171,7 +162,7 @@ class SessionDurability:
         if session.lora_config is None and op_id is not None:
             # A crash between a snapshot and its clearing. The setup snapshot (no operation)
             # covers nothing: the journal after it is the whole journal, and must stay.
-            self.repo.clear_bodies(session.id, through=op_id)
+            self.repo.clear_requests(session.id, through=op_id)
         return True
 
     def _replan(
@@ -190,9 +181,11 @@ class SessionDurability:
         journal = self.repo.journal(session.id, after=record.get("operation"))
         return full_weight.replan(at_record, journal, time.time())
 
-    def restore(self, session: SessionRecord, parse: full_weight.Parse | None = None) -> None:
+    def restore(
+        self, session: SessionRecord, prepare: full_weight.Prepare = full_weight.as_kept
+    ) -> None:
         """Worker thread, the session freshly created on its loaded resource: its state, and
-        for a full-weight session its journal run again (`parse`: the api layer's parser)."""
+        for a full-weight session its journal run again (each request through `prepare`)."""
         record = self.record(session.id)
         assert record is not None, f"session {session.id} has no state to restore"
         version = int(record["policy_state"]["applied_weights_version"])
@@ -201,11 +194,7 @@ class SessionDurability:
         )
         replays, _ = self._replan(session, record)
         if replays:
-            if parse is None:
-                raise EngineFailure(
-                    f"session {session.id}: {len(replays)} journaled operations and no parser"
-                )
-            full_weight.replay(self.engine, session, replays, parse)
+            full_weight.replay(self.engine, session, replays, prepare)
             log.info("session %s: %d journaled operations replayed", session.id, len(replays))
         if session.lora_config is None:
             with self._lock:  # what the replay changed is not in the snapshot

@@ -10,13 +10,13 @@ the step (docs/benchmarks.md). So instead:
   engine/durable.py's atomic manifest and a record (the operation, its output, the step and
   policy versions), before that optim-step is recorded COMPLETED.
 - Journal. Every other operation that changes the state (a forward-backward that trains, a
-  custom forward-backward, an optim-step, a weights-sync) keeps the request body it arrived
-  with in the operations table when it is recorded COMPLETED (Repo.put_operations'
-  keep_bodies), so nothing reported COMPLETED is lost; a snapshot drops the bodies it covers.
-  A body's payload_id stays readable: the payload store deletes no payload (service/payloads.py).
+  custom forward-backward, an optim-step, a weights-sync: the kinds with a `replay` in
+  service/kinds.py) keeps its typed request in the operations table when it is recorded
+  COMPLETED (Repo.put_operations' keep_requests), so nothing reported COMPLETED is lost; a
+  snapshot drops the requests it covers.
 - Restart. `replan` folds the journal over the snapshot's step and policy versions with the
   same transitions the scheduler applies (service/policy.py): that is the store's session
-  after reconcile. `replay` then runs the journal's requests, parsed again from their bodies,
+  after reconcile. `replay` then runs the journal's requests, read back from the store,
   on the engine in submission order on the restored snapshot, before any new operation runs
   on the resource; their outputs are not recorded again (they are COMPLETED already).
 
@@ -35,37 +35,37 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from posttrain.engine.interface import Engine
-from posttrain.service import policy
-from posttrain.types import (
-    CustomForwardBackwardRequest,
-    ForwardBackwardRequest,
-    OperationKind,
-    OperationRecord,
-    OperationRequest,
-    OptimStepRequest,
-    SessionRecord,
-)
+from posttrain.errors import EngineFailure
+from posttrain.service.kinds import KINDS
+from posttrain.types import OperationKind, OperationRecord, OperationRequest, SessionRecord
 
-Parse = Callable[[OperationRecord, bytes], OperationRequest]
+# What a kept request goes through before it runs again (routed-experts keys resolved).
+Prepare = Callable[[OperationRecord, OperationRequest], OperationRequest]
+
+
+def as_kept(_: OperationRecord, request: OperationRequest) -> OperationRequest:
+    return request
 
 
 def is_snapshot_due(kind: OperationKind, step: int, persist_every: int) -> bool:
     """Whether an operation of `kind` that leaves the session at `step` is snapshotted."""
-    return kind == OperationKind.OPTIM_STEP and step % persist_every == 0
+    return KINDS[kind].snapshots and step % persist_every == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Replay:
     op: OperationRecord
-    body: bytes
+    # None: an older server kept only its HTTP body, and the api layer could not parse it.
+    request: OperationRequest | None
     version: int  # the trainer's policy version when it ran (what a weights-sync publishes)
 
 
 def replan(
-    at_snapshot: SessionRecord, journal: list[tuple[OperationRecord, bytes]], now: float
+    at_snapshot: SessionRecord,
+    journal: list[tuple[OperationRecord, OperationRequest | None]],
+    now: float,
 ) -> tuple[list[Replay], SessionRecord]:
     """The journal's replays, and the session once they have run (step and policy versions).
 
@@ -73,46 +73,20 @@ def replan(
     trainer's as of that place, service/publishing.py), so the generator serves them all."""
     session = at_snapshot
     replays = []
-    for op, body in journal:
-        replays.append(Replay(op, body, session.policy_state.trainer_step))
-        if op.kind == OperationKind.OPTIM_STEP:
-            session = policy.stepped(session, now)
-        elif op.kind == OperationKind.WEIGHTS_SYNC:
-            session = policy.synced(session, now)
+    for op, request in journal:
+        replays.append(Replay(op, request, session.policy_state.trainer_step))
+        if (transition := KINDS[op.kind].transition) is not None:
+            session = transition(session, now)
     return replays, session
 
 
-def _forward_backward(engine: Engine, session: SessionRecord, request: Any, _: int) -> None:
-    assert isinstance(request, ForwardBackwardRequest), type(request).__name__
-    (outcome,) = engine.forward_backward_batch(session.resource_id, [(session.id, request)])
-    if isinstance(outcome, Exception):
-        raise outcome
-
-
-def _custom_forward_backward(engine: Engine, session: SessionRecord, request: Any, _: int) -> None:
-    assert isinstance(request, CustomForwardBackwardRequest), type(request).__name__
-    engine.custom_forward_backward(session.resource_id, session.id, request)
-
-
-def _optim_step(engine: Engine, session: SessionRecord, request: Any, _: int) -> None:
-    assert isinstance(request, OptimStepRequest), type(request).__name__
-    engine.optim_step(session.resource_id, session.id, request)
-
-
-def _weights_sync(engine: Engine, session: SessionRecord, _: Any, version: int) -> None:
-    engine.publish(session.resource_id, session.id, version=version)
-
-
-# The engine call each journaled kind replays (its output is already recorded).
-REPLAY: dict[OperationKind, Callable[[Engine, SessionRecord, Any, int], None]] = {
-    OperationKind.FORWARD_BACKWARD: _forward_backward,
-    OperationKind.CUSTOM_FORWARD_BACKWARD: _custom_forward_backward,
-    OperationKind.OPTIM_STEP: _optim_step,
-    OperationKind.WEIGHTS_SYNC: _weights_sync,
-}
-
-
-def replay(engine: Engine, session: SessionRecord, replays: list[Replay], parse: Parse) -> None:
+def replay(engine: Engine, session: SessionRecord, replays: list[Replay], prepare: Prepare) -> None:
     """Worker thread, the snapshot restored: run the journal again, in order."""
     for item in replays:
-        REPLAY[item.op.kind](engine, session, parse(item.op, item.body), item.version)
+        run = KINDS[item.op.kind].replay
+        assert run is not None, f"{item.op.kind} operation {item.op.id} was journaled"
+        if item.request is None:
+            raise EngineFailure(
+                f"session {session.id}: journaled operation {item.op.id} has no readable request"
+            )
+        run(engine, session, prepare(item.op, item.request), item.version)

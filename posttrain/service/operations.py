@@ -1,9 +1,13 @@
 """Submitting operations (idempotent on their Idempotency-Key) and reading their state.
 
 A key is scoped to (session, kind, key). The first submission registers the operation
-atomically in the store before any work is queued; a replay with the same request fingerprint
-gets the original operation back and never runs it twice; a different fingerprint is a
-Conflict. Operations on a session that is not RUNNING are recorded FAILED at once.
+atomically in the store, with its typed request, before any work is queued; a replay with the
+same request fingerprint gets the original operation back and never runs it twice; a different
+fingerprint is a Conflict. An operation without a key (the seed-era sample route) is never
+deduplicated. Operations on a session that is not RUNNING are recorded FAILED at once.
+
+The caller checks the session's owner once (SessionService.get) and hands over the record;
+whether a route requires the key is the api layer's rule (api.md 1.4.1, 5.6).
 
 Imports: store, engine.interface.
 """
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
 from posttrain.config import LimitsConfig
 from posttrain.engine.optim import resolve_step_settings
@@ -31,6 +34,7 @@ from posttrain.types import (
     OperationRecord,
     OperationRequest,
     OperationStatus,
+    OptimStepRequest,
     SampleRequest,
     SessionRecord,
     SessionStatus,
@@ -58,23 +62,19 @@ class OperationService:
     def submit(
         self,
         user: str,
-        session_id: str,
+        session: SessionRecord,
         kind: OperationKind,
         *,
-        idempotency_key: str,
+        idempotency_key: str | None,
         fingerprint: str,
         request: OperationRequest,
-        body: bytes | None = None,
     ) -> OperationRecord:
-        """Register and queue an operation. `body` is the request as it arrived, kept until
-        the operation finishes so that it runs again after a restart (resume_after_restart)."""
-        session = self.sessions.get(user, session_id)
-        if not idempotency_key:
-            raise InvalidRequest(
-                "the Idempotency-Key header is required on operation POSTs",
-                param="Idempotency-Key",
-            )
-        request = self._prepared(user, session, kind, request)
+        """Register and queue an operation on `session` (`user`'s: SessionService.get);
+        without an Idempotency-Key it is not deduplicated. The request is kept until the
+        operation finishes, so that it runs again after a restart (resume_after_restart)."""
+        session_id = session.id
+        kept = request  # as sent: a restart prepares it again, as here
+        request = self._prepared(user, session, request)
         now = time.time()
         active = session.status == SessionStatus.RUNNING
         op = OperationRecord(
@@ -90,8 +90,9 @@ class OperationService:
             error_code=None if active else OperationErrorCode.SESSION_NOT_ACTIVE,
             error_message=None if active else f"session {session_id} is {session.status}",
         )
-        stored = self.repo.insert_operation(op, body if active else None)
+        stored = self.repo.insert_operation(op, kept if active else None)
         if stored.id != op.id:  # a concurrent submission with the same key won the insert
+            assert idempotency_key is not None, "only a keyed operation finds another"
             return self.replay(session_id, kind, idempotency_key, fingerprint) or stored
         if active:
             self.resources.touch(session.resource_id)
@@ -100,25 +101,21 @@ class OperationService:
             return self.repo.get_operation(op.id) or op
         return op
 
-    def resume_after_restart(
-        self, reparse: Callable[[OperationRecord, bytes], OperationRequest] | None
-    ) -> None:
+    def resume_after_restart(self) -> None:
         """Operations that had not finished when the process died run again, in submission
-        order, on the sessions that came back (service/durability.py), their requests parsed
-        from the bodies they arrived with (`reparse`, the api layer's parser) and checked as
-        at submit. The others fail, saying why."""
-        for op, body in self.repo.unfinished_with_bodies():
+        order, on the sessions that came back (service/durability.py), their kept requests
+        checked as at submit. The others fail, saying why."""
+        for op, kept in self.repo.unfinished_with_requests():
             session = self.repo.get_session(op.session_id)
             outcome: Exception | None = None
-            if reparse is None or body is None or session is None:
+            if kept is None or session is None:
                 outcome = EngineFailure(RESTART_MESSAGE)
             elif session.status != SessionStatus.RUNNING:
                 message = f"{RESTART_MESSAGE}; session {session.id} is {session.status}"
                 outcome = EngineFailure(message)
             else:
                 try:
-                    request = reparse(op, body)
-                    request = self._prepared(session.created_by, session, op.kind, request)
+                    request = self._prepared(session.created_by, session, kept)
                 except posttrainError as exc:
                     outcome = exc
             if outcome is not None:
@@ -127,8 +124,17 @@ class OperationService:
             self.repo.put_operation(dataclasses.replace(op, status=OperationStatus.PENDING))
             self.scheduler.enqueue(session.resource_id, op.id, request)
 
+    def wire_bodies(self) -> list[tuple[OperationRecord, bytes]]:
+        """Unfinished or journaled operations an older server kept as the HTTP body they
+        arrived with: only the api layer can parse those (keep_request)."""
+        return self.repo.wire_bodies()
+
+    def keep_request(self, operation_id: str, request: OperationRequest) -> None:
+        """Keep an operation's typed request in place of its wire body, before the recovery."""
+        self.repo.put_request(operation_id, request)
+
     def _prepared(
-        self, user: str, session: SessionRecord, kind: OperationKind, request: OperationRequest
+        self, user: str, session: SessionRecord, request: OperationRequest
     ) -> OperationRequest:
         """The checks that need the session and the model, and routed-experts keys resolved."""
         session_id = session.id
@@ -146,7 +152,7 @@ class OperationService:
             samples = self.scheduler.routed_experts.resolved(session_id, request.samples)
             request = dataclasses.replace(request, samples=samples)
             self._check_samples(session.base_model, request.samples)
-        if kind == OperationKind.OPTIM_STEP:
+        if isinstance(request, OptimStepRequest):
             # muon_params on an Adam resource (or adam_params on a Muon one) is a 400 here,
             # before anything is recorded (api.md 1.4.4).
             resource = self.resources.get(user, session.resource_id)

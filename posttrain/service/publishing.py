@@ -40,6 +40,7 @@ from posttrain.engine.interface import Engine
 from posttrain.errors import SessionNotActive
 from posttrain.service import policy
 from posttrain.service.durability import changed_parts
+from posttrain.service.kinds import KINDS
 from posttrain.service.recording import OperationRecorder
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -75,11 +76,8 @@ class Ticket:
 
 
 def is_deferred(kind: OperationKind, request: object) -> bool:
-    return (
-        kind == OperationKind.WEIGHTS_SYNC
-        and isinstance(request, WeightsSyncRequest)
-        and request.weight_sync_type in DEFERRED
-    )
+    """A weights-sync that publishes in the background (the request's type follows `kind`)."""
+    return isinstance(request, WeightsSyncRequest) and request.weight_sync_type in DEFERRED
 
 
 class PublishMailbox:
@@ -102,7 +100,7 @@ class PublishMailbox:
         """Register an operation being enqueued; a ticket when it can change the trainer."""
         with self._lock:
             number = next(self._numbers)
-            if op.kind == OperationKind.SAMPLE:
+            if KINDS[op.kind].on_generator:
                 return None
             self._unfinished.setdefault(op.session_id, set()).add(number)
             return Ticket(op.session_id, number)

@@ -66,10 +66,10 @@ class OperationRecorder:
         `changed` names, per operation id, the parts of its session's state it changed: they
         are made durable first (service/durability.py), so nothing reported COMPLETED is lost
         by a crash: written, or for a full-weight session between snapshots journaled (its
-        request body stays); an operation whose state cannot be written fails instead."""
+        request stays); an operation whose state cannot be written fails instead."""
         if not outcomes:
             return
-        journaled: set[str] = set()  # their request bodies stay (service/durability.py)
+        journaled: set[str] = set()  # their requests stay (service/durability.py)
         if changed and self.durability is not None:
             outcomes = [
                 (op, self._persisted(op, outcome, changed, journaled)) for op, outcome in outcomes
@@ -96,7 +96,7 @@ class OperationRecorder:
                         op, status=OperationStatus.COMPLETED, updated_at=now, output=outcome
                     )
                 )
-        self.repo.put_operations(finished, keep_bodies=journaled)
+        self.repo.put_operations(finished, keep_requests=journaled)
         for op, outcome in outcomes:
             self.metrics.operation_finished(op, is_failed=isinstance(outcome, Exception))
 

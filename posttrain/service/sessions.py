@@ -23,7 +23,6 @@ from posttrain.engine.interface import Engine
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.service.checkpoints import ResumePlan, plan_resume
 from posttrain.service.durability import EVERYTHING
-from posttrain.service.full_weight_durability import Parse
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
@@ -280,12 +279,12 @@ class SessionService:
             pass
         return self.get(user, session_id)
 
-    def recover_after_restart(self, parse: Parse | None = None) -> None:
+    def recover_after_restart(self) -> None:
         """Live sessions come back RUNNING with the state of their last completed operation
         (service/durability.py): rebuilt on their resource's worker before any new operation
-        runs there, a full-weight session's journal replayed (`parse`: the api layer's request
-        parser). Sessions without kept state (set up when the process died) end in ERROR
-        saying so; their records and checkpoints remain."""
+        runs there, a full-weight session's journal replayed from its kept requests. Sessions
+        without kept state (set up when the process died) end in ERROR saying so; their
+        records and checkpoints remain."""
         message = (
             "the server restarted; this session's in-memory training state was lost."
             " Resume from a training checkpoint in a new session."
@@ -306,7 +305,7 @@ class SessionService:
                 sid, rid = user_session.id, user_session.resource_id
                 self.scheduler.run_job(
                     rid,
-                    lambda sid=sid: self._restore(sid, parse),
+                    lambda sid=sid: self._restore(sid),
                     lambda exc, rid=rid, sid=sid: self._setup_failed(rid, sid, exc),
                 )
                 continue
@@ -318,7 +317,7 @@ class SessionService:
                 lambda s, st=status, er=error: dataclasses.replace(s, status=st, error=er),
             )
 
-    def recover_worker(self, resource_id: str, parse: Parse | None) -> None:
+    def recover_worker(self, resource_id: str) -> None:
         """Worker thread, right after the resource's worker process died and the operations in
         flight failed (Scheduler._fail_group): load the resource again and give each live
         session the state of its last completed operation, as after a server restart; a
@@ -334,12 +333,12 @@ class SessionService:
                         " session's training state was not kept. Resume from a training"
                         " checkpoint in a new session."
                     )
-                self._restore(session.id, parse)
+                self._restore(session.id)
             except Exception as exc:  # noqa: BLE001 - the failure is the session's record
                 log.warning("session %s not restored after its worker died: %s", session.id, exc)
                 self._setup_failed(resource_id, session.id, exc)
 
-    def _restore(self, session_id: str, parse: Parse | None) -> None:
+    def _restore(self, session_id: str) -> None:
         """Worker thread: load the resource, create the session and give it its kept state."""
         session = self.repo.get_session(session_id)
         assert session is not None and self.scheduler.durability is not None
@@ -347,17 +346,12 @@ class SessionService:
         assert resource is not None
         self.resources.ensure_loaded(resource)
         self.engine.create_session(resource.id, session_id, session.lora_config)
-        self.scheduler.durability.restore(session, parse and self._resolving(parse))
+        self.scheduler.durability.restore(session, self._resolved)
 
-    def _resolving(self, parse: Parse) -> Parse:
-        """`parse`, with routed_experts keys resolved as at submit (OperationService._prepared):
-        a key the restart forgot fails the restore, naming it."""
-
-        def parsed(op: OperationRecord, body: bytes) -> OperationRequest:
-            request = parse(op, body)
-            if isinstance(request, ForwardBackwardRequest | CustomForwardBackwardRequest):
-                samples = self.scheduler.routed_experts.resolved(op.session_id, request.samples)
-                request = dataclasses.replace(request, samples=samples)
-            return request
-
-        return parsed
+    def _resolved(self, op: OperationRecord, request: OperationRequest) -> OperationRequest:
+        """A journaled request with routed_experts keys resolved as at submit
+        (OperationService._prepared): a key the restart forgot fails the restore, naming it."""
+        if isinstance(request, ForwardBackwardRequest | CustomForwardBackwardRequest):
+            samples = self.scheduler.routed_experts.resolved(op.session_id, request.samples)
+            request = dataclasses.replace(request, samples=samples)
+        return request

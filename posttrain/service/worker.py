@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.service.kinds import KINDS, Sharing
 from posttrain.types import OperationKind, OperationRequest, SampleRequest
 
 log = logging.getLogger("posttrain.scheduler")
@@ -149,29 +150,30 @@ class ResourceWorker:
     def _fits(self, head: QueuedOperation, mates: list[_Item], candidate: QueuedOperation) -> bool:
         if candidate.kind != head.kind:
             return False
-        if head.kind != OperationKind.SAMPLE:
+        if KINDS[head.kind].sharing != Sharing.ANY:
             return len(mates) + 1 < self._max_batch
         rows = head.rows + sum(item.operation.rows for item in mates if item.operation)
         return rows + candidate.rows <= self._max_sample_rows
 
     def _take_batch_mates(self, head: QueuedOperation) -> list[_Item]:
         """Caller holds the lock. Removes and returns the head's batch mates from the queue."""
-        if head.kind not in (OperationKind.FORWARD_BACKWARD, OperationKind.SAMPLE):
+        sharing = KINDS[head.kind].sharing
+        if sharing == Sharing.ALONE:
             return []
         mates: list[_Item] = []
         # A session is blocked once one of its operations stays queued: nothing of it may
         # overtake that one. Forward-backwards of the head's own session stay behind it.
-        blocked = set() if head.kind == OperationKind.SAMPLE else {head.session_id}
+        blocked = set() if sharing == Sharing.ANY else {head.session_id}
         for item in list(self._items):
             if item is None or item.operation is None:
                 break
             candidate = item.operation
-            if candidate.kind not in (OperationKind.FORWARD_BACKWARD, OperationKind.SAMPLE):
+            if KINDS[candidate.kind].sharing == Sharing.ALONE:
                 break  # a barrier
             if candidate.session_id not in blocked and self._fits(head, mates, candidate):
                 mates.append(item)
                 self._items.remove(item)
-                if head.kind == OperationKind.SAMPLE:
+                if sharing == Sharing.ANY:
                     continue
             blocked.add(candidate.session_id)
         return mates
@@ -185,7 +187,7 @@ class ResourceWorker:
                 if head is None:
                     return
                 group = [head]
-                sample = head.operation is not None and head.operation.kind == OperationKind.SAMPLE
+                sample = head.operation is not None and KINDS[head.operation.kind].on_generator
             if sample and self._hand_off(head):
                 continue
             with self._ready:

@@ -10,17 +10,23 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-SCHEMA = """
+# An operation without an Idempotency-Key (the seed-era sample route) stores NULL: SQLite's
+# UNIQUE lets NULLs repeat, so such operations are simply not deduplicated. `request`: the
+# typed request a restart runs again (store/codec.py), until the operation finishes; `body`:
+# the HTTP body an older server kept instead (Repo.wire_bodies).
+OPERATION_COLUMNS = """
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, session_id TEXT NOT NULL,
+    kind TEXT NOT NULL, idempotency_key TEXT, status TEXT NOT NULL,
+    data TEXT NOT NULL, body BLOB, request TEXT, UNIQUE (session_id, kind, idempotency_key)"""
+
+SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS resources (
     id TEXT PRIMARY KEY, created_by TEXT NOT NULL, created_at REAL NOT NULL,
     status TEXT NOT NULL, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY, resource_id TEXT NOT NULL, created_by TEXT NOT NULL,
     created_at REAL NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS operations (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, session_id TEXT NOT NULL,
-    kind TEXT NOT NULL, idempotency_key TEXT NOT NULL, status TEXT NOT NULL,
-    data TEXT NOT NULL, UNIQUE (session_id, kind, idempotency_key));
+CREATE TABLE IF NOT EXISTS operations ({OPERATION_COLUMNS});
 CREATE TABLE IF NOT EXISTS checkpoints (
     id TEXT PRIMARY KEY, session_id TEXT NOT NULL, created_by TEXT NOT NULL,
     created_at REAL NOT NULL, type TEXT NOT NULL, data TEXT NOT NULL);
@@ -49,9 +55,22 @@ def connect(data_dir: Path) -> sqlite3.Connection:
 
 
 def _migrate(connection: sqlite3.Connection) -> None:
-    """Columns added since the first schema, for stores made by an older version."""
-    columns = {row[1] for row in connection.execute("PRAGMA table_info(operations)")}
+    """Columns added or relaxed since the first schema, for stores made by an older version."""
+    columns = {row[1]: row for row in connection.execute("PRAGMA table_info(operations)")}
     if "body" not in columns:
-        # An unfinished operation's request as it arrived, so it can run again after a
-        # restart; cleared when it finishes.
         connection.execute("ALTER TABLE operations ADD COLUMN body BLOB")
+    if "request" not in columns:
+        connection.execute("ALTER TABLE operations ADD COLUMN request TEXT")
+    if columns["idempotency_key"][3]:  # NOT NULL: SQLite relaxes it only by a table copy
+        connection.executescript(
+            "BEGIN;"
+            f"CREATE TABLE operations_relaxed ({OPERATION_COLUMNS});"
+            "INSERT INTO operations_relaxed"
+            " (seq, id, session_id, kind, idempotency_key, status, data, body, request)"
+            " SELECT seq, id, session_id, kind, idempotency_key, status, data, body, request"
+            " FROM operations;"
+            "DROP TABLE operations;"
+            "ALTER TABLE operations_relaxed RENAME TO operations;"
+            "CREATE INDEX operations_by_session ON operations (session_id);"
+            "COMMIT;"
+        )

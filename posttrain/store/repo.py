@@ -1,117 +1,40 @@
 """Typed reads and writes of the store. Rows convert to and from domain records here only.
 
-Each table keeps the columns that queries filter on plus the whole record as JSON, so adding a
-record field needs no migration. An operation's output is stored as the JSON object of its
-output dataclass (the wire's field names) and read back as the type its kind has
-(OUTPUT_TYPES), so records written before outputs were typed read back unchanged.
-Imports: types.
+Each table keeps the columns that queries filter on plus the whole record as JSON
+(store/codec.py), so adding a record field needs no migration. An operation's output is stored
+as the JSON object of its output dataclass (the wire's field names) and read back as the type
+its kind has, so records written before outputs were typed read back unchanged. An unfinished
+operation keeps its typed request beside it, for a restart to run it again.
+Imports: types, store.codec.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sqlite3
 import threading
-import types
-import typing
 from collections.abc import Callable, Collection
-from enum import Enum
-from typing import Any, TypeVar
 
+from posttrain.store.codec import (
+    from_dict,
+    operation_from_dict,
+    request_from_json,
+    request_to_json,
+    to_json,
+)
 from posttrain.types import (
     OPERATION_TERMINAL,
-    CheckpointOutput,
     CheckpointRecord,
-    CustomForwardBackwardOutput,
-    ForwardBackwardResult,
     OperationKind,
     OperationRecord,
+    OperationRequest,
     OperationStatus,
-    OptimStepOutput,
     ResourceRecord,
-    SampleOutput,
     SessionRecord,
-    WeightsSyncOutput,
 )
 
-# The output type of each operation kind.
-OUTPUT_TYPES: dict[OperationKind, type] = {
-    OperationKind.FORWARD_BACKWARD: ForwardBackwardResult,
-    OperationKind.CUSTOM_FORWARD_BACKWARD: CustomForwardBackwardOutput,
-    OperationKind.OPTIM_STEP: OptimStepOutput,
-    OperationKind.WEIGHTS_SYNC: WeightsSyncOutput,
-    OperationKind.SAMPLE: SampleOutput,
-    OperationKind.TRAINING_CHECKPOINT: CheckpointOutput,
-    OperationKind.INFERENCE_CHECKPOINT: CheckpointOutput,
-}
-
-T = TypeVar("T")
-
-
-def to_json(record: object) -> str:
-    return json.dumps(dataclasses.asdict(record), separators=(",", ":"))  # type: ignore[arg-type]
-
-
-def _convert(hint: Any, value: Any) -> Any:
-    """Rebuild a value of type `hint` from its JSON form (dataclasses, enums, tuples, unions)."""
-    if value is None:
-        return None
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(options) == 1:  # X | None
-            return _convert(options[0], value)
-        for option in options:
-            if dataclasses.is_dataclass(option) and isinstance(value, dict):
-                return _convert(option, value)
-            if isinstance(option, type) and issubclass(option, Enum):
-                try:
-                    return option(value)
-                except ValueError:
-                    continue
-        return value
-    if origin is tuple:
-        (item,) = typing.get_args(hint)[:1]
-        return tuple(_convert(item, v) for v in value)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if dataclasses.is_dataclass(item) or isinstance(item, type) and issubclass(item, Enum):
-            return [_convert(item, v) for v in value]
-        return value  # lists of plain JSON values (tokens, logprobs) as they are
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        return hint(value)
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value)  # type: ignore[arg-type]
-    return value
-
-
-@functools.cache
-def _field_hints(cls: type) -> dict[str, Any]:
-    """Resolved annotations of a record class: get_type_hints re-evaluates every string
-    annotation, and it ran on each row read (85% of an operation GET's handler time)."""
-    return typing.get_type_hints(cls)
-
-
-def operation_from_dict(data: dict[str, Any]) -> OperationRecord:
-    """An operation record; its output is rebuilt as the type of its kind."""
-    output = data.get("output")
-    fields = {**data, "output": None}
-    op = from_dict(OperationRecord, fields)
-    if output is None:
-        return op
-    return dataclasses.replace(op, output=from_dict(OUTPUT_TYPES[op.kind], output))
-
-
-def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-    hints = _field_hints(cls)
-    kwargs = {
-        f.name: _convert(hints[f.name], data[f.name])
-        for f in dataclasses.fields(cls)
-        if f.name in data
-    }  # type: ignore[arg-type]
-    return cls(**kwargs)
+__all__ = ["OperationDigest", "Repo", "to_json"]
 
 
 class Repo:
@@ -216,16 +139,20 @@ class Repo:
 
     # ------------------------------------------------------------ operations
 
-    def insert_operation(self, op: OperationRecord, body: bytes | None = None) -> OperationRecord:
-        """Register an operation under its Idempotency-Key atomically, with the request `body`
-        it arrived with (kept until it finishes: it runs again after a restart).
+    def insert_operation(
+        self, op: OperationRecord, request: OperationRequest | None = None
+    ) -> OperationRecord:
+        """Register an operation under its Idempotency-Key atomically, with its typed `request`
+        (kept until it finishes: it runs again after a restart).
 
-        Returns the stored record: `op` itself, or the one that already holds the key."""
+        Returns the stored record: `op` itself, or the one that already holds the key (an
+        operation without a key never finds one)."""
+        stored_request = None if request is None else request_to_json(request)
         with self._lock:
             try:
                 self._db.execute(
                     "INSERT INTO operations"
-                    " (id, session_id, kind, idempotency_key, status, data, body)"
+                    " (id, session_id, kind, idempotency_key, status, data, request)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         op.id,
@@ -234,12 +161,13 @@ class Repo:
                         op.idempotency_key,
                         op.status.value,
                         to_json(op),
-                        body,
+                        stored_request,
                     ),
                 )
                 return op
             except sqlite3.IntegrityError:
-                pass  # the key is taken; operations are never deleted, so it is still there
+                # The key is taken; operations are never deleted, so it is still there.
+                assert op.idempotency_key is not None, f"operation id {op.id} inserted twice"
         stored = self.find_operation(op.session_id, op.kind, op.idempotency_key)
         assert stored is not None, f"Idempotency-Key {op.idempotency_key!r} vanished"
         return stored
@@ -256,25 +184,24 @@ class Repo:
     def put_operation(self, op: OperationRecord) -> None:
         self.put_operations([op])
 
-    def put_operations(self, ops: list[OperationRecord], keep_bodies: Collection[str] = ()) -> None:
+    def put_operations(
+        self, ops: list[OperationRecord], keep_requests: Collection[str] = ()
+    ) -> None:
         """Several operation updates in one transaction (a shared pass's operations start and
-        finish together: one commit). `keep_bodies`: finished ones that keep their body."""
+        finish together: one commit). `keep_requests`: finished ones that keep their request."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                # A finished operation will not run again: its request body goes, unless a
-                # restart must replay it (service/full_weight_durability.py).
+                # A finished operation will not run again: its request goes, unless a restart
+                # must replay it (service/full_weight_durability.py).
                 self._db.executemany(
                     "UPDATE operations SET status = ?, data = ?,"
+                    " request = CASE WHEN ? THEN NULL ELSE request END,"
                     " body = CASE WHEN ? THEN NULL ELSE body END WHERE id = ?",
                     [
-                        (
-                            op.status.value,
-                            to_json(op),
-                            op.status in OPERATION_TERMINAL and op.id not in keep_bodies,
-                            op.id,
-                        )
+                        (op.status.value, to_json(op), drop, drop, op.id)
                         for op in ops
+                        for drop in [op.status in OPERATION_TERMINAL and op.id not in keep_requests]
                     ],
                 )
             except BaseException:
@@ -298,32 +225,52 @@ class Repo:
         rows = self._query(sql + " ORDER BY seq", args)
         return [operation_from_dict(json.loads(row[0])) for row in rows]
 
-    def unfinished_with_bodies(self) -> list[tuple[OperationRecord, bytes | None]]:
-        """Every PENDING/RUNNING operation, in submission order, with its request body."""
+    def unfinished_with_requests(self) -> list[tuple[OperationRecord, OperationRequest | None]]:
+        """Every PENDING/RUNNING operation, in submission order, with its typed request (None
+        where none was kept, or only an older server's wire body: wire_bodies)."""
         rows = self._query(
-            "SELECT data, body FROM operations WHERE status IN (?, ?) ORDER BY seq",
+            "SELECT data, request FROM operations WHERE status IN (?, ?) ORDER BY seq",
             (OperationStatus.PENDING.value, OperationStatus.RUNNING.value),
         )
-        return [(operation_from_dict(json.loads(row[0])), row[1]) for row in rows]
+        return [_with_request(row) for row in rows]
 
-    def journal(self, session_id: str, after: str | None) -> list[tuple[OperationRecord, bytes]]:
-        """The session's COMPLETED operations that kept their body (put_operations'
-        keep_bodies), submitted after operation `after` (None: all), in submission order."""
+    def journal(
+        self, session_id: str, after: str | None
+    ) -> list[tuple[OperationRecord, OperationRequest | None]]:
+        """The session's COMPLETED operations that kept their request (put_operations'
+        keep_requests), submitted after operation `after` (None: all), in submission order;
+        None for one that kept only an older server's wire body (wire_bodies)."""
         sql, args = self._kept(session_id, after, ">")
-        rows = self._query(f"SELECT data, body FROM operations WHERE {sql} ORDER BY seq", args)
-        return [(operation_from_dict(json.loads(row[0])), row[1]) for row in rows]
+        rows = self._query(f"SELECT data, request FROM operations WHERE {sql} ORDER BY seq", args)
+        return [_with_request(row) for row in rows]
 
-    def clear_bodies(self, session_id: str, through: str | None) -> None:
-        """Drop the kept bodies up to and including operation `through` (None: all)."""
+    def clear_requests(self, session_id: str, through: str | None) -> None:
+        """Drop the kept requests up to and including operation `through` (None: all)."""
         sql, args = self._kept(session_id, through, "<=")
-        self._execute(f"UPDATE operations SET body = NULL WHERE {sql}", args)
+        self._execute(f"UPDATE operations SET request = NULL, body = NULL WHERE {sql}", args)
 
     def _kept(self, session_id: str, op_id: str | None, compare: str) -> tuple[str, tuple]:
-        sql = "session_id = ? AND status = ? AND body IS NOT NULL"
+        sql = "session_id = ? AND status = ? AND (request IS NOT NULL OR body IS NOT NULL)"
         args: tuple = (session_id, OperationStatus.COMPLETED.value)
         if op_id is None:
             return sql, args
         return f"{sql} AND seq {compare} (SELECT seq FROM operations WHERE id = ?)", (*args, op_id)
+
+    def wire_bodies(self) -> list[tuple[OperationRecord, bytes]]:
+        """Operations an older server kept as the HTTP body they arrived with, not as a typed
+        request: the api layer parses them once at startup and stores them with put_request."""
+        rows = self._query(
+            "SELECT data, body FROM operations WHERE body IS NOT NULL AND request IS NULL"
+            " ORDER BY seq"
+        )
+        return [(operation_from_dict(json.loads(row[0])), row[1]) for row in rows]
+
+    def put_request(self, operation_id: str, request: OperationRequest) -> None:
+        """Keep `request` in place of the wire body an older server kept."""
+        self._execute(
+            "UPDATE operations SET request = ?, body = NULL WHERE id = ?",
+            (request_to_json(request), operation_id),
+        )
 
     # ------------------------------------------------------------ checkpoints
 
@@ -408,39 +355,26 @@ class Repo:
 
 
 @dataclasses.dataclass(frozen=True)
-class OperationDigest:
-    """An operation without its output, plus the loss and metrics a forward-backward stored."""
+class OperationDigest(OperationRecord):
+    """An operation record without its output (always None here), plus the loss and metrics a
+    forward-backward stored."""
 
-    id: str
-    session_id: str
-    kind: OperationKind
-    status: OperationStatus
-    created_at: float
-    updated_at: float
-    error_code: str | None
-    error_message: str | None
-    loss: float | None
-    metrics: dict[str, float]
+    loss: float | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
+# The record without its output, then the output's loss and metrics, extracted inside SQLite.
 _DIGEST_COLUMNS = (
-    "o.id, o.session_id, o.kind, o.status, json_extract(o.data, '$.created_at'),"
-    " json_extract(o.data, '$.updated_at'), json_extract(o.data, '$.error_code'),"
-    " json_extract(o.data, '$.error_message'), json_extract(o.data, '$.output.loss'),"
+    "json_remove(o.data, '$.output'), json_extract(o.data, '$.output.loss'),"
     " json_extract(o.data, '$.output.metrics')"
 )
 
 
 def _digest(row: sqlite3.Row) -> OperationDigest:
-    return OperationDigest(
-        id=row[0],
-        session_id=row[1],
-        kind=OperationKind(row[2]),
-        status=OperationStatus(row[3]),
-        created_at=row[4],
-        updated_at=row[5],
-        error_code=row[6],
-        error_message=row[7],
-        loss=row[8],
-        metrics=json.loads(row[9]) if row[9] else {},
-    )
+    metrics = json.loads(row[2]) if row[2] else {}
+    return from_dict(OperationDigest, {**json.loads(row[0]), "loss": row[1], "metrics": metrics})
+
+
+def _with_request(row: sqlite3.Row) -> tuple[OperationRecord, OperationRequest | None]:
+    op = operation_from_dict(json.loads(row[0]))
+    return op, None if row[1] is None else request_from_json(op.kind, row[1])

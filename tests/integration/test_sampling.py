@@ -359,3 +359,38 @@ def test_the_seed_era_sample_route_and_prompts_alias_work(shared_server):
     assert [s.tokens for s in legacy.sequences] == [s.tokens for s in current.sequences]
     session.stop()
     resources.stop()
+
+
+def test_the_seed_era_sample_route_runs_a_request_without_an_idempotency_key(shared_server):
+    """Its clients never sent the header: each such request is its own operation, and a bad
+    body is still refused naming the field."""
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 4, "seed": 19})
+    url = f"{shared_server.base_url}/v1/rl/training-sessions/{session.session_id}:sample"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {
+        "prompts": [model_input(encode("<|im_start|>2+2="))],
+        "num_samples": 1,
+        "sampling_params": {"max_tokens": 4, "temperature": 0},
+    }
+    first = httpx.post(url, headers=headers, json=body)
+    second = httpx.post(url, headers=headers, json=body)
+    assert (first.status_code, second.status_code) == (200, 200), (first.text, second.text)
+    assert first.json()["id"] != second.json()["id"]  # without a key, nothing is deduplicated
+    results = [
+        wait_for_sample(shared_server.base_url, session.session_id, r.json()["id"])
+        for r in (first, second)
+    ]
+    assert all(1 <= len(r.sequences[0].tokens) <= 4 for r in results)  # it ran
+    assert results[0].sequences[0].tokens == results[1].sequences[0].tokens  # greedy
+    refused = httpx.post(url, headers=headers, json={**body, "num_samples": "many"})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "num_samples"
+    # The 3.1.1 route still requires the header.
+    current = httpx.post(
+        f"{shared_server.base_url}/v1/rl/training-sessions/{session.session_id}/operations/sample",
+        headers=headers,
+        json={"model_inputs": body["prompts"], "num_samples": 1},
+    )
+    assert current.status_code == 400 and current.json()["error"]["param"] == "Idempotency-Key"
+    session.stop()
+    resources.stop()

@@ -1,4 +1,5 @@
-"""Operation routes: POST .../operations/{kind} (Idempotency-Key required) and its GET.
+"""Operation routes: POST .../operations/{kind} (Idempotency-Key required) and its GET, and
+the seed-era POST .../{session_id}:sample (the key optional).
 
 The route turns the wire body (with any offloaded payload merged in, api.md 1.6) into a domain
 request and hands it to the service; the request fingerprint is taken over the inline body
@@ -8,7 +9,7 @@ loaded. Every step that parses, reads the store or renders runs on a worker thre
 the event loop.
 
 The GET of a PENDING or RUNNING operation is held until the operation finishes or
-`poll_hold_seconds` pass (service/completion.py): the SDK's first poll, sent right after the
+`poll_hold_seconds` pass (service/polls.py): the SDK's first poll, sent right after the
 POST, then already carries the result, and the SDK never sleeps its 0.5 s poll interval.
 
 A sample POST sent while other sample POSTs of its session are unanswered is held the same way
@@ -24,34 +25,24 @@ while they run, and their operations still share a pass.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Header, Response
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from posttrain.api.contract import documented
-from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict, parse
+from posttrain.api.contract import OPTIONAL_KEY, documented
+from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict
+from posttrain.api.kinds import WIRE_KINDS
 from posttrain.api.responses import operation_json
-from posttrain.api.schemas.losses import CustomForwardBackwardIn, ForwardBackwardIn
-from posttrain.api.schemas.outputs import OPERATION_REPLIES
-from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
-from posttrain.errors import InvalidRequest, NotFound, Unsupported
+from posttrain.errors import InvalidRequest, NotFound, posttrainError
 from posttrain.service import Services
-from posttrain.service.completion import Waiter
-from posttrain.types import (
-    OPERATION_TERMINAL,
-    CheckpointRequest,
-    CheckpointType,
-    OperationKind,
-    OperationRecord,
-    OperationRequest,
-)
+from posttrain.types import OperationKind, OperationRecord, OperationRequest
 
+log = logging.getLogger("posttrain.api")
 router = APIRouter(prefix="/v1/rl/training-sessions")
 
 
@@ -69,59 +60,26 @@ def _kind(kind: str) -> OperationKind:
         raise NotFound(f"unknown operation kind {kind!r}", param="kind") from None
 
 
-def to_request(kind: OperationKind, body: dict[str, Any], svc: Services) -> OperationRequest:
-    if kind == OperationKind.FORWARD_BACKWARD:
-        return parse(ForwardBackwardIn, body).to_domain()
-    if kind == OperationKind.CUSTOM_FORWARD_BACKWARD:
-        return parse(CustomForwardBackwardIn, body).to_domain()
-    if kind == OperationKind.OPTIM_STEP:
-        return parse(OptimStepIn, body).to_domain()
-    if kind == OperationKind.WEIGHTS_SYNC:
-        return parse(WeightsSyncIn, body).to_domain()
-    if kind == OperationKind.SAMPLE:
-        sampler = svc.config.sampler
-        return parse(SampleIn, body).to_domain(
-            max_tokens=sampler.max_tokens,
-            temperature=sampler.temperature,
-            num_samples=sampler.num_samples,
-        )
-    if kind in (OperationKind.TRAINING_CHECKPOINT, OperationKind.INFERENCE_CHECKPOINT):
-        if body:  # these operations take no body (api.md 1.4.7, 1.4.8)
-            field = next(iter(body))
-            raise InvalidRequest(f"{field}: unknown field; {kind} takes no body", param=field)
-        training = kind == OperationKind.TRAINING_CHECKPOINT
-        return CheckpointRequest(CheckpointType.TRAINING if training else CheckpointType.INFERENCE)
-    raise Unsupported(f"{kind} operations are not supported yet", param="kind")
-
-
 def submit(
     svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
 ) -> OperationRecord:
-    if not key:
-        raise InvalidRequest(
-            "the Idempotency-Key header is required on operation POSTs", param="Idempotency-Key"
-        )
-    svc.sessions.get(user, session_id)  # 404 before any body work for an unknown session
+    """`key` None: the seed-era route, whose clients never send one (api.md 5.6)."""
+    session = svc.sessions.get(user, session_id)  # 404 before any body work
     body = loads_strict(raw)
     fingerprint = hashlib.sha256(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
-    replayed = svc.operations.replay(session_id, kind, key, fingerprint)
-    if replayed is not None:
+    if key is not None and (replayed := svc.operations.replay(session_id, kind, key, fingerprint)):
         return replayed
     request = parsed(svc, session_id, kind, body)
     return svc.operations.submit(
-        user,
-        session_id,
-        kind,
-        idempotency_key=key,
-        fingerprint=fingerprint,
-        request=request,
-        body=raw,
+        user, session, kind, idempotency_key=key, fingerprint=fingerprint, request=request
     )
 
 
-def parsed(svc: Services, session_id: str, kind: OperationKind, body: dict[str, Any]):
+def parsed(
+    svc: Services, session_id: str, kind: OperationKind, body: dict[str, Any]
+) -> OperationRequest:
     """The domain request of an inline body, its offloaded payload merged in (api.md 1.6)."""
     full = body
     if isinstance(payload_id := body.get("payload_id"), str):
@@ -132,72 +90,33 @@ def parsed(svc: Services, session_id: str, kind: OperationKind, body: dict[str, 
                 f"payload {payload_id}: {exc.message}", param="payload_id"
             ) from None
         full = {**body, **payload}
-    return to_request(kind, full, svc)
+    return WIRE_KINDS[kind].to_request(full, svc.config.sampler)
 
 
-def reparsed(svc: Services, op: OperationRecord, raw: bytes) -> OperationRequest:
-    """After a restart: the request of an operation that had not finished, from the body it
-    arrived with, parsed exactly as at submit."""
-    return parsed(svc, op.session_id, op.kind, loads_strict(raw))
-
-
-async def answered_when_done(
-    svc: Services,
-    user: str,
-    session_id: str,
-    kind: OperationKind,
-    look: Callable[[], OperationRecord],
-    known_id: str | None = None,
-) -> Response:
-    """The operation `look` returns, answered once it finishes or the poll hold passes.
-
-    On one worker thread, the operation is watched before its status is read, so a completion
-    in between is not missed: when `known_id` names it (a GET), the watch comes first and
-    `look` is the one read; otherwise (a POST, whose id `look` makes) `look`, then for an
-    operation not yet terminal a watch and a second read. A terminal one is rendered in the
-    same trip. A woken request renders the record the completion handed over; one that was not
-    (a hold that passed, a shutdown) reads it again."""
-
-    def read(op_id: str) -> OperationRecord:
-        return svc.operations.get(user, session_id, kind, op_id)
-
-    hold = svc.config.poll_hold_seconds
-    loop = asyncio.get_running_loop()
-    watched: list[Waiter] = []
-
-    def first() -> tuple[OperationRecord, Response | None]:
-        if known_id is not None and hold > 0:
-            watched.append(svc.watch.watch(known_id, loop))
-        op = look()
-        if op.status in OPERATION_TERMINAL or hold <= 0:
-            return op, rendered(op)
-        if not watched:
-            watched.append(svc.watch.watch(op.id, loop))
-            op = read(op.id)
-        return op, (rendered(op) if op.status in OPERATION_TERMINAL else None)
-
-    try:
-        op, response = await run_in_threadpool(first)
-        if response is not None:
-            return response
-        (waiter,) = watched
+def keep_wire_bodies_as_requests(svc: Services) -> None:
+    """At startup, before the restart recovery: an older server kept the HTTP bodies of
+    unfinished and journaled operations instead of their typed requests. Parse each once, as
+    at submit, and keep the request the service reads back itself. One that no longer parses
+    (its payload gone) stays unreadable: the recovery fails its operation or session, saying
+    so."""
+    for op, raw in svc.operations.wire_bodies():
         try:
-            await asyncio.wait_for(waiter.wait(), timeout=hold)
-        except TimeoutError:
-            pass  # the hold passed: answer the current status, the SDK polls again
-        done = waiter.record
-        response = await run_in_threadpool(
-            lambda: rendered(done if done is not None else read(op.id))
-        )
-    finally:
-        for waiter in watched:
-            svc.watch.forget(waiter)
-    # A client with many operations in flight holds a connection per held request besides
-    # those of its other requests, and httpx's pool (the SDK's client) scans every idle
-    # connection on each request and response: measured, 64 concurrent one-sample SDK
-    # operations took 1.7-2.4 s with the connections kept and 0.5-0.7 s with held GETs closing
-    # theirs (docs/benchmarks.md). A new loopback connection costs well under a millisecond.
-    response.headers["Connection"] = "close"
+            request = parsed(svc, op.session_id, op.kind, loads_strict(raw))
+        except posttrainError as exc:
+            log.warning("operation %s: its kept body no longer parses: %s", op.id, exc)
+            continue
+        svc.operations.keep_request(op.id, request)
+
+
+def closing(response: Response, was_held: bool) -> Response:
+    """A request that was held closes its connection; one answered at once keeps it. A client
+    with many operations in flight holds a connection per held request besides those of its
+    other requests, and httpx's pool (the SDK's client) scans every idle connection on each
+    request and response: measured, 64 concurrent one-sample SDK operations took 1.7-2.4 s
+    with the connections kept and 0.5-0.7 s with held GETs closing theirs
+    (docs/benchmarks.md). A new loopback connection costs well under a millisecond."""
+    if was_held:
+        response.headers["Connection"] = "close"
     return response
 
 
@@ -205,34 +124,38 @@ async def held(
     svc: Services, user: str, session_id: str, kind: OperationKind, operation_id: str
 ) -> Response:
     """The GET of an operation, answered once it finishes or the poll hold passes."""
-
-    def look() -> OperationRecord:
-        return svc.operations.get(user, session_id, kind, operation_id)
-
-    return await answered_when_done(svc, user, session_id, kind, look, known_id=operation_id)
+    answer = await svc.polls.settled(user, session_id, kind, operation_id)
+    return closing(await run_in_threadpool(rendered, answer.op), answer.was_held)
 
 
 async def posted(
     svc: Services, user: str, session_id: str, kind: OperationKind, raw: bytes, key: str | None
 ) -> Response:
-    """The POST of an operation; a sample POST beside others of its session is held."""
+    """The POST of an operation; a sample POST beside others of its session is held. What
+    finished already is rendered on the thread that submitted it."""
+    if kind != OperationKind.SAMPLE or svc.arrivals.unanswered(session_id) <= 1:
+        return await run_in_threadpool(
+            lambda: rendered(submit(svc, user, session_id, kind, raw, key))
+        )
 
-    def look() -> OperationRecord:
-        return submit(svc, user, session_id, kind, raw, key)
+    def first() -> tuple[OperationRecord, Response | None]:
+        op = submit(svc, user, session_id, kind, raw, key)
+        return op, (rendered(op) if svc.polls.is_settled(op) else None)
 
-    if kind == OperationKind.SAMPLE and svc.arrivals.unanswered(session_id) > 1:
-        return await answered_when_done(svc, user, session_id, kind, look)
-    return await run_in_threadpool(lambda: rendered(look()))
+    op, response = await run_in_threadpool(first)
+    if response is not None:
+        return response
+    answer = await svc.polls.settled(user, session_id, kind, op.id)
+    return closing(await run_in_threadpool(rendered, answer.op), answer.was_held)
 
 
-# The body model of each operation kind that takes one; the checkpoints take none.
-BODIES: dict[OperationKind, type[BaseModel]] = {
-    OperationKind.FORWARD_BACKWARD: ForwardBackwardIn,
-    OperationKind.CUSTOM_FORWARD_BACKWARD: CustomForwardBackwardIn,
-    OperationKind.OPTIM_STEP: OptimStepIn,
-    OperationKind.WEIGHTS_SYNC: WeightsSyncIn,
-    OperationKind.SAMPLE: SampleIn,
-}
+def required_key(key: str | None) -> str:
+    """The Idempotency-Key every 3.1.1 operation POST carries (api.md 1.4.1)."""
+    if not key:
+        raise InvalidRequest(
+            "the Idempotency-Key header is required on operation POSTs", param="Idempotency-Key"
+        )
+    return key
 
 
 def _poster(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
@@ -244,17 +167,31 @@ def _poster(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
         svc: ServicesDep,
         user: UserDep,
     ) -> Response:
-        return await posted(svc, user, session_id, kind, body, idempotency_key)
+        key = required_key(idempotency_key)
+        return await posted(svc, user, session_id, kind, body, key)
 
     return create
 
 
-# April-era route (api.md 5.6), an alias of .../operations/sample.
-router.post(
+@router.post(
     "/{session_id}:sample",
     name="sample_alias",
-    **documented(OPERATION_REPLIES[OperationKind.SAMPLE], body=SampleIn),
-)(_poster(OperationKind.SAMPLE))
+    **documented(
+        WIRE_KINDS[OperationKind.SAMPLE].reply, body=WIRE_KINDS[OperationKind.SAMPLE].body
+    ),
+)
+async def sample_alias(
+    *,
+    session_id: str,
+    body: RawBodyDep,
+    idempotency_key: str | None = Header(None, alias="Idempotency-Key", description=OPTIONAL_KEY),
+    svc: ServicesDep,
+    user: UserDep,
+) -> Response:
+    """The April-era sample route (api.md 5.6), an alias of .../operations/sample. Its
+    clients sent no Idempotency-Key: without one, the operation is not deduplicated."""
+    key = idempotency_key or None
+    return await posted(svc, user, session_id, OperationKind.SAMPLE, body, key)
 
 
 def _getter(kind: OperationKind) -> Callable[..., Awaitable[Response]]:
@@ -271,22 +208,21 @@ def _add_kind_routes() -> None:
     path-templated routes below answer the same, and a 404 for an unknown kind."""
     for kind in OperationKind:
         path = f"/{{session_id}}/operations/{kind.value}"
-        reply = OPERATION_REPLIES[kind]
+        wire = WIRE_KINDS[kind]
         name = kind.name.lower()
-        body_required = kind != OperationKind.OPTIM_STEP  # `{}` or nothing: the defaults
         router.add_api_route(
             path,
             _poster(kind),
             methods=["POST"],
             name=f"create_{name}",
-            **documented(reply, body=BODIES.get(kind), body_required=body_required),
+            **documented(wire.reply, body=wire.body, body_required=wire.is_body_required),
         )
         router.add_api_route(
             f"{path}/{{operation_id}}",
             _getter(kind),
             methods=["GET"],
             name=f"retrieve_{name}",
-            **documented(reply),
+            **documented(wire.reply),
         )
 
 
@@ -303,7 +239,8 @@ async def create_operation(
     svc: ServicesDep,
     user: UserDep,
 ) -> Response:
-    return await posted(svc, user, session_id, _kind(kind), body, idempotency_key)
+    known = _kind(kind)
+    return await posted(svc, user, session_id, known, body, required_key(idempotency_key))
 
 
 @router.get("/{session_id}/operations/{kind}/{operation_id}", include_in_schema=False)

@@ -1,5 +1,6 @@
 """Response models of operations: the envelope every operation POST and GET answers, with the
-output of each kind (api.md 1.4), as responses.output_json writes them. Like objects.py they
+output of each kind (api.md 1.4; each kind's in api/kinds.py), as responses.output_json writes
+them. Like objects.py they
 document /openapi.json and are checked against real answers by the contract tests.
 
 Imports: api.schemas.objects, types.
@@ -12,7 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from posttrain.api.schemas.objects import CheckpointRef, Reply, optional
-from posttrain.types import OperationErrorCode, OperationKind, OperationStatus, StopReason
+from posttrain.types import OperationErrorCode, OperationStatus, StopReason
 
 
 class OperationError(Reply):
@@ -87,46 +88,35 @@ class CheckpointResult(Reply):
     checkpoint: CheckpointRef
 
 
-class _Operation(Reply):
+class OperationReply(Reply):
     id: str
     status: OperationStatus
     error: OperationError = optional()
 
 
-class ForwardBackwardOperation(_Operation):
+class ForwardBackwardOperation(OperationReply):
     output: ForwardBackwardResult = optional()
 
 
-class CustomForwardBackwardOperation(_Operation):
+class CustomForwardBackwardOperation(OperationReply):
     output: CustomForwardBackwardResult = optional()
 
 
-class OptimStepOperation(_Operation):
+class OptimStepOperation(OperationReply):
     output: OptimStepResult = optional()
 
 
-class WeightsSyncOperation(_Operation):
+class WeightsSyncOperation(OperationReply):
     output: WeightsSyncResult = optional()
 
 
-class SampleOperation(_Operation):
+class SampleOperation(OperationReply):
     output: SampleOutput = optional()
 
 
-class TrainingCheckpointOperation(_Operation):
+class TrainingCheckpointOperation(OperationReply):
     output: CheckpointResult = optional()
 
 
-class InferenceCheckpointOperation(_Operation):
+class InferenceCheckpointOperation(OperationReply):
     output: CheckpointResult = optional()
-
-
-OPERATION_REPLIES: dict[OperationKind, type[_Operation]] = {
-    OperationKind.FORWARD_BACKWARD: ForwardBackwardOperation,
-    OperationKind.CUSTOM_FORWARD_BACKWARD: CustomForwardBackwardOperation,
-    OperationKind.OPTIM_STEP: OptimStepOperation,
-    OperationKind.WEIGHTS_SYNC: WeightsSyncOperation,
-    OperationKind.SAMPLE: SampleOperation,
-    OperationKind.TRAINING_CHECKPOINT: TrainingCheckpointOperation,
-    OperationKind.INFERENCE_CHECKPOINT: InferenceCheckpointOperation,
-}

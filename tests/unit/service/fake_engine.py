@@ -236,9 +236,15 @@ class Wired:
     def submit(
         self, session_id: str, kind: OperationKind, request: OperationRequest, key: str
     ) -> str:
+        return self.submit_op(session_id, kind, request, key).id
+
+    def submit_op(
+        self, session_id: str, kind: OperationKind, request: OperationRequest, key: str
+    ) -> OperationRecord:
+        session = self.sessions.get(USER, session_id)
         return self.operations.submit(
-            USER, session_id, kind, idempotency_key=key, fingerprint=key, request=request
-        ).id
+            USER, session, kind, idempotency_key=key, fingerprint=key, request=request
+        )
 
     def hold(self, resource_id: str) -> threading.Event:
         """Occupy the resource's worker until the returned Event is set."""

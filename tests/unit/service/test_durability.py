@@ -50,7 +50,7 @@ def run(services, session_id: str, kind: OperationKind, request) -> str:
     done = threading.Event()
     op = services.operations.submit(
         USER,
-        session_id,
+        services.sessions.get(USER, session_id),
         kind,
         idempotency_key=f"{kind}-{id(request)}",
         fingerprint="f",

@@ -1,14 +1,15 @@
 """Durable full-weight sessions through the real services and engine in this process: a
-snapshot every persist_every optimizer steps, the bodies of the state-changing operations
-completed since kept as a journal (and dropped once a snapshot covers them), and a restart that
-loads the snapshot and replays the journal, so the session carries on exactly as a twin that
-never restarted."""
+snapshot every persist_every optimizer steps, the typed requests of the state-changing
+operations completed since kept as a journal (and dropped once a snapshot covers them), and a
+restart that loads the snapshot and replays the journal, so the session carries on exactly as
+a twin that never restarted."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,12 @@ from typing import Any
 import pytest
 from inprocess import USER, open_session
 
-from posttrain.api.routes.operations import parsed, reparsed
+from posttrain.api.routes.operations import keep_wire_bodies_as_requests, parsed
 from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
 from posttrain.engine import durable
-from posttrain.service import Services, build_services
+from posttrain.service import Services, build_services, wire_services
 from posttrain.service.full_weight_durability import is_snapshot_due
-from posttrain.types import OperationKind, OperationStatus, SessionStatus
+from posttrain.types import OperationKind, OperationRecord, OperationStatus, SessionStatus
 
 TOKENS = [1, 40, 41, 42, 50, 60, 70, 80]
 SAMPLE = {
@@ -50,9 +51,12 @@ FB, OPTIM, WSYNC = (
 KEYS = itertools.count()
 
 
+def config_for(data_dir: Path) -> ServerConfig:
+    return ServerConfig(data_dir=data_dir, engine=EngineConfig(device="cpu"), persist_every=2)
+
+
 def start(data_dir: Path) -> Services:
-    config = ServerConfig(data_dir=data_dir, engine=EngineConfig(device="cpu"), persist_every=2)
-    return build_services(config, reparsed)
+    return build_services(config_for(data_dir))
 
 
 def full_weight_session(services: Services) -> str:
@@ -68,15 +72,14 @@ def full_weight_session(services: Services) -> str:
 
 
 def run(services: Services, session_id: str, kind: OperationKind, body: dict[str, Any]) -> str:
-    """Submit `body` as the api layer does (its request and its raw bytes) and wait for it."""
+    """Submit `body` as the api layer does (its typed request) and wait for it."""
     op = services.operations.submit(
         USER,
-        session_id,
+        services.sessions.get(USER, session_id),
         kind,
         idempotency_key=f"key-{next(KEYS)}",
         fingerprint="f",
         request=parsed(services, session_id, kind, body),
-        body=json.dumps(body).encode(),
     )
     while services.repo.get_operation(op.id).status not in (
         OperationStatus.COMPLETED,
@@ -139,7 +142,10 @@ def test_the_journal_keeps_what_the_last_snapshot_does_not_cover(tmp_path):
         assert record["record"]["operation"] == ops["step2"] and record["record"]["step"] == 2
         journal = services.repo.journal(session_id, after=None)
         assert [op.id for op, _ in journal] == [ops["fb3"], ops["step3"], ops["sync"], ops["fb"]]
-        assert [json.loads(body) for _, body in journal] == [TRAIN, STEP, BACKGROUND, TRAIN]
+        kept = [(FB, TRAIN), (OPTIM, STEP), (WSYNC, BACKGROUND), (FB, TRAIN)]
+        assert [request for _, request in journal] == [
+            parsed(services, session_id, kind, body) for kind, body in kept
+        ]
         observed(services, session_id)  # scoring and sampling change nothing: not journaled
         assert len(services.repo.journal(session_id, after=None)) == 4
         run(services, session_id, OPTIM, STEP)  # step 4: a snapshot covers them all
@@ -168,7 +174,8 @@ def test_a_restart_replays_the_journal_on_the_snapshot_exactly(tmp_path):
         restarted.close()
 
     # The last forward-backward was running when the process died: its gradients were in
-    # memory only, so it runs again after the journal (its body kept, as any unfinished one's).
+    # memory only, so it runs again after the journal (its request kept, as any unfinished
+    # one's).
     again = start(tmp_path / "again")
     try:
         again_id = full_weight_session(again)
@@ -245,5 +252,50 @@ def test_a_restart_before_the_first_periodic_snapshot_replays_the_whole_journal(
         after = restarted.repo.get_session(session_id)
         assert (after.step, after.policy_state) == (record.step, record.policy_state)
         assert observed(restarted, session_id) == seen
+    finally:
+        restarted.close()
+
+
+@pytest.mark.slow
+def test_wire_bodies_an_older_server_kept_run_again_after_a_restart(tmp_path):
+    """An older server kept the HTTP bodies of journaled and unfinished operations instead of
+    their typed requests: at startup the api layer parses each once, as at submit, and the
+    restart runs them as it runs typed ones."""
+    services = start(tmp_path)
+    session_id = full_weight_session(services)
+    sent = [(FB, TRAIN), (OPTIM, STEP), (WSYNC, SYNC), (FB, TRAIN)]  # journaled: no snapshot
+    journaled = {run(services, session_id, kind, body): (kind, body) for kind, body in sent}
+    seen = observed(services, session_id)
+    record = services.repo.get_session(session_id)
+    now = 1.0
+    pending = OperationRecord(
+        "op-pending", session_id, FB, OperationStatus.PENDING, now, now, None,
+        "f", USER,
+    )  # fmt: skip
+    services.repo.insert_operation(pending)
+    services.close()
+    store = sqlite3.connect(tmp_path / "posttrain.sqlite3")
+    for op_id, (_, body) in {**journaled, pending.id: (FB, SCORE)}.items():
+        store.execute(
+            "UPDATE operations SET body = ?, request = NULL WHERE id = ?",
+            (json.dumps(body).encode(), op_id),
+        )
+    store.commit()
+    store.close()
+
+    restarted = wire_services(config_for(tmp_path))  # as api/app.py starts
+    keep_wire_bodies_as_requests(restarted)
+    restarted.recover_after_restart()
+    try:
+        assert restarted.repo.wire_bodies() == []
+        assert [request for _, request in restarted.repo.journal(session_id, after=None)] == [
+            parsed(restarted, session_id, kind, body) for kind, body in journaled.values()
+        ]
+        after = restarted.repo.get_session(session_id)
+        assert (after.step, after.policy_state) == (record.step, record.policy_state)
+        assert observed(restarted, session_id) == seen
+        scored = restarted.repo.get_operation(pending.id)  # ran before observed's operations
+        assert scored.status == OperationStatus.COMPLETED, scored.error_message
+        assert scored.output.loss_fn_outputs == seen[0]
     finally:
         restarted.close()

@@ -57,7 +57,12 @@ def requests() -> list[SampleRequest]:
 
 def submit(services: Services, session_id: str, kind: OperationKind, request, key: str) -> str:
     op = services.operations.submit(
-        USER, session_id, kind, idempotency_key=key, fingerprint=key, request=request
+        USER,
+        services.sessions.get(USER, session_id),
+        kind,
+        idempotency_key=key,
+        fingerprint=key,
+        request=request,
     )
     return op.id
 

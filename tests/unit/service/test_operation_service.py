@@ -29,9 +29,7 @@ def test_a_replayed_key_returns_the_first_operation_and_never_runs_twice(wired):
     sid = wired.session(rid)
     first = wired.submit(sid, FB, fb(), "key")
     wired.drain(rid)
-    replay = wired.operations.submit(
-        USER, sid, FB, idempotency_key="key", fingerprint="key", request=fb()
-    )
+    replay = wired.submit_op(sid, FB, fb(), "key")
     wired.drain(rid)
     assert replay.id == first
     assert replay.output == ForwardBackwardResult(4.0, {})
@@ -44,9 +42,7 @@ def test_an_operation_on_a_stopped_session_is_recorded_failed_at_once(wired):
     rid = wired.resource()
     sid = wired.session(rid)
     wired.sessions.stop(USER, sid)
-    op = wired.operations.submit(
-        USER, sid, FB, idempotency_key="late", fingerprint="late", request=fb()
-    )
+    op = wired.submit_op(sid, FB, fb(), "late")
     assert op.status == OperationStatus.FAILED
     assert op.error_code == OperationErrorCode.SESSION_NOT_ACTIVE
     assert wired.engine.passes("forward_backward_batch") == []

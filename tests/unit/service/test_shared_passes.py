@@ -73,7 +73,12 @@ class Runner:
         self.keys += 1
         key = f"key-{self.keys}"
         return self.services.operations.submit(
-            USER, session_id, kind, idempotency_key=key, fingerprint=key, request=request
+            USER,
+            self.services.sessions.get(USER, session_id),
+            kind,
+            idempotency_key=key,
+            fingerprint=key,
+            request=request,
         ).id
 
     def drain(self, resource_id: str) -> None:

@@ -3,7 +3,9 @@ a record written while outputs were plain dicts (the same JSON) reads back the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sqlite3
 from pathlib import Path
 
 from posttrain.api.responses import operation_json
@@ -108,3 +110,33 @@ def test_a_record_with_a_dict_output_written_before_reads_back_typed(tmp_path: P
             }
         ]
     }
+
+
+def test_a_store_whose_keys_were_required_takes_operations_without_one(tmp_path: Path):
+    """A store made when every operation had an Idempotency-Key (NOT NULL) is relaxed on
+    open, its rows and their order kept; operations without a key are never deduplicated."""
+    legacy = sqlite3.connect(tmp_path / "posttrain.sqlite3")
+    legacy.execute(
+        "CREATE TABLE operations (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL"
+        " UNIQUE, session_id TEXT NOT NULL, kind TEXT NOT NULL, idempotency_key TEXT NOT NULL,"
+        " status TEXT NOT NULL, data TEXT NOT NULL, UNIQUE (session_id, kind, idempotency_key))"
+    )
+    keyed = record(OperationKind.SAMPLE, None)
+    legacy.execute(
+        "INSERT INTO operations (id, session_id, kind, idempotency_key, status, data)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (keyed.id, "ts-1", "sample", keyed.idempotency_key, keyed.status.value, to_json(keyed)),
+    )
+    legacy.commit()
+    legacy.close()
+    repo = Repo(connect(tmp_path))
+    assert repo.get_operation(keyed.id) == keyed
+    unkeyed = [
+        dataclasses.replace(
+            keyed, id=f"op-{i}", idempotency_key=None, status=OperationStatus.PENDING
+        )
+        for i in range(2)
+    ]
+    assert [repo.insert_operation(op) for op in unkeyed] == unkeyed
+    assert [op.id for op in repo.unfinished_operations("ts-1")] == ["op-0", "op-1"]
+    assert repo.insert_operation(dataclasses.replace(keyed, id="op-again")) == keyed

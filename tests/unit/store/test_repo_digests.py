@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from posttrain.api.schemas.dashboard import DashboardOperation
 from posttrain.store.db import connect
-from posttrain.store.repo import Repo
+from posttrain.store.repo import OperationDigest, Repo
 from posttrain.types import (
     OperationKind,
     OperationRecord,
@@ -80,3 +81,11 @@ def test_digests_carry_loss_and_metrics_but_not_the_output(tmp_path):
     assert (series[1].loss, series[1].metrics) == (None, {})
     last = repo.session_operations("ts-1", (OperationKind.FORWARD_BACKWARD,), limit=1)
     assert [d.id for d in last] == ["op-1"]
+
+
+def test_a_digest_is_an_operation_record_and_the_dashboard_shows_its_fields():
+    """One definition of an operation's fields: the digest derives from the record, and the
+    dashboard's operation names only fields the digest has."""
+    digest = {f.name for f in dataclasses.fields(OperationDigest)}
+    assert {f.name for f in dataclasses.fields(OperationRecord)} | {"loss", "metrics"} == digest
+    assert set(DashboardOperation.model_fields) <= digest

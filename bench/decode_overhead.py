@@ -34,11 +34,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR
-from posttrain.engine import sampler
-from posttrain.engine.decode_rows import LiveRows
-from posttrain.engine.model_passes import GeneratorModel
-from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
+from posttrain.engine.generate import sampler
+from posttrain.engine.generate.decode_rows import LiveRows
+from posttrain.engine.generate.prefill import GeneratorModel
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.generate.sampler import GenerationRequest, WeightsVersion, generate
 from posttrain.model.lora import AdapterSpec, LoraLinear, LoraModel
 from posttrain.types import SamplingParams
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,

@@ -57,7 +57,7 @@ from sampling import RANDOM_CONFIGS
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import ForwardBackwardRequest, LoraConfig, LossConfig, LossType, TrainingSample
 
 MODEL_ID = "qwen3-40m"

@@ -45,8 +45,8 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig  # noqa: E402
-from posttrain.engine import sampler  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.generate import sampler  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.model.attention_kernels import matmul_attention, partial_attention  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,

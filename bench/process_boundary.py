@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.engine.process import ProcessEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.remote import ProcessEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,

@@ -36,8 +36,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.engine.replicas import ReplicatedEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.replicas import ReplicatedEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams  # noqa: E402
 
 CONFIG = EngineConfig(device="cpu", dtype="float32")

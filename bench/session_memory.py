@@ -49,8 +49,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
-from posttrain.engine.footprint import SessionFootprint, nbytes
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.memory.footprint import SessionFootprint, nbytes
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     AdamParams,

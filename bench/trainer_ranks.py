@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.engine.trainer_group import TrainerGroupEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,
@@ -127,7 +127,7 @@ def all_gather_seconds(numel: int, world: int) -> float:
     processes on this host (what a sharded frozen base pays per forward)."""
     import multiprocessing
 
-    from posttrain.engine.trainer_group import _free_port
+    from posttrain.engine.hosts.trainer_group import _free_port
 
     context = multiprocessing.get_context("spawn")
     out = context.Queue()

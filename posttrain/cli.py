@@ -268,7 +268,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from posttrain.api.app import create_app
     from posttrain.api.server import serve as run_server
-    from posttrain.engine.trainer_group import check_trainer_ranks
+    from posttrain.engine.hosts.trainer_group import check_trainer_ranks
     from posttrain.model.loader import servable_problem
 
     # The built-ins are known to be servable; only the user's directories are checked.

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from torch import nn
 
-from posttrain.engine.data_parallel import DataParallel
-from posttrain.engine.optim import SessionOptimizer
-from posttrain.engine.param_shards import ParamShards
-from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import WeightsVersion
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.generate.sampler import WeightsVersion
+from posttrain.engine.optim.optimizer import SessionOptimizer
+from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.model.loader import LoadedModel
 from posttrain.model.lora import LoraModel
 from posttrain.types import MuonScaling

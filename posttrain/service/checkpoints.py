@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from posttrain.engine.checkpoint.formats import ADAPTER_FILES
 from posttrain.engine.interface import Engine
-from posttrain.engine.weights import ADAPTER_FILES
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.service.ids import new_id
 from posttrain.service.signing import UrlSigner

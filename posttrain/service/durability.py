@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.engine import durable
+from posttrain.engine.checkpoint import durable
 from posttrain.engine.interface import Engine
 from posttrain.errors import EngineFailure
 from posttrain.service import full_weight_durability as full_weight

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 
 from posttrain.config import LimitsConfig
-from posttrain.engine.optim import resolve_step_settings
-from posttrain.engine.routes import check_routes
+from posttrain.engine.optim.optimizer import resolve_step_settings
+from posttrain.engine.train.expert_routes import check_routes
 from posttrain.errors import Conflict, EngineFailure, InvalidRequest, NotFound, posttrainError
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.buckets import assemble, bucket_routing, plan_buckets
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.train.buckets import assemble, bucket_routing, plan_buckets
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,

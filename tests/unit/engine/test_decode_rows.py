@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.engine import decode_rows
-from posttrain.engine.decode_rows import LiveRows, SampledRow
-from posttrain.engine.sampling_math import (
+from posttrain.engine.generate import decode_rows
+from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.sampling_math import (
     GREEDY,
     PLAIN,
     batch_kind,

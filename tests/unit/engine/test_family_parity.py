@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
 from posttrain.config import BUILTIN_MODELS, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     ForwardBackwardRequest,
     LoraConfig,

@@ -17,7 +17,7 @@ PROBE = textwrap.dedent(
     import json, resource, sys
     from pathlib import Path
     import torch
-    from posttrain.engine.headroom import headroom
+    from posttrain.engine.memory.headroom import headroom
     limit = {address_space}
     if limit:
         vm = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.engine.logprobs import target_logprobs
+from posttrain.engine.train.logprobs import target_logprobs
 
 
 def reference(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

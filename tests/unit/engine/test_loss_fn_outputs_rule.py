@@ -12,7 +12,7 @@ from engine_calls import forward_backward
 
 from posttrain.cli import engine_config, parser
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import ForwardBackwardRequest, LoraConfig, LossConfig, LossType, TrainingSample
 
 TOKENS = [5, 6, 7, 8, 9, 10]

@@ -22,8 +22,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
-from posttrain.engine import memory_estimate as estimate
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.memory import estimate
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,

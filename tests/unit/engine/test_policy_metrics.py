@@ -18,7 +18,7 @@ import torch
 from test_losses import POLICY_IDS, POLICY_LOSSES  # the same seven policy-loss settings
 from torch import Tensor
 
-from posttrain.engine.losses import LOSSES, LossBatch, LossOutput
+from posttrain.engine.train.losses import LOSSES, LossBatch, LossOutput
 from posttrain.types import (
     DroParams,
     GrpoAggregation,

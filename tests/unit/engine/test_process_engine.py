@@ -14,9 +14,9 @@ import torch
 from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import durable
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.process import ProcessEngine
+from posttrain.engine.checkpoint import durable
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.remote import ProcessEngine
 from posttrain.errors import InvalidRequest, NotFound, WorkerDied
 from posttrain.types import (
     AdamParams,

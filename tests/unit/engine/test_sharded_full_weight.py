@@ -21,13 +21,15 @@ import torch
 from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, BUILTIN_MODELS, EngineConfig
-from posttrain.engine import durable, trainer, weights
-from posttrain.engine.batching import pack
-from posttrain.engine.data_parallel import DataParallel
+from posttrain.engine.checkpoint import durable
+from posttrain.engine.checkpoint import formats as weights
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
 from posttrain.engine.interface import Headroom
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.sharding import Sharding
-from posttrain.engine.trainer_group import TrainerGroupEngine
+from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.zero2 import Sharding
+from posttrain.engine.train import trainer
+from posttrain.engine.train.batching import pack
 from posttrain.errors import NonFiniteLoss
 from posttrain.service.admission import plan_passes
 from posttrain.types import (

@@ -18,10 +18,10 @@ import torch
 from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import durable
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.replicas import ReplicatedEngine
-from posttrain.engine.trainer_group import TrainerGroupEngine, check_trainer_ranks
+from posttrain.engine.checkpoint import durable
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.trainer_group import TrainerGroupEngine, check_trainer_ranks
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.types import (
     AdamParams,

@@ -18,7 +18,7 @@ from inprocess import USER, open_session
 
 from posttrain.api.routes.operations import parsed, reparsed
 from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
-from posttrain.engine import durable
+from posttrain.engine.checkpoint import durable
 from posttrain.service import Services, build_services
 from posttrain.service.full_weight_durability import is_snapshot_due
 from posttrain.types import OperationKind, OperationStatus, SessionStatus

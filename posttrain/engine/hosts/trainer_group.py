@@ -53,10 +53,11 @@ import torch
 from torch.distributed import TCPStore
 
 from posttrain.config import EngineConfig
-from posttrain.engine.data_parallel import DataParallel
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.placement import RANK, LocalPlacement, Placement, WorkerHandle
-from posttrain.engine.process import forward_by_resource
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.local_placement import LocalPlacement
+from posttrain.engine.hosts.placement import RANK, Placement, WorkerHandle
+from posttrain.engine.hosts.remote import forward_by_resource
+from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.model.loader import resolve_device
 from posttrain.types import MuonScaling

@@ -21,8 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from posttrain.engine.muon import is_muon_param, lr_scale, muon_update_, num_row_blocks
-from posttrain.engine.sharding import Sharding
+from posttrain.engine.optim.muon import (
+    is_muon_param,
+    lr_scale,
+    muon_update_,
+    num_row_blocks,
+)
+from posttrain.engine.parallel.zero2 import Sharding
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
 

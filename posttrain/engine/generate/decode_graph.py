@@ -26,16 +26,16 @@ import logging
 import torch
 from torch import Tensor
 
-from posttrain.engine.decode_rows import LiveRows
-from posttrain.engine.logprobs import log_softmax_float32
-from posttrain.engine.model_passes import (
+from posttrain.engine.generate.decode_rows import LiveRows
+from posttrain.engine.generate.prefill import (
     GeneratorModel,
     forward_rows,
     head_logits,
     layer_types,
     routing_of,
 )
-from posttrain.engine.sampling_math import choose_tokens_static
+from posttrain.engine.generate.sampling_math import choose_tokens_static
+from posttrain.engine.train.logprobs import log_softmax_float32
 from posttrain.model import attention
 from posttrain.model.static_decode_cache import StaticDecodeCache, static_decode_supported
 

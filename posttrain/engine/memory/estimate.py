@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from posttrain.engine.model_passes import PREFILL_TOKENS_PER_PASS
-from posttrain.engine.sampler import DECODE_POSITIONS_PER_GROWTH
+from posttrain.engine.generate.prefill import PREFILL_TOKENS_PER_PASS
+from posttrain.engine.generate.sampler import DECODE_POSITIONS_PER_GROWTH
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,

@@ -20,8 +20,8 @@ from torch import Tensor
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from posttrain.engine.logprobs import log_softmax_float32
-from posttrain.engine.prefix_cache import PrefixCache
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.train.logprobs import log_softmax_float32
 from posttrain.model import attention, routing
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from posttrain.engine.data_parallel import DataParallel
+from posttrain.engine.parallel.data_parallel import DataParallel
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,22 @@
-"""The engine behind a process boundary: each model resource's weights, sessions and passes live
-in a worker process of their own, and the API process sends it typed commands.
+"""One engine process and the pipe to it: `WorkerProcess` (the API end) and `_serve` (the
+worker's loop). A remote engine (hosts/remote.py) or a replica set (hosts/replicas.py) holds one
+per process it runs, through a Placement (hosts/placement.py).
 
-`ProcessEngine` implements the Engine protocol (interface.py). Calls that concern a base model,
-not a resource (`model_info`, `check_tokens`, `device_name`, `export_merged`), run in the API
-process on a LocalEngine that never loads a resource. Every other call names its resource first
-and is sent to that resource's worker (`WorkerProcess`): a `spawn`ed process running a
-LocalEngine, started by `load_resource` and stopped by `unload_resource` or `close`.
-
-The wire is a pipe carrying pickled `(method, args, kwargs)` commands and `(ok, value)` answers;
-requests and results are the frozen dataclasses of posttrain.types, so the same objects cross
-it that the in-process engine takes. An exception raised in the worker comes back as itself
-(posttrain's errors keep their class, message and `param`). A callable argument
-(`sample_batch`'s `between_tokens`, which may publish weights mid-sample) stays in the API
-process: the worker calls back through the pipe, the callback runs here, and the commands it
-sends (a `publish`) are served by the worker while it waits.
+The worker is a `spawn`ed process that builds its engine object (a LocalEngine by default, a
+RankEngine or ReplicaEngine when asked) and runs the commands it is sent. The wire is a pipe
+carrying pickled `(method, args, kwargs)` commands and `(ok, value)` answers; requests and
+results are the frozen dataclasses of posttrain.types, so the same objects cross it that the
+in-process engine takes. An exception raised in the worker comes back as itself (posttrain's
+errors keep their class, message and `param`). A callable argument (`sample_batch`'s
+`between_tokens`, which may publish weights mid-sample) stays in the API process: the worker
+calls back through the pipe, the callback runs here, and the commands it sends (a `publish`)
+are served by the worker while it waits.
 
 A worker that dies (killed, crashed, out of memory) fails the call in flight and every later
 one with WorkerDied (INTERNAL_ERROR naming the worker and how it ended); the API process lives
-on, and `is_loaded` answers False so the service can load the resource again.
+on, and its engine reports the resource unloaded so the service can load it again.
 
-Imports: config, errors, types, engine (local, interface, placement); torch only inside the
-workers and the catalog engine.
+Imports: config, errors, engine.hosts (in_process, placement); torch only inside the worker.
 """
 
 from __future__ import annotations
@@ -35,22 +31,13 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from posttrain.config import EngineConfig
-from posttrain.engine.interface import ModelInfo
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.placement import TRAINER
 from posttrain.errors import EngineFailure, WorkerDied
 
-if TYPE_CHECKING:
-    from posttrain.engine.placement import Placement, WorkerHandle
-
-# Served in the API process: they read a base model's files, never a resource's state.
-CATALOG = ("device_name", "model_info", "check_tokens", "export_merged")
-# Calls that only drop state: on a dead worker there is nothing left to drop.
-FORGETTING = ("drop_session",)
-# The role of a resource's trainer worker (engine/placement.py names the others).
-TRAINER = "worker"
 # A worker answers within this many seconds of being asked to stop, or is killed.
 STOP_GRACE_S = 10.0
 
@@ -169,108 +156,6 @@ class WorkerProcess:
         )
         self.dead = f"(pid {self.process.pid}) {how}"
         self._check()
-
-
-class ProcessEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_paths: dict[str, Path],
-        placement: Placement | None = None,
-    ) -> None:
-        """`placement` starts the workers (engine/placement.py; default: local processes)."""
-        from posttrain.engine.placement import LocalPlacement  # it imports WorkerProcess
-
-        self.config = config
-        self.model_paths = model_paths
-        self.placement = placement or LocalPlacement(config, model_paths)
-        self._catalog = LocalEngine(config, model_paths)  # never loads a resource
-        self._workers: dict[str, WorkerHandle] = {}
-        self._lock = threading.Lock()
-
-    def load_resource(self, resource_id: str, base_model: str, **kwargs: Any) -> None:
-        with self._lock:
-            worker = self._workers.get(resource_id)
-            if worker is not None and worker.dead is not None:
-                worker.stop()  # reap it before its replacement starts
-                worker = None
-            if worker is None:
-                self.placement.reserve(resource_id, kwargs.get("generator_replicas", 1))
-                label = f"the worker process of model resource {resource_id}"
-                worker = self.placement.start(resource_id, TRAINER, (), label=label)
-                self._workers[resource_id] = worker
-        worker.call("load_resource", (resource_id, base_model), kwargs)
-
-    def unload_resource(self, resource_id: str) -> None:
-        with self._lock:
-            worker = self._workers.pop(resource_id, None)
-        if worker is not None:
-            worker.stop()
-        self.placement.release(resource_id)
-
-    def is_loaded(self, resource_id: str) -> bool:
-        with self._lock:
-            worker = self._workers.get(resource_id)
-        return worker is not None and worker.dead is None
-
-    def worker_pid(self, resource_id: str) -> int | None:
-        """The resource's worker process id (for operators and the fault tests)."""
-        with self._lock:
-            worker = self._workers.get(resource_id)
-        return None if worker is None else worker.pid
-
-    def close(self) -> None:
-        """Stop every worker (server shutdown)."""
-        with self._lock:
-            workers, self._workers = list(self._workers.values()), {}
-        for worker in workers:
-            worker.stop()
-        self.placement.close()
-
-    def model_info(self, base_model: str) -> ModelInfo:
-        return self._catalog.model_info(base_model)
-
-    def generator_lanes(self, resource_id: str) -> int:
-        return 0  # the worker's generator shares its trainer's process (replicas.py: apart)
-
-    def generator_fence(self, resource_id: str) -> int:
-        return 0
-
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        """Every other Engine method: the catalog's, or the named resource's worker's."""
-        return forward_by_resource(
-            self._catalog, method, self._worker, lambda worker: worker.dead is not None
-        )
-
-    def _worker(self, resource_id: str) -> Any:
-        with self._lock:
-            return self._workers.get(resource_id)
-
-
-def forward_by_resource(
-    catalog: LocalEngine,
-    method: str,
-    handle_of: Callable[[str], Any],
-    gone: Callable[[Any], bool],
-) -> Callable[..., Any]:
-    """An Engine method of an engine whose resources live elsewhere (ProcessEngine's workers,
-    trainer_group.py's rank groups), by name: the catalog's own for CATALOG methods; else sent
-    to the resource's handle (`handle_of`, None where nothing holds it: the catalog then
-    raises NotFound), and a FORGETTING call on a handle that is `gone` does nothing."""
-    if method.startswith("_") or not callable(getattr(LocalEngine, method, None)):
-        raise AttributeError(method)
-    if method in CATALOG:
-        return getattr(catalog, method)
-
-    def forwarded(resource_id: str, *args: Any, **kwargs: Any) -> Any:
-        handle = handle_of(resource_id)
-        if handle is None:
-            return getattr(catalog, method)(resource_id, *args, **kwargs)  # NotFound
-        if gone(handle) and method in FORGETTING:
-            return None  # what it would drop died with the handle's processes
-        return handle.call(method, (resource_id, *args), kwargs)
-
-    return forwarded
 
 
 def _die_with_parent() -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from posttrain.engine.sampling_math import GREEDY, batch_kind
+from posttrain.engine.generate.sampling_math import GREEDY, batch_kind
 from posttrain.types import SamplingParams, StopReason
 
 # Uniforms drawn per row at a time: one torch.rand call per row per DRAWS_AHEAD steps instead

@@ -49,8 +49,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import posttrain
 from posttrain.config import EngineConfig
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.placement import (
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.placement import (
     GENERATOR,
     TRAINER,
     bundle_index,

@@ -57,10 +57,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.engine.decode_graph import DecodeStep, static_passes_supported
-from posttrain.engine.decode_rows import LiveRows, SampledRow
-from posttrain.engine.logprobs import log_softmax_float32
-from posttrain.engine.model_passes import (
+from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
+from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.prefill import (
     GeneratorModel,
     PromptGroup,
     extend_rows,
@@ -69,8 +68,9 @@ from posttrain.engine.model_passes import (
     new_cache,
     prefill,
 )
-from posttrain.engine.routes import to_routes
-from posttrain.engine.sampling_math import choose_tokens, hit_stop_string, row_seed
+from posttrain.engine.generate.sampling_math import choose_tokens, hit_stop_string, row_seed
+from posttrain.engine.train.expert_routes import to_routes
+from posttrain.engine.train.logprobs import log_softmax_float32
 from posttrain.errors import NonFiniteLoss
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache

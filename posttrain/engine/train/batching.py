@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.engine.losses import LossBatch
+from posttrain.engine.train.losses import LossBatch
 from posttrain.types import ExpertRoutes, TrainingSample
 
 FLOAT_KEYS = {

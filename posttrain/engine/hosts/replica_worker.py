@@ -22,11 +22,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from posttrain.config import EngineConfig
-from posttrain.engine.generator import generator_key
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.optim import SessionOptimizer
+from posttrain.engine.generate.generator import generator_key
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.weights_broadcast import Bucket, Member, buffer_of, unpack
+from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.state import ResourceState, SessionState
-from posttrain.engine.weights_broadcast import Bucket, Member, buffer_of, unpack
 from posttrain.types import SampleRequest, SampleResult
 
 Staged = tuple[int, str, tuple]

@@ -44,12 +44,13 @@ from torch import Tensor
 from transformers import AutoConfig
 
 from posttrain.config import EngineConfig
-from posttrain.engine import memory_estimate as estimate
-from posttrain.engine.headroom import headroom
+from posttrain.engine.hosts.local_placement import LocalPlacement
+from posttrain.engine.hosts.placement import GENERATOR, Placement
+from posttrain.engine.hosts.replica_worker import ReplicaEngine
+from posttrain.engine.hosts.weights_broadcast import Delivery, Root, pack
 from posttrain.engine.interface import Engine, Headroom
-from posttrain.engine.placement import GENERATOR, LocalPlacement, Placement
-from posttrain.engine.replica_engine import ReplicaEngine
-from posttrain.engine.weights_broadcast import Delivery, Root, pack
+from posttrain.engine.memory import estimate
+from posttrain.engine.memory.headroom import headroom
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -208,9 +209,7 @@ class ReplicatedEngine:
             for replica in state.replicas:
                 replica.stop()
             state.channel.stop()
-        close = getattr(self.trainer, "close", None)
-        if close is not None:
-            close()
+        self.trainer.close()
         self.placement.close()
 
     def replica_pids(self, resource_id: str) -> list[int | None]:

@@ -33,14 +33,14 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
-from posttrain.engine.batching import PackedBatch, member_loss_batch, pack, unpack
-from posttrain.engine.buckets import Routing, assemble, bucket_routing, plan_buckets
-from posttrain.engine.data_parallel import DataParallel
-from posttrain.engine.logprobs import target_logprobs
-from posttrain.engine.losses import LOSSES
-from posttrain.engine.routes import forced_routes
+from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.state import ResourceState, SessionState
-from posttrain.engine.token_gradients import (
+from posttrain.engine.train.batching import PackedBatch, member_loss_batch, pack, unpack
+from posttrain.engine.train.buckets import Routing, assemble, bucket_routing, plan_buckets
+from posttrain.engine.train.expert_routes import forced_routes
+from posttrain.engine.train.logprobs import target_logprobs
+from posttrain.engine.train.losses import LOSSES
+from posttrain.engine.train.token_gradients import (
     TokenGradient,
     given_gradient,
     needed_positions,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from posttrain.engine.losses import LOSSES, LossBatch
+from posttrain.engine.train.losses import LOSSES, LossBatch
 from posttrain.types import GrpoParams, GrpoRatioType, LossConfig, LossType
 
 # (batch rows, columns, logprobs): index tensors broadcasting to the logprobs' shape (a chunk's

@@ -19,11 +19,11 @@ from dataclasses import replace
 from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
-from posttrain.engine import full_weight
-from posttrain.engine.model_passes import GeneratorModel
-from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
+from posttrain.engine.checkpoint.formats import copy_into
+from posttrain.engine.generate.prefill import GeneratorModel
+from posttrain.engine.generate.sampler import GenerationRequest, WeightsVersion, generate
 from posttrain.engine.state import ResourceState, SessionState
-from posttrain.engine.weights import copy_into
+from posttrain.engine.train import full_weight
 from posttrain.types import SampleRequest, SampleResult
 
 

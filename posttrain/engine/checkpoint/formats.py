@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
-from posttrain.engine.optim import OptimizerState
+from posttrain.engine.optim.optimizer import OptimizerState
 from posttrain.errors import InvalidRequest
 from posttrain.model.lora import LoraModel
 from posttrain.model.lora_experts import PROJECTIONS, ExpertProjection

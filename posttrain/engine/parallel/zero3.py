@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from posttrain.engine.sharding import Sharding
+from posttrain.engine.parallel.zero2 import Sharding
 
 
 class ParamShards:

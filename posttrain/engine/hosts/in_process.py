@@ -25,22 +25,25 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
-from posttrain.engine import durable, full_weight, generator, sharding, trainer, weights
-from posttrain.engine import memory_estimate as estimate
-from posttrain.engine.data_parallel import DataParallel
-from posttrain.engine.footprint import (
+from posttrain.engine.checkpoint import durable, formats
+from posttrain.engine.generate import generator
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.interface import Headroom, ModelInfo
+from posttrain.engine.memory import estimate
+from posttrain.engine.memory.footprint import (
     ResourceFootprint,
     SessionFootprint,
     nbytes,
     resource_footprint,
     session_footprint,
 )
-from posttrain.engine.headroom import headroom
-from posttrain.engine.interface import Headroom, ModelInfo
-from posttrain.engine.optim import SessionOptimizer
-from posttrain.engine.param_shards import ParamShards
-from posttrain.engine.prefix_cache import PrefixCache
+from posttrain.engine.memory.headroom import headroom
+from posttrain.engine.optim.optimizer import SessionOptimizer
+from posttrain.engine.parallel import zero2
+from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.engine.state import ResourceState, SessionState
+from posttrain.engine.train import full_weight, trainer
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
@@ -122,6 +125,9 @@ class LocalEngine:
         with self._lock:
             self._resources.pop(resource_id, None)
 
+    def close(self) -> None:
+        """Nothing to stop: the resources live and die with this process."""
+
     def is_loaded(self, resource_id: str) -> bool:
         with self._lock:
             return resource_id in self._resources
@@ -186,7 +192,7 @@ class LocalEngine:
     def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
         assert not resource.sessions, "a full-weight session shares its resource with no one"
         named = full_weight.trainable_parameters(resource.lora)
-        shards = sharding.Sharding.over(resource.group, named)  # None: fewer than 2 ranks
+        shards = zero2.Sharding.over(resource.group, named)  # None: fewer than 2 ranks
         zero3 = shards is not None and self.config.shard_parameters
         # The copy is taken while the model is frozen, so it never holds gradients. ZeRO-3:
         # on rank 0 alone, which samples (trainer_group.RANK_ZERO).
@@ -395,7 +401,7 @@ class LocalEngine:
             elif part == "optimizer":
                 values[part] = {
                     "optimizer": session.optimizer.full_state_dict(),
-                    "rng": weights.rng_state(),
+                    "rng": formats.rng_state(),
                 }
             elif part == "gradients":
                 values[part] = session.optimizer.full_gradients()
@@ -412,7 +418,7 @@ class LocalEngine:
         named = session.optimizer.named_params
         _copy_into_trainer(resource, session, parts["trainer"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
-        weights.restore_rng(parts["optimizer"]["rng"])
+        formats.restore_rng(parts["optimizer"]["rng"])
         saved = {n: g for n, g in parts.get("gradients", {}).items() if session.optimizer.owns(n)}
         for name, p in named:
             p.grad = saved[name].to(device=p.device, dtype=p.dtype) if name in saved else None
@@ -427,7 +433,7 @@ class LocalEngine:
         state = session.optimizer.full_state_dict()  # sharded: gathered onto rank 0
         tensors = _trainer_tensors(resource, session)
         if self.writes_files:
-            weights.save_training_state(directory, tensors, state)
+            formats.save_training_state(directory, tensors, state)
 
     def save_adapter(
         self,
@@ -442,8 +448,8 @@ class LocalEngine:
         resource, session = self._session(resource_id, session_id)
         tensors = resource.lora.adapter_state(session.trainer_key)
         modules = {name.rsplit(".", 1)[0] for name in tensors}
-        targets = weights.peft_target_modules(resource.lora, modules)
-        weights.save_peft_adapter(
+        targets = formats.peft_target_modules(resource.lora, modules)
+        formats.save_peft_adapter(
             directory, tensors, lora=lora, base_model=base_model, target_modules=targets
         )
 
@@ -453,18 +459,18 @@ class LocalEngine:
         """Resume: the session's weights (and optimizer and RNG state) from a training
         checkpoint; the generator then serves the loaded weights."""
         resource, session = self._session(resource_id, session_id)
-        state = weights.load_training_state(directory)
+        state = formats.load_training_state(directory)
         _copy_into_trainer(resource, session, state.tensors)
         if load_optimizer:
             session.optimizer.load_state_dict(state.optimizer)
-            weights.restore_rng(state.rng)
+            formats.restore_rng(state.rng)
         generator.refresh(resource, session)
 
     def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
         """Resume weights only, from an inference checkpoint's PEFT adapter."""
         resource, session = self._session(resource_id, session_id)
-        tensors, _ = weights.load_peft_adapter(directory)
-        weights.copy_into(session.optimizer.named_params, tensors)
+        tensors, _ = formats.load_peft_adapter(directory)
+        formats.copy_into(session.optimizer.named_params, tensors)
         generator.refresh(resource, session)
 
     def save_full_model(
@@ -474,11 +480,11 @@ class LocalEngine:
         resource, session = self._session(resource_id, session_id)
         tensors = _trainer_tensors(resource, session)
         if self.writes_files:
-            weights.export_full_weights(self.model_paths[base_model], tensors, directory)
+            formats.export_full_weights(self.model_paths[base_model], tensors, directory)
 
     def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None:
         """A merged model directory from a PEFT adapter over `base_model`'s own files."""
-        weights.export_merged(self.model_paths[base_model], adapter_dir, output_dir)
+        formats.export_merged(self.model_paths[base_model], adapter_dir, output_dir)
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None:
         vocab = self.model_info(base_model).vocab_size
@@ -510,11 +516,11 @@ def _copy_into_trainer(
     named = session.optimizer.named_params
     shards = resource.param_shards
     if shards is None or not session.is_full_weight:
-        weights.copy_into(named, saved)
+        formats.copy_into(named, saved)
         return
-    weights.check_names(named, saved)
+    formats.check_names(named, saved)
     owned = shards.owned()
-    weights.copy_into(owned, {name: saved[name] for name, _ in owned})
+    formats.copy_into(owned, {name: saved[name] for name, _ in owned})
 
 
 def _rank_shares(group: DataParallel, requests: list[Any]) -> list[list[Any]]:

@@ -1,0 +1,1 @@
+"""posttrain.engine.train."""

@@ -15,7 +15,7 @@ Also counts the tensor operations and host reads (`.item()`, `int(t)`, `bool(t)`
 synchronisation each on a GPU) per decode step, and the results transfers (the one
 device-to-host copy of a block's tokens and logprobs) per block of `--block-steps` passes,
 which do not depend on the machine's load. `--static`: the static-shape passes
-(engine/decode_graph.py, eager here; on CUDA they are captured in graphs).
+(engine/generate/decode_graph.py, eager here; on CUDA they are captured in graphs).
 Prints per-step medians (ms), the floor and their ratio; JSON on the last line.
 """
 

@@ -1,6 +1,6 @@
 """What durable sessions cost: one RL-style step (forward-backward, optim-step, weights-sync)
 with and without writing the state each operation changed, as the server does before it
-reports the operation COMPLETED (service/durability.py, engine/durable.py); and for a
+reports the operation COMPLETED (service/durability.py, engine/checkpoint/durable.py); and for a
 full-weight session, with a snapshot of its whole state every N steps
 (service/full_weight_durability.py; the journal between snapshots costs no write: the request
 bodies are in the store already), and how long a restart's snapshot load takes.

@@ -1,6 +1,6 @@
-"""What a process boundary costs per engine call (engine/process.py), against the in-process
-engine in the same run: the same small operations on LocalEngine and on ProcessEngine (one
-worker process), alternated, medians over --reps of each.
+"""What a process boundary costs per engine call (engine/hosts/worker_process.py), against the
+in-process engine in the same run: the same small operations on LocalEngine and on ProcessEngine
+(one worker process), alternated, medians over --reps of each.
 
 Operations: a forward-backward of one 8-token sample, an optim-step, a publish, a sample of
 --sample-tokens tokens (each decode step crosses the pipe once for `between_tokens`), and a

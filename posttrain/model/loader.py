@@ -59,7 +59,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """The base weights in `dtype` on `device`, frozen. Loss and logprob math is float32
-    whatever the weights' dtype (engine/logprobs.py), and so are LoRA adapters (model/lora.py)."""
+    whatever the weights' dtype (engine/train/logprobs.py), and so are LoRA adapters
+    (model/lora.py)."""
     # Never reach for a hub: every model is a local directory.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

@@ -6,8 +6,8 @@ What each kind changes (`changed_parts`): a forward-backward that trains, or a c
 forward-backward, the accumulated gradients; an optim-step the adapter, the optimizer moments
 and the gradients (now none); a weights-sync the generator's adapter; sampling, scoring and
 checkpoints nothing. The engine writes those parts and a record (the operation, its output,
-the session's step and policy versions) atomically (engine/durable.py); a new session writes
-everything once, when it is set up.
+the session's step and policy versions) atomically (engine/checkpoint/durable.py); a new session
+writes everything once, when it is set up.
 
 After a restart, before anything runs (`reconcile`): an operation whose state reached the disk
 but whose COMPLETED record did not is completed from the record; the session's step and policy
@@ -36,6 +36,7 @@ from posttrain.engine.checkpoint import durable
 from posttrain.engine.interface import Engine
 from posttrain.errors import EngineFailure
 from posttrain.service import full_weight_durability as full_weight
+from posttrain.statuses import OperationStatus
 from posttrain.store.repo import OUTPUT_TYPES, Repo, from_dict
 from posttrain.types import (
     ForwardBackwardRequest,
@@ -43,7 +44,6 @@ from posttrain.types import (
     OperationOutput,
     OperationRecord,
     OperationRequest,
-    OperationStatus,
     PolicyState,
     SessionRecord,
 )

@@ -41,12 +41,11 @@ from posttrain.errors import SessionNotActive
 from posttrain.service import policy
 from posttrain.service.durability import changed_parts
 from posttrain.service.recording import OperationRecorder
+from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
     OperationKind,
     OperationRecord,
-    OperationStatus,
-    SessionStatus,
     WeightsSyncOutput,
     WeightsSyncRequest,
     WeightSyncType,

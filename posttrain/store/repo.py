@@ -20,15 +20,14 @@ from collections.abc import Callable, Collection
 from enum import Enum
 from typing import Any, TypeVar
 
+from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.types import (
-    OPERATION_TERMINAL,
     CheckpointOutput,
     CheckpointRecord,
     CustomForwardBackwardOutput,
     ForwardBackwardResult,
     OperationKind,
     OperationRecord,
-    OperationStatus,
     OptimStepOutput,
     ResourceRecord,
     SampleOutput,

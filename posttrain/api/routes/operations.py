@@ -43,8 +43,8 @@ from posttrain.api.schemas.steps import OptimStepIn, SampleIn, WeightsSyncIn
 from posttrain.errors import InvalidRequest, NotFound, Unsupported
 from posttrain.service import Services
 from posttrain.service.completion import Waiter
+from posttrain.statuses import OPERATION_TERMINAL
 from posttrain.types import (
-    OPERATION_TERMINAL,
     CheckpointRequest,
     CheckpointType,
     OperationKind,

@@ -12,7 +12,8 @@ from typing import Literal
 from pydantic import Field
 
 from posttrain.api.schemas.objects import CheckpointRef, Reply, optional
-from posttrain.types import OperationErrorCode, OperationKind, OperationStatus, StopReason
+from posttrain.statuses import OperationErrorCode, OperationStatus
+from posttrain.types import OperationKind, StopReason
 
 
 class OperationError(Reply):

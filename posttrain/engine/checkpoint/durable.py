@@ -15,7 +15,7 @@ Parts: `trainer` (the trainer adapter, or a full-weight session's every weight),
 moments and the RNG state dropout draws from), `gradients` (accumulated since the last step;
 none is an empty file).
 
-Imports: nothing from posttrain (torch and safetensors only); engine/local.py gathers the
+Imports: nothing from posttrain (torch and safetensors only); hosts/in_process.py gathers the
 parts from a session and puts them back.
 """
 

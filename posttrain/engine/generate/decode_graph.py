@@ -1,5 +1,5 @@
-"""One decode pass of the sampler (engine/sampler.py) over persistent tensors, run eagerly or
-replayed from a CUDA graph: the forward of every row's last token through a
+"""One decode pass of the sampler (generate/sampler.py) over persistent tensors, run eagerly
+or replayed from a CUDA graph: the forward of every row's last token through a
 StaticDecodeCache (model/static_decode_cache.py), the output head, and the draw.
 
 Everything the pass reads or writes that changes from pass to pass lives in a tensor made

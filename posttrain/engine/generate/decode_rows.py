@@ -1,5 +1,5 @@
-"""The live rows of the sampler's decode loop (engine/sampler.py) and what a decode step needs
-of them, kept ready between steps so a step does no per-row Python beyond recording tokens.
+"""The live rows of the sampler's decode loop (generate/sampler.py) and what a decode step
+needs of them, kept ready between steps so a step does no per-row Python beyond recording tokens.
 
 - Settings as tensors, and the batch's sampling kind decided once on the host (all greedy,
   all plain temperature-1, or mixed), so choose_tokens needs no device-side checks per step.

@@ -2,13 +2,14 @@
 trainer's weights to it, and running sample operations through the decode loop (sampler.py).
 
 A LoRA session's generator is a second adapter on the shared model (`<session>@generator`);
-a full-weight session's is its own frozen copy of the model (engine/full_weight.py). Each
+a full-weight session's is its own frozen copy of the model (train/full_weight.py). Each
 generator serves a WeightsVersion: a generation that changes on every publish (it keys the
 prefix cache, so stale prompt KV never hits) and the policy version of those weights
 (api.md 2.4), which the decode loop reads live so a PIPELINE weights-sync between decode passes
 takes effect at the next token.
 
-Not here: the trainer's weights and gradients (trainer.py) and which sessions exist (local.py).
+Not here: the trainer's weights and gradients (train/trainer.py) and which sessions exist
+(hosts/in_process.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from torch import Tensor, nn
 from posttrain.config import EngineConfig
 from posttrain.engine.checkpoint.formats import copy_into
 from posttrain.engine.generate.prefill import GeneratorModel
-from posttrain.engine.generate.sampler import GenerationRequest, WeightsVersion, generate
-from posttrain.engine.state import ResourceState, SessionState
+from posttrain.engine.generate.sampler import GenerationRequest, generate
+from posttrain.engine.state import ResourceState, SessionState, WeightsVersion
 from posttrain.engine.train import full_weight
 from posttrain.types import SampleRequest, SampleResult
 
@@ -43,7 +44,7 @@ def served(resource: ResourceState, session: SessionState) -> WeightsVersion:
 def refresh(resource: ResourceState, session: SessionState) -> None:
     """The generator serves a copy of the trainer's current weights (same policy version)."""
     if session.is_full_weight and resource.param_shards is not None:
-        # From each parameter's owner into rank 0's copy (engine/param_shards.py).
+        # From each parameter's owner into rank 0's copy (parallel/zero3.py).
         resource.param_shards.publish(resource.loaded.model, session.generator_model)
     elif session.generator_model is not None:
         full_weight.publish(resource.loaded.model, session.generator_model)
@@ -79,7 +80,7 @@ def parameters(resource: ResourceState, session: SessionState) -> list[tuple[str
 
 def state(resource: ResourceState, session: SessionState) -> tuple[dict[str, Tensor], int]:
     """What the session's generator serves (its tensors, detached copies) and their policy
-    version: what a generator replica installs (engine/replicas.py)."""
+    version: what a generator replica installs (hosts/replicas.py)."""
     tensors = {n: p.detach().clone() for n, p in parameters(resource, session)}
     return tensors, served(resource, session).version
 

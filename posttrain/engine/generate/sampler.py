@@ -4,7 +4,7 @@ One `generate` call takes a list of GenerationRequests (one prompt of one sample
 each; every request names its own adapter and sampling params, so requests of different
 operations and sessions can share passes) and runs:
 
-1. Prefill (model_passes.py), once per distinct (adapter, prompt): the longest cached prefix
+1. Prefill (prefill.py), once per distinct (adapter, prompt): the longest cached prefix
    comes from the prefix cache (prefix_cache.py: prompt KV kept between requests), only the
    rest runs through the model, in passes of bounded size.
    Its last position gives the first token's logits; prompt logprobs, when asked for, come from
@@ -38,7 +38,7 @@ samples were asked for (two identical prompts in one request with one seed there
 identical samples). Unseeded rows draw their seed from the OS. Draws happen on the CPU
 generator so a seed means the same on every device.
 
-Logprobs. A sampled token's logprob is the untempered float32 log-softmax (logprobs.py) of the
+Logprobs. A sampled token's logprob is the untempered float32 log-softmax (train/logprobs.py) of the
 logits it was drawn from, the model's own distribution: what forward-backward computes for the
 same token. Prompt logprobs use the same function. A sampled token's logprob is finite whenever
 the logits are (the draw never picks a token of probability 0); non-finite logits fail the pass
@@ -50,7 +50,6 @@ Q = new positions per row in a pass, V = vocab, H = hidden size.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -59,6 +58,7 @@ from torch import Tensor
 
 from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
 from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.draws import draw, record_steps
 from posttrain.engine.generate.prefill import (
     GeneratorModel,
     PromptGroup,
@@ -68,10 +68,9 @@ from posttrain.engine.generate.prefill import (
     new_cache,
     prefill,
 )
-from posttrain.engine.generate.sampling_math import choose_tokens, hit_stop_string, row_seed
+from posttrain.engine.generate.sampling_math import row_seed
+from posttrain.engine.state import WeightsVersion
 from posttrain.engine.train.expert_routes import to_routes
-from posttrain.engine.train.logprobs import log_softmax_float32
-from posttrain.errors import NonFiniteLoss
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.static_decode_cache import StaticDecodeCache
@@ -80,7 +79,6 @@ from posttrain.types import (
     SampledSequence,
     SampleResult,
     SamplingParams,
-    StopReason,
     TopkPromptLogprobs,
 )
 
@@ -96,8 +94,8 @@ DECODE_POSITIONS_PER_GROWTH = 256
 DECODE_BLOCK_STEPS = 8
 CPU_BLOCK_STEPS = 1
 
-# Static-shape decode passes (engine/decode_graph.py), captured in a CUDA graph on CUDA, where
-# a small model's step is hundreds of kernel launches: asked for by EngineConfig.cuda_graphs
+# Static-shape decode passes (generate/decode_graph.py), captured in a CUDA graph on CUDA,
+# where a small model's step is hundreds of kernel launches: asked for by EngineConfig.cuda_graphs
 # (`posttrain serve --cuda-graphs on`; off by default until a GPU run measures capture against
 # replay, config.py says why) or by STATIC_DECODE (benchmarks). On the CPU a static pass
 # attends over the own part's whole capacity and keeps finished rows as padding for nothing a
@@ -123,15 +121,6 @@ class GenerationRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     return_routed_experts: bool = False  # ignored by a dense model (api.md 1.4.6)
-
-
-@dataclass(frozen=True)
-class WeightsVersion:
-    """What an adapter serves: `generation` changes on every publish (it keys the prefix
-    cache); `version` is the policy version of those weights (api.md 2.4)."""
-
-    generation: int
-    version: int
 
 
 # ---------------------------------------------------------------- the decode loop
@@ -189,63 +178,6 @@ def _plan(
     return groups, group_of_request, rows
 
 
-def _record(gm: GeneratorModel, row: SampledRow, token: int, logprob: float) -> None:
-    """Append a sampled token; set the row's stop reason when it ends here."""
-    row.tokens.append(token)
-    row.logprobs.append(logprob)
-    if token in gm.eos_token_ids or hit_stop_string(gm.tokenizer, row.tokens, row.params.stop):
-        row.stop_reason = StopReason.STOP
-    elif len(row.tokens) >= row.params.max_tokens:
-        row.stop_reason = StopReason.LENGTH
-
-
-def _draw(batch: LiveRows, logits_BV: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per live row and its logprob ([B] each), on the device: nothing read back."""
-    logprobs_BV = log_softmax_float32(logits_BV)
-    tokens_B = choose_tokens(
-        logprobs_BV,
-        batch.temperature_B,
-        batch.top_k_B,
-        batch.top_p_B,
-        batch.uniforms(),
-        batch.kind,
-    )
-    batch.last_tokens_B = tokens_B
-    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
-
-
-def _record_steps(
-    gm: GeneratorModel,
-    batch: LiveRows,
-    tokens_KB: list[list[int]],
-    logprobs_KB: list[list[float]],
-    routes_K: list[Tensor] | None = None,
-) -> list[int]:
-    """Record the K steps' tokens of every live row in order, each row up to its stop (the
-    tokens a row computed after it stopped are dropped: its random stream is its own, so no
-    other row saw them); returns the batch positions still live. `routes_K`: step k's
-    routes [B, 1, L, K], kept for the rows that were live when step k fed their last token."""
-    rows = batch.rows
-    for k, (tokens, logprobs) in enumerate(zip(tokens_KB, logprobs_KB, strict=True)):
-        for i, (r, token, logprob) in enumerate(zip(batch.live, tokens, logprobs, strict=True)):
-            row = rows[r]
-            if row.stop_reason is not None:
-                continue
-            if not math.isfinite(logprob):
-                # Finite logits give finite logprobs for every token the draw can pick (it
-                # never picks a zero-probability token), so only non-finite logits get here:
-                # NaN or infinite generator weights, or a forward that overflowed. No sample
-                # answers null.
-                raise NonFiniteLoss(
-                    "the generator's logits are not finite (non-finite weights?): a sampled"
-                    " token would have no logprob, so no sample of this pass is returned"
-                )
-            if routes_K is not None and row.routes is not None:
-                row.routes.append(routes_K[k][i, 0])
-            _record(gm, row, token, logprob)
-    return [i for i, r in enumerate(batch.live) if rows[r].stop_reason is None]
-
-
 def _generate(
     gm: GeneratorModel,
     requests: list[GenerationRequest],
@@ -261,9 +193,9 @@ def _generate(
     vocab = first_logits_GV.shape[-1]
     batch = LiveRows(rows, list(range(len(rows))), device, vocab)
     group_of_row_R = torch.tensor([row.group for row in rows], device=device)
-    first_B = _draw(batch, first_logits_GV[group_of_row_R])
+    first_B = draw(batch, first_logits_GV[group_of_row_R])
     tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
-    batch.keep(_record_steps(gm, batch, tokens_1B, logprobs_1B))
+    batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
     if not batch.live:
         return _results(requests, groups, group_of_request, rows, segments)
     longest_completion = max(rows[r].params.max_tokens for r in batch.live)
@@ -317,7 +249,7 @@ def _generate(
             )
         own_positions += steps
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
-        running = _record_steps(gm, batch, tokens, logprobs, routes_K)
+        running = record_steps(gm, batch, tokens, logprobs, routes_K)
         if running and not (static and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
                 order = _fill_holes(running)
@@ -355,7 +287,7 @@ def _dynamic_block(
         if routes_K is not None:
             assert routes_out is not None
             routes_K.append(routes_out[0])
-        tokens_B, logprobs_B = _draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
+        tokens_B, logprobs_B = draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
         tokens_KB.append(tokens_B)
         logprobs_KB.append(logprobs_B)
     return tokens_KB, logprobs_KB
@@ -376,7 +308,7 @@ def _static_block(
 
 
 def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
-    """Static-shape decode passes (engine/decode_graph.py) for this model on this device."""
+    """Static-shape decode passes (decode_graph.py) for this model on this device."""
     wanted = CPU_STATIC_DECODE if device.type == "cpu" else (STATIC_DECODE or gm.cuda_graphs)
     return wanted and static_passes_supported(gm)
 

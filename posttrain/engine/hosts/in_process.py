@@ -1,19 +1,16 @@
-"""Single-process engine, the registry: loaded base models and their sessions, keyed by model
-resource and session id, behind the Engine protocol (interface.py).
+"""The engine in this process, and the registry: loaded base models and their sessions, keyed
+by model resource and session id, behind the Engine protocol (engine/interface.py).
 
 Each method finds its resource and session here and hands them to the part that owns the work:
-the trainer (trainer.py: forward, loss, accumulation, optimizer step), the generator
-(generator.py: what each generator serves, publish, sampling) or the checkpoint formats
-(weights.py). What one resource and session hold is in state.py.
-
-A resource's methods are called from that resource's one worker thread (service/scheduler.py),
-so per-resource state needs no lock; the resource table itself is guarded because resources
-come and go from other threads.
+the trainer (train/trainer.py), the generator (generate/generator.py), the memory estimates
+(memory/) or the checkpoint formats (checkpoint/). What a resource and a session hold is
+engine/state.py. A resource's methods are called from its one worker thread
+(service/scheduler.py), so per-resource state needs no lock; the resource table is guarded
+because resources come and go from other threads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -26,21 +23,20 @@ from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
 from posttrain.engine.checkpoint import durable, formats
+from posttrain.engine.checkpoint.session_tensors import copy_into_trainer, trainer_tensors
 from posttrain.engine.generate import generator
 from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.interface import Headroom, ModelInfo
-from posttrain.engine.memory import estimate
 from posttrain.engine.memory.footprint import (
     ResourceFootprint,
     SessionFootprint,
-    nbytes,
     resource_footprint,
     session_footprint,
 )
 from posttrain.engine.memory.headroom import headroom
+from posttrain.engine.memory.operation_peak import operation_peak_bytes
 from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.parallel import zero2
-from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train import full_weight, trainer
@@ -105,8 +101,7 @@ class LocalEngine:
         generator_replicas: int = 1,
     ) -> None:
         """Load the base model for a resource. Its generator runs here, on the trainer's
-        model and thread, whatever `generator_replicas` says (engine/replicas.py runs them
-        apart)."""
+        model and thread, whatever `generator_replicas` says (hosts/replicas.py: apart)."""
         with self._lock:
             if resource_id in self._resources:
                 return
@@ -157,7 +152,7 @@ class LocalEngine:
 
     def create_session(self, resource_id: str, session_id: str, lora: LoraConfig | None) -> None:
         """A LoRA session (its own adapter on the shared base), or with `lora` None the one
-        full-weight session of the resource (engine/full_weight.py)."""
+        full-weight session of the resource (train/full_weight.py)."""
         resource = self._resource(resource_id)
         assert not any(s.is_full_weight for s in resource.sessions.values()), (
             f"resource {resource_id} already hosts a full-weight session"
@@ -211,12 +206,12 @@ class LocalEngine:
             full_weight=True,
         )
 
-    # ------------------------------------------------------------ training (trainer.py)
+    # ------------------------------------------------------------ training (train/trainer.py)
 
     def forward_backward_batch(
         self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
     ) -> list[ForwardBackwardResult | Exception]:
-        """Forward-backward of several sessions' requests in one shared pass (trainer.py); an
+        """Forward-backward of several sessions' requests in one shared pass (train/trainer.py); an
         item whose session has no state here fails alone with NotFound."""
         resource = self._resource(resource_id)
         sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
@@ -250,14 +245,14 @@ class LocalEngine:
         with resource.lora.route([(session.trainer_key, None)]):
             yield resource.loaded.model
 
-    # ------------------------------------------------------------ sampling (generator.py)
+    # ------------------------------------------------------------ sampling (generate/generator.py)
 
     def publish(
         self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
     ) -> None:
         """weights-sync: the generator serves a copy of the trainer's weights, which are policy
         version `version`. Safe between decode passes (PIPELINE); `mid_generation` matters to
-        generators that run apart (engine/replicas.py), not to this one, which the decode
+        generators that run apart (hosts/replicas.py), not to this one, which the decode
         loop's `between_tokens` publishes into directly."""
         generator.publish(*self._session(resource_id, session_id), version=version)
 
@@ -272,7 +267,7 @@ class LocalEngine:
 
     def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
         """What the session's generator serves (its tensors, detached) and their policy
-        version: what a generator replica installs (engine/replicas.py)."""
+        version: what a generator replica installs (hosts/replicas.py)."""
         return generator.state(*self._session(resource_id, session_id))
 
     def install_generator(
@@ -296,13 +291,14 @@ class LocalEngine:
         `between_tokens` runs between decode passes and may call `publish` (PIPELINE
         weights-sync); rows of a session whose generator changed continue on the new weights
         and their results record the switch in policy_segments. Returns one list of results
-        (one per prompt) per item. `fence` and `lane` are for generators that run apart
-        (replicas.py)."""
+        (one per prompt) per item. The generator shares the trainer's lane here: no generator
+        lanes, so `fence` and `lane` are 0 (hosts/replicas.py runs generators apart)."""
+        assert fence == 0 and lane == 0, f"no generator lane {lane} (fence {fence}) here"
         resource = self._resource(resource_id)
         found = [(self._session(resource_id, sid)[1], request) for sid, request in items]
         return generator.sample_batch(self.config, resource, found, between_tokens=between_tokens)
 
-    # ------------------------------------------------------------ sizes (footprint.py)
+    # ------------------------------------------------------------ sizes (memory/footprint.py)
 
     def resource_footprint(self, resource_id: str) -> ResourceFootprint:
         """Parameters and exact tensor bytes of the resource: base model and everything."""
@@ -312,7 +308,7 @@ class LocalEngine:
         """Exact tensor bytes one session holds: weights, generator, optimizer, gradients."""
         return session_footprint(*self._session(resource_id, session_id))
 
-    # ------------------------------------------------------------ memory (memory_estimate.py)
+    # ------------------------------------------------------------ memory (memory/estimate.py)
 
     def peak_bytes(
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
@@ -320,67 +316,22 @@ class LocalEngine:
         """Estimated peak bytes that running `items` of `kind` as one pass adds to what the
         resource holds now (a session without state here counts no trainable tensors). On a
         rank of a trainer group: a training pass's largest share of rows, and what sharded
-        parameters gather (engine/param_shards.py); the group is admitted on rank 0's numbers,
+        parameters gather (parallel/zero3.py); the group is admitted on rank 0's numbers,
         and its ranks hold about the same."""
         resource = self._resource(resource_id)
-        shape = estimate.model_shape(resource.loaded.model.config, self.dtype.itemsize)
         requests = [request for _, request in items]
-        chunk = self.config.logprob_chunk_tokens
-        if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts
-            return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
-        sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
-        # Once per session: the scheduler asks about every prefix of a queue (admission.py),
-        # often one session's operations, and walking a model's tensors is not free.
-        own_bytes: dict[int, int] = {}
-        for s in sessions:
-            if isinstance(s, SessionState) and id(s) not in own_bytes:
-                own_bytes[id(s)] = nbytes(p for _, p in s.optimizer.named_params)
-        trainable = [own_bytes.get(id(s), 0) for s in sessions]
-        # Sharded parameters (param_shards.py): `trainable` counts this rank's own alone; a
-        # pass also gathers others' for a while.
-        shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
-        if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
-
-            def pass_bytes(requests: list[Any]) -> int:
-                if kind == OperationKind.FORWARD_BACKWARD:
-                    return estimate.forward_backward_bytes(
-                        shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
-                    )
-                (request,) = requests
-                return estimate.custom_forward_backward_bytes(
-                    shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
-                )
-
-            if resource.group is None:
-                return pass_bytes(requests)
-            # A rank forwards only its share of the rows (data_parallel.py), but packs and
-            # scores the whole batch: the largest share's pass, and the whole batch's packing.
-            samples = [s for request in requests for s in request.samples]
-            packed = len(samples) * max(len(s.tokens) for s in samples)
-            shares = _rank_shares(resource.group, requests)
-            return (
-                shards
-                + max(pass_bytes(share) for share in shares)
-                + packed * estimate.PACKED_BYTES_PER_TOKEN
-            )
-        (session,) = sessions
-        if kind == OperationKind.OPTIM_STEP:
-            if not isinstance(session, SessionState):
-                return 0
-            params = [p for _, p in session.optimizer.named_params]
-            largest = max((nbytes([p]) for p in params), default=0)
-            has_moments = session.optimizer.has_state()
-            return estimate.optim_step_bytes(trainable[0], largest, has_moments=has_moments)
-        if resource.param_shards is not None and isinstance(session, SessionState):
-            # Gathered in full on rank 0 (a checkpoint) or into the generator, one at a time.
-            return sum(p.numel() * p.element_size() for _, p in session.optimizer.named_params)
-        return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
+        sessions = []
+        if kind != OperationKind.SAMPLE:
+            sessions = [self._find_session(resource_id, session_id) for session_id, _ in items]
+        return operation_peak_bytes(
+            self.config, resource, kind, sessions, requests, itemsize=self.dtype.itemsize
+        )
 
     def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
-        """What an operation on the resource's device may allocate now (engine/headroom.py)."""
+        """What an operation on the resource's device may allocate now (memory/headroom.py)."""
         return headroom(self._resource(resource_id).loaded.device, self.config.memory_limit)
 
-    # ------------------------------------------------------------ live state (engine/durable.py)
+    # ------------------------------------------------------ live state (checkpoint/durable.py)
 
     def persist_session(
         self,
@@ -395,7 +346,7 @@ class LocalEngine:
         values: dict[str, Any] = {}
         for part in parts:
             if part == "trainer":
-                values[part] = _trainer_tensors(resource, session)
+                values[part] = trainer_tensors(resource, session)
             elif part == "generator":
                 values[part] = dict(generator.parameters(resource, session))
             elif part == "optimizer":
@@ -416,7 +367,7 @@ class LocalEngine:
         resource, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
         named = session.optimizer.named_params
-        _copy_into_trainer(resource, session, parts["trainer"])
+        copy_into_trainer(resource, session, parts["trainer"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         formats.restore_rng(parts["optimizer"]["rng"])
         saved = {n: g for n, g in parts.get("gradients", {}).items() if session.optimizer.owns(n)}
@@ -425,13 +376,13 @@ class LocalEngine:
         self.install_generator(resource_id, session_id, parts["generator"], version=version)
         return record
 
-    # ------------------------------------------------------------ checkpoints (engine/weights.py)
+    # ----------------------------------------------------- checkpoints (checkpoint/formats.py)
 
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         """Trainable tensors, optimizer state and RNG state of a session into `directory`."""
         resource, session = self._session(resource_id, session_id)
         state = session.optimizer.full_state_dict()  # sharded: gathered onto rank 0
-        tensors = _trainer_tensors(resource, session)
+        tensors = trainer_tensors(resource, session)
         if self.writes_files:
             formats.save_training_state(directory, tensors, state)
 
@@ -460,7 +411,7 @@ class LocalEngine:
         checkpoint; the generator then serves the loaded weights."""
         resource, session = self._session(resource_id, session_id)
         state = formats.load_training_state(directory)
-        _copy_into_trainer(resource, session, state.tensors)
+        copy_into_trainer(resource, session, state.tensors)
         if load_optimizer:
             session.optimizer.load_state_dict(state.optimizer)
             formats.restore_rng(state.rng)
@@ -478,7 +429,7 @@ class LocalEngine:
     ) -> None:
         """A full-weight session's weights as a complete model directory (its MERGED variant)."""
         resource, session = self._session(resource_id, session_id)
-        tensors = _trainer_tensors(resource, session)
+        tensors = trainer_tensors(resource, session)
         if self.writes_files:
             formats.export_full_weights(self.model_paths[base_model], tensors, directory)
 
@@ -496,51 +447,3 @@ class LocalEngine:
                     f"{param}[{index}] = {token} is outside the vocabulary [0, {vocab})",
                     param=param,
                 )
-
-
-def _trainer_tensors(resource: ResourceState, session: SessionState) -> dict[str, Tensor]:
-    """The session's trainable tensors by name; sharded parameters (engine/param_shards.py)
-    gathered in full, kept on rank 0 alone (the one that writes; {} elsewhere)."""
-    shards = resource.param_shards
-    if shards is None or not session.is_full_weight:
-        return {name: p.detach() for name, p in session.optimizer.named_params}
-    keep = shards.sharding.group.rank == 0
-    return {name: full for name, full in shards.full_tensors() if keep}
-
-
-def _copy_into_trainer(
-    resource: ResourceState, session: SessionState, saved: dict[str, Tensor]
-) -> None:
-    """weights.copy_into the session's parameters; sharded, each rank its own (the names are
-    checked against every parameter first)."""
-    named = session.optimizer.named_params
-    shards = resource.param_shards
-    if shards is None or not session.is_full_weight:
-        formats.copy_into(named, saved)
-        return
-    formats.check_names(named, saved)
-    owned = shards.owned()
-    formats.copy_into(owned, {name: saved[name] for name, _ in owned})
-
-
-def _rank_shares(group: DataParallel, requests: list[Any]) -> list[list[Any]]:
-    """Each rank's share of a training pass's `requests` (their samples, and a custom
-    request's gradients, cut to the rank's rows), and the batch's shortest row besides: a
-    padding forward (trainer.aligned_forwards) or a rank without rows forwards it."""
-    samples = [s for request in requests for s in request.samples]
-    lengths = [len(s.tokens) for s in samples]
-    shortest = min(range(len(samples)), key=lambda r: lengths[r])
-    shares = []
-    for rows in group.shares(lengths):
-        keep = {*rows, shortest}
-        share, first = [], 0
-        for request in requests:
-            kept = [i for i in range(len(request.samples)) if first + i in keep]
-            first += len(request.samples)
-            cut = {"samples": tuple(request.samples[i] for i in kept)}
-            if isinstance(request, CustomForwardBackwardRequest):
-                cut["gradients"] = tuple(request.gradients[i] for i in kept)
-            # Kept without rows too: its session's gradients still appear on every rank.
-            share.append(dataclasses.replace(request, **cut))
-        shares.append(share)
-    return shares

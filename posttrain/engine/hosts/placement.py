@@ -14,7 +14,7 @@ generator replicas (role GENERATOR, index 0..n-1, with `--generators process`). 
 engines call them, and a second call is a no-op, so neither needs to know whether the other
 runs processes too.
 
-Imports: config. It imports no placement: they import it.
+Imports: config, engine.hosts.messages. It imports no placement: they import it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from posttrain.config import EngineConfig
+from posttrain.engine.hosts.messages import Call
 
 # The roles of a resource's processes, which name them and order their places.
 TRAINER = "worker"  # a resource's one trainer worker (`--workers process`)
@@ -41,9 +42,9 @@ class WorkerHandle(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run `engine.method(*args, **kwargs)` there; its exception is raised here, a dead
-        process raises WorkerDied."""
+    def call(self, call: Call) -> Any:
+        """Run the call on the engine there; its exception is raised here, a dead process
+        raises WorkerDied."""
         ...
 
     def stage(self, data: bytes) -> None:

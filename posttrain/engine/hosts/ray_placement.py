@@ -1,6 +1,6 @@
 """`posttrain serve --ray local|ADDRESS`: a resource's engine processes as Ray actors.
 
-The only module that imports Ray; engine/placement.py imports it only when `--ray` is given.
+The only module that imports Ray; hosts/placement.py imports it only when `--ray` is given.
 Each model resource gets a placement group (`reserve`), one bundle per process it runs (its
 trainer worker or its `--trainer-ranks N` ranks, then each generator replica; PACK by default,
 SPREAD with `--ray-strategy SPREAD`), removed when the resource unloads (`release`). A bundle is
@@ -14,8 +14,8 @@ value)`, so results and posttrain's errors arrive as themselves. The actors are 
 
 A replica's staged changes go to its actor's `stage` method, which runs beside a call (the
 actor runs two at a time: one call, one stage), in fence order: the resource's one sender
-thread (engine/replicas.py) sends them one at a time, and the replica's inbox thread takes
-them (engine/replica_engine.py), so a busy replica never holds a weights-sync, a `stage` never
+thread (hosts/replicas.py) sends them one at a time, and the replica's inbox thread takes
+them (hosts/replica_worker.py), so a busy replica never holds a weights-sync, a `stage` never
 waits for the broadcast it announces, and none arrives out of order.
 
 A callable argument cannot cross to an actor: an inline generator's `between_tokens` (the
@@ -30,7 +30,7 @@ Ray's CPUs are places to schedule, not pinned cores. `--ray ADDRESS` joins a run
 whose nodes have posttrain installed. `close()` kills every actor, removes every group and
 disconnects (a local instance stops with it). The instance's address is logged at start.
 
-Imports: config, errors, engine (local, placement), model.loader; ray, torch.
+Imports: config, errors, engine.hosts (in_process, messages, placement), model.loader; ray, torch.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import posttrain
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.messages import Call
 from posttrain.engine.hosts.placement import (
     GENERATOR,
     TRAINER,
@@ -82,9 +83,9 @@ class EngineHost:
     def pid(self) -> int:
         return os.getpid()
 
-    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> bytes:
+    def call(self, call: Call) -> bytes:
         try:
-            answer = ("ok", getattr(self.engine, method)(*args, **kwargs))
+            answer = ("ok", getattr(self.engine, call.command.value)(*call.args, **call.kwargs))
         except BaseException as exc:
             answer = ("error", exc)
         try:
@@ -121,13 +122,13 @@ class RayWorker:
     def alive(self) -> bool:
         return self.dead is None
 
-    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def call(self, call: Call) -> Any:
         # A callable cannot cross to an actor: see the module docstring.
-        sent = {k: (None if callable(v) else v) for k, v in kwargs.items()}
+        sent = {k: (None if callable(v) else v) for k, v in call.kwargs.items()}
         with self._lock:
             self._check()
             try:
-                data = ray.get(self.actor.call.remote(method, args, sent))
+                data = ray.get(self.actor.call.remote(Call(call.command, call.args, sent)))
             except ray.exceptions.RayActorError as exc:
                 self._died(exc)
         kind, value = pickle.loads(data)
@@ -137,7 +138,7 @@ class RayWorker:
 
     def stage(self, data: bytes) -> None:
         """Deliver one staged change and wait for it (the actor's second thread takes it
-        beside a running call); the resource's one sender thread (engine/replicas.py) calls
+        beside a running call); the resource's one sender thread (hosts/replicas.py) calls
         this in fence order, so changes arrive in order."""
         if not self._staged or self.dead is not None:
             return

@@ -1,15 +1,16 @@
-"""The engine inside a generator replica process (engine/replicas.py): every session's generator
-and nothing else, fed by staged changes.
+"""The engine inside a generator replica process (hosts/replicas.py): every session's
+generator and nothing else, fed by staged changes.
 
 A staged change is `(fence, what, args)`: "create" `(resource, session, lora)`, "drop"
 `(resource, session)`, or "install" `(resource, session, bucket, version, mid_generation, last)`,
-one bucket of what a session's generator serves (engine/weights_broadcast.py), `last` on the
+one bucket of what a session's generator serves (hosts/weights_broadcast.py), `last` on the
 final bucket. They arrive in fence order on the staging pipe (a thread here reads it) or by
-`receive` calls (a Ray actor's, engine/ray_placement.py); an inbox thread takes them in that
+`receive` calls (a Ray actor's, hosts/ray_placement.py); an inbox thread takes them in that
 order, receives the bytes of a bucket that come by broadcast (and the group's "join"
 messages), and keeps each change until a sample's fence reaches it.
 
-Imports: config, engine (local, generator, optim, state, weights_broadcast).
+Imports: config, types, engine (state, generate.generator, optim.optimizer, hosts: in_process,
+weights_broadcast).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class ReplicaEngine(LocalEngine):
         self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection | None
     ):
         """`staging`: the pipe its changes arrive on; None where they arrive by `receive`
-        calls instead (a Ray actor's, engine/ray_placement.py)."""
+        calls instead (a Ray actor's, hosts/ray_placement.py)."""
         super().__init__(config, model_paths)
         self._staged: list[Staged] = []
         self._received = 0  # the highest fence received (or rebuilt up to)

@@ -12,31 +12,30 @@ What each generator serves reaches the replicas as staged changes: create, drop,
 change of a resource has a number (its fence), and is sent to every replica the moment the
 trainer makes it (a publish, a restore, a checkpoint load), without waiting for a replica busy
 sampling: the resource's sender thread writes it down each replica's one-way pipe (an
-install's bytes by broadcast in the resource's weights group, engine/weights_broadcast.py),
+install's bytes by broadcast in the resource's weights group, hosts/weights_broadcast.py),
 and a thread in the replica receives it and keeps it. A sample carries the
 fence of its place in its resource's FIFO; before it generates, the replica applies every staged
 change up to that fence and none after it. So a sample submitted after a weights-sync sees the
 new weights, and a sample submitted before it does not, whichever replica runs it and whenever.
 A PIPELINE weights-sync's install may also land between two decode passes of a generation that
 is running (`mid_generation`): the replica applies it there, and its rows switch weights at that
-token boundary, which policy_segments record (engine/generator.py).
+token boundary, which policy_segments record (generate/generator.py).
 
 A replica that dies fails the sample in flight with GeneratorReplicaDied (INTERNAL_ERROR naming
 it); the trainer is untouched, and the next sample starts a new replica, rebuilt from what the
 trainer's generators serve.
 
 The replica side (the engine in each replica process, and the staged changes' format) is
-engine/replica_engine.py.
+hosts/replica_worker.py.
 
-Imports: config, errors, types, model.loader, engine (interface, placement, replica_engine,
-memory_estimate, headroom, weights_broadcast).
+Imports: config, errors, types, model.loader, engine (interface, memory: estimate, headroom;
+hosts: local_placement, messages, placement, replica_channel, weights_broadcast).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -45,90 +44,37 @@ from transformers import AutoConfig
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.local_placement import LocalPlacement
-from posttrain.engine.hosts.placement import GENERATOR, Placement
-from posttrain.engine.hosts.replica_worker import ReplicaEngine
+from posttrain.engine.hosts.messages import Call, Command
+from posttrain.engine.hosts.placement import Placement
+from posttrain.engine.hosts.replica_channel import Channel, GeneratorReplica, in_buckets
 from posttrain.engine.hosts.weights_broadcast import Delivery, Root, pack
-from posttrain.engine.interface import Engine, Headroom
+from posttrain.engine.interface import Engine, Headroom, ModelInfo
 from posttrain.engine.memory import estimate
 from posttrain.engine.memory.headroom import headroom
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
+    CustomForwardBackwardRequest,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
     LoraConfig,
     MuonScaling,
     OperationKind,
     OperationRequest,
+    OptimStepRequest,
     SampleRequest,
     SampleResult,
 )
 
 # An install crosses in buckets of at most BUCKET_BYTES (a whole model is never one message),
-# each a staged change of its own (engine/replica_engine.py), the last one saying so.
+# each a staged change of its own (hosts/replica_worker.py), the last one saying so.
 BUCKET_BYTES = 64 << 20
-
-
-class GeneratorReplica:
-    """One replica process, with its command and staging channels (engine/placement.py)."""
-
-    def __init__(self, resource_id: str, index: int, placement: Placement) -> None:
-        self.index = index
-        self.worker = placement.start(
-            resource_id,
-            GENERATOR,
-            (ReplicaEngine,),
-            label=f"generator replica {index} of model resource {resource_id}",
-            index=index,
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.worker.alive
-
-    def stop(self) -> None:
-        self.worker.stop()
-
-
-class _Channel:
-    """The resource's staged changes on their way to its replicas: one thread sends them in
-    fence order (engine/weights_broadcast.py: an install's bytes by broadcast), so the
-    trainer's lane never waits for a replica to read (a pipe holds 64 KiB; a replica busy
-    sampling reads it slowly)."""
-
-    def __init__(self, resource_id: str, root: Root) -> None:
-        self.root = root
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(
-            target=self._send, name=f"posttrain-stage-{resource_id}", daemon=True
-        )
-        self._sender.start()
-
-    def put(self, replicas: list[GeneratorReplica], change: tuple, buffer: Tensor | None) -> None:
-        self._outbox.put((list(replicas), change, buffer))
-
-    def _send(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            replicas, change, buffer = item
-            # A dead replica misses what is staged: it is rebuilt, not replayed.
-            self.root.send(replicas, _stage, _alive, change, buffer)
-
-    def stop(self) -> None:
-        self._outbox.put(None)
-        self._sender.join()
-        self.root.close()
-
-
-def _stage(replica: GeneratorReplica, data: bytes) -> None:
-    replica.worker.stage(data)
-
-
-def _alive(replica: GeneratorReplica) -> bool:
-    return replica.alive
 
 
 class _Replicas:
     """A resource's replicas and what they must serve."""
 
-    def __init__(self, base_model: str, shape: estimate.ModelShape, channel: _Channel) -> None:
+    def __init__(self, base_model: str, shape: estimate.ModelShape, channel: Channel) -> None:
         self.base_model = base_model
         self.shape = shape
         self.channel = channel
@@ -148,7 +94,7 @@ class ReplicatedEngine:
         model_paths: dict[str, Path],
         placement: Placement | None = None,
     ) -> None:
-        """`placement` starts the replicas (engine/placement.py; default: local processes)."""
+        """`placement` starts the replicas (hosts/placement.py; default: local processes)."""
         self.trainer = trainer
         self.config = config
         self.model_paths = model_paths
@@ -176,7 +122,7 @@ class ReplicatedEngine:
             if resource_id in self._resources:
                 return  # replicas live on through a trainer's reload; dead ones restart lazily
             root = Root(self.placement.host, broadcast=self.config.weights_transport == "broadcast")
-            state = _Replicas(base_model, self._shape(base_model), _Channel(resource_id, root))
+            state = _Replicas(base_model, self._shape(base_model), Channel(resource_id, root))
             self._resources[resource_id] = state
         with state.lock:
             # Started together, then loaded: their spawns and model loads overlap.
@@ -187,7 +133,7 @@ class ReplicatedEngine:
             ]
             for replica in started:
                 replica.worker.call(
-                    "load_resource", (resource_id, base_model), {"muon_scaling": None}
+                    Call(Command.LOAD_RESOURCE, (resource_id, base_model), {"muon_scaling": None})
                 )
             state.replicas = started
 
@@ -236,7 +182,7 @@ class ReplicatedEngine:
         fence = self.generator_fence(resource_id)
         for replica in list(state.replicas):
             if replica.alive:
-                replica.worker.call("received", (fence,), {})
+                replica.worker.call(Call(Command.RECEIVED, (fence,)))
 
     # ------------------------------------------------------------ what generators serve
 
@@ -268,18 +214,26 @@ class ReplicatedEngine:
             mid_generation=mid_generation,
         )
 
-    def restore_session(self, resource_id: str, session_id: str, directory: Path, **kwargs: Any):
+    def restore_session(
+        self, resource_id: str, session_id: str, directory: Path, *, version: int
+    ) -> dict[str, Any]:
         return self._changing(
             resource_id,
             session_id,
-            lambda: self.trainer.restore_session(resource_id, session_id, directory, **kwargs),
+            lambda: self.trainer.restore_session(
+                resource_id, session_id, directory, version=version
+            ),
         )
 
-    def load_training_state(self, resource_id: str, session_id: str, *args: Any, **kwargs: Any):
-        return self._changing(
+    def load_training_state(
+        self, resource_id: str, session_id: str, directory: Path, *, load_optimizer: bool
+    ) -> None:
+        self._changing(
             resource_id,
             session_id,
-            lambda: self.trainer.load_training_state(resource_id, session_id, *args, **kwargs),
+            lambda: self.trainer.load_training_state(
+                resource_id, session_id, directory, load_optimizer=load_optimizer
+            ),
         )
 
     def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
@@ -303,7 +257,7 @@ class ReplicatedEngine:
         with state.lock:
             result = change()
             tensors, version = self.trainer.generator_state(resource_id, session_id)
-            buckets = _buckets(tensors, BUCKET_BYTES)
+            buckets = in_buckets(tensors, BUCKET_BYTES)
             for index, tensors in enumerate(buckets):
                 last = index == len(buckets) - 1
                 bucket, buffer = pack(tensors)  # a copy: the trainer may move on at once
@@ -312,7 +266,7 @@ class ReplicatedEngine:
         return result
 
     def delivery(self, resource_id: str) -> Delivery:
-        """How the resource's installs reached its replicas so far (engine/weights_broadcast.py)."""
+        """How the resource's installs reached its replicas so far (weights_broadcast.py)."""
         return self._required(resource_id).channel.root.delivery
 
     def _stage(self, state: _Replicas, what: str, args: tuple, buffer: Tensor | None = None):
@@ -340,7 +294,8 @@ class ReplicatedEngine:
         if not replica.alive:
             replica = self._restart(resource_id, state, lane, replica)
         try:
-            return replica.worker.call("sample_batch", (resource_id, items), {"fence": fence})
+            call = Call(Command.SAMPLE_BATCH, (resource_id, items), {"fence": fence})
+            return replica.worker.call(call)
         except WorkerDied as exc:
             raise GeneratorReplicaDied(f"{exc}; a new replica starts with the next sample") from exc
 
@@ -354,12 +309,14 @@ class ReplicatedEngine:
             dead.stop()
             new = GeneratorReplica(resource_id, index, self.placement)
             call = new.worker.call
-            call("load_resource", (resource_id, state.base_model), {"muon_scaling": None})
+            load = (resource_id, state.base_model)
+            call(Call(Command.LOAD_RESOURCE, load, {"muon_scaling": None}))
             for session_id, lora in state.sessions.items():
-                call("create_session", (resource_id, session_id, lora), {})
+                call(Call(Command.CREATE_SESSION, (resource_id, session_id, lora)))
                 tensors, version = self.trainer.generator_state(resource_id, session_id)
-                call("install_generator", (resource_id, session_id, tensors), {"version": version})
-            call("rebuilt", (state.fence,), {})
+                installed = (resource_id, session_id, tensors)
+                call(Call(Command.INSTALL_GENERATOR, installed, {"version": version}))
+            call(Call(Command.REBUILT, (state.fence,)))
             state.replicas[index] = new
             return new
 
@@ -386,10 +343,67 @@ class ReplicatedEngine:
 
     # ------------------------------------------------------------ the rest: the trainer's
 
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return getattr(self.trainer, method)
+    def device_name(self) -> str:
+        return self.trainer.device_name()
+
+    def model_info(self, base_model: str) -> ModelInfo:
+        return self.trainer.model_info(base_model)
+
+    def is_loaded(self, resource_id: str) -> bool:
+        return self.trainer.is_loaded(resource_id)
+
+    def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None:
+        self.trainer.check_tokens(base_model, tokens, param)
+
+    def forward_backward_batch(
+        self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
+    ) -> list[ForwardBackwardResult | Exception]:
+        return self.trainer.forward_backward_batch(resource_id, items)
+
+    def custom_forward_backward(
+        self, resource_id: str, session_id: str, request: CustomForwardBackwardRequest
+    ) -> None:
+        self.trainer.custom_forward_backward(resource_id, session_id, request)
+
+    def optim_step(self, resource_id: str, session_id: str, request: OptimStepRequest) -> None:
+        self.trainer.optim_step(resource_id, session_id, request)
+
+    def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
+        return self.trainer.generator_state(resource_id, session_id)
+
+    def persist_session(
+        self,
+        resource_id: str,
+        session_id: str,
+        directory: Path,
+        parts: Collection[str],
+        record: dict[str, Any],
+    ) -> None:
+        self.trainer.persist_session(resource_id, session_id, directory, parts, record)
+
+    def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
+        self.trainer.save_training_state(resource_id, session_id, directory)
+
+    def save_adapter(
+        self,
+        resource_id: str,
+        session_id: str,
+        directory: Path,
+        *,
+        lora: LoraConfig,
+        base_model: str,
+    ) -> None:
+        self.trainer.save_adapter(
+            resource_id, session_id, directory, lora=lora, base_model=base_model
+        )
+
+    def save_full_model(
+        self, resource_id: str, session_id: str, directory: Path, *, base_model: str
+    ) -> None:
+        self.trainer.save_full_model(resource_id, session_id, directory, base_model=base_model)
+
+    def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None:
+        self.trainer.export_merged(base_model, adapter_dir, output_dir)
 
     def _state(self, resource_id: str) -> _Replicas | None:
         with self._lock:
@@ -405,18 +419,3 @@ class ReplicatedEngine:
         config = AutoConfig.from_pretrained(self.model_paths[base_model])
         dtype = resolve_dtype(self.config.dtype, resolve_device(self.config.device))
         return estimate.model_shape(config, dtype.itemsize)
-
-
-def _buckets(tensors: dict[str, Tensor], limit: int) -> list[dict[str, Tensor]]:
-    """Consecutive groups of tensors of at most `limit` bytes each (a larger tensor alone);
-    at least one group, so an install with no tensors still arrives."""
-    groups: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > limit:
-            groups.append({})
-            size = 0
-        groups[-1][name] = tensor
-        size += nbytes
-    return groups

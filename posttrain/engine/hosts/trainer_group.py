@@ -1,9 +1,9 @@
 """The trainer of each model resource split over a group of N rank processes
-(`posttrain serve --trainer-ranks N`), data parallel (engine/data_parallel.py).
+(`posttrain serve --trainer-ranks N`), data parallel (parallel/data_parallel.py).
 
-`TrainerGroupEngine` implements the Engine protocol (interface.py) as ProcessEngine does, but
+`TrainerGroupEngine` is a RemoteEngine (remote.py) as ProcessEngine is, but
 `load_resource` starts N worker processes for the resource through its Placement (local
-processes, or Ray actors in the resource's placement group with `--ray`; engine/placement.py),
+processes, or Ray actors in the resource's placement group with `--ray`; hosts/placement.py),
 each serving a `RankEngine`: a LocalEngine that
 joins the resource's own torch.distributed group (gloo on CPU, NCCL on CUDA; its own TCP store
 on a free port, so two resources' groups never meet) and marks its resource with its rank.
@@ -24,8 +24,8 @@ Every rank holds a full replica of the base model and the LoRA adapters with the
 state (replicated data parallel: each rank forwards about 1/N of a batch's tokens and runs
 the whole optimizer step; measured in bench/trainer_ranks.py, where replicating the frozen
 base is the choice for LoRA). A full-weight session's gradients and AdamW/Muon state are
-sharded over the ranks (engine/sharding.py): each rank steps only the parameters it owns. By
-default its parameters are sharded too (ZeRO-3, engine/param_shards.py): each rank holds only
+sharded over the ranks (parallel/zero2.py): each rank steps only the parameters it owns. By
+default its parameters are sharded too (ZeRO-3, parallel/zero3.py): each rank holds only
 its own, and rank 0 alone the generator's copy; with `--shard-parameters off` (ZeRO-2) they
 stay replicated and each owner broadcasts what it stepped.
 
@@ -35,8 +35,9 @@ A rank that dies fails the call in flight with WorkerDied naming the rank; its g
 
 Calls that concern a base model, not a resource, run in the API process as in ProcessEngine.
 
-Imports: config, errors, engine (data_parallel, local, placement, process), model (loader);
-torch.distributed (the rendezvous store here, the process group inside the ranks).
+Imports: config, errors, types, engine (parallel.data_parallel, hosts: in_process, messages,
+placement, remote), model (loader); torch.distributed (the rendezvous store here, the process
+group inside the ranks).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ from torch.distributed import TCPStore
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.local_placement import LocalPlacement
+from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.placement import RANK, Placement, WorkerHandle
-from posttrain.engine.hosts.remote import forward_by_resource
+from posttrain.engine.hosts.remote import RemoteEngine
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.model.loader import resolve_device
@@ -64,17 +65,19 @@ from posttrain.types import MuonScaling
 
 # Served by rank 0 alone: they read a rank's state (or write files from it) and change nothing
 # the next training command depends on. Not persist_session, save_training_state and
-# save_full_model: a sharded session's optimizer state and gradients (engine/sharding.py) and
-# sharded parameters (engine/param_shards.py) are gathered from every rank, so every rank takes
+# save_full_model: a sharded session's optimizer state and gradients (parallel/zero2.py) and
+# sharded parameters (parallel/zero3.py) are gathered from every rank, so every rank takes
 # part, and only rank 0 writes (RankEngine.writes_files).
-RANK_ZERO = (
-    "sample_batch",
-    "peak_bytes",
-    "headroom",
-    "resource_footprint",
-    "session_footprint",
-    "generator_state",
-    "save_adapter",
+RANK_ZERO = frozenset(
+    {
+        Command.SAMPLE_BATCH,
+        Command.PEAK_BYTES,
+        Command.HEADROOM,
+        Command.RESOURCE_FOOTPRINT,
+        Command.SESSION_FOOTPRINT,
+        Command.GENERATOR_STATE,
+        Command.SAVE_ADAPTER,
+    }
 )
 # How long a rank waits in a collective for the others: a live group's ranks run the same
 # command side by side, so only a rank that is gone (or wedged) makes one wait this long.
@@ -174,19 +177,19 @@ class _Group:
     def alive(self) -> bool:
         return self.died is None and all(rank.dead is None for rank in self.ranks)
 
-    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def call(self, call: Call) -> Any:
         """Rank 0's answer to the command; sent to every rank unless it is RANK_ZERO's."""
         with self._lock:
             if self.died is not None:
                 raise self.died
-            if method in RANK_ZERO:
-                return self._guarded(lambda: self.ranks[0].call(method, args, kwargs))
-            others = [self._pool.submit(r.call, method, args, kwargs) for r in self.ranks[1:]]
+            if call.command in RANK_ZERO:
+                return self._guarded(lambda: self.ranks[0].call(call))
+            others = [self._pool.submit(rank.call, call) for rank in self.ranks[1:]]
             for future in others:
                 future.add_done_callback(self._watch)
             error: BaseException | None = None
             try:
-                answer = self.ranks[0].call(method, args, kwargs)
+                answer = self.ranks[0].call(call)
             except BaseException as exc:
                 error = exc
             outcomes = [future.exception() for future in others]
@@ -226,78 +229,29 @@ class _Group:
         self._pool.shutdown()
 
 
-class TrainerGroupEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_paths: dict[str, Path],
-        placement: Placement | None = None,
-    ) -> None:
-        """`placement` starts the ranks (engine/placement.py; default: local processes)."""
-        self.config = config
-        self.model_paths = model_paths
-        self.placement = placement or LocalPlacement(config, model_paths)
-        self._catalog = LocalEngine(config, model_paths)  # never loads a resource
-        self._groups: dict[str, _Group] = {}
-        self._lock = threading.Lock()
+class TrainerGroupEngine(RemoteEngine[_Group]):
+    """`--trainer-ranks N`: each resource in a group of N rank processes."""
 
-    def load_resource(self, resource_id: str, base_model: str, **kwargs: Any) -> None:
-        with self._lock:
-            group = self._groups.get(resource_id)
-            if group is not None and not group.alive:
-                group.stop()  # reap it before its replacement starts
-                group = None
-            if group is None:
-                self.placement.reserve(resource_id, kwargs.get("generator_replicas", 1))
-                group = _Group(resource_id, self.config, self.placement)
-                self._groups[resource_id] = group
-        group.call("load_resource", (resource_id, base_model), kwargs)
+    def _start(self, resource_id: str) -> _Group:
+        return _Group(resource_id, self.config, self.placement)
 
-    def unload_resource(self, resource_id: str) -> None:
-        with self._lock:
-            group = self._groups.pop(resource_id, None)
-        if group is not None:
-            group.stop()
-        self.placement.release(resource_id)
-
-    def is_loaded(self, resource_id: str) -> bool:
-        with self._lock:
-            group = self._groups.get(resource_id)
-        return group is not None and group.alive
+    def _is_gone(self, host: _Group) -> bool:
+        return not host.alive
 
     def rank_pids(self, resource_id: str) -> list[int | None]:
         """The process ids of the resource's ranks, rank 0 first (operators, fault tests)."""
-        with self._lock:
-            group = self._groups.get(resource_id)
+        group = self._host(resource_id)
         return [] if group is None else [rank.pid for rank in group.ranks]
 
-    def on_every_rank(self, resource_id: str, method: str, *args: Any, **kwargs: Any) -> list:
-        """Each rank's answer to a read-only call, rank 0 first (tests that the ranks agree)."""
-        with self._lock:
-            group = self._groups[resource_id]
-        return [rank.call(method, (resource_id, *args), kwargs) for rank in group.ranks]
-
-    def close(self) -> None:
-        """Stop every rank of every group (server shutdown)."""
-        with self._lock:
-            groups, self._groups = list(self._groups.values()), {}
-        for group in groups:
-            group.stop()
-        self.placement.close()
-
-    def generator_lanes(self, resource_id: str) -> int:
-        return 0  # rank 0's generator shares its trainer's process (replicas.py: apart)
-
-    def generator_fence(self, resource_id: str) -> int:
-        return 0
-
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        """Every other Engine method: the catalog's, or the named resource's group's."""
-        return forward_by_resource(self._catalog, method, self._group, lambda g: not g.alive)
-
-    def _group(self, resource_id: str) -> _Group | None:
-        with self._lock:
-            return self._groups.get(resource_id)
+    def on_every_rank(
+        self, resource_id: str, command: Command, *args: Any, **kwargs: Any
+    ) -> list[Any]:
+        """Each rank's answer to a read-only command, rank 0 first (tests that the ranks
+        agree)."""
+        group = self._host(resource_id)
+        assert group is not None, f"model resource {resource_id} has no trainer group"
+        call = Call(command, (resource_id, *args), kwargs)
+        return [rank.call(call) for rank in group.ranks]
 
 
 def check_trainer_ranks(config: EngineConfig) -> None:

@@ -5,7 +5,7 @@ replica 1..R}, not pickled once per replica down each replica's pipe.
 The pipe (or a Ray actor's `stage` call) still carries every staged change, in fence order:
 an install's bucket travels there as a `Bucket` whose `data` is None (its layout only), and
 its bytes follow as one gloo broadcast of a flat uint8 buffer once the header has gone to every
-replica. A replica's inbox thread (engine/replica_engine.py) takes the changes in order and,
+replica. A replica's inbox thread (hosts/replica_worker.py) takes the changes in order and,
 for such a header, joins the broadcast and keeps the tensors it received.
 
 The group forms lazily: when a bucket is sent, every replica is alive and the group is missing

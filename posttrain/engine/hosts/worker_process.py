@@ -4,7 +4,7 @@ per process it runs, through a Placement (hosts/placement.py).
 
 The worker is a `spawn`ed process that builds its engine object (a LocalEngine by default, a
 RankEngine or ReplicaEngine when asked) and runs the commands it is sent. The wire is a pipe
-carrying pickled `(method, args, kwargs)` commands and `(ok, value)` answers; requests and
+carrying pickled Calls (hosts/messages.py) and `(ok, value)` answers; requests and
 results are the frozen dataclasses of posttrain.types, so the same objects cross it that the
 in-process engine takes. An exception raised in the worker comes back as itself (posttrain's
 errors keep their class, message and `param`). A callable argument (`sample_batch`'s
@@ -16,7 +16,8 @@ A worker that dies (killed, crashed, out of memory) fails the call in flight and
 one with WorkerDied (INTERNAL_ERROR naming the worker and how it ended); the API process lives
 on, and its engine reports the resource unloaded so the service can load it again.
 
-Imports: config, errors, engine.hosts (in_process, placement); torch only inside the worker.
+Imports: config, errors, engine.hosts (in_process, messages, placement); torch only inside
+the worker.
 """
 
 from __future__ import annotations
@@ -35,11 +36,16 @@ from typing import Any
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.messages import Call
 from posttrain.engine.hosts.placement import TRAINER
 from posttrain.errors import EngineFailure, WorkerDied
 
 # A worker answers within this many seconds of being asked to stop, or is killed.
 STOP_GRACE_S = 10.0
+# The pipe's own messages, beside the Calls: end the worker; a callback returned or raised.
+_STOP = ("stop",)
+_RESUME = ("resume",)
+_RAISE = "raise"
 
 
 class _Callback:
@@ -89,19 +95,19 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.dead is None and self.process.is_alive()
 
-    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        callbacks = {k: v for k, v in kwargs.items() if callable(v)}
-        sent = {k: (_Callback(k) if k in callbacks else v) for k, v in kwargs.items()}
+    def call(self, call: Call) -> Any:
+        callbacks = {k: v for k, v in call.kwargs.items() if callable(v)}
+        sent = {k: (_Callback(k) if k in callbacks else v) for k, v in call.kwargs.items()}
         with self._lock:
-            self._send((method, args, sent))
+            self._send(Call(call.command, call.args, sent))
             while True:
                 kind, value = self._receive()
                 if kind == "callback":
                     try:
                         callbacks[value]()
-                        self._send(("resume", None, {}))
+                        self._send(_RESUME)
                     except BaseException as exc:
-                        self._send(("raise", (exc,), {}))
+                        self._send((_RAISE, exc))
                     continue
                 if kind == "error":
                     raise value
@@ -118,7 +124,7 @@ class WorkerProcess:
         with self._lock:
             if self.dead is None:
                 try:
-                    self._send(("stop", (), {}))
+                    self._send(_STOP)
                 except WorkerDied:
                     pass
             self.process.join(STOP_GRACE_S)
@@ -128,7 +134,7 @@ class WorkerProcess:
             self.conn.close()
             self.dead = self.dead or "stopped"
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Call | tuple) -> None:
         self._check()
         try:
             self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -184,7 +190,7 @@ def _serve(
     _die_with_parent()
     engine = engine_class(config, model_paths, *engine_args)
 
-    def receive() -> tuple[str, tuple, dict[str, Any]]:
+    def receive() -> Call | tuple:
         return pickle.loads(conn.recv_bytes())
 
     def answer(kind: str, value: Any) -> None:
@@ -194,12 +200,13 @@ def _serve(
             data = pickle.dumps(("error", EngineFailure(f"{type(value).__name__}: {exc}")))
         conn.send_bytes(data)
 
-    def run(method: str, args: tuple, kwargs: dict[str, Any]) -> None:
-        for key, value in kwargs.items():
-            if isinstance(value, _Callback):
-                kwargs[key] = called_back(value.name)
+    def run(call: Call) -> None:
+        kwargs = {
+            key: called_back(value.name) if isinstance(value, _Callback) else value
+            for key, value in call.kwargs.items()
+        }
         try:
-            result = getattr(engine, method)(*args, **kwargs)
+            result = getattr(engine, call.command.value)(*call.args, **kwargs)
         except BaseException as exc:
             answer("error", exc)
         else:
@@ -209,20 +216,21 @@ def _serve(
         def call() -> None:
             answer("callback", name)
             while True:  # the callback's own commands (a publish) run here until it returns
-                method, args, kwargs = receive()
-                if method == "resume":
+                message = receive()
+                if message == _RESUME:
                     return
-                if method == "raise":
-                    raise args[0]
-                run(method, args, kwargs)
+                if isinstance(message, tuple):
+                    raise message[1]  # (_RAISE, the callback's exception)
+                run(message)
 
         return call
 
     try:
         while True:
-            method, args, kwargs = receive()
-            if method == "stop":
+            message = receive()
+            if message == _STOP:
                 return
-            run(method, args, kwargs)
+            assert isinstance(message, Call), f"unexpected message {message!r}"
+            run(message)
     except (EOFError, OSError):
         return  # the API process is gone

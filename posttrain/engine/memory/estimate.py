@@ -1,5 +1,5 @@
 """What an operation will allocate beyond what the engine holds now: its estimated peak bytes,
-so an operation that cannot fit is refused before it runs (engine/headroom.py says what is
+so an operation that cannot fit is refused before it runs (memory/headroom.py says what is
 free). footprint.py counts what is resident; this module counts what one pass adds on top.
 
 Each estimate is an upper bound built from the tensors the pass creates, not a fit:
@@ -14,7 +14,7 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   count is at least the saved bytes, and ACTIVATION_SAFETY (1.5) covers what backward allocates
   while it runs (the gradient of the largest activation, allocator slack), so the estimate is
   never below the measured peak and within 2.5x of it.
-- the head's log-softmax runs over chunks of logprob_chunk_tokens positions (logprobs.py), so
+- the head's log-softmax runs over chunks of logprob_chunk_tokens positions (train/logprobs.py), so
   logits cost chunk x vocab x 4 bytes x LOGIT_COPIES (logits, log-softmax, their gradients in
   backward), plus the hidden-sized unit the frozen head keeps per token.
 - the gradients it accumulates: new gradients beside the earlier ones, then their sum.
@@ -114,7 +114,7 @@ def _layer_elements(shape: ModelShape) -> int:
 
 def saved_activation_bytes(shape: ModelShape, tokens: int) -> int:
     """What autograd keeps for backward over `tokens` positions: every layer's saved tensors,
-    and the hidden-sized unit the frozen head keeps per token (logprobs.py)."""
+    and the hidden-sized unit the frozen head keeps per token (train/logprobs.py)."""
     per_token = _layer_elements(shape) * shape.dtype_bytes
     return tokens * (shape.layers * per_token + shape.hidden * FLOAT32)
 
@@ -126,7 +126,7 @@ def _padded_tokens(samples: tuple[TrainingSample, ...]) -> tuple[int, int]:
 
 
 def _logits_bytes(shape: ModelShape, rows: int, tokens: int, chunk_tokens: int) -> int:
-    """One chunk of the head's float32 log-softmax and its backward (logprobs.py)."""
+    """One chunk of the head's float32 log-softmax and its backward (train/logprobs.py)."""
     chunk = min(tokens, max(rows, chunk_tokens))
     return chunk * shape.vocab * FLOAT32 * LOGIT_COPIES
 
@@ -163,7 +163,7 @@ def forward_backward_bytes(
     """Peak bytes of one shared forward-backward pass over several sessions' requests.
 
     `trainable_bytes[i]`: the trainable tensors of request i's session; its new gradients
-    appear beside the accumulated ones and then their sum (trainer.accumulate_many)."""
+    appear beside the accumulated ones and then their sum (train/accumulate.py)."""
     samples = tuple(s for request in requests for s in request.samples)
     is_forward_only = all(request.forward_only for request in requests)
     gradients = sum(
@@ -196,8 +196,8 @@ def custom_forward_backward_bytes(
 
 def _own_positions(max_tokens: int) -> int:
     """Peak positions per row of the generated part of the KV cache: twice its final capacity
-    (sampler.py allocates it in growth steps), since grow() holds the old buffer beside the new
-    one and keep() gathers the rows it moves into a temporary copy."""
+    (generate/sampler.py allocates it in growth steps), since grow() holds the old buffer beside the
+    new one and keep() gathers the rows it moves into a temporary copy."""
     step = DECODE_POSITIONS_PER_GROWTH
     final = max_tokens if max_tokens <= step else step * math.ceil(max_tokens / step)
     return 2 * final
@@ -236,10 +236,10 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
 
 def optim_step_bytes(trainable_bytes: int, largest_bytes: int, *, has_moments: bool) -> int:
     """AdamW's two moments per trainable tensor at the first step, and the single-tensor
-    update's temporaries of the largest tensor (optim.py runs torch's foreach=False path).
+    update's temporaries of the largest tensor (optim/optimizer.py runs torch's foreach=False path).
 
-    The copy-backed step (optim.py, only for settings that could overflow the weights) clones
-    weights, gradients and moments on top; should that not fit, the allocator's failure fails
-    the step RESOURCE_EXHAUSTED and optim.py puts everything back."""
+    The copy-backed step (optim/optimizer.py, only for settings that could overflow the weights)
+    clones weights, gradients and moments on top; should that not fit, the allocator's failure fails
+    the step RESOURCE_EXHAUSTED and optim/optimizer.py puts everything back."""
     moments = 0 if has_moments else 2 * trainable_bytes
     return moments + 3 * largest_bytes

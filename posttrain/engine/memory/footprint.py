@@ -36,7 +36,7 @@ class ResourceFootprint:
 
 
 def nbytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes the tensors hold; none for a parameter another rank holds (engine/param_shards.py
+    """Bytes the tensors hold; none for a parameter another rank holds (parallel/zero3.py
     frees its storage and keeps its shape)."""
     return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().nbytes())
 

@@ -1,1 +1,1 @@
-"""posttrain.engine.optim.optimizer."""
+"""The optimizer of a session: step settings, global-norm clipping, AdamW and Muon."""

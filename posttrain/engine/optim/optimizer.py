@@ -9,14 +9,13 @@ last step (11.3).
 
 It does not own the parameters (the model does), does not count steps (the session does: an
 optim-step without gradients still increments it, 11.3) and never publishes weights
-(weights-sync does). The Newton-Schulz and Muon update math lives in engine/muon.py.
+(weights-sync does). The Newton-Schulz and Muon update math lives in optim/muon.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +26,7 @@ from posttrain.engine.optim.muon import (
     muon_update_,
     num_row_blocks,
 )
+from posttrain.engine.optim.step_settings import StepSettings, resolve_step_settings
 from posttrain.engine.parallel.zero2 import Sharding
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
@@ -40,51 +40,6 @@ CLIP_EPS = 1e-6
 ADAM_STATE = "adam"  # {name: {"step": Tensor, "exp_avg": Tensor, "exp_avg_sq": Tensor}}
 MUON_STATE = "muon"  # {name: {"momentum_buffer": Tensor}}
 OptimizerState = dict[str, dict[str, dict[str, Tensor]]]
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """The hyperparameters one optim-step runs with, after defaults and the lr rule."""
-
-    adam: AdamParams
-    muon: MuonParams | None
-    grad_clip_norm: float
-
-
-def resolve_step_settings(
-    request: OptimStepRequest, muon_scaling: MuonScaling | None
-) -> StepSettings:
-    """Fill the defaults of one optim-step for an AdamW (`muon_scaling` None) or Muon optimizer.
-
-    Raises InvalidRequest if the request carries the other family's parameters.
-    """
-    if muon_scaling is None:
-        if request.muon is not None:
-            raise InvalidRequest(
-                "muon_params given, but this model resource uses AdamW; send adam_params",
-                param="muon_params",
-            )
-        adam = request.adam or AdamParams()
-        return StepSettings(adam=adam, muon=None, grad_clip_norm=adam.grad_clip_norm)
-    if request.adam is not None:
-        raise InvalidRequest(
-            "adam_params given, but this model resource uses Muon; send muon_params "
-            "(with muon_params.adam for the parameters Muon does not own)",
-            param="adam_params",
-        )
-    muon = request.muon or MuonParams()
-    adam = muon.adam
-    if adam is None:
-        # 12.3: an absent adam.learning_rate is the Muon lr under MATCH_ADAM (whose Muon lr is
-        # AdamW-sized by design), and 1e-4 (AdamParams' default) under ORIGINAL.
-        if muon_scaling is MuonScaling.MATCH_ADAM:
-            adam = AdamParams(learning_rate=muon.learning_rate)
-        else:
-            adam = AdamParams()
-    # 12.3: muon_params.grad_clip_norm, else muon_params.adam.grad_clip_norm, else 1.0 (which
-    # is also AdamParams' default when muon_params.adam is absent).
-    clip = muon.grad_clip_norm if muon.grad_clip_norm is not None else adam.grad_clip_norm
-    return StepSettings(adam=adam, muon=muon, grad_clip_norm=clip)
 
 
 def global_grad_norm(grads: list[Tensor]) -> Tensor:
@@ -123,7 +78,7 @@ class SessionOptimizer:
     Under AdamW, tensors with ndim >= 2 are decayed and 1-D ones are not (12.2). Parameters
     whose `.grad` is None at a step are untouched: no decay, no moment or momentum update.
 
-    With a `sharding` (engine/sharding.py) this rank holds only its own parameters' gradients,
+    With a `sharding` (parallel/zero2.py) this rank holds only its own parameters' gradients,
     so it holds only their state and steps only them; a step is then a collective (every rank
     of the group calls it), as is full_state_dict.
     """
@@ -138,7 +93,7 @@ class SessionOptimizer:
         self.named_params = named_params
         self.muon_scaling = muon_scaling
         self.sharding = sharding
-        # Parameters sharded too (engine/param_shards.py): a rank holds only its own, so the
+        # Parameters sharded too (parallel/zero3.py): a rank holds only its own, so the
         # owners keep their stepped weights instead of broadcasting them.
         self.params_sharded = False
         is_muon = [
@@ -378,7 +333,7 @@ class SessionOptimizer:
             p.grad = None
 
     def has_state(self) -> bool:
-        """True once a step created moments or momentum buffers (memory_estimate.py)."""
+        """True once a step created moments or momentum buffers (memory/estimate.py)."""
         adam = self._adamw is not None and any(self._adamw.state.values())
         return adam or bool(self._momentum_buffers)
 

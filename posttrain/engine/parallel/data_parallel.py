@@ -1,5 +1,5 @@
 """Data parallelism of one model resource's trainer over the ranks of a torch.distributed group
-(engine/trainer_group.py starts them): which rows of a batch each rank forwards, the gather of
+(hosts/trainer_group.py starts them): which rows of a batch each rank forwards, the gather of
 their logprobs, and the all-reduce of the gradients.
 
 Exact for every loss: the losses have batch-global normalisers (token means, sequence means,
@@ -91,7 +91,7 @@ class DataParallel:
 
         A parameter none of whose ranks has a gradient keeps .grad None, as in one process; one
         that some rank has (its rows reached it) gets zeros on the others before the sum. With
-        `owners` (engine/sharding.py), a parameter whose owner is a rank is summed onto that
+        `owners` (parallel/zero2.py), a parameter whose owner is a rank is summed onto that
         rank alone and its .grad dropped on the others; one whose owner is None on every rank."""
         if not params:
             return

@@ -5,19 +5,20 @@ Each parameter has one owner rank, a pure function of the parameters' names and 
 largest first, each to the rank holding the fewest bytes so far), so every rank computes the
 same map without talking. After a backward each gradient is summed onto its owner only
 (data_parallel.reduce_gradients) and dropped elsewhere; a rank therefore holds only its own
-parameters' gradients, and torch's AdamW and the Muon loop (engine/optim.py), which create
+parameters' gradients, and torch's AdamW and the Muon loop (optim/optimizer.py), which create
 state only for parameters with a gradient, hold only their moments and momentum buffers. The
 owner steps its parameters, and then broadcasts them, so every rank holds every weight again.
 
 What is sharded: accumulated gradients and optimizer state (about 1/N per rank each, whole
 parameters at a time: Muon orthogonalises whole matrices). By default (ZeRO-3,
-engine/param_shards.py) so are the parameters themselves, by the same owner map: a parameter
+parallel/zero3.py) so are the parameters themselves, by the same owner map: a parameter
 lives on its owner alone, is gathered per layer for the forward and again for the backward, a
 layer's gradients are summed onto their owners as the backward leaves it, the generator's copy
 is rank 0's alone, and the owner keeps its stepped parameters. With `--shard-parameters off`
 (ZeRO-2) the parameters stay replicated (every rank forwards its rows through the whole
-model; engine/data_parallel.py), as do the generator's copy and the full gradients a backward
-produces before they are summed onto their owners; the owner then broadcasts what it stepped.
+model; parallel/data_parallel.py), as do the generator's copy and the full gradients a
+backward produces before they are summed onto their owners; the owner then broadcasts what it
+stepped.
 
 The clipping norm is exact: the per-parameter norms are summed into one vector in parameter
 order (each entry has a single non-zero contributor, so the sum adds only zeros) and reduced
@@ -25,7 +26,7 @@ exactly as one process reduces them. Checkpoints gather the shards onto rank 0
 (gather_to_rank_zero), which writes them in the single-process formats; loading keeps the
 entries a rank owns, so a checkpoint from any N resumes on any other.
 
-Imports: torch (torch.distributed); engine (data_parallel).
+Imports: torch (torch.distributed); engine.parallel.data_parallel.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A full-weight session's parameters sharded over its trainer group (ZeRO-3,
 `posttrain serve --trainer-ranks N`, N > 1; `--shard-parameters off` turns it off).
 
-Each parameter lives whole on its owner rank (engine/sharding.py's map, balanced by bytes) and
+Each parameter lives whole on its owner rank (parallel/zero2.py's map, balanced by bytes) and
 nowhere else between operations: on the other ranks its tensor keeps its shape but its storage
 is resized to 0 bytes. Whole parameters, not flat 1/N slices, because the owner already holds
 the whole parameter's gradient and optimizer state (ZeRO-2), so torch's AdamW and the Muon loop
@@ -36,7 +36,7 @@ state gather the full tensors one at a time onto rank 0, which writes the one-pr
 loading copies each rank's own. When the session ends every rank gathers the whole model again
 and the hooks go (engine/full_weight.restore_base then puts the base weights back).
 
-Imports: torch (torch.distributed); engine (sharding).
+Imports: torch (torch.distributed); engine.parallel.zero2.
 """
 
 from __future__ import annotations

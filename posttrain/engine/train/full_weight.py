@@ -7,10 +7,11 @@ generator's), which weights-sync overwrites. When the session ends, the trained 
 base weights back from disk, so the next session on the resource starts from the base model.
 
 Parameters carry their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`), not the
-names inside the LoRA wrappers of model/lora.py, so optimizer classification (engine/optim.py,
-engine/muon.py) and checkpoints see the model's own names.
+names inside the LoRA wrappers of model/lora.py, so optimizer classification
+(optim/optimizer.py, optim/muon.py) and checkpoints see the model's own names.
 
-Does not own the optimizer (engine/optim.py) or the forward passes (engine/trainer.py).
+Does not own the optimizer (optim/optimizer.py) or the forward passes
+(train/trainer.py).
 """
 
 from __future__ import annotations

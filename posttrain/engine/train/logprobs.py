@@ -11,7 +11,7 @@ the numerics of the two forward passes. The log-softmax runs over chunks of posi
   a scale, so the head costs the same two matmuls as a naive full log-softmax;
 - a LoRA head (train_unembed) of one adapter on every row, when the caller knows each token's
   loss gradient g_t as soon as the chunk's logprobs exist (a per-token loss,
-  engine/token_gradients.py): the adapter's gradients and the hidden states' are formed in
+  train/token_gradients.py): the adapter's gradients and the hidden states' are formed in
   forward from g_t (onehot - softmax_t) and kept ([R, H] + [V, R] summed over the chunks,
   [tokens, H]);
   backward hands them on after checking that the gradient it receives is that g exactly

@@ -5,12 +5,12 @@ for its weight gradients, and g_t = dL/dx_t is only known once the loss is. When
 sum of per-token terms whose gradient at a token depends on that token's logprob alone (and on
 batch constants: weights, advantages, sampler logprobs, normalisers counted from the masks),
 g_t can be had as soon as the chunk's logprobs exist, so the head's gradients are formed in
-forward from the chunk's softmax and no chunk is recomputed in backward (engine/logprobs.py).
+forward from the chunk's softmax and no chunk is recomputed in backward (train/logprobs.py).
 
 The loss function itself gives g: it runs on a batch tensor holding the chunk's logprobs at
 their positions (zeros elsewhere) and autograd differentiates it. For a separable loss the
 gradient at the chunk's positions is then computed by exactly the ops and values of the real
-backward, so it is bitwise the gradient the chunk receives; engine/logprobs.py still compares
+backward, so it is bitwise the gradient the chunk receives; train/logprobs.py still compares
 the two in backward and recomputes the chunk where they differ, so a loss wrongly listed here
 costs time, never exactness.
 

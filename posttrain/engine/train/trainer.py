@@ -3,20 +3,17 @@ sessions of one model resource.
 
 A forward-backward of several sessions runs as one shared pass: rows are routed to their
 session's trainer adapter (model/lora.py), rows of similar length share a model forward
-(engine/buckets.py), and one backward over the sum of the trainable losses fills every session's
-gradients. Gradients accumulate across calls until optim-step; a non-finite loss or gradient
-fails its item and leaves that session's accumulated gradients exactly as they were.
+(buckets.py), and one backward over the sum of the trainable losses fills every session's
+gradients (accumulate.py). Gradients accumulate across calls until optim-step; a non-finite
+loss or gradient fails its item and leaves that session's accumulated gradients as they were.
 
-On a rank of a trainer group (ResourceState.group, engine/trainer_group.py) the same code runs
-data parallel: the rank forwards only its share of the rows, the others' logprobs are gathered
-from them, every member is scored on the whole batch, and the gradients are summed over the
-ranks before their check (engine/data_parallel.py). With sharded parameters
-(engine/param_shards.py) every rank runs the same number of bucket forwards
-(aligned_forwards), so the ranks meet in the per-layer gathers. Without a group nothing of
-that runs.
+On a rank of a trainer group (ResourceState.group) the same code runs data parallel: the rank
+forwards only its share of the rows, the others' logprobs are gathered from them, every member
+is scored on the whole batch, and the gradients are summed over the ranks before their check
+(parallel/data_parallel.py). With sharded parameters (parallel/zero3.py) every rank runs the
+same number of bucket forwards (aligned_forwards), so the ranks meet in the per-layer gathers.
 
-Not here: which sessions exist (local.py, the registry), what the generator serves
-(generator.py), the loss math (losses.py) and the optimizer math (optim.py).
+Not here: the session table (hosts/in_process.py), generators (generate/), losses.py, optim/.
 
 Legend: S = samples, T = tokens, B = rows of one bucket, L = longest row of a bucket,
 H = hidden size.
@@ -33,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.config import EngineConfig
-from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.state import ResourceState, SessionState
+from posttrain.engine.train.accumulate import accumulate_many
 from posttrain.engine.train.batching import PackedBatch, member_loss_batch, pack, unpack
 from posttrain.engine.train.buckets import Routing, assemble, bucket_routing, plan_buckets
 from posttrain.engine.train.expert_routes import forced_routes
@@ -213,7 +210,7 @@ def custom_forward_backward(
 
 
 def optim_step(session: SessionState, request: OptimStepRequest) -> None:
-    """Apply the accumulated gradients and clear them (engine/optim.py)."""
+    """Apply the accumulated gradients and clear them (optim/optimizer.py)."""
     session.optimizer.step(request)
 
 
@@ -226,8 +223,8 @@ def _batch_logprobs(
     needed_ST: Tensor | None,
 ) -> Tensor:
     """The shared pass's [S, T] logprobs: forwarded here, or by a trainer group's ranks each
-    forwarding its share of the rows (engine/data_parallel.py). `gradient`: a lone member's
-    per-token loss gradient (engine/token_gradients.py), None otherwise; `needed_ST`: the
+    forwarding its share of the rows (parallel/data_parallel.py). `gradient`: a lone member's
+    per-token loss gradient (train/token_gradients.py), None otherwise; `needed_ST`: the
     positions any member's loss reads (None: all)."""
     if resource.group is None:
         return forward_logprobs(
@@ -259,7 +256,7 @@ def forward_logprobs(
     `routing` applied to its rows (positions in `packed`; None: every row). With `rows`, only
     those rows of `packed`, in that order: [len(rows), T].
 
-    Rows of similar length share a forward (engine/buckets.py), each padded only to its own
+    Rows of similar length share a forward (train/buckets.py), each padded only to its own
     longest row; the result has the layout of one padded forward over the whole batch.
 
     `forwards` (aligned_forwards): run exactly that many model forwards, the missing ones
@@ -301,7 +298,7 @@ def forward_logprobs(
 def aligned_forwards(
     config: EngineConfig, resource: ResourceState, lengths_S: Sequence[int]
 ) -> int | None:
-    """On a trainer group whose parameters are sharded (engine/param_shards.py), the number of
+    """On a trainer group whose parameters are sharded (parallel/zero3.py), the number of
     model forwards every rank runs: the most buckets of any rank's share, so the ranks meet in
     the same per-layer collectives, a rank with fewer buckets (or no rows) padding the rest.
     None (each rank its own buckets) otherwise."""
@@ -429,7 +426,7 @@ def _needed(merged: PackedBatch, members: list[_Member]) -> Tensor:
 
 
 def _sharded_operation(resource: ResourceState):
-    """One operation of a resource whose parameters are sharded (engine/param_shards.py: its
+    """One operation of a resource whose parameters are sharded (parallel/zero3.py: its
     root gathered on entry, freed on exit); nothing otherwise."""
     return resource.param_shards.operation() if resource.param_shards else nullcontext()
 
@@ -437,65 +434,6 @@ def _sharded_operation(resource: ResourceState):
 def _reduced_in_backward(resource: ResourceState) -> frozenset[int]:
     shards = resource.param_shards
     return frozenset() if shards is None else shards.reduced_in_backward
-
-
-def accumulate_many(
-    items: list[tuple[SessionState, Tensor]],
-    *,
-    group: DataParallel | None = None,
-    reduced: frozenset[int] = frozenset(),
-) -> list[NonFiniteLoss | None]:
-    """Add d loss_i / d params_i to each session's gradients, all-or-nothing per session.
-
-    One backward over the summed losses runs into empty .grad buffers (sessions own disjoint
-    parameters, and rows never mix, so each session receives only its own loss's gradient).
-    Only when a session's new gradients are all finite are its earlier accumulated
-    gradients added back; otherwise they are restored exactly and its item fails. In a
-    trainer `group` the new gradients are first summed over its ranks (data_parallel.py), onto
-    their owners alone for a sharded session (engine/sharding.py), and the ranks AND their
-    finiteness, so every rank decides the same. `reduced`: ids of parameters whose gradients
-    the backward itself already summed onto their owners (engine/param_shards.py)."""
-    stashed = []
-    for session, _ in items:
-        params = [p for _, p in session.optimizer.named_params]
-        stashed.append((params, [p.grad for p in params]))
-        for p in params:
-            p.grad = None
-    try:
-        total = torch.stack([loss for _, loss in items]).sum()
-        if group is None:
-            total.backward()
-        else:
-            if total.requires_grad:  # else none of the rank's rows is a trainable member's
-                total.backward()
-            owners = [rank for session, _ in items for rank in session.optimizer.owner_ranks()]
-            params = [p for params, _ in stashed for p in params]
-            rest = [(p, o) for p, o in zip(params, owners, strict=True) if id(p) not in reduced]
-            group.all_reduce_gradients([p for p, _ in rest], [o for _, o in rest])
-    except BaseException:
-        # Out of memory mid-backward, say: the items fail, their earlier gradients stay.
-        for params, earlier in stashed:
-            for p, g in zip(params, earlier, strict=True):
-                p.grad = g
-        raise
-    finite = [
-        all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
-        for params, _ in stashed
-    ]
-    if group is not None:  # a sharded session's ranks each checked only their own gradients
-        finite = group.all_true(finite, stashed[0][0][0].device)
-    errors: list[NonFiniteLoss | None] = []
-    for (params, earlier), ok in zip(stashed, finite, strict=True):
-        new = [p.grad for p in params]
-        if not ok:
-            for p, g in zip(params, earlier, strict=True):
-                p.grad = g
-            errors.append(NonFiniteLoss("gradient is not finite; nothing was accumulated"))
-            continue
-        for p, old, g in zip(params, earlier, new, strict=True):
-            p.grad = g if old is None else (old if g is None else old + g)
-        errors.append(None)
-    return errors
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Decoding in blocks of K passes with one host read per block (engine/sampler.py) returns
+"""Decoding in blocks of K passes with one host read per block (engine/generate/sampler.py) returns
 byte for byte what the per-token path (K = 1) returns: every token, logprob, stop reason and
 policy segment, for greedy, plain and shaped sampling, stop strings and tokens, max_tokens in
 the middle of a block, rows ending at different steps, shared prompts with several samples,

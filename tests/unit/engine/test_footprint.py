@@ -1,5 +1,5 @@
-"""The engine's read-only sizes (engine/footprint.py) and the benchmark hooks of LocalEngine, on
-the built-in model: exact tensor bytes, and a caller's own forward through trainer_model."""
+"""The engine's read-only sizes (engine/memory/footprint.py) and the benchmark hooks of LocalEngine,
+on the built-in model: exact tensor bytes, and a caller's own forward through trainer_model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ReplicatedEngine (engine/replicas.py): generator replica processes beside the trainer.
+"""ReplicatedEngine (engine/hosts/replicas.py): generator replica processes beside the trainer.
 
 Each replica samples exactly what the inline generator samples from the same published weights,
 a sample applies the staged changes up to its fence and none after it (even on a replica that

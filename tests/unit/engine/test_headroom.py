@@ -1,4 +1,4 @@
-"""What is free (engine/headroom.py): the tightest of MemAvailable, RLIMIT_AS headroom and
+"""What is free (engine/memory/headroom.py): the tightest of MemAvailable, RLIMIT_AS headroom and
 memory_limit, each checked in a subprocess whose limits the test sets."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Chunked target logprobs (engine/logprobs.py): values and gradients equal a full log-softmax on
-both head paths (frozen head: gradient kept from forward; trainable head: recomputed)."""
+"""Chunked target logprobs (engine/train/logprobs.py): values and gradients equal a full log-softmax
+on both head paths (frozen head: gradient kept from forward; trainable head: recomputed)."""
 
 from __future__ import annotations
 

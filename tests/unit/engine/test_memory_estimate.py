@@ -1,4 +1,4 @@
-"""The memory estimate (engine/memory_estimate.py) against what the engine really allocates.
+"""The memory estimate (engine/memory/estimate.py) against what the engine really allocates.
 
 Two measurements, both of the real engine: the bytes autograd saves for backward during a
 forward-backward (saved_tensors_hooks, each storage once, the model's own weights excluded),

@@ -1,4 +1,4 @@
-"""engine/placement.py: where a resource's processes run. Without --ray nothing imports Ray;
+"""engine/hosts/placement.py: where a resource's processes run. Without --ray nothing imports Ray;
 a resource's processes take their places (trainer or ranks first, then each replica) in its group;
 --ray without any worker process is a start-up error naming the field."""
 

@@ -1,6 +1,6 @@
 """A trained LoRA head's gradients formed in forward from per-token loss gradients
-(engine/logprobs.py _TrainedHeadLogprobs, engine/token_gradients.py): equal to autograd on the
-full log-softmax, for a right and a wrong prediction (recomputed), and taken by every
+(engine/train/logprobs.py _TrainedHeadLogprobs, engine/train/token_gradients.py): equal to autograd
+on the full log-softmax, for a right and a wrong prediction (recomputed), and taken by every
 separable loss of a one-session forward-backward."""
 
 from __future__ import annotations

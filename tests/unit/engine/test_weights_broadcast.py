@@ -1,4 +1,4 @@
-"""engine/weights_broadcast.py: a bucket's tensors survive packing bit for bit, whether their
+"""engine/hosts/weights_broadcast.py: a bucket's tensors survive packing bit for bit, whether their
 bytes then cross a broadcast or a pipe; the pipe transport serves what the broadcast does."""
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
 from posttrain.engine.checkpoint import durable
 from posttrain.service import Services, build_services
 from posttrain.service.full_weight_durability import is_snapshot_due
-from posttrain.types import OperationKind, OperationStatus, SessionStatus
+from posttrain.statuses import OperationStatus, SessionStatus
+from posttrain.types import OperationKind
 
 TOKENS = [1, 40, 41, 42, 50, 60, 70, 80]
 SAMPLE = {

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from posttrain.api.responses import operation_json
+from posttrain.statuses import OperationStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo, to_json
 from posttrain.types import (
@@ -17,7 +18,6 @@ from posttrain.types import (
     OperationKind,
     OperationOutput,
     OperationRecord,
-    OperationStatus,
     OptimStepOutput,
     PolicySegment,
     SampledSequence,

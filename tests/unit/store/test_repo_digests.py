@@ -5,17 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from posttrain.statuses import OperationStatus, ResourceStatus, SessionStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    OperationKind,
-    OperationRecord,
-    OperationStatus,
-    ResourceRecord,
-    ResourceStatus,
-    SessionRecord,
-    SessionStatus,
-)
+from posttrain.types import OperationKind, OperationRecord, ResourceRecord, SessionRecord
 
 
 def make_repo(tmp_path: Path) -> Repo:

@@ -40,7 +40,8 @@ from posttrain.config import BUILTIN_MODEL_DIR
 from posttrain.engine.generate import sampler
 from posttrain.engine.generate.prefill import GeneratorModel
 from posttrain.engine.generate.prefix_cache import PrefixCache
-from posttrain.engine.generate.sampler import GenerationRequest, WeightsVersion, generate
+from posttrain.engine.generate.sampler import GenerationRequest, generate
+from posttrain.engine.state import WeightsVersion
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import SamplingParams
 

@@ -15,7 +15,7 @@ Also counts the tensor operations and host reads (`.item()`, `int(t)`, `bool(t)`
 synchronisation each on a GPU) per decode step, and the results transfers (the one
 device-to-host copy of a block's tokens and logprobs) per block of `--block-steps` passes,
 which do not depend on the machine's load. `--static`: the static-shape passes
-(engine/decode_graph.py, eager here; on CUDA they are captured in graphs).
+(engine/generate/decode_graph.py, eager here; on CUDA they are captured in graphs).
 Prints per-step medians (ms), the floor and their ratio; JSON on the last line.
 """
 
@@ -34,11 +34,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR
-from posttrain.engine import sampler
-from posttrain.engine.decode_rows import LiveRows
-from posttrain.engine.model_passes import GeneratorModel
-from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
+from posttrain.engine.generate import sampler
+from posttrain.engine.generate.decode_rows import LiveRows
+from posttrain.engine.generate.prefill import GeneratorModel
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.generate.sampler import GenerationRequest, generate
+from posttrain.engine.state import WeightsVersion
 from posttrain.model.kv_shape import kv_shape
 from posttrain.model.lora import AdapterSpec, LoraLinear, LoraModel
 from posttrain.types import SamplingParams

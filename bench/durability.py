@@ -1,6 +1,6 @@
 """What durable sessions cost: one RL-style step (forward-backward, optim-step, weights-sync)
 with and without writing the state each operation changed, as the server does before it
-reports the operation COMPLETED (service/durability.py, engine/durable.py); and for a
+reports the operation COMPLETED (service/durability.py, engine/checkpoint/durable.py); and for a
 full-weight session, with a snapshot of its whole state every N steps
 (service/full_weight_durability.py; the journal between snapshots costs no write: the request
 bodies are in the store already), and how long a restart's snapshot load takes.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,

@@ -18,8 +18,8 @@ attention and MLP projection (--train-unembed: on the output head too).
   tensor memory, not the allocator's reuse pattern.
 - B, an RL batch: --samples samples (32) with lengths uniform over [--min-length,
   --max-length] (64..1024, seed 0), CE over every token. posttrain: the same engine call
-  (length buckets, engine/buckets.py). padded: the naive path of A over the batch padded to its
-  longest sample, with an attention mask and the loss masked to real tokens; it runs as
+  (length buckets, engine/train/buckets.py). padded: the naive path of A over the batch padded to
+  its longest sample, with an attention mask and the loss masked to real tokens; it runs as
   forward-backwards of --padded-rows rows (16, A's batch: the whole padded batch's float32
   logits would not fit a 23 GiB machine), each still padded to the whole batch's longest
   sample, so it computes exactly what one padded forward-backward would.
@@ -57,7 +57,7 @@ from sampling import RANDOM_CONFIGS
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import ForwardBackwardRequest, LoraConfig, LossConfig, LossType, TrainingSample
 
 MODEL_ID = "qwen3-40m"

@@ -20,7 +20,7 @@ posttrain's LocalEngine on it (LoRA rank 32, as a session trains and samples):
    --samples each, --new-tokens), same model and adapter, generated tokens/s, medians;
 5. decode paths: sampler tokens/s with static-shape passes replayed from CUDA graphs
    (`--cuda-graphs on`), the same passes eager, dynamic passes in blocks of 8 (the default),
-   and the per-token dynamic passes (engine/decode_graph.py): this decides the default;
+   and the per-token dynamic passes (engine/generate/decode_graph.py): this decides the default;
 6. weights-sync latency: `publish` of the session's trained adapter to its generator.
 
 Prints a text summary and the report as JSON (last line; --json also writes it to a file).
@@ -45,8 +45,8 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig  # noqa: E402
-from posttrain.engine import sampler  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.generate import sampler  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.model.attention_kernels import matmul_attention, partial_attention  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / 
 import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     ForwardBackwardRequest,
     LoraConfig,

@@ -1,6 +1,6 @@
-"""What a process boundary costs per engine call (engine/process.py), against the in-process
-engine in the same run: the same small operations on LocalEngine and on ProcessEngine (one
-worker process), alternated, medians over --reps of each.
+"""What a process boundary costs per engine call (engine/hosts/worker_process.py), against the
+in-process engine in the same run: the same small operations on LocalEngine and on ProcessEngine
+(one worker process), alternated, medians over --reps of each.
 
 Operations: a forward-backward of one 8-token sample, an optim-step, a publish, a sample of
 --sample-tokens tokens (each decode step crosses the pipe once for `between_tokens`), and a
@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.engine.process import ProcessEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.remote import ProcessEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,

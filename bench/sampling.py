@@ -37,10 +37,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Qwen
 from transformers import Qwen3ForCausalLM as Qwen3Model
 
 from posttrain.config import BUILTIN_MODEL_DIR
-from posttrain.engine import sampler
-from posttrain.engine.model_passes import GeneratorModel
-from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import GenerationRequest, WeightsVersion, generate
+from posttrain.engine.generate import sampler
+from posttrain.engine.generate.prefill import GeneratorModel
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.generate.sampler import GenerationRequest, generate
+from posttrain.engine.state import WeightsVersion
 from posttrain.model.kv_shape import kv_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import SamplingParams

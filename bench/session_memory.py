@@ -28,7 +28,7 @@ count (it still holds allocator and autograd bookkeeping, so it is an upper boun
 sessions' footprint).
 
 Every count comes from the engine's public read-only methods (session_footprint,
-resource_footprint; engine/footprint.py).
+resource_footprint; engine/memory/footprint.py).
 
     python bench/session_memory.py [--ranks 8 32] [--sessions 8] [--model PATH] [--device cpu]
                                    [--batch 4] [--seq-tokens 128] [--project config.json]
@@ -49,8 +49,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
-from posttrain.engine.footprint import SessionFootprint, nbytes
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.memory.footprint import SessionFootprint, nbytes
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     AdamParams,

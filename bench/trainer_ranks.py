@@ -1,11 +1,11 @@
-"""What a trainer group (engine/trainer_group.py, `--trainer-ranks N`) gains and costs.
+"""What a trainer group (engine/hosts/trainer_group.py, `--trainer-ranks N`) gains and costs.
 
 1. A full-weight training step (forward-backward of --rows x --tokens random tokens, then an
    AdamW optim-step) on the random 38M-parameter Qwen3 of bench/forward_backward.py: one
    process on one thread (LocalEngine) against N ranks of one thread each, their steps
    alternated. Medians of --reps steps after one warm-up, and their ratio; the same for a LoRA
    session. The tensor bytes each rank holds: a full-weight session's gradients and AdamW
-   moments are sharded (engine/sharding.py), its weights and generator copy replicated.
+   moments are sharded (engine/parallel/zero2.py), its weights and generator copy replicated.
 2. LoRA: what sharding the frozen base would cost, against a LoRA step: the time of one gloo
    all-gather of the base's bytes over the N ranks (a sharded base needs one per forward, and
    again for the backward), medians of 3 in a group of its own.
@@ -14,7 +14,7 @@
 
 4. With --zero3: only (1)'s full-weight step and bytes, for one process, N ranks with the
    parameters replicated (ZeRO-2) and N ranks with them sharded (ZeRO-3,
-   engine/param_shards.py), the three alternated.
+   engine/parallel/zero3.py), the three alternated.
 
     python bench/trainer_ranks.py [--ranks 2] [--reps 5] [--zero3]
 """
@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.engine.trainer_group import TrainerGroupEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.messages import Command
+from posttrain.engine.hosts.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,
@@ -95,8 +96,8 @@ def held_bytes(engine, ranks: int) -> list[tuple[int, int, int, int]]:
     if ranks == 1:
         resources, sessions = [engine.resource_footprint("r")], [engine.session_footprint("r", "f")]
     else:
-        resources = engine.on_every_rank("r", "resource_footprint")
-        sessions = engine.on_every_rank("r", "session_footprint", "f")
+        resources = engine.on_every_rank("r", Command.RESOURCE_FOOTPRINT)
+        sessions = engine.on_every_rank("r", Command.SESSION_FOOTPRINT, "f")
     engine.optim_step("r", "f", STEP)
     return [
         (r.total_bytes, s.weights_bytes, s.optimizer_bytes, s.gradient_bytes)
@@ -127,7 +128,7 @@ def all_gather_seconds(numel: int, world: int) -> float:
     processes on this host (what a sharded frozen base pays per forward)."""
     import multiprocessing
 
-    from posttrain.engine.trainer_group import _free_port
+    from posttrain.engine.hosts.trainer_group import _free_port
 
     context = multiprocessing.get_context("spawn")
     out = context.Queue()

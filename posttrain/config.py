@@ -100,7 +100,8 @@ class EngineConfig(BaseModel):
     # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs about 0.5 ms a
     # call, within the noise of every operation but a publish; a worker process costs a start
     # (spawn, import torch, load the model: seconds) and its own copy of the libraries. Threads
-    # stay the default until the trainer and generators run apart. The process: engine/process.py.
+    # stay the default until the trainer and generators run apart. The process:
+    # engine/hosts/worker_process.py.
     workers: Literal["thread", "process"] = Field(
         "thread",
         description="where each model resource's engine runs: a thread of the server, or a"
@@ -112,7 +113,7 @@ class EngineConfig(BaseModel):
     # (spawn, import torch, load the model: seconds) and a copy of the model, and each
     # weights-sync pickles the published tensors across a pipe. It pays where samples are long
     # and several sessions train while others sample; on the built-in model and in the tests
-    # the inline generator is faster, so it stays the default. Replicas: engine/replicas.py.
+    # the inline generator is faster, so it stays the default. Replicas: engine/hosts/replicas.py.
     generators: Literal["inline", "process"] = Field(
         "inline",
         description="where each model resource's generators run: inline, on the trainer's"
@@ -123,7 +124,7 @@ class EngineConfig(BaseModel):
     # Measured (bench/scale_out.py, docs/benchmarks.md): on one CPU host a broadcast and the
     # pipes move an adapter alike; a broadcast sends a bucket's bytes once for all replicas
     # instead of pickling them down each pipe, and is what crosses machines under --ray.
-    # The broadcast: engine/weights_broadcast.py.
+    # The broadcast: engine/hosts/weights_broadcast.py.
     weights_transport: Literal["broadcast", "pipe"] = Field(
         "broadcast",
         description="how a weights-sync reaches --generators process replicas: a"
@@ -135,7 +136,7 @@ class EngineConfig(BaseModel):
     # layout's graph is captured per generate call, and whether its replays win back the
     # capture on short generations is what bench/gpu_check.py's "decode paths" line measures.
     # Until then CUDA decodes in dynamic blocks of 8 passes (one host read per block), which
-    # needs no capture. The graphs: engine/decode_graph.py.
+    # needs no capture. The graphs: engine/generate/decode_graph.py.
     cuda_graphs: bool = Field(
         False,
         description="on CUDA, decode in static-shape passes captured in CUDA graphs and"
@@ -143,7 +144,7 @@ class EngineConfig(BaseModel):
         " other devices",
         json_schema_extra=flag("performance"),
     )
-    # Placement: engine/ray_placement.py.
+    # Placement: engine/hosts/ray_placement.py.
     ray: str | None = Field(
         None,
         min_length=1,
@@ -161,9 +162,9 @@ class EngineConfig(BaseModel):
         " cluster's nodes: PACK (as few nodes as possible) or SPREAD (across nodes)",
         json_schema_extra=flag("scale-out"),
     )
-    # Data parallel (engine/trainer_group.py): each rank holds the whole model and forwards its
-    # share of a batch's rows; a full-weight session's gradients and optimizer state are
-    # sharded over the ranks (engine/sharding.py). Measured (bench/trainer_ranks.py,
+    # Data parallel (engine/hosts/trainer_group.py): each rank holds the whole model and
+    # forwards its share of a batch's rows; a full-weight session's gradients and optimizer
+    # state are sharded over the ranks (engine/parallel/zero2.py). Measured (bench/trainer_ranks.py,
     # docs/benchmarks.md): on the 2-core CPU two ranks are slower than one (a 38M full-weight
     # step, 10-15 ms more per small command), so one process is the default.
     trainer_ranks: int = Field(
@@ -175,7 +176,7 @@ class EngineConfig(BaseModel):
         " CUDA devices)",
         json_schema_extra=flag("scale-out", metavar="N"),
     )
-    # ZeRO-3 (engine/param_shards.py): on trainer_ranks > 1 a full-weight session's
+    # ZeRO-3 (engine/parallel/zero3.py): on trainer_ranks > 1 a full-weight session's
     # parameters are sharded too, each rank holding only the parameters it owns between
     # operations and gathering a layer's just before its forward and backward, and rank 0
     # alone the generator's copy. The default: on the 2-core CPU its step time equals
@@ -217,7 +218,7 @@ class EngineConfig(BaseModel):
     # On a GPU (estimated, not measured yet) the fixed cost is a forward's hundreds of kernel
     # launches, some milliseconds: a few hundred tokens of a 0.2B model at the 43k tokens/s of
     # docs/benchmarks.md. 256 suits the GPU, where serving runs, and costs the CPU little.
-    # The grouping: engine/buckets.py.
+    # The grouping: engine/train/buckets.py.
     bucket_overhead_tokens: int = Field(
         256,
         ge=0,

@@ -2,7 +2,7 @@
 means on the wire, so there is one place per rule: `http_status` and `error_type` (api.md 6.1,
 6.2) for api/app.py, `error_code` (an OperationErrorCode value) for an operation it fails.
 
-Imports nothing from posttrain (the codes are the string values of types.OperationErrorCode).
+Imports nothing from posttrain (the codes are the string values of statuses.OperationErrorCode).
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ class EngineFailure(posttrainError):
 
 class WorkerDied(EngineFailure):
     """The worker process of a model resource ended while (or before) serving a call
-    (engine/process.py); the service reloads the resource and restores its sessions."""
+    (engine/hosts/worker_process.py); the service reloads the resource and restores its sessions."""
 
 
 class GeneratorReplicaDied(EngineFailure):
-    """A generator replica process ended while serving a sample (engine/replicas.py); the
+    """A generator replica process ended while serving a sample (engine/hosts/replicas.py); the
     trainer is untouched and the next sample starts a new replica."""
 
 

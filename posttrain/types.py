@@ -4,13 +4,15 @@ Names follow the API's vocabulary (api.md). Enum values are the wire spellings, 
 serialises to the wire unchanged. Wire-only details (seed-era aliases, string token ids, dtype
 names) are gone by the time a value becomes one of these types: api/schemas/ converts once.
 
-Imports: errors only.
+Imports: statuses (the lifecycle enums its records hold).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from posttrain.statuses import OperationErrorCode, OperationStatus, ResourceStatus, SessionStatus
 
 
 class LossType(StrEnum):
@@ -42,57 +44,6 @@ class OperationKind(StrEnum):
     SAMPLE = "sample"
     TRAINING_CHECKPOINT = "training-checkpoint"
     INFERENCE_CHECKPOINT = "inference-checkpoint"
-
-
-class OperationStatus(StrEnum):
-    PENDING = "TRAINING_OPERATION_STATUS_PENDING"
-    RUNNING = "TRAINING_OPERATION_STATUS_RUNNING"
-    COMPLETED = "TRAINING_OPERATION_STATUS_COMPLETED"
-    FAILED = "TRAINING_OPERATION_STATUS_FAILED"
-
-
-OPERATION_TERMINAL = frozenset({OperationStatus.COMPLETED, OperationStatus.FAILED})
-
-
-class OperationErrorCode(StrEnum):
-    RESOURCE_EXHAUSTED = "TRAINING_OPERATION_ERROR_CODE_RESOURCE_EXHAUSTED"
-    TIMEOUT = "TRAINING_OPERATION_ERROR_CODE_TIMEOUT"
-    INTERNAL_ERROR = "TRAINING_OPERATION_ERROR_CODE_INTERNAL_ERROR"
-    SESSION_NOT_ACTIVE = "TRAINING_OPERATION_ERROR_CODE_SESSION_NOT_ACTIVE"
-    INVALID_INPUT = "TRAINING_OPERATION_ERROR_CODE_INVALID_INPUT"
-    NON_FINITE_LOSS = "TRAINING_OPERATION_ERROR_CODE_NON_FINITE_LOSS"
-
-
-class ResourceStatus(StrEnum):
-    PENDING = "MODEL_RESOURCES_STATUS_PENDING"
-    CREATING = "MODEL_RESOURCES_STATUS_CREATING"
-    READY = "MODEL_RESOURCES_STATUS_READY"
-    ERROR = "MODEL_RESOURCES_STATUS_ERROR"
-    STOPPED = "MODEL_RESOURCES_STATUS_STOPPED"
-    STOPPING = "MODEL_RESOURCES_STATUS_STOPPING"
-
-
-class SessionStatus(StrEnum):
-    CREATING = "TRAINING_SESSION_STATUS_CREATING"
-    RUNNING = "TRAINING_SESSION_STATUS_RUNNING"
-    STOPPED = "TRAINING_SESSION_STATUS_STOPPED"
-    STOPPING = "TRAINING_SESSION_STATUS_STOPPING"
-    ERROR = "TRAINING_SESSION_STATUS_ERROR"
-    EXPIRED = "TRAINING_SESSION_STATUS_EXPIRED"
-
-
-SESSION_TERMINAL = frozenset({SessionStatus.STOPPED, SessionStatus.ERROR, SessionStatus.EXPIRED})
-
-
-class ResourceErrorCode(StrEnum):
-    PROVISIONING_FAILED = "MODEL_RESOURCES_ERROR_CODE_PROVISIONING_FAILED"
-
-
-class SessionErrorCode(StrEnum):
-    RESOURCE_UNAVAILABLE = "TRAINING_SESSION_ERROR_CODE_RESOURCE_UNAVAILABLE"
-    RESOURCE_AT_CAPACITY = "TRAINING_SESSION_ERROR_CODE_RESOURCE_AT_CAPACITY"
-    TIMED_OUT = "TRAINING_SESSION_ERROR_CODE_TIMED_OUT"
-    SESSION_FAILED = "TRAINING_SESSION_ERROR_CODE_SESSION_FAILED"
 
 
 class WeightSyncType(StrEnum):

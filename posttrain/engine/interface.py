@@ -1,7 +1,9 @@
 """The Engine protocol the service depends on, and the limits it reports per base model.
 
-`local.LocalEngine` is the reference implementation; distributed engines implement the same
-protocol later. Imports: types.
+One protocol, implemented explicitly by each engine: hosts/in_process.py's LocalEngine (the
+reference: everything in this process), hosts/remote.py's RemoteEngine (resources in worker
+processes or trainer groups) and hosts/replicas.py's ReplicatedEngine (generators apart);
+engine/build.py picks one. Imports: types (torch for type checking only).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from posttrain.types import (
     CustomForwardBackwardRequest,
@@ -25,6 +27,9 @@ from posttrain.types import (
     SampleResult,
 )
 
+if TYPE_CHECKING:
+    from torch import Tensor
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -38,7 +43,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Headroom:
-    """What an operation may allocate now (engine/headroom.py): the tightest bound, named."""
+    """What an operation may allocate now (memory/headroom.py): the tightest bound, named."""
 
     free_bytes: int
     bound: str  # which limit it is, for a refusal's message
@@ -51,7 +56,7 @@ class Engine(Protocol):
     def model_info(self, base_model: str) -> ModelInfo: ...
 
     # `generator_replicas`: the resource's compute_config.num_generator_replicas, which an
-    # engine with generators apart (replicas.py) starts; the others serve from the trainer.
+    # engine with generators apart (hosts/replicas.py) starts; the others serve from the trainer.
     def load_resource(
         self,
         resource_id: str,
@@ -92,7 +97,7 @@ class Engine(Protocol):
         self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
     ) -> None: ...
 
-    # Generators apart from the trainer (engine/replicas.py): how many generations may run
+    # Generators apart from the trainer (hosts/replicas.py): how many generations may run
     # beside it (0: samples run on the trainer's lane), and the fence of what the generators
     # must serve for a sample queued now; sample_batch(fence=, lane=) applies exactly that on
     # the lane's generator.
@@ -100,10 +105,20 @@ class Engine(Protocol):
 
     def generator_fence(self, resource_id: str) -> int: ...
 
+    # What the session's generator serves (its tensors, detached) and their policy version:
+    # what a generator replica installs (hosts/replicas.py asks its trainer engine).
+    def generator_state(
+        self, resource_id: str, session_id: str
+    ) -> tuple[dict[str, Tensor], int]: ...
+
     # Several sample operations (any sessions of the resource) in one generation: one result
     # list per item, in order. policy_segments come from the engine, which knows what each
     # generator serves; rows of a session whose generator is republished during
-    # `between_tokens` switch at that boundary.
+    # `between_tokens` switch at that boundary. On the trainer's lane (an engine with no
+    # generator lanes) `fence` and `lane` are 0: the generator there serves what the trainer
+    # published, and `between_tokens` may publish into it; on generator lane `lane` (0 up to
+    # generator_lanes()) the generator applies what was staged up to `fence` and
+    # `between_tokens` is not called (publishes reach it as staged changes).
     def sample_batch(
         self,
         resource_id: str,
@@ -117,15 +132,15 @@ class Engine(Protocol):
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
 
     # Memory admission (service/admission.py): the estimated peak bytes that running these
-    # operations of one kind as one pass adds to what is resident (engine/memory_estimate.py),
-    # and what the resource's device has free now (engine/headroom.py).
+    # operations of one kind as one pass adds to what is resident (memory/estimate.py),
+    # and what the resource's device has free now (memory/headroom.py).
     def peak_bytes(
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
     ) -> int: ...
 
     def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom: ...
 
-    # A session's live state (engine/durable.py): the named parts, with the service's
+    # A session's live state (checkpoint/durable.py): the named parts, with the service's
     # record, written atomically into a directory the service chose; and read back into a
     # freshly created session after a restart (its generator serving policy version `version`).
     def persist_session(
@@ -141,7 +156,7 @@ class Engine(Protocol):
         self, resource_id: str, session_id: str, directory: Path, *, version: int
     ) -> dict[str, Any]: ...
 
-    # Checkpoints: files go into a directory the service chose (engine/weights.py formats).
+    # Checkpoints: files go into a directory the service chose (checkpoint/formats.py).
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None: ...
 
     def save_adapter(
@@ -165,3 +180,6 @@ class Engine(Protocol):
     ) -> None: ...
 
     def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None: ...
+
+    # Server shutdown: stop whatever processes the engine started (none in process).
+    def close(self) -> None: ...

@@ -1,11 +1,12 @@
-"""What the engine holds per model resource and per session; the registry (local.py) owns the
-table of them, the trainer (trainer.py) and the generator (generator.py) act on them.
+"""What the engine holds per model resource and per session; the registry (hosts/in_process.py) owns
+the table of them, the trainer (train/trainer.py) and the generator (generate/generator.py) act on
+them.
 
 Each LoRA session has two adapters on its resource's model: the trainer's (what
 forward-backward and optim-step change) and the generator's (what sample uses), which
 weights-sync overwrites with a copy of the trainer's. A full-weight session (the only session
 of its resource) trains the model itself and samples from its own copy of it
-(engine/full_weight.py).
+(train/full_weight.py).
 """
 
 from __future__ import annotations
@@ -16,14 +17,22 @@ from pathlib import Path
 
 from torch import nn
 
-from posttrain.engine.data_parallel import DataParallel
-from posttrain.engine.optim import SessionOptimizer
-from posttrain.engine.param_shards import ParamShards
-from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampler import WeightsVersion
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.optim.optimizer import SessionOptimizer
+from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.model.loader import LoadedModel
 from posttrain.model.lora import LoraModel
 from posttrain.types import MuonScaling
+
+
+@dataclass(frozen=True)
+class WeightsVersion:
+    """What an adapter serves: `generation` changes on every publish (it keys the prefix
+    cache); `version` is the policy version of those weights (api.md 2.4)."""
+
+    generation: int
+    version: int
 
 
 @dataclass
@@ -31,11 +40,12 @@ class SessionState:
     trainer_key: str
     generator_key: str
     optimizer: SessionOptimizer
-    # Full-weight sessions only: the generator's own copy of the model (engine/full_weight.py).
-    # LoRA sessions sample through their generator adapter on the shared model instead.
+    # Full-weight sessions only: the generator's own copy of the model
+    # (train/full_weight.py). LoRA sessions sample through their generator adapter on the
+    # shared model instead.
     generator_model: nn.Module | None = None
     # A full-weight session; on a rank of a ZeRO-3 group other than 0 it has no generator copy
-    # (engine/param_shards.py: sampling runs on rank 0 alone).
+    # (parallel/zero3.py: sampling runs on rank 0 alone).
     full_weight: bool = False
 
     @property
@@ -61,9 +71,9 @@ class ResourceState:
     # What each generator (by adapter key) serves; read live by the decode loop (PIPELINE).
     served: dict[str, WeightsVersion] = field(default_factory=dict)
     generations: itertools.count = field(default_factory=lambda: itertools.count(1))
-    # This process's rank in the resource's trainer group (engine/trainer_group.py); None: the
+    # This process's rank in the resource's trainer group (hosts/trainer_group.py); None: the
     # resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None
-    # A full-weight session's parameters sharded over the group (engine/param_shards.py, ZeRO-3);
+    # A full-weight session's parameters sharded over the group (parallel/zero3.py, ZeRO-3);
     # None: every rank holds every parameter.
     param_shards: ParamShards | None = None

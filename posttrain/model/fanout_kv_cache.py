@@ -1,6 +1,6 @@
 """A decode cache whose rows continue shared prefixes: each prompt's KV stored once for all the
-rows sampled from it. It lives for one generate call (engine/sampler.py); prompt KV kept
-between requests is the prefix cache's (engine/prefix_cache.py), not this.
+rows sampled from it. It lives for one generate call (engine/generate/sampler.py); prompt KV kept
+between requests is the prefix cache's (engine/generate/prefix_cache.py), not this.
 
 Two parts:
 - `prefix`: a KVCache with one row per prefix group (a prompt's prefill), P_g positions each;

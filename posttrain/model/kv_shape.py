@@ -13,7 +13,7 @@ Every attention layer of a model posttrain serves has the same KV heads and head
 cache holds them in one tensor); the layer count is the number of attention layers, the
 modules that carry the `layer_idx` the cache protocol and model/attention.py index by.
 
-Not here: the cache itself (kv_cache.py), the memory estimate (engine/memory_estimate.py).
+Not here: the cache itself (kv_cache.py), the memory estimate (engine/memory/estimate.py).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def kv_shape(model: nn.Module) -> KVShape:
     """The KV shape `model`'s attention layers write (a causal LM, on any device, meta too)."""
     device = next(model.parameters()).device
     tokens_BQ = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    # A 4-D mask is passed on as-is by every family's mask creation (engine/model_passes.py
+    # A 4-D mask is passed on as-is by every family's mask creation (engine/generate/prefill.py
     # does the same), so the probe needs no more of the cache protocol than `update`.
     mask_BHQK = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     try:

@@ -61,7 +61,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """The base weights in `dtype` on `device`, frozen. Loss and logprob math is float32
-    whatever the weights' dtype (engine/logprobs.py), and so are LoRA adapters (model/lora.py)."""
+    whatever the weights' dtype (engine/train/logprobs.py), and so are LoRA adapters
+    (model/lora.py)."""
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     # The start-up check (servable_problem) reads no weights, so a missing, truncated or

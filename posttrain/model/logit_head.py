@@ -58,7 +58,8 @@ class TransformedHead(nn.Module):
 
 def output_head(model: PreTrainedModel) -> nn.Module:
     """hidden states -> the logits model(ids).logits has (the bare projection when the family
-    applies nothing more, so the frozen-head fast path of engine/logprobs.py still applies)."""
+    applies nothing more, so the frozen-head fast path of engine/train/logprobs.py still
+    applies)."""
     projection = model.get_output_embeddings()
     transform = logit_transform(model.config)
     return projection if transform is None else TransformedHead(projection, transform)

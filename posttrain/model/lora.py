@@ -179,7 +179,8 @@ class LoraModel:
 
         `assignments` pairs an adapter key with the row indices it applies to (None: all rows).
         Rows not listed run the base model. Blocks nest: the routing in force before is back
-        afterwards, so a recomputation in backward (engine/logprobs.py) can route its own rows."""
+        afterwards, so a recomputation in backward (engine/train/logprobs.py) can route its own
+        rows."""
         previous = [layer.routing for layer in self.layers.values()]
         for layer in self.layers.values():
             layer.routing = assignments

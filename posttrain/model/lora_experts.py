@@ -55,7 +55,8 @@ def wrappable(module: nn.Module) -> bool:
         return False
     if not getattr(module, "is_concatenated", True) or not getattr(module, "has_gate", True):
         return False
-    # Exactly these parameters, in this order: the PEFT export nests by it (engine/weights.py).
+    # Exactly these parameters, in this order: the PEFT export nests by it
+    # (engine/checkpoint/formats.py).
     if [name for name, _ in module.named_parameters(recurse=False)] != list(PROJECTIONS):
         return False
     experts, two_inter, hidden = gate_up.shape

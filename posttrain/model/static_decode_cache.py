@@ -1,5 +1,5 @@
 """One-token decode passes over a FanoutKVCache with static shapes, so that a CUDA graph can
-capture a pass and replay it (engine/decode_graph.py).
+capture a pass and replay it (engine/generate/decode_graph.py).
 
 A FanoutKVCache pass (fanout_kv_cache.py) slices the own part to the columns in use and
 builds its write indices and masks from Python ints that change every pass. Here every shape
@@ -7,7 +7,7 @@ is fixed for the life of the batch's layout and everything a pass reads that cha
 in a persistent tensor, advanced in place by the pass itself:
 
 - `own_length`, a 0-d device tensor: the own positions every row holds (all rows of a decode
-  batch hold the same count, engine/sampler.py). A pass writes its keys and values at that
+  batch hold the same count, engine/generate/sampler.py). A pass writes its keys and values at that
   column (index_copy_, no host index) and then adds one;
 - attention reads the own part's full capacity, hiding the columns past `own_length` with an
   additive bias built in the pass from it; the prefix part and its bias are the layout's;

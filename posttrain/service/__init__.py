@@ -12,11 +12,8 @@ import logging
 from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.placement import placement_for
-from posttrain.engine.process import ProcessEngine
-from posttrain.engine.replicas import ReplicatedEngine
-from posttrain.engine.trainer_group import TrainerGroupEngine
+from posttrain.engine.build import build_engine
+from posttrain.engine.interface import Engine
 from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.completion import CompletionWatch
@@ -42,7 +39,7 @@ log = logging.getLogger("posttrain")
 class Services:
     config: ServerConfig
     repo: Repo
-    engine: LocalEngine | ProcessEngine | TrainerGroupEngine | ReplicatedEngine
+    engine: Engine
     scheduler: Scheduler
     resources: ResourceService
     sessions: SessionService
@@ -74,8 +71,7 @@ class Services:
         self.watch.close()
         self.expiry.close()
         self.scheduler.close()
-        if isinstance(self.engine, ProcessEngine | TrainerGroupEngine | ReplicatedEngine):
-            self.engine.close()  # after the threads that call it: no orphan worker processes
+        self.engine.close()  # after the threads that call it: no orphan worker processes
 
 
 def build_services(config: ServerConfig) -> Services:
@@ -91,16 +87,7 @@ def wire_services(config: ServerConfig) -> Services:
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
     model_paths = {spec.id: spec.path for spec in config.models}
-    placement = placement_for(config.engine, model_paths)  # Ray only with --ray
-    engine: LocalEngine | ProcessEngine | TrainerGroupEngine | ReplicatedEngine
-    if config.engine.trainer_ranks > 1:
-        engine = TrainerGroupEngine(config.engine, model_paths, placement)  # any --workers
-    elif config.engine.workers == "process":
-        engine = ProcessEngine(config.engine, model_paths, placement)
-    else:
-        engine = LocalEngine(config.engine, model_paths)
-    if config.engine.generators == "process":
-        engine = ReplicatedEngine(engine, config.engine, model_paths, placement)
+    engine = build_engine(config.engine, model_paths)
     signer = UrlSigner(signing_key(config.signing_key, config.data_dir), config.url_ttl_s)
     checkpoints = CheckpointService(config.data_dir, repo, engine, signer)
     routed_experts = RoutedExpertsStore(

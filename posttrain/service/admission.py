@@ -7,7 +7,7 @@ state, gradients and step stay as they were; the others run, split into consecut
 where together they would not fit. Passes keep the group's order, so each session's order
 holds (a group has at most one forward-backward per session; samples change no state).
 
-Not here: the estimate (engine/memory_estimate.py) and what is free (engine/headroom.py).
+Not here: the estimate (engine/memory/estimate.py) and what is free (engine/memory/headroom.py).
 
 Imports: engine.interface.
 """

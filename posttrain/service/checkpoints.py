@@ -1,8 +1,8 @@
 """Checkpoints: saving them, listing and retrieving them, planning a resume from one, and
 signed downloads of their files (api.md 1.4.7, 1.4.8, 1.5, 3.6, 7.15).
 
-Each checkpoint lives in <data_dir>/checkpoints/<id>/ (file formats: engine/weights.py). It is
-written under a `.partial-` name, flushed, renamed into place, and only then recorded in the
+Each checkpoint lives in <data_dir>/checkpoints/<id>/ (file formats: engine/checkpoint/formats.py).
+It is written under a `.partial-` name, flushed, renamed into place, and only then recorded in the
 store, so a process killed mid-save leaves no record pointing at partial files; leftovers are
 removed at startup. The merged model of a LoRA inference checkpoint is built on its first
 MERGED download into <id>/merged, the same way (a full-weight session writes <id>/merged when
@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.engine.durable import fsync
+from posttrain.engine.checkpoint.durable import fsync
+from posttrain.engine.checkpoint.formats import ADAPTER_FILES
 from posttrain.engine.interface import Engine
-from posttrain.engine.weights import ADAPTER_FILES
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.service.ids import new_id
 from posttrain.service.signing import UrlSigner

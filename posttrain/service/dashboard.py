@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from posttrain.errors import NotFound
+from posttrain.statuses import OperationStatus
 from posttrain.store.repo import OperationDigest, Repo
-from posttrain.types import OperationKind, OperationStatus, ResourceRecord, SessionRecord
+from posttrain.types import OperationKind, ResourceRecord, SessionRecord
 
 __all__ = [
     "DashboardService",

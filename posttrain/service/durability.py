@@ -7,7 +7,7 @@ that trains, or a custom forward-backward, the accumulated gradients; an optim-s
 adapter, the optimizer moments and the gradients (now none); a weights-sync the generator's
 adapter; sampling, scoring and checkpoints nothing. The engine writes those parts and a
 record (the operation, its output, the session's step and policy versions) atomically
-(engine/durable.py); a new session writes everything once, when it is set up.
+(engine/checkpoint/durable.py); a new session writes everything once, when it is set up.
 
 After a restart, before anything runs (`reconcile`): an operation whose state reached the disk
 but whose COMPLETED record did not is completed from the record; the session's step and policy
@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.engine import durable
+from posttrain.engine.checkpoint import durable
 from posttrain.engine.interface import Engine
 from posttrain.service import full_weight_durability as full_weight
 from posttrain.service.kinds import KINDS
+from posttrain.statuses import OperationStatus
 from posttrain.store.codec import output_from_dict
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -43,7 +44,6 @@ from posttrain.types import (
     OperationOutput,
     OperationRecord,
     OperationRequest,
-    OperationStatus,
     PolicyState,
     SessionRecord,
 )

@@ -25,15 +25,9 @@ import time
 from posttrain.engine.interface import Engine
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
+from posttrain.statuses import ResourceStatus, SessionErrorCode, SessionStatus
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    ErrorInfo,
-    ResourceRecord,
-    ResourceStatus,
-    SessionErrorCode,
-    SessionRecord,
-    SessionStatus,
-)
+from posttrain.types import ErrorInfo, ResourceRecord, SessionRecord
 
 log = logging.getLogger("posttrain.expiry")
 

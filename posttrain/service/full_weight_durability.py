@@ -7,8 +7,8 @@ the step (docs/benchmarks.md). So instead:
 
 - Snapshot. Once at setup, and after each optim-step that brings the session's step to a
   multiple of `persist_every`, the parts changed since the last snapshot are written with
-  engine/durable.py's atomic manifest and a record (the operation, its output, the step and
-  policy versions), before that optim-step is recorded COMPLETED.
+  engine/checkpoint/durable.py's atomic manifest and a record (the operation, its output, the step
+  and policy versions), before that optim-step is recorded COMPLETED.
 - Journal. Every other operation that changes the state (a forward-backward that trains, a
   custom forward-backward, an optim-step, a weights-sync: the kinds with a `replay` in
   service/kinds.py) keeps its typed request in the operations table when it is recorded

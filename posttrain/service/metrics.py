@@ -18,6 +18,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from posttrain.statuses import OperationStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
     CustomForwardBackwardRequest,
@@ -25,7 +26,6 @@ from posttrain.types import (
     OperationKind,
     OperationOutput,
     OperationRecord,
-    OperationStatus,
     SampleOutput,
     SampleRequest,
 )

@@ -18,26 +18,24 @@ import dataclasses
 import time
 
 from posttrain.config import LimitsConfig
-from posttrain.engine.optim import resolve_step_settings
-from posttrain.engine.routes import check_routes
+from posttrain.engine.optim.step_settings import resolve_step_settings
+from posttrain.engine.train.expert_routes import check_routes
 from posttrain.errors import Conflict, EngineFailure, InvalidRequest, NotFound, posttrainError
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
 from posttrain.service.sessions import SessionService
+from posttrain.statuses import OperationErrorCode, OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
-    OperationErrorCode,
     OperationKind,
     OperationRecord,
     OperationRequest,
-    OperationStatus,
     OptimStepRequest,
     SampleRequest,
     SessionRecord,
-    SessionStatus,
     TrainingSample,
 )
 

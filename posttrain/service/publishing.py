@@ -42,12 +42,11 @@ from posttrain.service import policy
 from posttrain.service.durability import changed_parts
 from posttrain.service.kinds import KINDS
 from posttrain.service.recording import OperationRecorder
+from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
     OperationKind,
     OperationRecord,
-    OperationStatus,
-    SessionStatus,
     WeightsSyncOutput,
     WeightsSyncRequest,
     WeightSyncType,

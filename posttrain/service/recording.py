@@ -16,13 +16,9 @@ import time
 from posttrain.errors import operation_error_code, posttrainError
 from posttrain.service.durability import SessionDurability
 from posttrain.service.metrics import OperationMetrics
+from posttrain.statuses import OperationErrorCode, OperationStatus
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    OperationErrorCode,
-    OperationOutput,
-    OperationRecord,
-    OperationStatus,
-)
+from posttrain.types import OperationOutput, OperationRecord
 
 log = logging.getLogger("posttrain.scheduler")
 

@@ -19,15 +19,9 @@ from posttrain.engine.interface import Engine, ModelInfo
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.service.ids import new_id
 from posttrain.service.scheduler import Scheduler
+from posttrain.statuses import SESSION_TERMINAL, ResourceErrorCode, ResourceStatus
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    SESSION_TERMINAL,
-    ErrorInfo,
-    MuonScaling,
-    ResourceErrorCode,
-    ResourceRecord,
-    ResourceStatus,
-)
+from posttrain.types import ErrorInfo, MuonScaling, ResourceRecord
 
 log = logging.getLogger("posttrain.resources")
 

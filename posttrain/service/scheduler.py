@@ -35,6 +35,7 @@ from posttrain.service.publishing import PublishMailbox, is_deferred
 from posttrain.service.recording import OperationRecorder, Outcome
 from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.worker import Job, OnFailure, QueuedOperation, ResourceWorker
+from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
     CheckpointOutput,
@@ -46,13 +47,11 @@ from posttrain.types import (
     OperationOutput,
     OperationRecord,
     OperationRequest,
-    OperationStatus,
     OptimStepOutput,
     OptimStepRequest,
     SampleOutput,
     SampleRequest,
     SessionRecord,
-    SessionStatus,
     WeightsSyncOutput,
     WeightsSyncRequest,
 )
@@ -258,7 +257,7 @@ class Scheduler:
         self.recorder.fail_unfinished([item.operation_id for item in group], exc)
         if isinstance(exc, WorkerDied) and self.on_worker_lost is not None:
             # On this worker thread, before the next queued operation: it finds its session
-            # restored, not a dead process (engine/process.py).
+            # restored, not a dead process (engine/hosts/worker_process.py).
             self.on_worker_lost(resource_id)
 
     def _pass(
@@ -270,7 +269,7 @@ class Scheduler:
             return list(self.engine.forward_backward_batch(resource_id, items))
         if kind == OperationKind.SAMPLE:
             # Between tokens, PIPELINE weights-syncs submitted meanwhile publish in flight. On a
-            # generator lane (engine/replicas.py) the engine does not call it: those publishes
+            # generator lane (engine/hosts/replicas.py) the engine does not call it: those publishes
             # run on the trainer's lane and reach the running generation at a token boundary.
             results = self.engine.sample_batch(
                 resource_id,

@@ -26,9 +26,9 @@ from posttrain.service.durability import EVERYTHING
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
+from posttrain.statuses import SESSION_TERMINAL, ResourceStatus, SessionErrorCode, SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
-    SESSION_TERMINAL,
     CheckpointType,
     CustomForwardBackwardRequest,
     ErrorInfo,
@@ -37,10 +37,7 @@ from posttrain.types import (
     OperationRecord,
     OperationRequest,
     ResourceRecord,
-    ResourceStatus,
-    SessionErrorCode,
     SessionRecord,
-    SessionStatus,
 )
 
 log = logging.getLogger("posttrain.sessions")

@@ -109,7 +109,7 @@ class ResourceWorker:
         self._arriving = arriving
         self._gather_s = gather_s
         self._busy_s = 0.0
-        # Where the generators run apart from the trainer (engine/replicas.py), samples leave
+        # Where the generators run apart from the trainer (engine/hosts/replicas.py), samples leave
         # this queue at their FIFO place for the generator lanes (one per generator), and the
         # trainer's operations go on meanwhile.
         self._generator_lanes = generator_lanes

@@ -16,6 +16,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Collection
 
+from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.store.codec import (
     from_dict,
     operation_from_dict,
@@ -24,12 +25,10 @@ from posttrain.store.codec import (
     to_json,
 )
 from posttrain.types import (
-    OPERATION_TERMINAL,
     CheckpointRecord,
     OperationKind,
     OperationRecord,
     OperationRequest,
-    OperationStatus,
     ResourceRecord,
     SessionRecord,
 )

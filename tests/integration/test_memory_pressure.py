@@ -31,7 +31,7 @@ ADDRESS_SPACE_ROOM = 3 * GIB
 
 VM_PEAK = """
 import resource
-import posttrain.api.app, posttrain.engine.local, together  # what a serving process imports
+import posttrain.api.app, posttrain.engine.hosts.in_process, together  # a server imports these
 for line in open("/proc/self/status"):
     if line.startswith("VmPeak:"):
         print(int(line.split()[1]) * 1024)

@@ -17,7 +17,7 @@ from posttrain.errors import (
     Unsupported,
     operation_error_code,
 )
-from posttrain.types import OperationErrorCode
+from posttrain.statuses import OperationErrorCode
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ ALLOWED = {
     "engine": {"model"},
     "model": set(),
 }
-FOUNDATION = {"config", "errors", "types", "loss_specs"}
+FOUNDATION = {"config", "errors", "statuses", "types", "loss_specs"}
 
 
 def imported_posttrain_modules(path: Path) -> set[str]:
@@ -44,9 +44,10 @@ def test_each_layer_imports_only_the_layers_below_it():
 
 
 def test_foundation_modules_import_nothing_above_them():
+    assert imported_posttrain_modules(PACKAGE / "statuses.py") == set()
     for name in ("errors", "types"):
         imports = imported_posttrain_modules(PACKAGE / f"{name}.py")
-        assert imports <= {"errors"}, (name, imports)
+        assert imports <= {"errors", "statuses"}, (name, imports)
     assert imported_posttrain_modules(PACKAGE / "config.py") <= {"errors"}
     assert imported_posttrain_modules(PACKAGE / "loss_specs.py") <= {"errors", "types"}
 
@@ -68,3 +69,88 @@ def test_the_cli_loads_neither_the_sdk_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+# Inside engine/: the compute core (what the engine computes) knows nothing of where it runs.
+ENGINE = PACKAGE / "engine"
+HOSTS = "posttrain.engine.hosts"
+BUILD = "posttrain.engine.build"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def import_edges(path: Path) -> set[str]:
+    """The posttrain modules `path` imports anywhere (module level, functions, TYPE_CHECKING),
+    by full dotted name: `from a.b import c` is an edge to a.b.c where c is a module."""
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [
+                f"{node.module}.{alias.name}"
+                if f"{node.module}.{alias.name}" in MODULES
+                else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        edges |= {target for target in targets if target in MODULES}
+    return edges - {module_name(path)}
+
+
+def test_the_engine_core_never_imports_its_hosts():
+    """Only engine/hosts/ (where the engine runs: processes, ranks, replicas, Ray) and
+    engine/build.py (which picks them) may import engine/hosts/."""
+    violations = []
+    for name, path in MODULES.items():
+        if not name.startswith("posttrain.engine") or name.startswith(HOSTS) or name == BUILD:
+            continue
+        for target in import_edges(path):
+            if target.startswith(HOSTS) or target == BUILD:
+                violations.append(f"{name} imports {target}")
+    assert not violations, violations
+
+
+def test_the_import_graph_has_no_cycle():
+    """No module reaches itself through imports, counting those inside functions: an import
+    inside a function is for an optional or heavy dependency loaded at call time (ray,
+    torch.distributed, the demo's client), never to dodge a circle."""
+    graph = {name: import_edges(path) for name, path in MODULES.items()}
+    done: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycles.append(trail[trail.index(name) :] + [name])
+            return
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not cycles, cycles
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_450_lines():
+    """One concept per module: past 450 lines two concepts have usually moved in together."""
+    long = {
+        name: lines
+        for name, path in MODULES.items()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}, long

@@ -10,7 +10,7 @@ import pytest
 
 from posttrain.api.schemas.losses import LossConfigIn
 from posttrain.api.schemas.samples import LossInputsIn
-from posttrain.engine.losses import LOSSES
+from posttrain.engine.train.losses import LOSSES
 from posttrain.errors import InvalidRequest
 from posttrain.loss_specs import (
     INPUT_SPECS,

@@ -11,7 +11,7 @@ from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
 from posttrain.api.responses import page, resource_json
 from posttrain.api.schemas import objects as o
 from posttrain.api.schemas.sessions import ExtendExpiryIn, ResourceCreateIn, status_filter
-from posttrain.types import ResourceStatus
+from posttrain.statuses import ResourceStatus
 
 router = APIRouter(prefix="/v1/rl/model-resources")
 

@@ -13,7 +13,7 @@ from posttrain.api.responses import page, session_json
 from posttrain.api.schemas import objects as o
 from posttrain.api.schemas.sessions import SessionCreateIn, SessionUpdateIn, status_filter
 from posttrain.errors import InvalidRequest
-from posttrain.types import SessionStatus
+from posttrain.statuses import SessionStatus
 
 router = APIRouter(prefix="/v1/rl/training-sessions")
 

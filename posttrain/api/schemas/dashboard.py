@@ -7,7 +7,8 @@ Imports: api.schemas.objects, types.
 from __future__ import annotations
 
 from posttrain.api.schemas.objects import Reply
-from posttrain.types import OperationKind, OperationStatus, ResourceStatus, SessionStatus
+from posttrain.statuses import OperationStatus, ResourceStatus, SessionStatus
+from posttrain.types import OperationKind
 
 
 class DashboardResource(Reply):

@@ -15,13 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.types import (
-    CheckpointType,
-    ResourceErrorCode,
-    ResourceStatus,
-    SessionErrorCode,
-    SessionStatus,
-)
+from posttrain.statuses import ResourceErrorCode, ResourceStatus, SessionErrorCode, SessionStatus
+from posttrain.types import CheckpointType
 
 # RFC 3339 in UTC (responses.timestamp).
 Timestamp = Field(json_schema_extra={"format": "date-time"})

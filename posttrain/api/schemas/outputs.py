@@ -13,7 +13,8 @@ from typing import Literal
 from pydantic import Field
 
 from posttrain.api.schemas.objects import CheckpointRef, Reply, optional
-from posttrain.types import OperationErrorCode, OperationStatus, StopReason
+from posttrain.statuses import OperationErrorCode, OperationStatus
+from posttrain.types import StopReason
 
 
 class OperationError(Reply):

@@ -8,7 +8,7 @@ import pytest
 from posttrain.api.responses import resource_gpu_type
 from posttrain.api.schemas.sessions import status_filter
 from posttrain.errors import InvalidRequest
-from posttrain.types import ResourceStatus, SessionStatus
+from posttrain.statuses import ResourceStatus, SessionStatus
 
 
 @pytest.mark.parametrize(

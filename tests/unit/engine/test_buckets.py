@@ -1,4 +1,4 @@
-"""Length buckets: the plan (engine/buckets.py) and bucketed training forwards in LocalEngine,
+"""Length buckets: the plan (engine/train/buckets.py) and bucketed training forwards in LocalEngine,
 which must equal one padded forward over the whole batch."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.buckets import assemble, bucket_routing, plan_buckets
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.train.buckets import assemble, bucket_routing, plan_buckets
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
@@ -184,7 +184,8 @@ def test_the_shared_pass_lands_in_several_mixed_buckets():
 @pytest.mark.parametrize("train_unembed", [False, True])
 def test_bucketed_shared_pass_equals_one_padded_forward(train_unembed):
     """Two sessions with different adapters and losses, rows in several buckets: same losses,
-    logprobs and LoRA gradients as one padded forward (both head paths of engine/logprobs.py)."""
+    logprobs and LoRA gradients as one padded forward (both head paths of
+    engine/train/logprobs.py)."""
     items = [(name, REQUESTS[name]) for name in ("a", "b")]
     padded = make_engine(ONE_FORWARD, train_unembed)
     bucketed = make_engine(0, train_unembed)

@@ -1,4 +1,4 @@
-"""Decoding in blocks of K passes with one host read per block (engine/sampler.py) returns
+"""Decoding in blocks of K passes with one host read per block (engine/generate/sampler.py) returns
 byte for byte what the per-token path (K = 1) returns: every token, logprob, stop reason and
 policy segment, for greedy, plain and shaped sampling, stop strings and tokens, max_tokens in
 the middle of a block, rows ending at different steps, shared prompts with several samples,
@@ -17,9 +17,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import sampler
-from posttrain.engine.decode_graph import DecodeStep
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.generate import sampler
+from posttrain.engine.generate.decode_graph import DecodeStep
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
@@ -327,7 +327,7 @@ def test_cuda_graphs_setting_reaches_the_sampler_and_picks_static_passes_off_the
 ):
     """EngineConfig.cuda_graphs (`--cuda-graphs on`) travels to the sampler's model, where it
     picks static passes (captured in graphs) on CUDA and changes nothing on the CPU."""
-    from posttrain.engine import generator
+    from posttrain.engine.generate import generator
 
     engine = LocalEngine(
         EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, prefix_cache_mib=0),

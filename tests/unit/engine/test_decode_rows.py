@@ -1,5 +1,5 @@
-"""The decode loop's live rows (engine/decode_rows.py): uniforms drawn ahead are exactly the
-per-step draws of each row's own generator, across refills and rows leaving; the batch's
+"""The decode loop's live rows (engine/generate/decode_rows.py): uniforms drawn ahead are exactly
+the per-step draws of each row's own generator, across refills and rows leaving; the batch's
 sampling kind decided on the host agrees with the device-side rule; one host transfer gives
 the exact tokens and float32 logprobs."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.engine import decode_rows
-from posttrain.engine.decode_rows import LiveRows, SampledRow
-from posttrain.engine.sampling_math import (
+from posttrain.engine.generate import decode_rows
+from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.sampling_math import (
     GREEDY,
     PLAIN,
     batch_kind,

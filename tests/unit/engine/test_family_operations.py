@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.engine.muon import is_muon_param  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.optim.muon import is_muon_param  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     CustomForwardBackwardRequest,

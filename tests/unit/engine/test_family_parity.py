@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
 from posttrain.config import BUILTIN_MODELS, EngineConfig  # noqa: E402
-from posttrain.engine import memory_estimate as estimate  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.memory import estimate  # noqa: E402
 from posttrain.model.kv_shape import KVShape  # noqa: E402
 from posttrain.model.loader import path_kv_shape  # noqa: E402
 from posttrain.types import (  # noqa: E402

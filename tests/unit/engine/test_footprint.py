@@ -1,5 +1,5 @@
-"""The engine's read-only sizes (engine/footprint.py) and the benchmark hooks of LocalEngine, on
-the built-in model: exact tensor bytes, and a caller's own forward through trainer_model."""
+"""The engine's read-only sizes (engine/memory/footprint.py) and the benchmark hooks of LocalEngine,
+on the built-in model: exact tensor bytes, and a caller's own forward through trainer_model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,

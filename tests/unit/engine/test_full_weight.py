@@ -8,8 +8,8 @@ import torch
 from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import generator
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.generate import generator
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.model.loader import load_model
 from posttrain.types import (
     AdamParams,

@@ -1,4 +1,4 @@
-"""What is free (engine/headroom.py): the tightest of MemAvailable, RLIMIT_AS headroom and
+"""What is free (engine/memory/headroom.py): the tightest of MemAvailable, RLIMIT_AS headroom and
 memory_limit, each checked in a subprocess whose limits the test sets."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PROBE = textwrap.dedent(
     import json, resource, sys
     from pathlib import Path
     import torch
-    from posttrain.engine.headroom import headroom
+    from posttrain.engine.memory.headroom import headroom
     limit = {address_space}
     if limit:
         vm = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.logprobs import target_logprobs
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.train.logprobs import target_logprobs
 from posttrain.errors import NonFiniteLoss
 from posttrain.types import (
     AdamParams,

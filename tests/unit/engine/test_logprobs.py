@@ -1,12 +1,12 @@
-"""Chunked target logprobs (engine/logprobs.py): values and gradients equal a full log-softmax on
-both head paths (frozen head: gradient kept from forward; trainable head: recomputed)."""
+"""Chunked target logprobs (engine/train/logprobs.py): values and gradients equal a full log-softmax
+on both head paths (frozen head: gradient kept from forward; trainable head: recomputed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from posttrain.engine.logprobs import target_logprobs
+from posttrain.engine.train.logprobs import target_logprobs
 
 
 def reference(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from posttrain.config import EngineConfig
-from posttrain.engine import weights
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.checkpoint import formats as weights
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     AdamParams,

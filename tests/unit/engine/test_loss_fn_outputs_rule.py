@@ -12,7 +12,7 @@ from engine_calls import forward_backward
 
 from posttrain.cli import parser, serve_config
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import ForwardBackwardRequest, LoraConfig, LossConfig, LossType, TrainingSample
 
 TOKENS = [5, 6, 7, 8, 9, 10]
@@ -72,5 +72,5 @@ def test_always_returns_the_outputs_a_request_would_have_asked_for():
         torch.tensor(trained.loss_fn_outputs[0]), torch.tensor(scored.loss_fn_outputs[0])
     )
     assert trained.loss == pytest.approx(scored.loss, rel=1e-6)
-    # Only the four completion positions carry the policy (engine/losses.py policy_positions).
+    # Only the four completion positions carry the policy (engine/train/losses.py policy_positions).
     assert trained.metrics["valid_tokens:sum"] == 4.0

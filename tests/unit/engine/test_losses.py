@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posttrain.engine.losses import LOSSES, LossBatch, LossOutput
+from posttrain.engine.train.losses import LOSSES, LossBatch, LossOutput
 from posttrain.loss_specs import LOSS_SPECS
 from posttrain.types import (
     CispoParams,

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from posttrain.engine.batching import member_loss_batch, pack
+from posttrain.engine.train.batching import member_loss_batch, pack
 from posttrain.types import TrainingSample
 
 

@@ -1,4 +1,4 @@
-"""The memory estimate (engine/memory_estimate.py) against what the engine really allocates.
+"""The memory estimate (engine/memory/estimate.py) against what the engine really allocates.
 
 Two measurements, both of the real engine: the bytes autograd saves for backward during a
 forward-backward (saved_tensors_hooks, each storage once, the model's own weights excluded),
@@ -22,8 +22,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
-from posttrain.engine import memory_estimate as estimate
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.memory import estimate
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,

@@ -11,7 +11,7 @@ import torch
 from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.errors import NonFiniteLoss
 from posttrain.types import (
     AdamParams,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from posttrain.engine.muon import is_muon_param, newton_schulz
-from posttrain.engine.optim import (
+from posttrain.engine.optim.muon import is_muon_param, newton_schulz
+from posttrain.engine.optim.optimizer import (
     SessionOptimizer,
     clip_grads_,
     global_grad_norm,

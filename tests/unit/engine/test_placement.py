@@ -1,4 +1,4 @@
-"""engine/placement.py: where a resource's processes run. Without --ray nothing imports Ray;
+"""engine/hosts/placement.py: where a resource's processes run. Without --ray nothing imports Ray;
 a resource's processes take their places (trainer or ranks first, then each replica) in its group;
 --ray without any worker process is a start-up error naming the field."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.placement import (
+from posttrain.engine.build import placement_for
+from posttrain.engine.hosts.local_placement import LocalPlacement
+from posttrain.engine.hosts.placement import (
     GENERATOR,
     RANK,
     TRAINER,
-    LocalPlacement,
     bundle_index,
-    placement_for,
     processes_per_resource,
 )
 from posttrain.errors import ConfigError
@@ -30,7 +30,7 @@ def test_without_ray_nothing_imports_it():
     code = (
         "import sys, posttrain.service, posttrain.api.app, posttrain.cli\n"
         "from posttrain.config import EngineConfig\n"
-        "from posttrain.engine.placement import placement_for\n"
+        "from posttrain.engine.build import placement_for\n"
         "placement_for(EngineConfig(workers='process', generators='process'), {})\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
     )

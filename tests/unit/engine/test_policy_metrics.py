@@ -1,5 +1,5 @@
 """Policy-loss metrics of a request without weights or mask count only the positions that carry
-the policy (engine/losses.py `policy_positions`), while the loss still reduces over every
+the policy (engine/train/losses.py `policy_positions`), while the loss still reduces over every
 position (losses.md 1.3). Closed forms are written here from losses.md, not from the module.
 
 The request is what tinker-cookbook sends once it strips its mask: whole sequences whose prompt
@@ -18,7 +18,7 @@ import torch
 from test_losses import POLICY_IDS, POLICY_LOSSES  # the same seven policy-loss settings
 from torch import Tensor
 
-from posttrain.engine.losses import LOSSES, LossBatch, LossOutput
+from posttrain.engine.train.losses import LOSSES, LossBatch, LossOutput
 from posttrain.types import (
     DroParams,
     GrpoAggregation,

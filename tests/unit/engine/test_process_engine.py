@@ -1,7 +1,7 @@
-"""ProcessEngine (engine/process.py): the same calls give the same results, bit for bit, as the
-in-process LocalEngine, errors keep their class and field, a mid-sample callback publishes
-across the pipe, and a worker that is killed fails its calls without taking this process with
-it, and can be loaded again."""
+"""ProcessEngine (engine/hosts/worker_process.py): the same calls give the same results, bit for
+bit, as the in-process LocalEngine, errors keep their class and field, a mid-sample callback
+publishes across the pipe, and a worker that is killed fails its calls without taking this process
+with it, and can be loaded again."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import durable
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.process import ProcessEngine
+from posttrain.engine.checkpoint import durable
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.remote import ProcessEngine
 from posttrain.errors import InvalidRequest, NotFound, WorkerDied
 from posttrain.types import (
     AdamParams,
@@ -159,7 +159,7 @@ def test_close_leaves_no_worker_process():
     engine = ProcessEngine(CONFIG, MODELS)
     engine.load_resource("a", BUILTIN_MODEL_ID, muon_scaling=None)
     engine.load_resource("b", BUILTIN_MODEL_ID, muon_scaling=None)
-    processes = [engine._workers[r].process for r in ("a", "b")]
+    processes = [engine._hosts[r].process for r in ("a", "b")]
     engine.unload_resource("a")
     assert not processes[0].is_alive() and processes[1].is_alive()
     engine.close()

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
-from posttrain.engine.local import LocalEngine  # noqa: E402
-from posttrain.engine.routes import check_routes, to_routes, to_tensor  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.train.expert_routes import check_routes, to_routes, to_tensor  # noqa: E402
 from posttrain.errors import InvalidRequest  # noqa: E402
 from posttrain.model import routing  # noqa: E402
 from posttrain.types import (  # noqa: E402

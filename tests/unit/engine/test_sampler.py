@@ -8,10 +8,15 @@ import torch
 from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import sampler
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.prefix_cache import PrefixCache
-from posttrain.engine.sampling_math import CDF_BLOCK, choose_tokens, draw_inverse_cdf, filter_logits
+from posttrain.engine.generate import sampler
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.generate.sampling_math import (
+    CDF_BLOCK,
+    choose_tokens,
+    draw_inverse_cdf,
+    filter_logits,
+)
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.errors import NonFiniteLoss
 from posttrain.model.kv_cache import KVCache
 from posttrain.types import (

@@ -1,5 +1,5 @@
 """A full-weight session on a trainer group of two gloo ranks shards its gradients and optimizer
-state (engine/sharding.py) and still computes what one LocalEngine does: losses and gradients
+state (engine/parallel/zero2.py) and still computes what one LocalEngine does: losses and gradients
 within 1e-5 relative, weights after several AdamW and Muon steps within float32 rounding.
 Each rank holds about half the optimizer state and gradients, together exactly one process's;
 a checkpoint with optimizer state written by two ranks resumes on one and on two, one written
@@ -21,13 +21,16 @@ import torch
 from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, BUILTIN_MODELS, EngineConfig
-from posttrain.engine import durable, trainer, weights
-from posttrain.engine.batching import pack
-from posttrain.engine.data_parallel import DataParallel
+from posttrain.engine.checkpoint import durable
+from posttrain.engine.checkpoint import formats as weights
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.messages import Command
+from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
 from posttrain.engine.interface import Headroom
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.sharding import Sharding
-from posttrain.engine.trainer_group import TrainerGroupEngine
+from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.zero2 import Sharding
+from posttrain.engine.train import trainer
+from posttrain.engine.train.batching import pack
 from posttrain.errors import NonFiniteLoss
 from posttrain.service.admission import plan_passes
 from posttrain.types import (
@@ -176,7 +179,7 @@ def test_two_sharded_ranks_train_what_one_process_does_with_half_the_state(
 
     # Optimizer state: each rank holds its own parameters' share, together one process's.
     one = local.session_footprint("r", "f")
-    ranks = group.on_every_rank(resource, "session_footprint", "f")
+    ranks = group.on_every_rank(resource, Command.SESSION_FOOTPRINT, "f")
     named = local._session("r", "f")[1].optimizer.named_params
     largest = max(p.numel() * p.element_size() for _, p in named)
     state_per_byte = one.optimizer_bytes / one.weights_bytes  # 2 moments (AdamW), fewer (Muon)
@@ -188,7 +191,7 @@ def test_two_sharded_ranks_train_what_one_process_does_with_half_the_state(
     forward_backward(local, "r", "f", BATCHES[0])
     forward_backward(group, resource, "f", BATCHES[0])
     one = local.session_footprint("r", "f")
-    ranks = group.on_every_rank(resource, "session_footprint", "f")
+    ranks = group.on_every_rank(resource, Command.SESSION_FOOTPRINT, "f")
     assert sum(r.gradient_bytes for r in ranks) == one.gradient_bytes > 0
     assert all(r.gradient_bytes <= one.gradient_bytes / 2 + largest for r in ranks)
 
@@ -245,7 +248,7 @@ def test_checkpoints_resume_across_rank_counts(group, tmp_path):
     group.unload_resource("ckpt")
 
 
-# ZeRO-3 (engine/param_shards.py): parameters sharded too. Bucket overhead 0 gives one forward
+# ZeRO-3 (engine/parallel/zero3.py): parameters sharded too. Bucket overhead 0 gives one forward
 # per distinct length, so the ranks' shares of THREE (lengths 7 | 5, 3) take 1 and 2 buckets,
 # and ONE leaves rank 1 without rows: both ranks must still run the same layer calls.
 ZERO3 = EngineConfig(device="cpu", trainer_ranks=2, shard_parameters=True, bucket_overhead_tokens=0)
@@ -275,7 +278,7 @@ def assert_each_rank_holds_its_share(local, zero3, resource: str) -> tuple[Any, 
     (whole parameters, so within one parameter of half), together exactly one process's (the
     one-process session "f" of resource "r"). Returns both footprints."""
     one = local.session_footprint("r", "f")
-    ranks = zero3.on_every_rank(resource, "session_footprint", "f")
+    ranks = zero3.on_every_rank(resource, Command.SESSION_FOOTPRINT, "f")
     named = local._session("r", "f")[1].optimizer.named_params
     largest = max(p.numel() * p.element_size() for _, p in named)
     for part in ("weights_bytes", "optimizer_bytes", "gradient_bytes"):
@@ -429,7 +432,7 @@ def test_zero3_trains_an_moe_model_as_one_process_does(zero3):
         assert forward_backward(zero3, "moe", "f", batch).loss == pytest.approx(want, rel=REL)
         for engine in (local, zero3):
             engine.optim_step("moe", "f", STEPS[None])
-    ranks = zero3.on_every_rank("moe", "session_footprint", "f")
+    ranks = zero3.on_every_rank("moe", Command.SESSION_FOOTPRINT, "f")
     assert sum(r.weights_bytes for r in ranks) == local.session_footprint("moe", "f").weights_bytes
     zero3.unload_resource("moe")
 
@@ -464,7 +467,7 @@ def test_zero3_checkpoints_resume_across_rank_counts_and_sessions_end_unsharded(
         zero3.drop_session(resource, "f")
         local.drop_session("r", "f")
         assert (
-            zero3.on_every_rank(resource, "resource_footprint")
+            zero3.on_every_rank(resource, Command.RESOURCE_FOOTPRINT)
             == [local.resource_footprint("r")] * 2
         )
         zero3.unload_resource(resource)

@@ -1,6 +1,6 @@
 """A trained LoRA head's gradients formed in forward from per-token loss gradients
-(engine/logprobs.py _TrainedHeadLogprobs, engine/token_gradients.py): equal to autograd on the
-full log-softmax, for a right and a wrong prediction (recomputed), and taken by every
+(engine/train/logprobs.py _TrainedHeadLogprobs, engine/train/token_gradients.py): equal to autograd
+on the full log-softmax, for a right and a wrong prediction (recomputed), and taken by every
 separable loss of a one-session forward-backward."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 from engine_calls import forward_backward
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import logprobs
-from posttrain.engine.batching import pack
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.losses import LOSSES
-from posttrain.engine.token_gradients import is_separable
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.train import logprobs
+from posttrain.engine.train.batching import pack
+from posttrain.engine.train.losses import LOSSES
+from posttrain.engine.train.token_gradients import is_separable
 from posttrain.model.lora import AdapterWeights, LoraLinear
 from posttrain.types import (
     CispoParams,

@@ -1,5 +1,5 @@
-"""TrainerGroupEngine (engine/trainer_group.py): a trainer group of two gloo ranks computes what
-one LocalEngine does. Losses, metrics, per-token outputs and gradients agree within 1e-5
+"""TrainerGroupEngine (engine/hosts/trainer_group.py): a trainer group of two gloo ranks computes
+what one LocalEngine does. Losses, metrics, per-token outputs and gradients agree within 1e-5
 relative, weights after steps within float32 rounding, sampled tokens exactly; for several
 losses with batch-global normalisers, for batches that do not split evenly over the ranks and
 for two sessions sharing a pass; for LoRA and full-weight sessions. The ranks hold identical
@@ -18,10 +18,11 @@ import torch
 from engine_calls import forward_backward, sample
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import durable
-from posttrain.engine.local import LocalEngine
-from posttrain.engine.replicas import ReplicatedEngine
-from posttrain.engine.trainer_group import TrainerGroupEngine, check_trainer_ranks
+from posttrain.engine.checkpoint import durable
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.messages import Command
+from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.trainer_group import TrainerGroupEngine, check_trainer_ranks
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.types import (
     AdamParams,
@@ -211,7 +212,9 @@ def test_two_ranks_train_and_sample_what_one_process_does(group, tmp_path):
     actual = lora_script(group, "lora", tmp_path / "group")
     compare_scripts(actual, expected)
     # Every rank holds the same weights, bit for bit: the generators serve copies of them.
-    (tensors0, version0), (tensors1, version1) = group.on_every_rank("lora", "generator_state", "a")
+    (tensors0, version0), (tensors1, version1) = group.on_every_rank(
+        "lora", Command.GENERATOR_STATE, "a"
+    )
     assert version0 == version1 == 2
     assert all(torch.equal(tensors0[n], tensors1[n]) for n in tensors0)
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import weights
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.checkpoint import formats as weights
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     AdamParams,

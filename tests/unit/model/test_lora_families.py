@@ -15,7 +15,7 @@ from families import FAMILIES
 from torch.nn import functional as F
 
 from posttrain.config import EngineConfig
-from posttrain.engine.local import LocalEngine
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
     AdamParams,

@@ -68,7 +68,7 @@ class FakeEngine:
     mid_sample: Callable[[], None] = lambda: None
     # Memory admission: a forward-backward's "peak" is its tokens, a sample's its sequences.
     free_bytes: int = 1 << 62
-    # Generators apart (engine/replicas.py): lanes beside the trainer's, and the fence each
+    # Generators apart (engine/hosts/replicas.py): lanes beside the trainer's, and the fence each
     # publish advances; every sample pass records the (fence, lane) it ran with.
     lanes: int = 0
     fence: int = 0

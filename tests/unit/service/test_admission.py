@@ -7,14 +7,8 @@ from pathlib import Path
 
 from fake_engine import FakeEngine, fb, sample, wire
 
-from posttrain.types import (
-    ForwardBackwardResult,
-    OperationErrorCode,
-    OperationKind,
-    OperationStatus,
-    OptimStepOutput,
-    OptimStepRequest,
-)
+from posttrain.statuses import OperationErrorCode, OperationStatus
+from posttrain.types import ForwardBackwardResult, OperationKind, OptimStepOutput, OptimStepRequest
 
 FB, SAMPLE, STEP = OperationKind.FORWARD_BACKWARD, OperationKind.SAMPLE, OperationKind.OPTIM_STEP
 

@@ -21,6 +21,7 @@ from posttrain.service.checkpoints import (
     plan_resume,
 )
 from posttrain.service.signing import UrlSigner
+from posttrain.statuses import ResourceStatus, SessionStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -29,9 +30,7 @@ from posttrain.types import (
     LoraConfig,
     MuonScaling,
     ResourceRecord,
-    ResourceStatus,
     SessionRecord,
-    SessionStatus,
 )
 
 SESSION = SessionRecord(

@@ -8,7 +8,8 @@ import dataclasses
 import threading
 
 from posttrain.service.completion import CompletionWatch
-from posttrain.types import OperationKind, OperationRecord, OperationStatus
+from posttrain.statuses import OperationStatus
+from posttrain.types import OperationKind, OperationRecord
 
 
 def record(op_id: str, status: OperationStatus) -> OperationRecord:

@@ -1,5 +1,5 @@
 """Generator lanes (service/worker.py): where the engine runs generators apart from the trainer
-(engine/replicas.py), samples leave the resource's FIFO at their place for lanes of their own,
+(engine/hosts/replicas.py), samples leave the resource's FIFO at their place for lanes of their own,
 with the fence of that place. Against a fake engine over a real SQLite store."""
 
 from __future__ import annotations
@@ -9,13 +9,8 @@ import time
 
 from fake_engine import FakeEngine, fb, sample, wire
 
-from posttrain.types import (
-    OperationKind,
-    OperationStatus,
-    OptimStepRequest,
-    WeightsSyncRequest,
-    WeightSyncType,
-)
+from posttrain.statuses import OperationStatus
+from posttrain.types import OperationKind, OptimStepRequest, WeightsSyncRequest, WeightSyncType
 
 FB, STEP, SYNC, SAMPLE = (
     OperationKind.FORWARD_BACKWARD,

@@ -12,9 +12,9 @@ from inprocess import USER, open_session, ready_resource, services_fixture  # no
 
 from posttrain.service import Services
 from posttrain.service.worker import Job, QueuedOperation, ResourceWorker
+from posttrain.statuses import OperationStatus
 from posttrain.types import (
     OperationKind,
-    OperationStatus,
     OptimStepRequest,
     SampleOutput,
     SampleRequest,

@@ -8,6 +8,7 @@ from posttrain.service.metrics import (
     OperationMetrics,
     operation_tokens,
 )
+from posttrain.statuses import OperationStatus
 from posttrain.types import (
     CustomForwardBackwardOutput,
     ForwardBackwardRequest,
@@ -16,7 +17,6 @@ from posttrain.types import (
     LossType,
     OperationKind,
     OperationRecord,
-    OperationStatus,
     SampledSequence,
     SampleOutput,
     SampleRequest,

@@ -10,16 +10,15 @@ import pytest
 from fake_engine import USER, FakeEngine, fb, wire, wired_fixture  # noqa: F401
 
 from posttrain.errors import Conflict
-from posttrain.types import (
-    ForwardBackwardResult,
+from posttrain.statuses import (
     OperationErrorCode,
-    OperationKind,
     OperationStatus,
     ResourceErrorCode,
     ResourceStatus,
     SessionErrorCode,
     SessionStatus,
 )
+from posttrain.types import ForwardBackwardResult, OperationKind
 
 FB = OperationKind.FORWARD_BACKWARD
 

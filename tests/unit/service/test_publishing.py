@@ -9,14 +9,12 @@ import threading
 
 from fake_engine import USER, fb, sample, wired_fixture  # noqa: F401
 
+from posttrain.statuses import OperationErrorCode, OperationStatus, SessionStatus
 from posttrain.types import (
-    OperationErrorCode,
     OperationKind,
-    OperationStatus,
     OptimStepRequest,
     PolicySegment,
     PolicyState,
-    SessionStatus,
     WeightsSyncOutput,
     WeightsSyncRequest,
     WeightSyncType,

@@ -11,7 +11,7 @@ from inprocess import USER, services_fixture  # noqa: F401
 
 from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.service import Services
-from posttrain.types import ResourceStatus
+from posttrain.statuses import ResourceStatus
 
 
 def create(services: Services, replicas: int):

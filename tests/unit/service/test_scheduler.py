@@ -11,17 +11,15 @@ from pathlib import Path
 from fake_engine import CRASH, POISON, FakeEngine, fb, sample, wire, wired_fixture  # noqa: F401
 
 from posttrain.config import SchedulerConfig
+from posttrain.statuses import OperationErrorCode, OperationStatus, SessionStatus
 from posttrain.types import (
     CheckpointRequest,
     CheckpointType,
     ForwardBackwardResult,
-    OperationErrorCode,
     OperationKind,
-    OperationStatus,
     OptimStepOutput,
     OptimStepRequest,
     SampleOutput,
-    SessionStatus,
     WeightsSyncOutput,
     WeightsSyncRequest,
 )

@@ -13,6 +13,7 @@ import pytest
 from inprocess import USER, ready_resource, services_fixture  # noqa: F401
 
 from posttrain.service import Services
+from posttrain.statuses import OperationStatus
 from posttrain.types import (
     AdamParams,
     ForwardBackwardRequest,
@@ -21,7 +22,6 @@ from posttrain.types import (
     LossConfig,
     LossType,
     OperationKind,
-    OperationStatus,
     OptimStepRequest,
     SampleOutput,
     SampleRequest,

@@ -9,6 +9,7 @@ import sqlite3
 from pathlib import Path
 
 from posttrain.api.responses import operation_json
+from posttrain.statuses import OperationStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo, to_json
 from posttrain.types import (
@@ -19,7 +20,6 @@ from posttrain.types import (
     OperationKind,
     OperationOutput,
     OperationRecord,
-    OperationStatus,
     OptimStepOutput,
     PolicySegment,
     SampledSequence,

@@ -6,17 +6,10 @@ import dataclasses
 from pathlib import Path
 
 from posttrain.api.schemas.dashboard import DashboardOperation
+from posttrain.statuses import OperationStatus, ResourceStatus, SessionStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import OperationDigest, Repo
-from posttrain.types import (
-    OperationKind,
-    OperationRecord,
-    OperationStatus,
-    ResourceRecord,
-    ResourceStatus,
-    SessionRecord,
-    SessionStatus,
-)
+from posttrain.types import OperationKind, OperationRecord, ResourceRecord, SessionRecord
 
 
 def make_repo(tmp_path: Path) -> Repo:

@@ -1,0 +1,126 @@
+"""One decode pass of the sampler (generate/sampler.py) over persistent tensors, run eagerly
+or replayed from a CUDA graph: the forward of every row's last token through a
+StaticDecodeCache (model/static_decode_cache.py), the output head, and the draw.
+
+Everything the pass reads or writes that changes from pass to pass lives in a tensor made
+once per batch layout and updated in place: the last tokens (the pass overwrites them with
+the new ones), this pass's uniforms (copied in before it runs), its logprobs, the cache's
+own length and KV, the adapters' row routing (made once here, not per pass). So the pass's
+kernels and addresses are the same every time: on CUDA it is captured once (after one
+warm-up pass on a side stream, whose effects on the persistent tensors are undone) and
+replayed, one launch instead of the hundreds of small kernels of a small model's step. On
+other devices the same code runs eagerly, which is how the CPU tests check it.
+
+Unsupported, left to the dynamic passes (sampler.py decides): sliding-window layers, MoE
+models (expert dispatch sizes its work on the host, and routes are returned per pass), and
+eager-attention families (Gemma 2's soft-capping; their shared prefixes are materialised
+per pass).
+
+Legend: B = rows of the layout, V = vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from posttrain.engine.generate.decode_rows import LiveRows
+from posttrain.engine.generate.prefill import (
+    GeneratorModel,
+    forward_rows,
+    head_logits,
+    layer_types,
+    routing_of,
+)
+from posttrain.engine.generate.sampling_math import choose_tokens_static
+from posttrain.engine.train.logprobs import log_softmax_float32
+from posttrain.model import attention
+from posttrain.model.static_decode_cache import StaticDecodeCache, static_decode_supported
+
+log = logging.getLogger("posttrain")
+
+
+def static_passes_supported(gm: GeneratorModel) -> bool:
+    """Whether DecodeStep can run this model's decode passes (see the module docstring)."""
+    config = gm.model.config
+    return (
+        gm.moe is None
+        and config._attn_implementation == attention.IMPLEMENTATION
+        and static_decode_supported(layer_types(config))
+    )
+
+
+class DecodeStep:
+    """The decode pass of one batch layout; `run` advances every row of it by one token."""
+
+    def __init__(
+        self, gm: GeneratorModel, cache: StaticDecodeCache, batch: LiveRows, graph: bool
+    ) -> None:
+        assert batch.last_tokens_B is not None
+        self.gm = gm
+        self.cache = cache
+        self.keys = batch.keys
+        self.routing = routing_of(batch.keys, batch.device)
+        self.settings = (batch.temperature_B, batch.top_k_B, batch.top_p_B)
+        self.kind = batch.kind
+        # Persistent inputs and outputs: the last tokens (overwritten with the new ones), the
+        # uniforms, the new tokens' logprobs.
+        self.tokens_B = batch.last_tokens_B.clone()
+        self.uniforms_B = torch.zeros(len(batch.live), device=batch.device)
+        self.logprobs_B = torch.zeros(len(batch.live), device=batch.device)
+        self.graph = self._captured() if graph else None
+
+    def run(self, uniforms_B: Tensor) -> None:
+        """One pass: tokens_B and logprobs_B become the new tokens and their logprobs."""
+        self.uniforms_B.copy_(uniforms_B)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._pass()
+
+    def _pass(self) -> None:
+        hidden_B1H = forward_rows(
+            self.gm,
+            self.cache,
+            self.tokens_B[:, None],
+            None,
+            self.keys,
+            adapter_routing=self.routing,
+        )
+        logits_BV = head_logits(self.gm, hidden_B1H[:, -1], self.keys, self.routing)
+        logprobs_BV = log_softmax_float32(logits_BV)
+        tokens_B = choose_tokens_static(logprobs_BV, *self.settings, self.uniforms_B, self.kind)
+        self.logprobs_B.copy_(logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1))
+        self.tokens_B.copy_(tokens_B)
+
+    def _captured(self) -> torch.cuda.CUDAGraph | None:
+        """The captured pass, or None (eager passes) when capture fails: an operation of the
+        model that synchronises with the host or is otherwise not capturable. Nothing runs
+        during a capture, so the persistent tensors are as before it."""
+        try:
+            return self._capture()
+        except RuntimeError as error:
+            log.warning("decode pass not captured in a CUDA graph, running it eagerly: %s", error)
+            return None
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        """Warm up on a side stream (lazy kernel and workspace set-up must not happen inside
+        a capture), undo what that pass advanced, then capture one pass."""
+        own_lengths_B = self.cache.fanout.own.lengths_B
+        saved = [t.clone() for t in (self.tokens_B, self.cache.own_length, own_lengths_B)]
+        side = torch.cuda.Stream(self.tokens_B.device)
+        side.wait_stream(torch.cuda.current_stream(self.tokens_B.device))
+        with torch.cuda.stream(side):
+            self._pass()
+        torch.cuda.current_stream(self.tokens_B.device).wait_stream(side)
+        # The warm-up's KV write sits at the column the first real pass overwrites.
+        for target, value in zip(
+            (self.tokens_B, self.cache.own_length, own_lengths_B), saved, strict=True
+        ):
+            target.copy_(value)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._pass()
+        return graph

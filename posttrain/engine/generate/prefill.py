@@ -1,0 +1,254 @@
+"""The generator's passes through the model: prefill (from the prefix cache where it can, with
+prompt logprobs when asked), appending positions to cache rows, and the output head.
+
+sampler.py runs the decode loop over these; the sampling math is in sampling_math.py. Each
+pass routes its rows to their adapters (model/lora.py) and reads and writes a KVCache or a
+FanoutKVCache (model/fanout_kv_cache.py).
+
+Legend: G = prefill groups (distinct prompts), B = rows in a pass, Q = new positions per row
+in a pass, V = vocab, H = hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.train.logprobs import log_softmax_float32
+from posttrain.model import attention, routing
+from posttrain.model.fanout_kv_cache import FanoutKVCache
+from posttrain.model.kv_cache import KVCache
+from posttrain.model.kv_shape import KVShape
+from posttrain.model.logit_head import output_head
+from posttrain.model.lora import LoraModel
+from posttrain.model.static_decode_cache import StaticDecodeCache
+from posttrain.types import MoeShape, TopkPromptLogprobs
+
+# Query positions of one prefill pass, summed over its rows: bounds activation memory for many
+# or long prompts while keeping passes large enough to be efficient.
+PREFILL_TOKENS_PER_PASS = 8192
+
+
+@dataclass
+class GeneratorModel:
+    """What the sampler needs of one loaded model."""
+
+    model: PreTrainedModel
+    lora: LoraModel
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    prefix_cache: PrefixCache
+    logprob_chunk_tokens: int
+    kv: KVShape  # the KV shape its attention writes (LoadedModel.kv)
+    moe: MoeShape | None = None  # the model's expert-route shape; None: dense
+    cuda_graphs: bool = False  # EngineConfig.cuda_graphs: static passes in CUDA graphs on CUDA
+
+
+@dataclass
+class PromptGroup:
+    """One prefill: a distinct (adapter, prompt) of the batch."""
+
+    adapter_key: str
+    prompt: tuple[int, ...]
+    generation: int
+    topk: int = 0
+    wants_prompt_logprobs: bool = False
+    cache_hit_tokens: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)
+    topk_prompt_logprobs: list[TopkPromptLogprobs] = field(default_factory=list)
+    # return_routed_experts: the experts of each prompt position, [Q, L, K] pieces in order.
+    wants_routes: bool = False
+    routes: list[Tensor] = field(default_factory=list)
+
+
+def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, Tensor | None]]:
+    """LoraModel.route assignments: rows grouped by adapter (None: every row)."""
+    distinct = list(dict.fromkeys(keys_B))
+    if len(distinct) == 1:
+        return [(distinct[0], None)]
+    return [
+        (key, torch.tensor([i for i, k in enumerate(keys_B) if k == key], device=device))
+        for key in distinct
+    ]
+
+
+def new_cache(gm: GeneratorModel, num_rows: int, capacity: int) -> KVCache:
+    embedding = gm.model.get_input_embeddings().weight
+    return KVCache.for_model(
+        gm.kv,
+        num_rows=num_rows,
+        capacity=capacity,
+        dtype=embedding.dtype,
+        device=embedding.device,
+    )
+
+
+def layer_types(config: PretrainedConfig) -> list[str]:
+    """The attention kind of each decoder layer: the config's `layer_types` where the family
+    has them (Qwen2/3, Gemma 2/3), else sliding everywhere when it has a window (Mistral,
+    Phi-3), full otherwise (Llama, GPT-NeoX, ...)."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    sliding = getattr(config, "sliding_window", None)
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+def forward_rows(
+    gm: GeneratorModel,
+    cache: KVCache | FanoutKVCache | StaticDecodeCache,
+    tokens_BQ: Tensor,
+    num_new_B: Tensor | None,
+    keys_B: list[str],
+    routes_out: list[Tensor] | None = None,
+    uniform: tuple[int, int] | None = None,
+    adapter_routing: list[tuple[str, Tensor | None]] | None = None,
+) -> Tensor:
+    """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H].
+    With `routes_out`, also append the experts every position used, [B, Q, L, K].
+    `uniform`: what the caller knows of the rows' lengths (KVCache.begin). `adapter_routing`: the
+    rows' adapter routing made once (routing_of(keys_B)), for passes a CUDA graph captures
+    (no index tensor may be made from the host inside one)."""
+    config = gm.model.config
+    positions_BQ = cache.begin(num_new_B, uniform)
+    kinds = layer_types(config)
+    masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
+    # The model gets a placeholder 4-D mask, which every family's mask creation passes on
+    # as-is; the attention function reads the real one of its layer from the pass layout.
+    rows, width = positions_BQ.shape
+    placeholder = torch.ones((), dtype=torch.bool, device=positions_BQ.device).expand(
+        rows, 1, width, cache.placeholder_columns(positions_BQ)
+    )
+    with (
+        gm.lora.route(adapter_routing or routing_of(keys_B, tokens_BQ.device)),
+        attention.pass_layout([masks[kind] for kind in kinds]),
+        routing.capture() if routes_out is not None else nullcontext() as captured,
+    ):
+        hidden_BQH = gm.model.base_model(
+            input_ids=tokens_BQ,
+            position_ids=positions_BQ,
+            attention_mask=placeholder,
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state
+    cache.commit()
+    if routes_out is not None:
+        # One [B * Q, K] entry per MoE layer, tokens flattened row-major as the blocks see them.
+        routes_out.append(torch.stack(captured, dim=1).view(rows, width, len(captured), -1))
+    return hidden_BQH
+
+
+def head_logits(
+    gm: GeneratorModel,
+    hidden_BH: Tensor,
+    keys_B: list[str],
+    adapter_routing: list[tuple[str, Tensor | None]] | None = None,
+) -> Tensor:
+    with gm.lora.route(adapter_routing or routing_of(keys_B, hidden_BH.device)):
+        return output_head(gm.model)(hidden_BH)
+
+
+def extend_rows(
+    gm: GeneratorModel,
+    cache: KVCache | FanoutKVCache,
+    tokens_B: list[Sequence[int]],
+    keys_B: list[str],
+    routes_out: list[Tensor] | None = None,
+) -> Iterator[tuple[Tensor, list[int], list[int]]]:
+    """Append tokens_B[b] to row b in passes of at most PREFILL_TOKENS_PER_PASS positions.
+
+    Yields (hidden [B, Q, H], start offset into tokens_B[b], count) per pass, so callers can
+    read the hidden states of the positions they need; with `routes_out`, each pass's routes
+    are its last entry when the pass is yielded (forward_rows)."""
+    device = gm.model.get_input_embeddings().weight.device
+    done = [0] * len(tokens_B)
+    width_limit = max(1, PREFILL_TOKENS_PER_PASS // max(1, len(tokens_B)))
+    while any(d < len(t) for d, t in zip(done, tokens_B, strict=True)):
+        counts = [min(len(t) - d, width_limit) for d, t in zip(done, tokens_B, strict=True)]
+        width = max(counts)
+        batch_BQ = torch.zeros(len(tokens_B), width, dtype=torch.int64)
+        for b, (tokens, start, count) in enumerate(zip(tokens_B, done, counts, strict=True)):
+            batch_BQ[b, :count] = torch.tensor(tokens[start : start + count], dtype=torch.int64)
+        num_new_B = torch.tensor(counts, dtype=torch.int64, device=device)
+        hidden_BQH = forward_rows(gm, cache, batch_BQ.to(device), num_new_B, keys_B, routes_out)
+        yield hidden_BQH, list(done), counts
+        done = [d + c for d, c in zip(done, counts, strict=True)]
+
+
+def prefill(
+    gm: GeneratorModel, groups: list[PromptGroup], *, with_logits: bool
+) -> tuple[KVCache, Tensor | None]:
+    """KV of every group's prompt in row g of a new cache, from the prefix cache where possible;
+    the first-token logits [G, V] (float32) when asked; prompt logprobs into groups that want
+    them. The computed KV goes back into the prefix cache."""
+    cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
+    for row, group in enumerate(groups):
+        group.cache_hit_tokens = 0
+        if group.wants_prompt_logprobs or group.wants_routes or not gm.prefix_cache.enabled:
+            continue  # prompt logprobs and routes need every position to run
+        namespace = (group.adapter_key, group.generation)
+        # At most len - 1: the last prompt token must run to give the first logits.
+        spans = gm.prefix_cache.lookup(namespace, group.prompt, max_tokens=len(group.prompt) - 1)
+        for span in spans:
+            cache.write_span(row, group.cache_hit_tokens, span)
+            group.cache_hit_tokens += span.shape[3]
+    keys = [g.adapter_key for g in groups]
+    suffixes = [g.prompt[g.cache_hit_tokens :] for g in groups]
+    last_hidden: list[Tensor | None] = [None] * len(groups)
+    routes_out = [] if any(g.wants_routes for g in groups) else None
+    for hidden_BQH, starts, counts in extend_rows(gm, cache, suffixes, keys, routes_out):
+        for row, group in enumerate(groups):
+            if counts[row] == 0:
+                continue
+            if group.wants_routes:
+                assert routes_out is not None
+                group.routes.append(routes_out[-1][row, : counts[row]])
+            first = group.cache_hit_tokens + starts[row]  # prompt position of hidden[row, 0]
+            if first + counts[row] == len(group.prompt):
+                last_hidden[row] = hidden_BQH[row, counts[row] - 1]
+            if group.wants_prompt_logprobs:
+                _harvest_prompt_logprobs(gm, group, hidden_BQH[row, : counts[row]], first)
+    for row, group in enumerate(groups):
+        gm.prefix_cache.insert(
+            (group.adapter_key, group.generation),
+            group.prompt,
+            lambda start, end, row=row: cache.span(row, start, end),
+        )
+    if not with_logits:
+        return cache, None
+    hidden_GH = torch.stack([h for h in last_hidden if h is not None])
+    assert hidden_GH.shape[0] == len(groups), "every prompt has a last position"
+    # float32 whatever the model's dtype: sampling and reported logprobs are float32 math.
+    return cache, head_logits(gm, hidden_GH, keys).float()
+
+
+def _harvest_prompt_logprobs(
+    gm: GeneratorModel, group: PromptGroup, hidden_QH: Tensor, first: int
+) -> None:
+    """Logprobs of prompt tokens first+1 .. first+Q (capped at the prompt's end) from the
+    hidden states of positions first .. first+Q-1, and their top-k alternatives."""
+    positions = min(hidden_QH.shape[0], len(group.prompt) - 1 - first)
+    if positions <= 0:
+        return
+    targets = torch.tensor(group.prompt[first + 1 : first + 1 + positions], device=hidden_QH.device)
+    chunk = max(1, gm.logprob_chunk_tokens)
+    for start in range(0, positions, chunk):
+        end = min(positions, start + chunk)
+        logprobs_QV = log_softmax_float32(
+            head_logits(gm, hidden_QH[start:end], [group.adapter_key])
+        )
+        group.prompt_logprobs.extend(
+            logprobs_QV.gather(-1, targets[start:end, None]).squeeze(-1).tolist()
+        )
+        if group.topk:
+            k = min(group.topk, logprobs_QV.shape[-1])
+            values_QK, ids_QK = torch.topk(logprobs_QV, k, dim=-1)  # sorted, descending
+            for ids, values in zip(ids_QK.tolist(), values_QK.tolist(), strict=True):
+                group.topk_prompt_logprobs.append(TopkPromptLogprobs(ids, values))

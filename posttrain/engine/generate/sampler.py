@@ -1,0 +1,426 @@
+"""Batched generation: many prompts, samples, sessions and sampling settings in one decode loop.
+
+One `generate` call takes a list of GenerationRequests (one prompt of one sample operation
+each; every request names its own adapter and sampling params, so requests of different
+operations and sessions can share passes) and runs:
+
+1. Prefill (prefill.py), once per distinct (adapter, prompt): the longest cached prefix
+   comes from the prefix cache (prefix_cache.py: prompt KV kept between requests), only the
+   rest runs through the model, in passes of bounded size.
+   Its last position gives the first token's logits; prompt logprobs, when asked for, come from
+   the same pass.
+2. Fan-out: one row per sampled sequence in a FanoutKVCache (model/fanout_kv_cache.py, the
+   decode cache of this one call): the prefill's KV stays one copy per prompt, read by all of
+   its num_samples rows (shared-prefix attention, model/attention.py), and each row stores only
+   the tokens it generates.
+3. Decode, one token per live row per pass, in blocks of K passes (DECODE_BLOCK_STEPS on an
+   accelerator, 1 on the CPU): a block reads nothing back from the device but, at its end,
+   the sampled tokens and logprobs of its K passes, in one transfer; what a pass needs of the
+   rows is kept ready between passes (decode_rows.py). The host then records each row's K
+   tokens up to its stop (EOS, a stop string even when it spans tokens, its max_tokens) and
+   drops the passes a row ran past it: its random stream is its own, so no other row's tokens
+   change (their logprobs may in the last bits: a matrix product's rows depend on how many
+   rows it has). Finished rows leave the batch at block ends and the cache is compacted
+   (prompts no live row continues too), so long rows never pay for finished ones.
+   Static-shape passes (decode_graph.py; on CUDA with `--cuda-graphs on`, where they are
+   captured in CUDA graphs and replayed) keep finished rows as padding until at most half the
+   batch runs.
+4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between blocks `between_tokens` may
+   publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
+   weights (their prompt's once, then each row's tokens so far), and their result gains a policy
+   segment starting at the next generated token, so every token after the switch is exactly what
+   the new weights give.
+
+Sampling (sampling_math.py): temperature, top-k, top-p, then one inverse-CDF draw per row from
+its own torch.Generator. Sample j of a prompt seeds its generator from (seed, j), so the same
+seed, prompt and weights give the same tokens whatever else is in the batch and however many
+samples were asked for (two identical prompts in one request with one seed therefore get
+identical samples). Unseeded rows draw their seed from the OS. Draws happen on the CPU
+generator so a seed means the same on every device.
+
+Logprobs. A sampled token's logprob is the untempered float32 log-softmax (train/logprobs.py) of the
+logits it was drawn from, the model's own distribution: what forward-backward computes for the
+same token. Prompt logprobs use the same function. A sampled token's logprob is finite whenever
+the logits are (the draw never picks a token of probability 0); non-finite logits fail the pass
+with NON_FINITE_LOSS instead of answering a null logprob.
+
+Legend: G = prefill groups (distinct prompts), R = rows (sequences), B = rows in a pass,
+Q = new positions per row in a pass, V = vocab, H = hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
+from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.draws import draw, record_steps
+from posttrain.engine.generate.prefill import (
+    GeneratorModel,
+    PromptGroup,
+    extend_rows,
+    forward_rows,
+    head_logits,
+    new_cache,
+    prefill,
+)
+from posttrain.engine.generate.sampling_math import row_seed
+from posttrain.engine.state import WeightsVersion
+from posttrain.engine.train.expert_routes import to_routes
+from posttrain.model import attention
+from posttrain.model.fanout_kv_cache import FanoutKVCache
+from posttrain.model.static_decode_cache import StaticDecodeCache
+from posttrain.types import (
+    PolicySegment,
+    SampledSequence,
+    SampleResult,
+    SamplingParams,
+    TopkPromptLogprobs,
+)
+
+# Decode positions allocated at a time: memory follows the longest live row instead of being
+# reserved for every row's max_tokens up front.
+DECODE_POSITIONS_PER_GROWTH = 256
+
+# Decode passes per block on an accelerator: the block's tokens and logprobs come back in one
+# transfer (one device synchronisation per 8 tokens instead of per token), for at most 7
+# discarded passes of a row that stops early and a PIPELINE weights switch up to 8 tokens
+# later. On the CPU a read-back costs nothing and each pass of a stopped row costs its full
+# compute, so blocks are CPU_BLOCK_STEPS = 1 pass there (the per-token path).
+DECODE_BLOCK_STEPS = 8
+CPU_BLOCK_STEPS = 1
+
+# Static-shape decode passes (generate/decode_graph.py), captured in a CUDA graph on CUDA,
+# where a small model's step is hundreds of kernel launches: asked for by EngineConfig.cuda_graphs
+# (`posttrain serve --cuda-graphs on`; off by default until a GPU run measures capture against
+# replay, config.py says why) or by STATIC_DECODE (benchmarks). On the CPU a static pass
+# attends over the own part's whole capacity and keeps finished rows as padding for nothing a
+# graph gives back, so it runs only when CPU_STATIC_DECODE asks (the tests check it there).
+STATIC_DECODE = False
+CPU_STATIC_DECODE = False
+CUDA_GRAPHS = True
+
+
+def default_block_steps(device: torch.device) -> int:
+    """Decode passes per block on `device` (see DECODE_BLOCK_STEPS)."""
+    return CPU_BLOCK_STEPS if device.type == "cpu" else DECODE_BLOCK_STEPS
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt of one sample operation: num_samples sequences sharing one prefill."""
+
+    prompt: tuple[int, ...]
+    num_samples: int
+    params: SamplingParams
+    adapter_key: str
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    return_routed_experts: bool = False  # ignored by a dense model (api.md 1.4.6)
+
+
+# ---------------------------------------------------------------- the decode loop
+
+
+def generate(
+    gm: GeneratorModel,
+    requests: list[GenerationRequest],
+    *,
+    versions: Mapping[str, WeightsVersion],
+    between_tokens: Callable[[], None] | None = None,
+    block_steps: int | None = None,
+) -> list[SampleResult]:
+    """Sample every request; results align with `requests`.
+
+    `versions` maps each adapter key to what it serves now and is read again after every
+    `between_tokens()` call, which may publish new weights (PIPELINE weights-sync).
+    `block_steps`: decode passes per host read (None: default_block_steps of the device)."""
+    attention.install(gm.model)
+    with torch.no_grad():
+        return _generate(gm, requests, versions, between_tokens, block_steps)
+
+
+def _plan(
+    gm: GeneratorModel,
+    requests: list[GenerationRequest],
+    versions: Mapping[str, WeightsVersion],
+) -> tuple[list[PromptGroup], list[int], list[SampledRow]]:
+    """Groups (distinct adapter + prompt), the group of each request, and the rows."""
+    wants_routes = [q.return_routed_experts and gm.moe is not None for q in requests]
+    groups: list[PromptGroup] = []
+    group_of_request: list[int] = []
+    index: dict[tuple[str, tuple[int, ...]], int] = {}
+    rows: list[SampledRow] = []
+    for r, request in enumerate(requests):
+        key = (request.adapter_key, request.prompt)
+        if key not in index:
+            index[key] = len(groups)
+            generation = versions[request.adapter_key].generation
+            groups.append(PromptGroup(request.adapter_key, request.prompt, generation))
+        group_of_request.append(index[key])
+        group = groups[index[key]]
+        group.topk = max(group.topk, request.topk_prompt_logprobs)
+        group.wants_prompt_logprobs |= request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        group.wants_routes |= wants_routes[r]
+        params = request.params
+        for j in range(request.num_samples):
+            generator = None
+            if params.temperature > 0:
+                generator = torch.Generator().manual_seed(row_seed(params.seed, j))
+            routes: list[Tensor] | None = [] if wants_routes[r] else None
+            rows.append(
+                SampledRow(r, index[key], request.adapter_key, params, generator, routes=routes)
+            )
+    return groups, group_of_request, rows
+
+
+def _generate(
+    gm: GeneratorModel,
+    requests: list[GenerationRequest],
+    versions: Mapping[str, WeightsVersion],
+    between_tokens: Callable[[], None] | None,
+    block_steps: int | None,
+) -> list[SampleResult]:
+    device = gm.model.get_input_embeddings().weight.device
+    groups, group_of_request, rows = _plan(gm, requests, versions)
+    segments = [[PolicySegment(0, versions[q.adapter_key].version)] for q in requests]
+    prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
+    assert first_logits_GV is not None
+    vocab = first_logits_GV.shape[-1]
+    batch = LiveRows(rows, list(range(len(rows))), device, vocab)
+    group_of_row_R = torch.tensor([row.group for row in rows], device=device)
+    first_B = draw(batch, first_logits_GV[group_of_row_R])
+    tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
+    batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
+    if not batch.live:
+        return _results(requests, groups, group_of_request, rows, segments)
+    longest_completion = max(rows[r].params.max_tokens for r in batch.live)
+    own = new_cache(gm, len(batch.live), min(longest_completion, DECODE_POSITIONS_PER_GROWTH))
+    cache = FanoutKVCache(
+        prefill_cache, list(range(len(groups))), own, [rows[r].group for r in batch.live]
+    )
+    # Frees the prompts whose every sample already ended on its first token.
+    cache.keep(torch.arange(len(batch.live), device=device))
+    # Own positions every live row holds: all rows start decoding together and each pass adds
+    # one to every row of the batch (a weights update recomputes them to the same count), so
+    # the host knows when the cache is full without asking the device.
+    own_positions = 0
+    steps_per_block = block_steps if block_steps is not None else default_block_steps(device)
+    static = use_static_passes(gm, device)
+    step: DecodeStep | None = None  # the static pass of the current layout
+    # Batch positions of the rows still running; with static passes, finished rows may stay
+    # in the batch as padding (see _keeps_layout).
+    running = list(range(len(batch.live)))
+    while running:
+        if between_tokens is not None:
+            served = {key: v.generation for key, v in versions.items()}
+            between_tokens()
+            if _apply_new_weights(gm, batch, cache, groups, requests, versions, segments):
+                step = None
+            elif served != {key: v.generation for key, v in versions.items()}:
+                # New weights of rows that no longer run: a captured pass may hold the
+                # addresses of the weights they replaced, so it is made again.
+                step = None
+        # No row runs past the longest max_tokens still wanted: the last block is shortened.
+        steps = min(
+            steps_per_block,
+            max(
+                rows[batch.live[i]].params.max_tokens - len(rows[batch.live[i]].tokens)
+                for i in running
+            ),
+        )
+        if own_positions + steps > cache.capacity:
+            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))
+            step = None
+        routes_K: list[Tensor] | None = [] if batch.wants_routes else None
+        if static:
+            if step is None:
+                step = DecodeStep(
+                    gm, StaticDecodeCache(cache, own_positions), batch, _use_graphs(device)
+                )
+            tokens_KB, logprobs_KB = _static_block(step, batch, steps)
+        else:
+            tokens_KB, logprobs_KB = _dynamic_block(
+                gm, batch, cache, steps, own_positions, routes_K
+            )
+        own_positions += steps
+        tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
+        running = record_steps(gm, batch, tokens, logprobs, routes_K)
+        if running and not (static and _keeps_layout(len(running), len(batch.live))):
+            if len(running) < len(batch.live):
+                order = _fill_holes(running)
+                cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
+                batch.keep(order)
+                running = list(range(len(order)))
+                step = None
+    return _results(requests, groups, group_of_request, rows, segments)
+
+
+def _dynamic_block(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    cache: FanoutKVCache,
+    steps: int,
+    own_positions: int,
+    routes_K: list[Tensor] | None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`steps` passes of every row of the batch, shapes following the rows' lengths; each
+    step's tokens and logprobs [B] stay on the device (routes appended to routes_K)."""
+    tokens_KB: list[Tensor] = []
+    logprobs_KB: list[Tensor] = []
+    for k in range(steps):
+        assert batch.last_tokens_B is not None
+        routes_out = [] if routes_K is not None else None
+        hidden_B1H = forward_rows(
+            gm,
+            cache,
+            batch.last_tokens_B[:, None],
+            batch.ones_B,
+            batch.keys,
+            routes_out,
+            uniform=(1, own_positions + k + 1),
+        )
+        if routes_K is not None:
+            assert routes_out is not None
+            routes_K.append(routes_out[0])
+        tokens_B, logprobs_B = draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
+        tokens_KB.append(tokens_B)
+        logprobs_KB.append(logprobs_B)
+    return tokens_KB, logprobs_KB
+
+
+def _static_block(
+    step: DecodeStep, batch: LiveRows, steps: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`steps` static passes (replayed graphs on CUDA): the same, out of persistent tensors."""
+    tokens_KB: list[Tensor] = []
+    logprobs_KB: list[Tensor] = []
+    for _ in range(steps):
+        step.run(batch.uniforms())
+        tokens_KB.append(step.tokens_B.clone())
+        logprobs_KB.append(step.logprobs_B.clone())
+    batch.last_tokens_B = step.tokens_B
+    return tokens_KB, logprobs_KB
+
+
+def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
+    """Static-shape decode passes (decode_graph.py) for this model on this device."""
+    wanted = CPU_STATIC_DECODE if device.type == "cpu" else (STATIC_DECODE or gm.cuda_graphs)
+    return wanted and static_passes_supported(gm)
+
+
+def _use_graphs(device: torch.device) -> bool:
+    return device.type == "cuda" and CUDA_GRAPHS
+
+
+def _keeps_layout(running: int, rows: int) -> bool:
+    """With static passes, whether the batch stays as it is although only `running` of its
+    `rows` still run: the finished rows ride along as padding (their tokens are dropped)
+    until at most half the rows run, so a batch changes shape, and a new pass is captured,
+    at most log2(rows) times instead of at every finished row."""
+    return running > rows // 2
+
+
+def _fill_holes(keep: list[int]) -> list[int]:
+    """A new order of the batch positions in `keep` (ascending) that leaves every kept position
+    below len(keep) in place and moves the ones beyond into the holes: the fewest row copies."""
+    count = len(keep)
+    staying = {i for i in keep if i < count}
+    movers = iter(i for i in keep if i >= count)
+    return [i if i in staying else next(movers) for i in range(count)]
+
+
+def _apply_new_weights(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    cache: FanoutKVCache,
+    groups: list[PromptGroup],
+    requests: list[GenerationRequest],
+    versions: Mapping[str, WeightsVersion],
+    segments: list[list[PolicySegment]],
+) -> bool:
+    """After a publish: recompute the KV of the running rows whose adapter changed with the new
+    weights (their prompt once, then each row's tokens so far but the last, which the next pass
+    feeds), and open a policy segment at their next token. Finished rows kept as padding
+    (static passes) are left alone. Returns whether anything changed."""
+    rows = batch.rows
+    changed = {
+        g
+        for g in {rows[r].group for r in batch.live if rows[r].stop_reason is None}
+        if versions[groups[g].adapter_key].generation != groups[g].generation
+    }
+    if not changed:
+        return False
+    fresh: list[PromptGroup] = []
+    for g in sorted(changed):
+        current = versions[groups[g].adapter_key]
+        groups[g].generation = current.generation
+        fresh.append(PromptGroup(groups[g].adapter_key, groups[g].prompt, current.generation))
+    group_cache, _ = prefill(gm, fresh, with_logits=False)
+    for fresh_row, g in enumerate(sorted(changed)):
+        cache.replace_prefix(g, group_cache, fresh_row)
+    positions = [
+        i
+        for i, r in enumerate(batch.live)
+        if rows[r].group in changed and rows[r].stop_reason is None
+    ]
+    affected = [rows[batch.live[i]] for i in positions]
+    suffixes = [row.tokens[:-1] for row in affected]
+    own = new_cache(gm, len(affected), max(map(len, suffixes)) or 1)
+    row_cache = cache.subset(own, [row.group for row in affected])
+    keys = [groups[row.group].adapter_key for row in affected]
+    for _ in extend_rows(gm, row_cache, suffixes, keys):
+        pass
+    device = cache.own.kv.device
+    cache.own.copy_rows(
+        row_cache.own,
+        torch.arange(len(affected), device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+    )
+    switched: dict[int, int] = {}  # request -> generated tokens before the switch
+    for row in affected:
+        switched[row.request] = len(row.tokens)
+    for r, start in switched.items():
+        version = versions[requests[r].adapter_key].version
+        if segments[r][-1].version != version:
+            segments[r].append(PolicySegment(start, version))
+    return True
+
+
+def _results(
+    requests: list[GenerationRequest],
+    groups: list[PromptGroup],
+    group_of_request: list[int],
+    rows: list[SampledRow],
+    segments: list[list[PolicySegment]],
+) -> list[SampleResult]:
+    sequences: list[list[SampledSequence]] = [[] for _ in requests]
+    for row in rows:
+        assert row.stop_reason is not None, "every row ends with a stop reason"
+        group = groups[row.group]
+        routes = None
+        if row.routes is not None:
+            # Every position that ran: the prompt's and each generated token but the last.
+            routes = to_routes(torch.cat([*group.routes, *(r[None] for r in row.routes)]))
+        sequences[row.request].append(
+            SampledSequence(
+                row.tokens, row.logprobs, row.stop_reason, group.cache_hit_tokens, routes
+            )
+        )
+    results = []
+    for r, request in enumerate(requests):
+        group = groups[group_of_request[r]]
+        prompt_logprobs = [0.0, *group.prompt_logprobs] if request.prompt_logprobs else None
+        topk = None
+        if request.topk_prompt_logprobs:
+            k = request.topk_prompt_logprobs
+            topk = [TopkPromptLogprobs([], [])] + [
+                TopkPromptLogprobs(t.token_ids[:k], t.logprobs[:k])
+                for t in group.topk_prompt_logprobs
+            ]
+        results.append(SampleResult(sequences[r], segments[r], prompt_logprobs, topk))
+    return results

@@ -1,0 +1,64 @@
+"""The one message vocabulary between an engine and the processes it runs: every command a
+worker process, a trainer rank or a generator replica answers is a `Call` of one `Command`.
+
+A Command names a method of the engine object hosted there (hosts/in_process.py's LocalEngine,
+hosts/trainer_group.py's RankEngine, hosts/replica_worker.py's ReplicaEngine); the host runs
+`engine.<command>(*args, **kwargs)` and answers with its result or its exception. The remote
+engines (hosts/remote.py, hosts/replicas.py) build Calls in typed methods, one per Engine
+method, so callers see the Engine protocol and never name a method in a string. A Call and
+its answer cross a pipe (hosts/worker_process.py) or a Ray actor call (hosts/ray_placement.py)
+pickled; a Command pickles as its value.
+
+Imports: nothing from posttrain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Command(StrEnum):
+    # The Engine protocol (engine/interface.py), for a resource that lives in that process.
+    LOAD_RESOURCE = "load_resource"
+    CREATE_SESSION = "create_session"
+    DROP_SESSION = "drop_session"
+    FORWARD_BACKWARD_BATCH = "forward_backward_batch"
+    CUSTOM_FORWARD_BACKWARD = "custom_forward_backward"
+    OPTIM_STEP = "optim_step"
+    PUBLISH = "publish"
+    SAMPLE_BATCH = "sample_batch"
+    PEAK_BYTES = "peak_bytes"
+    HEADROOM = "headroom"
+    PERSIST_SESSION = "persist_session"
+    RESTORE_SESSION = "restore_session"
+    SAVE_TRAINING_STATE = "save_training_state"
+    SAVE_ADAPTER = "save_adapter"
+    LOAD_TRAINING_STATE = "load_training_state"
+    LOAD_ADAPTER = "load_adapter"
+    SAVE_FULL_MODEL = "save_full_model"
+    GENERATOR_STATE = "generator_state"
+    # Sizes and gradients, for operators, benchmarks and tests (hosts/in_process.py).
+    RESOURCE_FOOTPRINT = "resource_footprint"
+    SESSION_FOOTPRINT = "session_footprint"
+    DISCARD_GRADIENTS = "discard_gradients"
+    # A generator replica's own (hosts/replica_worker.py).
+    INSTALL_GENERATOR = "install_generator"
+    RECEIVED = "received"
+    REBUILT = "rebuilt"
+
+
+# Calls that only drop state: where the process is gone there is nothing left to drop.
+FORGETTING = frozenset({Command.DROP_SESSION})
+
+
+@dataclass(frozen=True)
+class Call:
+    """One command for the engine hosted in another process; a callable keyword argument
+    (sample_batch's `between_tokens`) is called back where the Call was made (a pipe) or not
+    passed (a Ray actor)."""
+
+    command: Command
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,103 @@
+"""What a placement is: the one seam through which a model resource's processes are started.
+
+The remote engines (hosts/remote.py's ProcessEngine, hosts/trainer_group.py's ranks) and
+ReplicatedEngine (hosts/replicas.py, the generator replicas) start every process they need
+through a `Placement`, and talk to it through the `WorkerHandle` it returns. Two placements
+implement it: hosts/local_placement.py (the default: child processes on this machine) and
+hosts/ray_placement.py (`--ray local|ADDRESS`: Ray actors, one placement group per resource);
+engine/build.py picks one.
+
+A resource's processes are its trainer worker (role TRAINER, with `--workers process`) or the
+ranks of its trainer group (role RANK, index 0..N-1, with `--trainer-ranks N`), and its
+generator replicas (role GENERATOR, index 0..n-1, with `--generators process`). `reserve` and
+`release` bracket a resource's life (a Ray placement group holds one bundle per process); both
+engines call them, and a second call is a no-op, so neither needs to know whether the other
+runs processes too.
+
+Imports: config, engine.hosts.messages. It imports no placement: they import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from posttrain.config import EngineConfig
+from posttrain.engine.hosts.messages import Call
+
+# The roles of a resource's processes, which name them and order their places.
+TRAINER = "worker"  # a resource's one trainer worker (`--workers process`)
+GENERATOR = "generator"
+RANK = "rank"  # a rank of a --trainer-ranks N group (hosts/trainer_group.py), index 0..N-1
+
+
+class WorkerHandle(Protocol):
+    """One started engine process, as its engine sees it."""
+
+    label: str  # names it in errors
+    dead: str | None  # why it died, once a call found it dead
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def call(self, call: Call) -> Any:
+        """Run the call on the engine there; its exception is raised here, a dead process
+        raises WorkerDied."""
+        ...
+
+    def stage(self, data: bytes) -> None:
+        """A replica's staged change (a pickled `Staged`), without waiting for its calls; a
+        dead replica misses it (it is rebuilt, not replayed)."""
+        ...
+
+    def stop(self) -> None: ...
+
+    def kill(self) -> None:
+        """End it now, without waiting for the call in flight."""
+        ...
+
+
+class Placement(Protocol):
+    host: str  # where its processes reach this one (the weights broadcast's store)
+
+    def reserve(self, resource_id: str, generator_replicas: int) -> None:
+        """Make room for the resource's processes (idempotent while it lives)."""
+        ...
+
+    def start(
+        self, resource_id: str, role: str, engine: tuple, *, label: str, index: int = 0
+    ) -> WorkerHandle:
+        """Start a process serving `engine` = (class, *args), built there as
+        `class(config, model_paths, *args)`; a GENERATOR's class also takes its staging
+        channel last."""
+        ...
+
+    def release(self, resource_id: str) -> None:
+        """The resource's processes are stopped: free what `reserve` held (idempotent)."""
+        ...
+
+    def close(self) -> None:
+        """Server shutdown: stop whatever is left (idempotent)."""
+        ...
+
+
+def trainer_processes(config: EngineConfig) -> int:
+    """A resource's trainer processes: its group's ranks, its worker, or none (a thread)."""
+    if config.trainer_ranks > 1:
+        return config.trainer_ranks
+    return 1 if config.workers == "process" else 0
+
+
+def processes_per_resource(config: EngineConfig, generator_replicas: int) -> int:
+    """How many processes a resource runs: its trainer's, then its replicas."""
+    return trainer_processes(config) + (generator_replicas if config.generators == "process" else 0)
+
+
+def bundle_index(config: EngineConfig, role: str, index: int) -> int:
+    """A process's place among its resource's: the trainer (or rank `index`) first, then
+    replica `index`."""
+    if role in (TRAINER, RANK):
+        return index
+    return trainer_processes(config) + index

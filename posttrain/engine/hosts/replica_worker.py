@@ -1,0 +1,175 @@
+"""The engine inside a generator replica process (hosts/replicas.py): every session's
+generator and nothing else, fed by staged changes.
+
+A staged change is `(fence, what, args)`: "create" `(resource, session, lora)`, "drop"
+`(resource, session)`, or "install" `(resource, session, bucket, version, mid_generation, last)`,
+one bucket of what a session's generator serves (hosts/weights_broadcast.py), `last` on the
+final bucket. They arrive in fence order on the staging pipe (a thread here reads it) or by
+`receive` calls (a Ray actor's, hosts/ray_placement.py); an inbox thread takes them in that
+order, receives the bytes of a bucket that come by broadcast (and the group's "join"
+messages), and keeps each change until a sample's fence reaches it.
+
+Imports: config, types, engine (state, generate.generator, optim.optimizer, hosts: in_process,
+weights_broadcast).
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from posttrain.config import EngineConfig
+from posttrain.engine.generate.generator import generator_key
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.weights_broadcast import Bucket, Member, buffer_of, unpack
+from posttrain.engine.optim.optimizer import SessionOptimizer
+from posttrain.engine.state import ResourceState, SessionState
+from posttrain.types import SampleRequest, SampleResult
+
+Staged = tuple[int, str, tuple]
+
+
+class ReplicaEngine(LocalEngine):
+    """The engine inside a replica process: sessions' generators only, fed by staged changes."""
+
+    def __init__(
+        self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection | None
+    ):
+        """`staging`: the pipe its changes arrive on; None where they arrive by `receive`
+        calls instead (a Ray actor's, hosts/ray_placement.py)."""
+        super().__init__(config, model_paths)
+        self._staged: list[Staged] = []
+        self._received = 0  # the highest fence received (or rebuilt up to)
+        self._buckets: dict[str, dict] = {}  # session -> tensors of an install not yet whole
+        self._arrived = threading.Condition()
+        self._inbox: queue.SimpleQueue[Staged] = queue.SimpleQueue()
+        self._member = Member()  # of the resource's weights group, once it forms
+        threading.Thread(target=self._take, daemon=True).start()
+        if staging is not None:
+            threading.Thread(target=self._read, args=(staging,), daemon=True).start()
+
+    def _read(self, staging: Connection) -> None:
+        while True:
+            try:
+                change: Staged = pickle.loads(staging.recv_bytes())
+            except (EOFError, OSError):
+                return  # the API process is gone
+            self.receive(change)
+
+    def receive(self, change: Staged) -> None:
+        """A staged change (or a weights group message), for the inbox thread: never waits
+        (a Ray actor's `stage` call returns before the broadcast it announces)."""
+        self._inbox.put(change)
+
+    def _take(self) -> None:
+        while True:
+            fence, what, args = self._inbox.get()
+            if what == "join":
+                self._member.join(*args)
+                continue
+            if what == "install":
+                bucket: Bucket = args[2]
+                if bucket.data is None:  # its bytes come by broadcast
+                    buffer = self._member.receive(bucket)
+                    if buffer is None:
+                        continue  # the group broke: the root resends it down the pipe
+                else:
+                    buffer = buffer_of(bucket)
+                args = (*args[:2], unpack(bucket, buffer), *args[3:])
+            self._keep((fence, what, args))
+
+    def _keep(self, change: Staged) -> None:
+        """Keep a staged change until a sample's fence reaches it; one received already (a
+        resend after a broken broadcast, or one from before a rebuild) is dropped."""
+        with self._arrived:
+            if change[0] <= self._received:
+                return
+            self._staged.append(change)
+            self._received = change[0]
+            self._arrived.notify_all()
+
+    def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
+        """A replica never trains: its full-weight session serves the resource's own model,
+        which installs overwrite, instead of a second copy (half a trainer's memory); ending
+        the session puts the base weights back, as on the trainer."""
+        assert not resource.sessions, "a full-weight session shares its resource with no one"
+        model = resource.loaded.model
+        model.eval()
+        resource.sessions[session_id] = SessionState(
+            session_id, generator_key(session_id), SessionOptimizer([]), generator_model=model
+        )
+
+    def rebuilt(self, fence: int) -> None:
+        """A new replica was given the state as of `fence` directly: nothing before it is due."""
+        with self._arrived:
+            self._received = max(self._received, fence)
+            self._staged = [c for c in self._staged if c[0] > fence]
+
+    def received(self, fence: int) -> None:
+        """Return once every change up to `fence` is here (kept, not yet applied)."""
+        with self._arrived:
+            while self._received < fence:
+                self._arrived.wait()
+
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        between_tokens: Callable[[], None] | None = None,
+        fence: int = 0,
+        lane: int = 0,
+    ) -> list[list[SampleResult]]:
+        """The generation at its FIFO place: apply the changes up to `fence`, then sample;
+        PIPELINE installs that arrive meanwhile land between decode passes."""
+        self.received(fence)
+        with self._arrived:
+            due = [c for c in self._staged if c[0] <= fence]
+            self._staged = [c for c in self._staged if c[0] > fence]
+        for change in due:
+            self._apply(change)
+        return super().sample_batch(resource_id, items, between_tokens=self._mid_generation)
+
+    def _mid_generation(self) -> None:
+        """Between decode passes: apply each session's staged PIPELINE installs that nothing
+        staged before them, for that session, holds back, once every bucket of an install
+        has arrived (a generation never runs on half-installed weights)."""
+        with self._arrived:
+            held: set[str] = set()
+            due: list[Staged] = []
+            run: dict[str, list[Staged]] = {}  # a session's buckets of an unfinished install
+            for change in list(self._staged):
+                _, what, args = change
+                session_id = args[1]
+                if session_id in held:
+                    continue
+                if what == "install" and args[4] and self.is_loaded(args[0]):
+                    run.setdefault(session_id, []).append(change)
+                    if args[5]:  # its last bucket: the whole install is here
+                        due += run.pop(session_id)
+                else:
+                    held.add(session_id)
+            for change in due:
+                self._staged.remove(change)
+        for change in due:
+            self._apply(change)
+
+    def _apply(self, change: Staged) -> None:
+        _, what, args = change
+        resource_id, session_id = args[0], args[1]
+        if what == "create":
+            self.drop_session(resource_id, session_id)  # a trainer rebuilt after its death
+            self.create_session(resource_id, session_id, args[2])
+        elif what == "drop":
+            self.drop_session(resource_id, session_id)
+        else:  # a bucket of an install; the last one installs them all
+            tensors, version, last = args[2], args[3], args[5]
+            parts = self._buckets.setdefault(session_id, {})
+            parts.update(tensors)
+            if last:
+                del self._buckets[session_id]
+                self.install_generator(resource_id, session_id, parts, version=version)

@@ -1,0 +1,245 @@
+"""What an operation will allocate beyond what the engine holds now: its estimated peak bytes,
+so an operation that cannot fit is refused before it runs (memory/headroom.py says what is
+free). footprint.py counts what is resident; this module counts what one pass adds on top.
+
+Each estimate is an upper bound built from the tensors the pass creates, not a fit:
+
+- forward-backward keeps, until its backward, every decoder layer's saved activations: per
+  token and layer about 6 hidden-sized tensors (the two RMSNorm inputs and outputs, the two
+  residual adds' operands), 4 of the query width (projection, q-norm in and out, rotary output,
+  attention output), 6 of the KV width (keys and values before and after k-norm and rotary,
+  repeated for sdpa) and 6 of the FFN width (gate, up, SiLU in and out, their product, the
+  down projection's input). tests/unit/engine/test_memory_estimate.py counts the bytes autograd
+  saves (saved_tensors_hooks) and measures the peak RSS of a pass in a subprocess: the per-layer
+  count is at least the saved bytes, and ACTIVATION_SAFETY (1.5) covers what backward allocates
+  while it runs (the gradient of the largest activation, allocator slack), so the estimate is
+  never below the measured peak and within 2.5x of it.
+- the head's log-softmax runs over chunks of logprob_chunk_tokens positions (train/logprobs.py), so
+  logits cost chunk x vocab x 4 bytes x LOGIT_COPIES (logits, log-softmax, their gradients in
+  backward), plus the hidden-sized unit the frozen head keeps per token.
+- the gradients it accumulates: new gradients beside the earlier ones, then their sum.
+- sampling holds a KV cache of num_samples x (prompt + max_tokens) positions x layers x 2 x
+  kv_heads x head_dim x dtype bytes (the prompt once per prompt, model/fanout_kv_cache.py; the
+  generated part grown in steps of DECODE_POSITIONS_PER_GROWTH and counted twice: the old and
+  new buffer side by side while it grows, or a compaction's gathered copy), per decode pass
+  rows x vocab float32 logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p
+  sorts and masks), and per generated token the Python lists of its token and logprob and its
+  share of the recorded result.
+- optim-step's AdamW moments (two per trainable tensor) appear at a session's first step, and
+  each tensor's update allocates temporaries of its size.
+
+Not here: what is free (headroom.py), the refusal (service/admission.py).
+
+Legend: S = samples (training) or sequences (sampling), T = tokens, V = vocab, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from posttrain.engine.generate.prefill import PREFILL_TOKENS_PER_PASS
+from posttrain.engine.generate.sampler import DECODE_POSITIONS_PER_GROWTH
+from posttrain.model.kv_shape import KVShape
+from posttrain.types import (
+    CustomForwardBackwardRequest,
+    ForwardBackwardRequest,
+    SampleRequest,
+    TrainingSample,
+)
+
+FLOAT32 = 4
+INT64 = 8
+ACTIVATION_SAFETY = 1.5
+# Per token and decoder layer, in units of the hidden, query, KV and FFN widths (module docstring).
+HIDDEN_COPIES, QUERY_COPIES, KV_COPIES, FFN_COPIES = 6, 4, 6, 6
+LOGIT_COPIES = 4
+SAMPLE_LOGIT_COPIES = 8
+# Per token of a batch: its packed inputs (tokens, targets, masks, positions as int64) and
+# float32 per-token outputs (logprobs, loss terms, their gradients).
+PACKED_BYTES_PER_TOKEN = 8 * INT64 + 8 * FLOAT32
+# Per generated token: two Python list entries (int and float objects) while decoding, then the
+# result's lists and the JSON the store records.
+PYTHON_BYTES_PER_GENERATED_TOKEN = 256
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The widths that size a pass's tensors: attention's from the model's modules (a config
+    may carry head counts its family ignores), the rest from its config."""
+
+    layers: int
+    hidden: int
+    query_width: int  # query heads x head dim
+    kv_width: int  # KV heads x head dim
+    ffn_width: int  # FFN width one token passes through: dense, or its top-k experts (+ shared)
+    vocab: int
+    dtype_bytes: int  # the model's compute dtype
+
+
+def model_shape(config: PretrainedConfig, kv: KVShape, dtype_bytes: int) -> ModelShape:
+    """ModelShape of a Hugging Face decoder (dense or MoE families) whose attention writes `kv`
+    (model/kv_shape.py)."""
+    top_k = getattr(config, "num_experts_per_tok", None)
+    ffn = config.intermediate_size
+    if top_k:
+        # MoE: each token runs through top_k experts (moe_intermediate_size where the family
+        # has one) and a shared expert where it has one; the dispatch copies hidden states
+        # once per expert slot, counted here as FFN width too.
+        expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+        ffn = top_k * (expert + config.hidden_size) + shared
+    return ModelShape(
+        layers=kv.num_layers,
+        hidden=config.hidden_size,
+        query_width=config.num_attention_heads * kv.head_dim,
+        kv_width=kv.num_kv_heads * kv.head_dim,
+        ffn_width=ffn,
+        vocab=config.vocab_size,
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def _layer_elements(shape: ModelShape) -> int:
+    """Saved activation elements per token and decoder layer (module docstring)."""
+    return (
+        HIDDEN_COPIES * shape.hidden
+        + QUERY_COPIES * shape.query_width
+        + KV_COPIES * shape.kv_width
+        + FFN_COPIES * shape.ffn_width
+    )
+
+
+def saved_activation_bytes(shape: ModelShape, tokens: int) -> int:
+    """What autograd keeps for backward over `tokens` positions: every layer's saved tensors,
+    and the hidden-sized unit the frozen head keeps per token (train/logprobs.py)."""
+    per_token = _layer_elements(shape) * shape.dtype_bytes
+    return tokens * (shape.layers * per_token + shape.hidden * FLOAT32)
+
+
+def _padded_tokens(samples: tuple[TrainingSample, ...]) -> tuple[int, int]:
+    """(rows, padded tokens) of a batch packed to its longest sample (batching.pack)."""
+    longest = max(len(sample.tokens) for sample in samples)
+    return len(samples), len(samples) * longest
+
+
+def _logits_bytes(shape: ModelShape, rows: int, tokens: int, chunk_tokens: int) -> int:
+    """One chunk of the head's float32 log-softmax and its backward (train/logprobs.py)."""
+    chunk = min(tokens, max(rows, chunk_tokens))
+    return chunk * shape.vocab * FLOAT32 * LOGIT_COPIES
+
+
+def training_pass_bytes(
+    shape: ModelShape,
+    samples: tuple[TrainingSample, ...],
+    *,
+    chunk_tokens: int,
+    is_forward_only: bool,
+) -> int:
+    """Peak bytes of one forward (and backward) over `samples` packed into one batch."""
+    rows, tokens = _padded_tokens(samples)
+    per_token = _layer_elements(shape) * shape.dtype_bytes
+    if is_forward_only:
+        # No graph: one layer's tensors at a time, beside the hidden states in and out.
+        activations = tokens * (per_token + 2 * shape.hidden * shape.dtype_bytes)
+    else:
+        activations = saved_activation_bytes(shape, tokens)
+    return (
+        math.ceil(ACTIVATION_SAFETY * activations)
+        + _logits_bytes(shape, rows, tokens, chunk_tokens)
+        + tokens * PACKED_BYTES_PER_TOKEN
+    )
+
+
+def forward_backward_bytes(
+    shape: ModelShape,
+    requests: list[ForwardBackwardRequest],
+    *,
+    chunk_tokens: int,
+    trainable_bytes: list[int],
+) -> int:
+    """Peak bytes of one shared forward-backward pass over several sessions' requests.
+
+    `trainable_bytes[i]`: the trainable tensors of request i's session; its new gradients
+    appear beside the accumulated ones and then their sum (train/accumulate.py)."""
+    samples = tuple(s for request in requests for s in request.samples)
+    is_forward_only = all(request.forward_only for request in requests)
+    gradients = sum(
+        2 * size
+        for request, size in zip(requests, trainable_bytes, strict=True)
+        if not request.forward_only
+    )
+    return (
+        training_pass_bytes(
+            shape, samples, chunk_tokens=chunk_tokens, is_forward_only=is_forward_only
+        )
+        + gradients
+    )
+
+
+def custom_forward_backward_bytes(
+    shape: ModelShape,
+    request: CustomForwardBackwardRequest,
+    *,
+    chunk_tokens: int,
+    trainable_bytes: int,
+) -> int:
+    """A forward-backward pass plus the [S, T] float32 tensor of the given gradients."""
+    _, tokens = _padded_tokens(request.samples)
+    pass_bytes = training_pass_bytes(
+        shape, request.samples, chunk_tokens=chunk_tokens, is_forward_only=False
+    )
+    return pass_bytes + tokens * FLOAT32 + 2 * trainable_bytes
+
+
+def _own_positions(max_tokens: int) -> int:
+    """Peak positions per row of the generated part of the KV cache: twice its final capacity
+    (generate/sampler.py allocates it in growth steps), since grow() holds the old buffer beside the
+    new one and keep() gathers the rows it moves into a temporary copy."""
+    step = DECODE_POSITIONS_PER_GROWTH
+    final = max_tokens if max_tokens <= step else step * math.ceil(max_tokens / step)
+    return 2 * final
+
+
+def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_tokens: int) -> int:
+    """Peak bytes of one generation over several sample operations (sampler.generate)."""
+    kv_per_position = shape.layers * 2 * shape.kv_width * shape.dtype_bytes
+    prompt_positions = sum(len(p) for request in requests for p in request.prompts)
+    rows = sum(len(request.prompts) * request.num_samples for request in requests)
+    own_positions = sum(
+        len(request.prompts)
+        * request.num_samples
+        * _own_positions(request.sampling_params.max_tokens)
+        for request in requests
+    )
+    generated = sum(
+        len(request.prompts) * request.num_samples * request.sampling_params.max_tokens
+        for request in requests
+    )
+    # The prompts' KV twice: the decode cache's copy and the prefix cache's.
+    cache = (2 * prompt_positions + own_positions) * kv_per_position
+    # A prefill pass (at most PREFILL_TOKENS_PER_PASS positions, no graph) or a decode pass
+    # over every row: one layer's tensors at a time, and the logits of the rows.
+    pass_tokens = max(min(prompt_positions, PREFILL_TOKENS_PER_PASS), rows)
+    pass_bytes = pass_tokens * (_layer_elements(shape) + 2 * shape.hidden) * shape.dtype_bytes
+    prompt_logits = min(prompt_positions, chunk_tokens) * shape.vocab * FLOAT32 * LOGIT_COPIES
+    row_logits = rows * shape.vocab * FLOAT32 * SAMPLE_LOGIT_COPIES
+    return (
+        cache
+        + math.ceil(ACTIVATION_SAFETY * pass_bytes)
+        + max(prompt_logits, row_logits)
+        + generated * PYTHON_BYTES_PER_GENERATED_TOKEN
+    )
+
+
+def optim_step_bytes(trainable_bytes: int, largest_bytes: int, *, has_moments: bool) -> int:
+    """AdamW's two moments per trainable tensor at the first step, and the single-tensor
+    update's temporaries of the largest tensor (optim/optimizer.py runs torch's foreach=False path).
+
+    The copy-backed step (optim/optimizer.py, only for settings that could overflow the weights)
+    clones weights, gradients and moments on top; should that not fit, the allocator's failure fails
+    the step RESOURCE_EXHAUSTED and optim/optimizer.py puts everything back."""
+    moments = 0 if has_moments else 2 * trainable_bytes
+    return moments + 3 * largest_bytes

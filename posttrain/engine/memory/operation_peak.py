@@ -1,0 +1,106 @@
+"""The estimated peak bytes of one operation pass on a resource, from what it holds now: the
+engine's answer to memory admission (service/admission.py). The formulas per pass are
+estimate.py's; this module picks the pass and its inputs: the sessions' trainable bytes, on a
+trainer group's rank the largest share of rows (parallel/data_parallel.py) and what sharded
+parameters gather (parallel/zero3.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from posttrain.config import EngineConfig
+from posttrain.engine.memory import estimate
+from posttrain.engine.memory.footprint import nbytes
+from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.state import ResourceState, SessionState
+from posttrain.errors import NotFound
+from posttrain.types import CustomForwardBackwardRequest, OperationKind, OperationRequest
+
+
+def operation_peak_bytes(
+    config: EngineConfig,
+    resource: ResourceState,
+    kind: OperationKind,
+    sessions: list[SessionState | NotFound],
+    requests: list[OperationRequest],
+    *,
+    itemsize: int,
+) -> int:
+    """Estimated peak bytes that running `requests` of `kind` as one pass adds to what the
+    resource holds now; `sessions`: each request's session (NotFound: no state here, no
+    trainable tensors; unused for a sample); `itemsize`: bytes per element of the weights."""
+    shape = estimate.model_shape(resource.loaded.model.config, resource.loaded.kv, itemsize)
+    chunk = config.logprob_chunk_tokens
+    if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts
+        return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
+    # Once per session: the scheduler asks about every prefix of a queue (admission.py),
+    # often one session's operations, and walking a model's tensors is not free.
+    own_bytes: dict[int, int] = {}
+    for s in sessions:
+        if isinstance(s, SessionState) and id(s) not in own_bytes:
+            own_bytes[id(s)] = nbytes(p for _, p in s.optimizer.named_params)
+    trainable = [own_bytes.get(id(s), 0) for s in sessions]
+    # Sharded parameters (parallel/zero3.py): `trainable` counts this rank's own alone; a
+    # pass also gathers others' for a while.
+    shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
+    if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
+
+        def pass_bytes(requests: list[Any]) -> int:
+            if kind == OperationKind.FORWARD_BACKWARD:
+                return estimate.forward_backward_bytes(
+                    shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
+                )
+            (request,) = requests
+            return estimate.custom_forward_backward_bytes(
+                shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
+            )
+
+        if resource.group is None:
+            return pass_bytes(requests)
+        # A rank forwards only its share of the rows (parallel/data_parallel.py), but packs and
+        # scores the whole batch: the largest share's pass, and the whole batch's packing.
+        samples = [s for request in requests for s in request.samples]
+        packed = len(samples) * max(len(s.tokens) for s in samples)
+        shares = _rank_shares(resource.group, requests)
+        return (
+            shards
+            + max(pass_bytes(share) for share in shares)
+            + packed * estimate.PACKED_BYTES_PER_TOKEN
+        )
+    (session,) = sessions
+    if kind == OperationKind.OPTIM_STEP:
+        if not isinstance(session, SessionState):
+            return 0
+        params = [p for _, p in session.optimizer.named_params]
+        largest = max((nbytes([p]) for p in params), default=0)
+        has_moments = session.optimizer.has_state()
+        return estimate.optim_step_bytes(trainable[0], largest, has_moments=has_moments)
+    if resource.param_shards is not None and isinstance(session, SessionState):
+        # Gathered in full on rank 0 (a checkpoint) or into the generator, one at a time.
+        return sum(p.numel() * p.element_size() for _, p in session.optimizer.named_params)
+    return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
+
+
+def _rank_shares(group: DataParallel, requests: list[Any]) -> list[list[Any]]:
+    """Each rank's share of a training pass's `requests` (their samples, and a custom
+    request's gradients, cut to the rank's rows), and the batch's shortest row besides: a
+    padding forward (trainer.aligned_forwards) or a rank without rows forwards it."""
+    samples = [s for request in requests for s in request.samples]
+    lengths = [len(s.tokens) for s in samples]
+    shortest = min(range(len(samples)), key=lambda r: lengths[r])
+    shares = []
+    for rows in group.shares(lengths):
+        keep = {*rows, shortest}
+        share, first = [], 0
+        for request in requests:
+            kept = [i for i in range(len(request.samples)) if first + i in keep]
+            first += len(request.samples)
+            cut = {"samples": tuple(request.samples[i] for i in kept)}
+            if isinstance(request, CustomForwardBackwardRequest):
+                cut["gradients"] = tuple(request.gradients[i] for i in kept)
+            # Kept without rows too: its session's gradients still appear on every rank.
+            share.append(dataclasses.replace(request, **cut))
+        shares.append(share)
+    return shares

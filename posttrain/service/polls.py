@@ -21,7 +21,8 @@ import anyio.to_thread
 
 from posttrain.service.completion import CompletionWatch, Waiter
 from posttrain.service.operations import OperationService
-from posttrain.types import OPERATION_TERMINAL, OperationKind, OperationRecord
+from posttrain.statuses import OPERATION_TERMINAL
+from posttrain.types import OperationKind, OperationRecord
 
 
 @dataclass(frozen=True)

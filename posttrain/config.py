@@ -70,6 +70,15 @@ def builtin_model_specs() -> tuple[ModelSpec, ...]:
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     device: str = Field("auto", description="torch device: auto (cuda if present), cpu, cuda")
+    # Why half the cores and not torch's one per core: engine/threads.py (measured in
+    # docs/benchmarks.md, "Beside a busy process").
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of each engine process; None: half the cores the"
+        " process may use, split between a trainer group's ranks, at least one (keeps a busy"
+        " neighbour from stalling every operator; fixed per machine, so runs reproduce)",
+    )
     # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs about 0.5 ms a
     # call, within the noise of every operation but a publish; a worker process costs a start
     # (spawn, import torch, load the model: seconds) and its own copy of the libraries. Threads

@@ -41,6 +41,7 @@ from posttrain.engine.optim import SessionOptimizer
 from posttrain.engine.param_shards import ParamShards
 from posttrain.engine.prefix_cache import PrefixCache
 from posttrain.engine.state import ResourceState, SessionState
+from posttrain.engine.threads import use_intra_op_threads
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
@@ -64,6 +65,7 @@ class LocalEngine:
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
         self.config = config
         self.model_paths = model_paths
+        use_intra_op_threads(config.threads)  # engine/threads.py says why not torch's default
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._resources: dict[str, ResourceState] = {}

@@ -57,6 +57,7 @@ from posttrain.engine.data_parallel import DataParallel
 from posttrain.engine.local import LocalEngine
 from posttrain.engine.placement import RANK, LocalPlacement, Placement, WorkerHandle
 from posttrain.engine.process import forward_by_resource
+from posttrain.engine.threads import use_intra_op_threads
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.model.loader import resolve_device
 from posttrain.types import MuonScaling
@@ -94,7 +95,7 @@ class RankEngine(LocalEngine):
         """`store`: (host, port) of the group's rendezvous, a TCPStore in the API process."""
         super().__init__(config, model_paths)
         # The ranks share the machine's cores; oversubscribed threads would slow them all.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        use_intra_op_threads(config.threads, processes=world)
         backend = "gloo"
         if self.device.type == "cuda":
             # Local ranks see every GPU (rank r takes cuda:r); a Ray actor sees its own alone.

@@ -35,7 +35,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=DEFAULT_OUT, help="where the plot and logs go (%(default)s)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a shortened run (fewer steps, smaller eval)"
+        "--quick",
+        action="store_true",
+        help=f"a shortened run ({QUICK.warmup_steps} warm-up and {QUICK.rl_steps} GRPO steps)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of data, LoRA and sampling")
     parser.add_argument(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -119,6 +120,8 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny steps, one rep")
     args = parser.parse_args()
+    # A SIGTERM unwinds like Ctrl-C, so the busy child and the server are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     config = replace(DemoConfig(), warmup_steps=args.warmup_steps, rl_steps=args.rl_steps, seed=0)
     if args.quick:

@@ -97,6 +97,17 @@ class EngineConfig(BaseModel):
         description="torch device: auto (cuda when present, else cpu), cpu, cuda or cuda:N",
         json_schema_extra=flag("basics"),
     )
+    # Why half the cores and not torch's one per core: engine/hosts/threads.py (measured in
+    # docs/benchmarks.md, "Beside a busy process").
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of each engine process; by default half the cores"
+        " the process may use, split between a trainer group's ranks, at least one: a busy"
+        " neighbour then stalls no operator, and the count, fixed per machine, keeps runs"
+        " reproducible",
+        json_schema_extra=flag("performance", env=True, metavar="N", default="half the cores"),
+    )
     # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs about 0.5 ms a
     # call, within the noise of every operation but a publish; a worker process costs a start
     # (spawn, import torch, load the model: seconds) and its own copy of the libraries. Threads

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 
 from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.demo.loop import QUICK, DemoConfig, StepRecord, require_sdk, run_demo
+from posttrain.demo.server import INTERRUPTED_STOP_TIMEOUT_S, STOP_TIMEOUT_S, LocalServer
 
 DEFAULT_OUT = Path("posttrain-demo")
 
@@ -32,7 +35,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=DEFAULT_OUT, help="where the plot and logs go (%(default)s)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a shortened run (fewer steps, smaller eval)"
+        "--quick",
+        action="store_true",
+        help=f"a shortened run ({QUICK.warmup_steps} warm-up and {QUICK.rl_steps} GRPO steps)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of data, LoRA and sampling")
     parser.add_argument(
@@ -80,20 +85,45 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     return config
 
 
+def stop_on_interrupt(server: LocalServer | None, out_dir: Path) -> None:
+    """On Ctrl-C (SIGINT) or SIGTERM: stop the server this demo started, say so in one line,
+    and exit 130 at once. Unwinding instead would run the SDK's session cleanups against a
+    server that is going away (each retried for seconds) and print their tracebacks; the
+    steps so far are already in steps.jsonl, and a server given by --base-url expires the
+    demo's idle sessions itself."""
+
+    def interrupted(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
+        stopped = "stopped the demo and its server" if server else "stopped the demo"
+        if server is not None:
+            server.close(INTERRUPTED_STOP_TIMEOUT_S)
+        sys.stdout.flush()
+        sys.stderr.write(f"\nposttrain demo: interrupted; {stopped} (steps so far: {out_dir})\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+
+
 def run_demo_command(args: argparse.Namespace) -> None:
     require_sdk()
     from posttrain.demo.report import closing_text, write_outputs
-    from posttrain.demo.server import local_server
 
     config = demo_config(args)
     out_dir: Path = args.out.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     api_key = os.environ.get("TOGETHER_API_KEY", "local-key")
+    stop_on_interrupt(None, out_dir)
     with ExitStack() as stack:
         base_url = args.base_url
         if base_url is None:
             print("starting posttrain serve with the built-in models ...", file=sys.stderr)
-            base_url = stack.enter_context(local_server(log_path=out_dir / "server.log"))
+            server = LocalServer(data_dir=None, log_path=out_dir / "server.log", extra_args=())
+            stack.callback(server.close, STOP_TIMEOUT_S)
+            stop_on_interrupt(server, out_dir)
+            server.wait_until_healthy()
+            base_url = server.base_url
         print(
             f"server {base_url} (dashboard: {base_url}/)\n"
             f"model: {config.base_model}\n"

@@ -70,7 +70,11 @@ class DemoConfig:
     use_reference: bool = True
 
 
-QUICK = DemoConfig(rl_steps=20)
+# `--quick`: fewer warm-up and GRPO steps. The warm-up is cut least: GRPO needs a policy that
+# already gets some answers right (a group whose samples all fail carries no signal). Measured
+# on seed 0: held-out accuracy after 120 / 150 / 180 / 210 warm-up steps is about 8 / 14 / 25 /
+# 48%, and GRPO from 14% lowered it while from 25% it raised it (to 29% in 12 steps).
+QUICK = DemoConfig(warmup_steps=180, rl_steps=12)
 
 
 @dataclass

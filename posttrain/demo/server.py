@@ -1,8 +1,15 @@
-"""`posttrain serve` as a child process on a free port, for the demo and the examples."""
+"""`posttrain serve` as a child process on a free port, for the demo and the examples.
+
+The child runs in a session of its own, so a Ctrl-C in the terminal reaches only its parent:
+the parent decides when the server stops (after its clients have finished with it, or at once
+on an interrupt: demo/command.py) instead of the server dying under a client that then retries
+it.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,10 +18,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 START_TIMEOUT_S = 120
+# How long a server told to stop (SIGTERM) may take to close before it is killed: at the end
+# of a run it finishes what it was doing; on an interrupt the demo must be gone within seconds.
+STOP_TIMEOUT_S = 30.0
+INTERRUPTED_STOP_TIMEOUT_S = 1.0
 
 
 def free_port() -> int:
@@ -31,15 +43,14 @@ def is_healthy(base_url: str) -> bool:
         return False
 
 
-@contextmanager
-def local_server(
-    *, data_dir: Path | None = None, log_path: Path | None = None, extra_args: tuple[str, ...] = ()
-) -> Iterator[str]:
-    """Start `posttrain serve` with the built-in model; yield its base URL; stop it on exit.
+class LocalServer:
+    """A started `posttrain serve` child: its URL, and a stop that never waits long."""
 
-    The store goes to `data_dir` (a temporary directory when None) and the server's output to
-    `log_path` (discarded when None), so it never interleaves with the caller's output."""
-    with tempfile.TemporaryDirectory(prefix="posttrain-") as scratch, ExitStack() as stack:
+    def __init__(
+        self, *, data_dir: Path | None, log_path: Path | None, extra_args: tuple[str, ...]
+    ) -> None:
+        self.log_path = log_path
+        self._scratch = tempfile.mkdtemp(prefix="posttrain-")
         port = free_port()
         command = [
             sys.executable,
@@ -49,29 +60,66 @@ def local_server(
             "--port",
             str(port),
             "--data-dir",
-            str(data_dir or Path(scratch) / "data"),
+            str(data_dir or Path(self._scratch) / "data"),
             "--log-level",
             "warning",
             *extra_args,
         ]
-        log = stack.enter_context(log_path.open("ab")) if log_path else subprocess.DEVNULL
+        self._log: IO[bytes] | None = log_path.open("ab") if log_path else None
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not is_healthy(base_url):
-                if process.poll() is not None:
-                    where = f"; its log is {log_path}" if log_path else ""
-                    raise RuntimeError(f"posttrain serve exited with {process.returncode}{where}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"posttrain serve did not answer within {START_TIMEOUT_S}s")
-                time.sleep(0.1)
-            yield base_url
-        finally:
-            process.terminate()
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not is_healthy(self.base_url):
+            if self.process.poll() is not None:
+                where = f"; its log is {self.log_path}" if self.log_path else ""
+                raise RuntimeError(f"posttrain serve exited with {self.process.returncode}{where}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"posttrain serve did not answer within {START_TIMEOUT_S}s")
+            time.sleep(0.1)
+
+    def close(self, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; then remove the
+        scratch directory. Safe to call twice."""
+        if self.process.poll() is None:
+            self.process.terminate()
             try:
-                process.wait(timeout=30)
+                self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+@contextmanager
+def started_server(
+    *, data_dir: Path | None = None, log_path: Path | None = None, extra_args: tuple[str, ...] = ()
+) -> Iterator[LocalServer]:
+    """Start `posttrain serve` with the built-in models; yield it once it answers; stop it on
+    exit. The store goes to `data_dir` (a scratch directory when None) and the server's output
+    to `log_path` (discarded when None), so it never interleaves with the caller's output."""
+    server = LocalServer(data_dir=data_dir, log_path=log_path, extra_args=extra_args)
+    try:
+        server.wait_until_healthy()
+        yield server
+    finally:
+        server.close(STOP_TIMEOUT_S)
+
+
+@contextmanager
+def local_server(
+    *, data_dir: Path | None = None, log_path: Path | None = None, extra_args: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """started_server, yielding only the base URL."""
+    with started_server(data_dir=data_dir, log_path=log_path, extra_args=extra_args) as server:
+        yield server.base_url

@@ -26,6 +26,7 @@ from posttrain.engine.checkpoint import durable, formats
 from posttrain.engine.checkpoint.session_tensors import copy_into_trainer, trainer_tensors
 from posttrain.engine.generate import generator
 from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.hosts.threads import use_intra_op_threads
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.memory.footprint import (
     ResourceFootprint,
@@ -63,6 +64,7 @@ class LocalEngine:
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
         self.config = config
         self.model_paths = model_paths
+        use_intra_op_threads(config.threads)  # engine/hosts/threads.py says why not torch's default
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._resources: dict[str, ResourceState] = {}

@@ -58,6 +58,7 @@ from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.placement import RANK, Placement, WorkerHandle
 from posttrain.engine.hosts.remote import RemoteEngine
+from posttrain.engine.hosts.threads import use_intra_op_threads
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.model.loader import resolve_device
@@ -98,7 +99,7 @@ class RankEngine(LocalEngine):
         """`store`: (host, port) of the group's rendezvous, a TCPStore in the API process."""
         super().__init__(config, model_paths)
         # The ranks share the machine's cores; oversubscribed threads would slow them all.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        use_intra_op_threads(config.threads, processes=world)
         backend = "gloo"
         if self.device.type == "cuda":
             # Local ranks see every GPU (rank r takes cuda:r); a Ray actor sees its own alone.

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from posttrain.engine.local import LocalEngine
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine import threads
+from posttrain.engine.hosts import threads
+from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.threads import intra_op_threads, usable_cores
 
 

@@ -1,20 +1,29 @@
-"""Response models of the API's objects, as responses.py writes them (api.md 1.1 to 1.6, 6.1).
+"""Response models of the API's objects (api.md 1.1 to 1.6, 6.1): they document /openapi.json
+and render the answers, so a response shape is written once.
 
-They document /openapi.json; the routes still build their JSON in responses.py, and
-tests/integration/test_openapi_contract.py checks real answers against the served schema, so a
-field added there without being added here fails a test. Fields the server always writes are
-required; those it writes only sometimes are optional and never null. Extra fields are allowed,
-as the SDK's own models allow them (api.md 0.3).
+Each model that answers for a domain record builds itself from it (`of`) with
+`model_construct`: the values come from the server, and validating them would change the wire
+(an int in a float field becomes `16.0`). `Reply.wire` writes the fields that were set, so
+fields the server always writes are required, and those it writes only sometimes are optional
+and never null. It hands values on as they are, which keeps ints ints and leaves the float
+text to json.dumps (`1e-05`, where pydantic's JSON mode writes `0.00001`); `model_dump` would
+also copy every list, and a large sample output's token and logprob lists are most of it.
+Extra fields are allowed, as the SDK's own models allow them (api.md 0.3).
+tests/integration/test_openapi_contract.py checks real answers against the served schema;
+tests/unit/api/test_replies.py checks them against the JSON the SDK got before.
 
 Imports: types.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain import types as t
 from posttrain.types import (
     CheckpointType,
     ResourceErrorCode,
@@ -23,14 +32,61 @@ from posttrain.types import (
     SessionStatus,
 )
 
-# RFC 3339 in UTC (responses.timestamp).
+# RFC 3339 in UTC (`timestamp`).
 Timestamp = Field(json_schema_extra={"format": "date-time"})
+
+# The SDK 3.1.1 types pin gpu_type to literals (api.md 7.9): a ModelResources may say
+# "H100-80GB" or "B200-SXM" or nothing; a supported model's gpu_type and default_gpu_type must
+# say "B200-SXM". So gpu_type carries the nearest accepted literal, and `device` (an extra field,
+# which the SDK's models keep) carries the real device name.
+SUPPORTED_MODELS_GPU_TYPE = "B200-SXM"
+
+
+def resource_gpu_type(device: str) -> str | None:
+    """The ModelResources gpu_type literal naming `device`, or None where none does."""
+    name = device.upper()
+    if "B200" in name:
+        return "B200-SXM"
+    if "H100" in name and "80GB" in name:
+        return "H100-80GB"
+    return None
+
+
+def timestamp(epoch_s: float) -> str:
+    """RFC 3339 in UTC with a Z suffix."""
+    moment = datetime.fromtimestamp(epoch_s, tz=UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def given(**values: Any) -> dict[str, Any]:
+    """`values` less the Nones: an optional field left out is absent from the wire."""
+    return {name: value for name, value in values.items() if value is not None}
 
 
 class Reply(BaseModel):
     """A response object: what the server writes, extras allowed."""
 
     model_config = ConfigDict(extra="allow")
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON object as sent: the fields that were set, in declared order, nested replies
+        as objects, and every other value as it is (module docstring)."""
+        fields = self.model_fields_set
+        out = {
+            name: _wire(getattr(self, name)) for name in type(self).model_fields if name in fields
+        }
+        out.update((name, _wire(value)) for name, value in (self.__pydantic_extra__ or {}).items())
+        return out
+
+
+def _wire(value: Any) -> Any:
+    """A nested reply or list of replies as JSON objects; any other value, a token list
+    included, is passed on as the same object rather than copied."""
+    if isinstance(value, Reply):
+        return value.wire()
+    if isinstance(value, list) and value and isinstance(value[0], Reply):
+        return [item.wire() for item in value]
+    return value
 
 
 def optional(**schema: Any) -> Any:
@@ -65,6 +121,16 @@ class ObjectError(Reply):
     message: str
     occurred_at: str = Timestamp
 
+    # The enum `code` takes in a subclass: the stored code is its value.
+    codes: ClassVar[type[StrEnum] | None] = None
+
+    @classmethod
+    def of(cls, error: t.ErrorInfo) -> Self:
+        code = error.code if cls.codes is None else cls.codes(error.code)
+        return cls.model_construct(
+            code=code, message=error.message, occurred_at=timestamp(error.occurred_at)
+        )
+
 
 # ---------------------------------------------------------------- model resources
 
@@ -90,6 +156,7 @@ class StatusDetails(Reply):
 
 class ResourceError(ObjectError):
     code: ResourceErrorCode  # type: ignore[assignment]
+    codes = ResourceErrorCode
 
 
 class ModelResources(Reply):
@@ -106,6 +173,39 @@ class ModelResources(Reply):
     updated_at: str = Timestamp
     expires_at: str = optional(format="date-time")
     error: ResourceError = optional()
+
+    @classmethod
+    def of(cls, r: t.ResourceRecord) -> Self:
+        optimizer = (
+            OptimizerConfig.model_construct(adam={})
+            if r.muon_scaling is None
+            else OptimizerConfig.model_construct(
+                muon=MuonConfig.model_construct(scaling_strategy=r.muon_scaling)
+            )
+        )
+        # ResourceRecord.gpu_type holds the device name the engine reported at creation.
+        compute = ResourceComputeConfig.model_construct(
+            num_generator_replicas=r.num_generator_replicas,
+            device=r.gpu_type,
+            **given(gpu_type=resource_gpu_type(r.gpu_type)),
+        )
+        return cls.model_construct(
+            id=r.id,
+            base_model=r.base_model,
+            compute_config=compute,
+            created_at=timestamp(r.created_at),
+            created_by=r.created_by,
+            inactive_timeout=r.inactive_timeout,
+            lora_enabled=r.lora_enabled,
+            optimizer_config=optimizer,
+            status=r.status,
+            status_details=StatusDetails.model_construct(),
+            updated_at=timestamp(r.updated_at),
+            **given(
+                expires_at=None if r.expires_at is None else timestamp(r.expires_at),
+                error=None if r.error is None else ResourceError.of(r.error),
+            ),
+        )
 
 
 class PageMeta(Reply):
@@ -132,6 +232,10 @@ class CheckpointRef(Reply):
     created_at: str = Timestamp
     step: int
 
+    @classmethod
+    def of(cls, c: t.CheckpointRef) -> Self:
+        return cls.model_construct(id=c.id, created_at=timestamp(c.created_at), step=c.step)
+
 
 class Wandb(Reply):
     entity: str = optional()
@@ -144,6 +248,14 @@ class Wandb(Reply):
 
 class SessionMetadata(Reply):
     wandb: Wandb = optional()
+
+    @classmethod
+    def of(cls, metadata: dict[str, dict[str, str]]) -> Self:
+        """Wandb's keys come out in the order declared here; a PATCH that adds an earlier
+        key after a later one stores them in arrival order, which the wire no longer keeps."""
+        return cls.model_construct(
+            **{group: Wandb.model_construct(**fields) for group, fields in metadata.items()}
+        )
 
 
 class PolicyState(Reply):
@@ -163,6 +275,7 @@ class LoraConfig(Reply):
 
 class SessionError(ObjectError):
     code: SessionErrorCode  # type: ignore[assignment]
+    codes = SessionErrorCode
 
 
 class Session(Reply):
@@ -183,6 +296,44 @@ class Session(Reply):
     resume_from_checkpoint_id: str = optional()
     error: SessionError = optional()
 
+    @classmethod
+    def of(cls, s: t.SessionRecord) -> Self:
+        policy = s.policy_state
+        lora = s.lora_config
+        return cls.model_construct(
+            id=s.id,
+            base_model=s.base_model,
+            created_at=timestamp(s.created_at),
+            updated_at=timestamp(s.updated_at),
+            created_by=s.created_by,
+            inference_checkpoints=[CheckpointRef.of(c) for c in s.inference_checkpoints],
+            training_checkpoints=[CheckpointRef.of(c) for c in s.training_checkpoints],
+            metadata=SessionMetadata.of(s.metadata),
+            model_resources_id=s.resource_id,
+            policy_state=PolicyState.model_construct(
+                trainer_step=policy.trainer_step,
+                target_weights_version=policy.target_weights_version,
+                applied_weights_version=policy.applied_weights_version,
+                pending_publish=policy.pending_publish,
+            ),
+            status=s.status,
+            step=s.step,
+            **given(
+                display_name=s.display_name,
+                lora_config=None
+                if lora is None
+                else LoraConfig.model_construct(
+                    rank=lora.rank,
+                    alpha=lora.alpha,
+                    dropout=lora.dropout,
+                    seed=lora.seed,
+                    train_unembed=lora.train_unembed,
+                ),
+                resume_from_checkpoint_id=s.resume_from_checkpoint_id,
+                error=None if s.error is None else SessionError.of(s.error),
+            ),
+        )
+
 
 class SessionsList(Reply):
     data: list[Session]
@@ -200,6 +351,19 @@ class Checkpoint(Reply):
     step: int
     type: CheckpointType
     lora_rank: int = optional()
+
+    @classmethod
+    def of(cls, c: t.CheckpointRecord) -> Self:
+        """lora_rank for every LoRA checkpoint (tinker reads it)."""
+        return cls.model_construct(
+            id=c.id,
+            base_model=c.base_model,
+            created_at=timestamp(c.created_at),
+            session_id=c.session_id,
+            step=c.step,
+            type=c.type,
+            **given(lora_rank=c.lora_rank),
+        )
 
 
 class CheckpointsList(Reply):

@@ -1,18 +1,21 @@
 """Response models of operations: the envelope every operation POST and GET answers, with the
-output of each kind (api.md 1.4; each kind's in api/kinds.py), as responses.output_json writes
-them. Like objects.py they
-document /openapi.json and are checked against real answers by the contract tests.
+output of each kind (api.md 1.4; each kind's in api/kinds.py). Like objects.py they document
+/openapi.json and render the answers, built with `model_construct` from the domain output.
+
+A sample output's token and logprob lists go into the models as the engine's plain lists: no
+model per token, so rendering a large output costs about what json.dumps of it does.
 
 Imports: api.schemas.objects, types.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field
 
-from posttrain.api.schemas.objects import CheckpointRef, Reply, optional
+from posttrain import types as t
+from posttrain.api.schemas.objects import CheckpointRef, Reply, given, optional
 from posttrain.types import OperationErrorCode, OperationStatus, StopReason
 
 
@@ -41,6 +44,21 @@ class ForwardBackwardResult(Reply):
         description="one per sample, in request order; [] unless asked for"
     )
 
+    @classmethod
+    def of(cls, result: t.ForwardBackwardResult) -> Self:
+        return cls.model_construct(
+            loss=result.loss,
+            metrics=result.metrics,
+            loss_fn_outputs=[
+                LossFnOutput.model_construct(
+                    tensors=LossFnTensors.model_construct(
+                        logprobs=LogprobsTensor.model_construct(data=values, dtype="float32")
+                    )
+                )
+                for values in result.loss_fn_outputs or []
+            ],
+        )
+
 
 class CustomForwardBackwardResult(Reply):
     """Has no fields, and is still written as {} (api.md 1.4.3)."""
@@ -66,6 +84,16 @@ class SampledSequence(Reply):
     prompt_cache_hit_tokens: int
     routed_experts_key: str = optional()
 
+    @classmethod
+    def of(cls, sequence: t.SampledSequence) -> Self:
+        return cls.model_construct(
+            tokens=sequence.tokens,
+            logprobs=sequence.logprobs,
+            stop_reason=sequence.stop_reason,
+            prompt_cache_hit_tokens=sequence.prompt_cache_hit_tokens,
+            **given(routed_experts_key=sequence.routed_experts_key),
+        )
+
 
 class TopkLogprobs(Reply):
     token_ids: list[int]
@@ -79,6 +107,26 @@ class SampleResult(Reply):
     prompt_logprobs: list[float] = optional()
     topk_prompt_logprobs: list[TopkLogprobs] = optional()
 
+    @classmethod
+    def of(cls, result: t.SampleResult) -> Self:
+        topk = result.topk_prompt_logprobs
+        return cls.model_construct(
+            policy_segments=[
+                PolicySegment.model_construct(start_token=s.start_token, version=s.version)
+                for s in result.policy_segments
+            ],
+            sequences=[SampledSequence.of(s) for s in result.sequences],
+            **given(
+                prompt_logprobs=result.prompt_logprobs,
+                topk_prompt_logprobs=None
+                if topk is None
+                else [
+                    TopkLogprobs.model_construct(token_ids=k.token_ids, logprobs=k.logprobs)
+                    for k in topk
+                ],
+            ),
+        )
+
 
 class SampleOutput(Reply):
     results: list[SampleResult]
@@ -88,10 +136,42 @@ class CheckpointResult(Reply):
     checkpoint: CheckpointRef
 
 
+def output_reply(output: t.OperationOutput) -> Reply:
+    """An operation's output object (api.md 1.4)."""
+    match output:
+        case t.ForwardBackwardResult():
+            return ForwardBackwardResult.of(output)
+        case t.SampleOutput(results=results):
+            return SampleOutput.model_construct(results=[SampleResult.of(r) for r in results])
+        case t.OptimStepOutput(step=step):
+            return OptimStepResult.model_construct(step=step)
+        case t.WeightsSyncOutput(weights_version=version):
+            return WeightsSyncResult.model_construct(weights_version=version)
+        case t.CheckpointOutput(checkpoint=c):
+            return CheckpointResult.model_construct(checkpoint=CheckpointRef.of(c))
+        case t.CustomForwardBackwardOutput():
+            return CustomForwardBackwardResult.model_construct()
+    raise AssertionError(f"unknown operation output {output!r}")
+
+
 class OperationReply(Reply):
+    """Each kind's subclass declares its `output` (api/kinds.py picks the subclass)."""
+
     id: str
     status: OperationStatus
+    output: Reply = optional()  # declared here so that it comes before `error`
     error: OperationError = optional()
+
+    @classmethod
+    def of(cls, op: t.OperationRecord) -> Self:
+        fields: dict[str, Any] = {"id": op.id, "status": op.status}
+        if op.output is not None:
+            fields["output"] = output_reply(op.output)
+        if op.error_code is not None:
+            fields["error"] = OperationError.model_construct(
+                code=op.error_code, message=op.error_message or ""
+            )
+        return cls.model_construct(**fields)
 
 
 class ForwardBackwardOperation(OperationReply):

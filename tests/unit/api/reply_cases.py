@@ -134,9 +134,7 @@ def _op(
 
 
 SEQUENCE = SampledSequence([4, 5, 6], [-0.5, -1e-05, -2.0], StopReason.STOP, 2)
-ROUTED = SampledSequence(
-    [1], [-0.25], StopReason.LENGTH, 0, routed_experts_key="routes-1"
-)
+ROUTED = SampledSequence([1], [-0.25], StopReason.LENGTH, 0, routed_experts_key="routes-1")
 
 OPERATIONS = {
     "op_forward_backward": _op(

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse
 
-from posttrain.api.schemas.objects import ErrorData, ErrorEnvelope, PageMeta, Reply
+from posttrain.api.schemas.objects import ErrorData, ErrorEnvelope, PageMeta
+from posttrain.api.schemas.reply import Reply
 
 
 class Identified(Protocol):

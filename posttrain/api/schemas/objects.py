@@ -1,29 +1,21 @@
 """Response models of the API's objects (api.md 1.1 to 1.6, 6.1): they document /openapi.json
-and render the answers, so a response shape is written once.
-
-Each model that answers for a domain record builds itself from it (`of`) with
-`model_construct`: the values come from the server, and validating them would change the wire
-(an int in a float field becomes `16.0`). `Reply.wire` writes the fields that were set, so
-fields the server always writes are required, and those it writes only sometimes are optional
-and never null. It hands values on as they are, which keeps ints ints and leaves the float
-text to json.dumps (`1e-05`, where pydantic's JSON mode writes `0.00001`); `model_dump` would
-also copy every list, and a large sample output's token and logprob lists are most of it.
-Extra fields are allowed, as the SDK's own models allow them (api.md 0.3).
+and render the answers (schemas/reply.py says how), so a response shape is written once. Each
+model that answers for a domain record builds itself from it (`of`).
 tests/integration/test_openapi_contract.py checks real answers against the served schema;
 tests/unit/api/test_replies.py checks them against the JSON the SDK got before.
 
-Imports: types.
+Imports: api.schemas.reply, types.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, ClassVar, Literal, Self
+from typing import ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from posttrain import types as t
+from posttrain.api.schemas.reply import Reply, Timestamp, given, optional, timestamp
 from posttrain.types import (
     CheckpointType,
     ResourceErrorCode,
@@ -31,9 +23,6 @@ from posttrain.types import (
     SessionErrorCode,
     SessionStatus,
 )
-
-# RFC 3339 in UTC (`timestamp`).
-Timestamp = Field(json_schema_extra={"format": "date-time"})
 
 # The SDK 3.1.1 types pin gpu_type to literals (api.md 7.9): a ModelResources may say
 # "H100-80GB" or "B200-SXM" or nothing; a supported model's gpu_type and default_gpu_type must
@@ -50,54 +39,6 @@ def resource_gpu_type(device: str) -> str | None:
     if "H100" in name and "80GB" in name:
         return "H100-80GB"
     return None
-
-
-def timestamp(epoch_s: float) -> str:
-    """RFC 3339 in UTC with a Z suffix."""
-    moment = datetime.fromtimestamp(epoch_s, tz=UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def given(**values: Any) -> dict[str, Any]:
-    """`values` less the Nones: an optional field left out is absent from the wire."""
-    return {name: value for name, value in values.items() if value is not None}
-
-
-class Reply(BaseModel):
-    """A response object: what the server writes, extras allowed."""
-
-    model_config = ConfigDict(extra="allow")
-
-    def wire(self) -> dict[str, Any]:
-        """The JSON object as sent: the fields that were set, in declared order, nested replies
-        as objects, and every other value as it is (module docstring)."""
-        fields = self.model_fields_set
-        out = {
-            name: _wire(getattr(self, name)) for name in type(self).model_fields if name in fields
-        }
-        out.update((name, _wire(value)) for name, value in (self.__pydantic_extra__ or {}).items())
-        return out
-
-
-def _wire(value: Any) -> Any:
-    """A nested reply or list of replies as JSON objects; any other value, a token list
-    included, is passed on as the same object rather than copied."""
-    if isinstance(value, Reply):
-        return value.wire()
-    if isinstance(value, list) and value and isinstance(value[0], Reply):
-        return [item.wire() for item in value]
-    return value
-
-
-def optional(**schema: Any) -> Any:
-    """A field the server writes only sometimes, and never as null: not required, its schema
-    its plain type (without the `default: null` that None would write), plus `schema`."""
-
-    def written(generated: dict[str, Any]) -> None:
-        generated.pop("default", None)
-        generated.update(schema)
-
-    return Field(default=None, json_schema_extra=written)
 
 
 # ---------------------------------------------------------------- errors

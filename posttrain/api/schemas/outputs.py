@@ -5,7 +5,7 @@ output of each kind (api.md 1.4; each kind's in api/kinds.py). Like objects.py t
 A sample output's token and logprob lists go into the models as the engine's plain lists: no
 model per token, so rendering a large output costs about what json.dumps of it does.
 
-Imports: api.schemas.objects, types.
+Imports: api.schemas.objects, api.schemas.reply, types.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Literal, Self
 from pydantic import Field
 
 from posttrain import types as t
-from posttrain.api.schemas.objects import CheckpointRef, Reply, given, optional
+from posttrain.api.schemas.objects import CheckpointRef
+from posttrain.api.schemas.reply import Reply, given, optional
 from posttrain.types import OperationErrorCode, OperationStatus, StopReason
 
 

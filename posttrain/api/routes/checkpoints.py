@@ -47,9 +47,7 @@ def download(
     user: UserDep,
 ) -> dict[str, Any]:
     files = svc.checkpoints.download(user, checkpoint_id, variant)
-    data = [
-        o.CheckpointFile.model_construct(filename=f.filename, size=f.size, url=f.url) for f in files
-    ]
+    data = [o.CheckpointFile.copied(f) for f in files]
     return o.CheckpointDownload.model_construct(data=data).wire()
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal, Self
 from pydantic import Field
 
 from posttrain import types as t
-from posttrain.api.schemas.reply import Reply, Timestamp, given, optional, timestamp
+from posttrain.api.schemas.reply import Reply, Timestamp, optional, timestamp
 from posttrain.types import (
     CheckpointType,
     ResourceErrorCode,
@@ -125,27 +125,18 @@ class ModelResources(Reply):
             )
         )
         # ResourceRecord.gpu_type holds the device name the engine reported at creation.
-        compute = ResourceComputeConfig.model_construct(
-            num_generator_replicas=r.num_generator_replicas,
-            device=r.gpu_type,
-            **given(gpu_type=resource_gpu_type(r.gpu_type)),
+        compute = ResourceComputeConfig.copied(
+            r, device=r.gpu_type, gpu_type=resource_gpu_type(r.gpu_type)
         )
-        return cls.model_construct(
-            id=r.id,
-            base_model=r.base_model,
+        return cls.copied(
+            r,
             compute_config=compute,
             created_at=timestamp(r.created_at),
-            created_by=r.created_by,
-            inactive_timeout=r.inactive_timeout,
-            lora_enabled=r.lora_enabled,
             optimizer_config=optimizer,
-            status=r.status,
             status_details=StatusDetails.model_construct(),
             updated_at=timestamp(r.updated_at),
-            **given(
-                expires_at=None if r.expires_at is None else timestamp(r.expires_at),
-                error=None if r.error is None else ResourceError.of(r.error),
-            ),
+            expires_at=None if r.expires_at is None else timestamp(r.expires_at),
+            error=None if r.error is None else ResourceError.of(r.error),
         )
 
 
@@ -175,7 +166,7 @@ class CheckpointRef(Reply):
 
     @classmethod
     def of(cls, c: t.CheckpointRef) -> Self:
-        return cls.model_construct(id=c.id, created_at=timestamp(c.created_at), step=c.step)
+        return cls.copied(c, created_at=timestamp(c.created_at))
 
 
 class Wandb(Reply):
@@ -239,40 +230,17 @@ class Session(Reply):
 
     @classmethod
     def of(cls, s: t.SessionRecord) -> Self:
-        policy = s.policy_state
-        lora = s.lora_config
-        return cls.model_construct(
-            id=s.id,
-            base_model=s.base_model,
+        return cls.copied(
+            s,
             created_at=timestamp(s.created_at),
             updated_at=timestamp(s.updated_at),
-            created_by=s.created_by,
             inference_checkpoints=[CheckpointRef.of(c) for c in s.inference_checkpoints],
             training_checkpoints=[CheckpointRef.of(c) for c in s.training_checkpoints],
             metadata=SessionMetadata.of(s.metadata),
             model_resources_id=s.resource_id,
-            policy_state=PolicyState.model_construct(
-                trainer_step=policy.trainer_step,
-                target_weights_version=policy.target_weights_version,
-                applied_weights_version=policy.applied_weights_version,
-                pending_publish=policy.pending_publish,
-            ),
-            status=s.status,
-            step=s.step,
-            **given(
-                display_name=s.display_name,
-                lora_config=None
-                if lora is None
-                else LoraConfig.model_construct(
-                    rank=lora.rank,
-                    alpha=lora.alpha,
-                    dropout=lora.dropout,
-                    seed=lora.seed,
-                    train_unembed=lora.train_unembed,
-                ),
-                resume_from_checkpoint_id=s.resume_from_checkpoint_id,
-                error=None if s.error is None else SessionError.of(s.error),
-            ),
+            policy_state=PolicyState.copied(s.policy_state),
+            lora_config=None if s.lora_config is None else LoraConfig.copied(s.lora_config),
+            error=None if s.error is None else SessionError.of(s.error),
         )
 
 
@@ -296,15 +264,7 @@ class Checkpoint(Reply):
     @classmethod
     def of(cls, c: t.CheckpointRecord) -> Self:
         """lora_rank for every LoRA checkpoint (tinker reads it)."""
-        return cls.model_construct(
-            id=c.id,
-            base_model=c.base_model,
-            created_at=timestamp(c.created_at),
-            session_id=c.session_id,
-            step=c.step,
-            type=c.type,
-            **given(lora_rank=c.lora_rank),
-        )
+        return cls.copied(c, created_at=timestamp(c.created_at))
 
 
 class CheckpointsList(Reply):

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from posttrain import types as t
 from posttrain.api.schemas.objects import CheckpointRef
-from posttrain.api.schemas.reply import Reply, given, optional
+from posttrain.api.schemas.reply import Reply, optional
 from posttrain.types import OperationErrorCode, OperationStatus, StopReason
 
 
@@ -85,16 +85,6 @@ class SampledSequence(Reply):
     prompt_cache_hit_tokens: int
     routed_experts_key: str = optional()
 
-    @classmethod
-    def of(cls, sequence: t.SampledSequence) -> Self:
-        return cls.model_construct(
-            tokens=sequence.tokens,
-            logprobs=sequence.logprobs,
-            stop_reason=sequence.stop_reason,
-            prompt_cache_hit_tokens=sequence.prompt_cache_hit_tokens,
-            **given(routed_experts_key=sequence.routed_experts_key),
-        )
-
 
 class TopkLogprobs(Reply):
     token_ids: list[int]
@@ -111,21 +101,11 @@ class SampleResult(Reply):
     @classmethod
     def of(cls, result: t.SampleResult) -> Self:
         topk = result.topk_prompt_logprobs
-        return cls.model_construct(
-            policy_segments=[
-                PolicySegment.model_construct(start_token=s.start_token, version=s.version)
-                for s in result.policy_segments
-            ],
-            sequences=[SampledSequence.of(s) for s in result.sequences],
-            **given(
-                prompt_logprobs=result.prompt_logprobs,
-                topk_prompt_logprobs=None
-                if topk is None
-                else [
-                    TopkLogprobs.model_construct(token_ids=k.token_ids, logprobs=k.logprobs)
-                    for k in topk
-                ],
-            ),
+        return cls.copied(
+            result,
+            policy_segments=[PolicySegment.copied(s) for s in result.policy_segments],
+            sequences=[SampledSequence.copied(s) for s in result.sequences],
+            topk_prompt_logprobs=None if topk is None else [TopkLogprobs.copied(k) for k in topk],
         )
 
 

@@ -14,7 +14,7 @@ Imports: nothing from posttrain.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,15 +28,25 @@ def timestamp(epoch_s: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def given(**values: Any) -> dict[str, Any]:
-    """`values` less the Nones: an optional field left out is absent from the wire."""
-    return {name: value for name, value in values.items() if value is not None}
-
-
 class Reply(BaseModel):
     """A response object: what the server writes, extras allowed."""
 
     model_config = ConfigDict(extra="allow")
+
+    @classmethod
+    def copied(cls, value: object, **fields: Any) -> Self:
+        """The reply of a domain object: each field is `fields[name]` if given, else the
+        attribute of `value` of the same name; an optional field that comes out None is left
+        out, so it is absent from the wire."""
+        out = {}
+        for name, field in cls.model_fields.items():
+            if name in fields:
+                item = fields[name]
+            else:
+                item = getattr(value, name) if field.is_required() else getattr(value, name, None)
+            if item is not None or field.is_required():
+                out[name] = item
+        return cls.model_construct(**out)
 
     def wire(self) -> dict[str, Any]:
         """The JSON object as sent: the fields that were set, in declared order, nested replies

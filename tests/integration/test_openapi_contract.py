@@ -1,8 +1,8 @@
 """The served /openapi.json is the contract: schemathesis fuzzes every documented operation of a
 real server from it (bounded, derandomized examples, valid and invalid), and every answer must
 be no 5xx, at a documented status, of the documented content type and shape. Real answers of
-a whole SDK loop are validated against the same document, so the reply models cannot drift
-from what responses.py writes.
+a whole SDK loop are validated against the same document, which the reply models that render
+those answers also write.
 
 Operation POSTs are fuzzed against a stopped session as well as unknown ids: their bodies are
 parsed and checked in full, and they fail SESSION_NOT_ACTIVE instead of running, so fuzzing

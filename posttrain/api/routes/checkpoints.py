@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse
 
 from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
-from posttrain.api.responses import checkpoint_json, page
+from posttrain.api.responses import page
 from posttrain.api.schemas import objects as o
 
 router = APIRouter(prefix="/v1/rl/checkpoints")
@@ -30,12 +30,12 @@ def list_checkpoints(
     records = svc.checkpoints.list(
         user, base_model=base_model, session_id=session_id, checkpoint_type=type
     )
-    return page([checkpoint_json(c) for c in records], limit=limit, after=after)
+    return page(o.CheckpointsList, [o.Checkpoint.of(c) for c in records], limit=limit, after=after)
 
 
 @router.get("/{checkpoint_id}", **documented(o.Checkpoint))
 def retrieve(*, checkpoint_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
-    return checkpoint_json(svc.checkpoints.get(user, checkpoint_id))
+    return o.Checkpoint.of(svc.checkpoints.get(user, checkpoint_id)).wire()
 
 
 @router.get("/{checkpoint_id}/download", **documented(o.CheckpointDownload))
@@ -47,7 +47,8 @@ def download(
     user: UserDep,
 ) -> dict[str, Any]:
     files = svc.checkpoints.download(user, checkpoint_id, variant)
-    return {"data": [{"filename": f.filename, "size": f.size, "url": f.url} for f in files]}
+    data = [o.CheckpointFile.copied(f) for f in files]
+    return o.CheckpointDownload.model_construct(data=data).wire()
 
 
 @router.get(

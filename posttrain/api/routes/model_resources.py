@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from posttrain.api.contract import documented
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
-from posttrain.api.responses import page, resource_json
+from posttrain.api.responses import page
 from posttrain.api.schemas import objects as o
 from posttrain.api.schemas.sessions import ExtendExpiryIn, ResourceCreateIn, status_filter
 from posttrain.statuses import ResourceStatus
@@ -45,7 +45,7 @@ def create(
         ),
         muon_scaling=request.muon_scaling(),
     )
-    return resource_json(record)
+    return o.ModelResources.of(record).wire()
 
 
 @router.post("/estimate-cost", **documented(o.EstimateCost, body=ResourceCreateIn))
@@ -61,7 +61,7 @@ def estimate_cost(
     if request.inactive_timeout is not None:
         svc.resources.check_inactive_timeout(request.inactive_timeout)
     # Self-hosted: the hardware is already paid for.
-    return {"currency": "USD", "price_per_hour": 0.0}
+    return o.EstimateCost.model_construct(currency="USD", price_per_hour=0.0).wire()
 
 
 @router.get("", **documented(o.ModelResourcesList))
@@ -77,12 +77,14 @@ def list_resources(
     records = svc.resources.list(user, status_filter(status, ResourceStatus))
     if created_by not in (None, "me", user):
         records = []
-    return page([resource_json(r) for r in records], limit=limit, after=after)
+    return page(
+        o.ModelResourcesList, [o.ModelResources.of(r) for r in records], limit=limit, after=after
+    )
 
 
 @router.get("/{resource_id}", **documented(o.ModelResources))
 def retrieve(*, resource_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
-    return resource_json(svc.resources.get(user, resource_id))
+    return o.ModelResources.of(svc.resources.get(user, resource_id)).wire()
 
 
 @router.post("/{resource_id}/extend-expiry", **documented(o.ModelResources, body=ExtendExpiryIn))
@@ -94,7 +96,8 @@ def extend_expiry(
     user: UserDep,
 ) -> dict[str, Any]:
     request = parse(ExtendExpiryIn, body)
-    return resource_json(svc.resources.extend_expiry(user, resource_id, request.seconds))
+    record = svc.resources.extend_expiry(user, resource_id, request.seconds)
+    return o.ModelResources.of(record).wire()
 
 
 @router.post("/{resource_id}/stop", **documented(o.ModelResources))
@@ -106,4 +109,4 @@ def stop(
     user: UserDep,
 ) -> dict[str, Any]:
     record = svc.resources.stop(user, resource_id, force=force, stop_session=svc.sessions.stop)
-    return resource_json(record)
+    return o.ModelResources.of(record).wire()

@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from posttrain.api.contract import OPTIONAL_KEY, documented
 from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict
 from posttrain.api.kinds import WIRE_KINDS
-from posttrain.api.responses import operation_json
+from posttrain.api.responses import json_bytes
 from posttrain.errors import InvalidRequest, NotFound, posttrainError
 from posttrain.service import Services
 from posttrain.types import OperationKind, OperationRecord, OperationRequest
@@ -49,8 +49,8 @@ router = APIRouter(prefix="/v1/rl/training-sessions")
 def rendered(op: OperationRecord) -> Response:
     """The operation as JSON bytes, built by the caller's worker thread: FastAPI would otherwise
     run jsonable_encoder and json.dumps over a large sample output on the event loop."""
-    body = json.dumps(operation_json(op), separators=(",", ":"), allow_nan=False)
-    return Response(content=body.encode(), media_type="application/json")
+    reply = WIRE_KINDS[op.kind].reply.of(op)
+    return Response(content=json_bytes(reply), media_type="application/json")
 
 
 def _kind(kind: str) -> OperationKind:

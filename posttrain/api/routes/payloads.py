@@ -20,7 +20,7 @@ router = APIRouter(prefix="/v1/rl")
 @router.post("/training-sessions/{session_id}/payloads/upload-url", **documented(o.UploadUrl))
 def upload_url(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     payload_id, url = svc.payloads.create_upload(user, session_id)
-    return {"payload_id": payload_id, "upload_url": url}
+    return o.UploadUrl.model_construct(payload_id=payload_id, upload_url=url).wire()
 
 
 @router.post(
@@ -34,7 +34,8 @@ def download_url(
     svc: ServicesDep,
     user: UserDep,
 ) -> dict[str, Any]:
-    return {"download_url": svc.payloads.download_url(user, session_id, payload_id)}
+    url = svc.payloads.download_url(user, session_id, payload_id)
+    return o.DownloadUrl.model_construct(download_url=url).wire()
 
 
 @router.put("/payloads/{payload_id}", **documented(o.PayloadStored, body=JsonObject))
@@ -49,7 +50,7 @@ async def put_payload(
     path = svc.payloads.authorize("PUT", payload_id, expires, sig)
     body = await request.body()
     await run_in_threadpool(svc.payloads.write, path, body)
-    return {"payload_id": payload_id, "size": len(body)}
+    return o.PayloadStored.model_construct(payload_id=payload_id, size=len(body)).wire()
 
 
 @router.get("/payloads/{payload_id}", **documented(None, media_type="application/json"))

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 
 from posttrain.api.contract import documented
 from posttrain.api.deps import BodyDep, ServicesDep, UserDep, parse
-from posttrain.api.responses import page, session_json
+from posttrain.api.responses import page
 from posttrain.api.schemas import objects as o
 from posttrain.api.schemas.sessions import SessionCreateIn, SessionUpdateIn, status_filter
 from posttrain.errors import InvalidRequest
@@ -45,7 +45,7 @@ def create(
         load_optimizer=request.load_optimizer,
         lora_given=lora_given,
     )
-    return session_json(record)
+    return o.Session.of(record).wire()
 
 
 @router.get("", **documented(o.SessionsList))
@@ -64,12 +64,12 @@ def list_sessions(
     )
     if created_by not in (None, "me", user):
         records = []
-    return page([session_json(s) for s in records], limit=limit, after=after)
+    return page(o.SessionsList, [o.Session.of(s) for s in records], limit=limit, after=after)
 
 
 @router.get("/{session_id}", **documented(o.Session))
 def retrieve(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
-    return session_json(svc.sessions.get(user, session_id))
+    return o.Session.of(svc.sessions.get(user, session_id)).wire()
 
 
 @router.patch("/{session_id}", **documented(o.Session, body=SessionUpdateIn, body_required=False))
@@ -87,9 +87,9 @@ def update(
     record = svc.sessions.update(
         user, session_id, display_name=request.display_name, metadata=metadata
     )
-    return session_json(record)
+    return o.Session.of(record).wire()
 
 
 @router.post("/{session_id}/stop", **documented(o.Session))
 def stop(*, session_id: str, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
-    return session_json(svc.sessions.stop(user, session_id))
+    return o.Session.of(svc.sessions.stop(user, session_id)).wire()

@@ -12,42 +12,49 @@ from fastapi import APIRouter
 
 from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
-from posttrain.api.responses import SUPPORTED_MODELS_GPU_TYPE
 from posttrain.api.schemas import objects as o
+from posttrain.config import SamplerConfig
 
 router = APIRouter()
+
+
+def supported_model(
+    base_model: str, info: Any, sampler: SamplerConfig, device: str
+) -> o.SupportedModel:
+    """`info`: the engine's ModelInfo for `base_model` (its limits and context length)."""
+    sizes = {"max_batch_size": info.max_batch_size, "max_seq_length": info.max_seq_length}
+    generator = o.GeneratorConfig.model_construct(
+        context_length=info.context_length,
+        sampling_defaults=o.SamplingDefaults.model_construct(
+            logprobs=1,
+            max_tokens=sampler.max_tokens,
+            n=sampler.num_samples,
+            temperature=sampler.temperature,
+        ),
+    )
+    trainer = o.TrainerConfig.model_construct(
+        full=o.TrainerLimits.model_construct(**sizes),
+        lora=o.LoraTrainerLimits.model_construct(**sizes, max_rank=info.max_lora_rank),
+    )
+    compute = o.SupportedComputeConfig.model_construct(
+        gpu_type=o.SUPPORTED_MODELS_GPU_TYPE,
+        device=device,
+        generator_config=generator,
+        trainer_config=trainer,
+    )
+    return o.SupportedModel.model_construct(
+        base_model=base_model,
+        default_gpu_type=o.SUPPORTED_MODELS_GPU_TYPE,
+        compute_configs=[compute],
+    )
 
 
 @router.get("/v1/rl/supported-models", **documented(o.SupportedModels))
 def supported_models(*, svc: ServicesDep, user: UserDep) -> dict[str, Any]:
     sampler = svc.config.sampler
     device = svc.resources.device_name()
-    data = []
-    for base_model, info in svc.resources.supported_models():
-        limits = {"max_batch_size": info.max_batch_size, "max_seq_length": info.max_seq_length}
-        data.append(
-            {
-                "base_model": base_model,
-                "default_gpu_type": SUPPORTED_MODELS_GPU_TYPE,
-                "compute_configs": [
-                    {
-                        "gpu_type": SUPPORTED_MODELS_GPU_TYPE,
-                        "device": device,
-                        "generator_config": {
-                            "context_length": info.context_length,
-                            "sampling_defaults": {
-                                "logprobs": 1,
-                                "max_tokens": sampler.max_tokens,
-                                "n": sampler.num_samples,
-                                "temperature": sampler.temperature,
-                            },
-                        },
-                        "trainer_config": {
-                            "full": limits,
-                            "lora": {**limits, "max_rank": info.max_lora_rank},
-                        },
-                    }
-                ],
-            }
-        )
-    return {"data": data}
+    data = [
+        supported_model(base_model, info, sampler, device)
+        for base_model, info in svc.resources.supported_models()
+    ]
+    return o.SupportedModels.model_construct(data=data).wire()

@@ -21,4 +21,5 @@ router = APIRouter()
 
 @router.get("/v3/whoami", **documented(o.Whoami))
 def whoami(*, user: UserDep) -> dict[str, Any]:
-    return {"type": "user_jwt", "user": {"id": user}}
+    identity = o.WhoamiUser.model_construct(id=user)
+    return o.Whoami.model_construct(type="user_jwt", user=identity).wire()

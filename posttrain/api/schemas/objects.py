@@ -1,42 +1,39 @@
-"""Response models of the API's objects, as responses.py writes them (api.md 1.1 to 1.6, 6.1).
+"""Response models of the API's objects (api.md 1.1 to 1.6, 6.1): they document /openapi.json
+and render the answers (schemas/reply.py says how), so a response shape is written once. Each
+model that answers for a domain record builds itself from it (`of`).
+tests/integration/test_openapi_contract.py checks real answers against the served schema;
+tests/unit/api/test_replies.py checks them against the JSON the SDK got before.
 
-They document /openapi.json; the routes still build their JSON in responses.py, and
-tests/integration/test_openapi_contract.py checks real answers against the served schema, so a
-field added there without being added here fails a test. Fields the server always writes are
-required; those it writes only sometimes are optional and never null. Extra fields are allowed,
-as the SDK's own models allow them (api.md 0.3).
-
-Imports: types.
+Imports: api.schemas.reply, types.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from enum import StrEnum
+from typing import ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from posttrain import types as t
+from posttrain.api.schemas.reply import Reply, Timestamp, optional, timestamp
 from posttrain.statuses import ResourceErrorCode, ResourceStatus, SessionErrorCode, SessionStatus
 from posttrain.types import CheckpointType
 
-# RFC 3339 in UTC (responses.timestamp).
-Timestamp = Field(json_schema_extra={"format": "date-time"})
+# The SDK 3.1.1 types pin gpu_type to literals (api.md 7.9): a ModelResources may say
+# "H100-80GB" or "B200-SXM" or nothing; a supported model's gpu_type and default_gpu_type must
+# say "B200-SXM". So gpu_type carries the nearest accepted literal, and `device` (an extra field,
+# which the SDK's models keep) carries the real device name.
+SUPPORTED_MODELS_GPU_TYPE = "B200-SXM"
 
 
-class Reply(BaseModel):
-    """A response object: what the server writes, extras allowed."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-def optional(**schema: Any) -> Any:
-    """A field the server writes only sometimes, and never as null: not required, its schema
-    its plain type (without the `default: null` that None would write), plus `schema`."""
-
-    def written(generated: dict[str, Any]) -> None:
-        generated.pop("default", None)
-        generated.update(schema)
-
-    return Field(default=None, json_schema_extra=written)
+def resource_gpu_type(device: str) -> str | None:
+    """The ModelResources gpu_type literal naming `device`, or None where none does."""
+    name = device.upper()
+    if "B200" in name:
+        return "B200-SXM"
+    if "H100" in name and "80GB" in name:
+        return "H100-80GB"
+    return None
 
 
 # ---------------------------------------------------------------- errors
@@ -59,6 +56,16 @@ class ObjectError(Reply):
     code: str
     message: str
     occurred_at: str = Timestamp
+
+    # The enum `code` takes in a subclass: the stored code is its value.
+    codes: ClassVar[type[StrEnum] | None] = None
+
+    @classmethod
+    def of(cls, error: t.ErrorInfo) -> Self:
+        code = error.code if cls.codes is None else cls.codes(error.code)
+        return cls.model_construct(
+            code=code, message=error.message, occurred_at=timestamp(error.occurred_at)
+        )
 
 
 # ---------------------------------------------------------------- model resources
@@ -85,6 +92,7 @@ class StatusDetails(Reply):
 
 class ResourceError(ObjectError):
     code: ResourceErrorCode  # type: ignore[assignment]
+    codes = ResourceErrorCode
 
 
 class ModelResources(Reply):
@@ -101,6 +109,30 @@ class ModelResources(Reply):
     updated_at: str = Timestamp
     expires_at: str = optional(format="date-time")
     error: ResourceError = optional()
+
+    @classmethod
+    def of(cls, r: t.ResourceRecord) -> Self:
+        optimizer = (
+            OptimizerConfig.model_construct(adam={})
+            if r.muon_scaling is None
+            else OptimizerConfig.model_construct(
+                muon=MuonConfig.model_construct(scaling_strategy=r.muon_scaling)
+            )
+        )
+        # ResourceRecord.gpu_type holds the device name the engine reported at creation.
+        compute = ResourceComputeConfig.copied(
+            r, device=r.gpu_type, gpu_type=resource_gpu_type(r.gpu_type)
+        )
+        return cls.copied(
+            r,
+            compute_config=compute,
+            created_at=timestamp(r.created_at),
+            optimizer_config=optimizer,
+            status_details=StatusDetails.model_construct(),
+            updated_at=timestamp(r.updated_at),
+            expires_at=None if r.expires_at is None else timestamp(r.expires_at),
+            error=None if r.error is None else ResourceError.of(r.error),
+        )
 
 
 class PageMeta(Reply):
@@ -127,6 +159,10 @@ class CheckpointRef(Reply):
     created_at: str = Timestamp
     step: int
 
+    @classmethod
+    def of(cls, c: t.CheckpointRef) -> Self:
+        return cls.copied(c, created_at=timestamp(c.created_at))
+
 
 class Wandb(Reply):
     entity: str = optional()
@@ -139,6 +175,14 @@ class Wandb(Reply):
 
 class SessionMetadata(Reply):
     wandb: Wandb = optional()
+
+    @classmethod
+    def of(cls, metadata: dict[str, dict[str, str]]) -> Self:
+        """Wandb's keys come out in the order declared here; a PATCH that adds an earlier
+        key after a later one stores them in arrival order, which the wire no longer keeps."""
+        return cls.model_construct(
+            **{group: Wandb.model_construct(**fields) for group, fields in metadata.items()}
+        )
 
 
 class PolicyState(Reply):
@@ -158,6 +202,7 @@ class LoraConfig(Reply):
 
 class SessionError(ObjectError):
     code: SessionErrorCode  # type: ignore[assignment]
+    codes = SessionErrorCode
 
 
 class Session(Reply):
@@ -178,6 +223,21 @@ class Session(Reply):
     resume_from_checkpoint_id: str = optional()
     error: SessionError = optional()
 
+    @classmethod
+    def of(cls, s: t.SessionRecord) -> Self:
+        return cls.copied(
+            s,
+            created_at=timestamp(s.created_at),
+            updated_at=timestamp(s.updated_at),
+            inference_checkpoints=[CheckpointRef.of(c) for c in s.inference_checkpoints],
+            training_checkpoints=[CheckpointRef.of(c) for c in s.training_checkpoints],
+            metadata=SessionMetadata.of(s.metadata),
+            model_resources_id=s.resource_id,
+            policy_state=PolicyState.copied(s.policy_state),
+            lora_config=None if s.lora_config is None else LoraConfig.copied(s.lora_config),
+            error=None if s.error is None else SessionError.of(s.error),
+        )
+
 
 class SessionsList(Reply):
     data: list[Session]
@@ -195,6 +255,11 @@ class Checkpoint(Reply):
     step: int
     type: CheckpointType
     lora_rank: int = optional()
+
+    @classmethod
+    def of(cls, c: t.CheckpointRecord) -> Self:
+        """lora_rank for every LoRA checkpoint (tinker reads it)."""
+        return cls.copied(c, created_at=timestamp(c.created_at))
 
 
 class CheckpointsList(Reply):

@@ -1,18 +1,22 @@
 """Response models of operations: the envelope every operation POST and GET answers, with the
-output of each kind (api.md 1.4; each kind's in api/kinds.py), as responses.output_json writes
-them. Like objects.py they
-document /openapi.json and are checked against real answers by the contract tests.
+output of each kind (api.md 1.4; each kind's in api/kinds.py). Like objects.py they document
+/openapi.json and render the answers, built with `model_construct` from the domain output.
 
-Imports: api.schemas.objects, types.
+A sample output's token and logprob lists go into the models as the engine's plain lists: no
+model per token, so rendering a large output costs about what json.dumps of it does.
+
+Imports: api.schemas.objects, api.schemas.reply, types.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field
 
-from posttrain.api.schemas.objects import CheckpointRef, Reply, optional
+from posttrain import types as t
+from posttrain.api.schemas.objects import CheckpointRef
+from posttrain.api.schemas.reply import Reply, optional
 from posttrain.statuses import OperationErrorCode, OperationStatus
 from posttrain.types import StopReason
 
@@ -41,6 +45,21 @@ class ForwardBackwardResult(Reply):
     loss_fn_outputs: list[LossFnOutput] = Field(
         description="one per sample, in request order; [] unless asked for"
     )
+
+    @classmethod
+    def of(cls, result: t.ForwardBackwardResult) -> Self:
+        return cls.model_construct(
+            loss=result.loss,
+            metrics=result.metrics,
+            loss_fn_outputs=[
+                LossFnOutput.model_construct(
+                    tensors=LossFnTensors.model_construct(
+                        logprobs=LogprobsTensor.model_construct(data=values, dtype="float32")
+                    )
+                )
+                for values in result.loss_fn_outputs or []
+            ],
+        )
 
 
 class CustomForwardBackwardResult(Reply):
@@ -80,6 +99,16 @@ class SampleResult(Reply):
     prompt_logprobs: list[float] = optional()
     topk_prompt_logprobs: list[TopkLogprobs] = optional()
 
+    @classmethod
+    def of(cls, result: t.SampleResult) -> Self:
+        topk = result.topk_prompt_logprobs
+        return cls.copied(
+            result,
+            policy_segments=[PolicySegment.copied(s) for s in result.policy_segments],
+            sequences=[SampledSequence.copied(s) for s in result.sequences],
+            topk_prompt_logprobs=None if topk is None else [TopkLogprobs.copied(k) for k in topk],
+        )
+
 
 class SampleOutput(Reply):
     results: list[SampleResult]
@@ -89,10 +118,42 @@ class CheckpointResult(Reply):
     checkpoint: CheckpointRef
 
 
+def output_reply(output: t.OperationOutput) -> Reply:
+    """An operation's output object (api.md 1.4)."""
+    match output:
+        case t.ForwardBackwardResult():
+            return ForwardBackwardResult.of(output)
+        case t.SampleOutput(results=results):
+            return SampleOutput.model_construct(results=[SampleResult.of(r) for r in results])
+        case t.OptimStepOutput(step=step):
+            return OptimStepResult.model_construct(step=step)
+        case t.WeightsSyncOutput(weights_version=version):
+            return WeightsSyncResult.model_construct(weights_version=version)
+        case t.CheckpointOutput(checkpoint=c):
+            return CheckpointResult.model_construct(checkpoint=CheckpointRef.of(c))
+        case t.CustomForwardBackwardOutput():
+            return CustomForwardBackwardResult.model_construct()
+    raise AssertionError(f"unknown operation output {output!r}")
+
+
 class OperationReply(Reply):
+    """Each kind's subclass declares its `output` (api/kinds.py picks the subclass)."""
+
     id: str
     status: OperationStatus
+    output: Reply = optional()  # declared here so that it comes before `error`
     error: OperationError = optional()
+
+    @classmethod
+    def of(cls, op: t.OperationRecord) -> Self:
+        fields: dict[str, Any] = {"id": op.id, "status": op.status}
+        if op.output is not None:
+            fields["output"] = output_reply(op.output)
+        if op.error_code is not None:
+            fields["error"] = OperationError.model_construct(
+                code=op.error_code, message=op.error_message or ""
+            )
+        return cls.model_construct(**fields)
 
 
 class ForwardBackwardOperation(OperationReply):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.api.responses import resource_gpu_type
+from posttrain.api.schemas.objects import resource_gpu_type
 from posttrain.api.schemas.sessions import status_filter
 from posttrain.errors import InvalidRequest
 from posttrain.statuses import ResourceStatus, SessionStatus

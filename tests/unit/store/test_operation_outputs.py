@@ -8,7 +8,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-from posttrain.api.responses import operation_json
+from posttrain.api.kinds import WIRE_KINDS
 from posttrain.statuses import OperationStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo, to_json
@@ -93,7 +93,7 @@ def test_a_record_with_a_dict_output_written_before_reads_back_typed(tmp_path: P
     stored = repo.get_operation(sample.id)
     assert stored is not None
     assert stored.output == OUTPUTS[OperationKind.SAMPLE]
-    assert operation_json(stored)["output"] == {
+    assert WIRE_KINDS[stored.kind].reply.of(stored).wire()["output"] == {
         "results": [
             {
                 "policy_segments": [{"start_token": 0, "version": 1}],

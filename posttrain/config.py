@@ -4,7 +4,7 @@ Every field has a default or is required, and a description, which is also the h
 `posttrain serve` flag: a field is a flag when its `json_schema_extra` is `flag(...)` (its help
 group, and where it differs from the rule: its name, hidden, an environment variable). Each
 setting is declared here once; config_sources.py turns the declarations into flags, reads the
-environment and builds the tree. Imports: errors.
+environment and builds the tree. Imports: errors, units.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from posttrain.errors import ConfigError
+from posttrain.units import parse_bytes
 
 # The built-in models, shipped as package data (built by scripts/build_tiny_model.py): id ->
 # directory. Every server offers all of them; BUILTIN_MODEL_ID (the dense one) is the default
@@ -25,34 +26,6 @@ BUILTIN_MODELS: dict[str, Path] = {
 }
 BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
 BUILTIN_MODEL_DIR = BUILTIN_MODELS[BUILTIN_MODEL_ID]
-
-
-# Unit suffixes of a byte count (`--memory-limit 8GiB`): decimal KB..TB, binary KiB..TiB, and
-# the one-letter K..T read as binary, as `free -h` and most tools print them.
-BYTE_UNITS = {"B": 1} | {p + "B": 1000 ** (i + 1) for i, p in enumerate("KMGT")}
-BYTE_UNITS |= {p + s: 1 << 10 * (i + 1) for i, p in enumerate("KMGT") for s in ("", "IB")}
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count with a unit: `8GiB`, `8G` (= GiB), `512MiB`, `512M`, `1.5GB`, `4096B`.
-
-    A bare number is refused: `--memory-limit 8` meant as gigabytes would otherwise be 8 bytes."""
-    stripped = text.strip()
-    number = stripped.rstrip("BbIiKkMmGgTt ")
-    unit = stripped[len(number) :].strip().upper()
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number of bytes with a unit, e.g. 8GiB") from None
-    if not unit:
-        raise ValueError(
-            f"{text!r} has no unit: give one, e.g. {number}GiB, {number}MiB or {number}B"
-        )
-    if unit not in BYTE_UNITS:
-        raise ValueError(
-            f"{text!r}: unknown unit {unit!r} (B, KiB/K, MiB/M, GiB/G, TiB/T, KB .. TB)"
-        )
-    return int(value * BYTE_UNITS[unit])
 
 
 # The groups of `posttrain serve --help` (config_sources.FLAG_GROUPS says what each holds).

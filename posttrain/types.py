@@ -4,15 +4,14 @@ Names follow the API's vocabulary (api.md). Enum values are the wire spellings, 
 serialises to the wire unchanged. Wire-only details (seed-era aliases, string token ids, dtype
 names) are gone by the time a value becomes one of these types: api/schemas/ converts once.
 
-Imports: statuses (the lifecycle enums its records hold).
+The stored records that hold these values are records.py's; their lifecycle enums, statuses.py's.
+Imports: nothing from posttrain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-
-from posttrain.statuses import OperationErrorCode, OperationStatus, ResourceStatus, SessionStatus
 
 
 class LossType(StrEnum):
@@ -361,92 +360,3 @@ OPERATION_TYPES: dict[OperationKind, OperationTypes] = {
     OperationKind.TRAINING_CHECKPOINT: OperationTypes(CheckpointRequest, CheckpointOutput),
     OperationKind.INFERENCE_CHECKPOINT: OperationTypes(CheckpointRequest, CheckpointOutput),
 }
-
-
-# ---------------------------------------------------------------- stored records
-
-
-@dataclass(frozen=True)
-class ErrorInfo:
-    code: str
-    message: str
-    occurred_at: float
-
-
-@dataclass(frozen=True)
-class ResourceRecord:
-    id: str
-    base_model: str
-    created_by: str
-    created_at: float
-    updated_at: float
-    status: ResourceStatus
-    lora_enabled: bool = True
-    num_generator_replicas: int = 1
-    gpu_type: str = ""
-    inactive_timeout: int = 3600
-    # None: Adam; otherwise the Muon scaling strategy.
-    muon_scaling: MuonScaling | None = None
-    expires_at: float | None = None
-    error: ErrorInfo | None = None
-
-
-@dataclass(frozen=True)
-class PolicyState:
-    trainer_step: int = 0
-    target_weights_version: int = 0
-    applied_weights_version: int = 0
-    pending_publish: bool = False
-
-
-@dataclass(frozen=True)
-class SessionRecord:
-    id: str
-    resource_id: str
-    base_model: str
-    created_by: str
-    created_at: float
-    updated_at: float
-    status: SessionStatus
-    step: int = 0
-    policy_state: PolicyState = field(default_factory=PolicyState)
-    display_name: str | None = None
-    metadata: dict[str, dict[str, str]] = field(default_factory=dict)
-    lora_config: LoraConfig | None = None
-    resume_from_checkpoint_id: str | None = None
-    training_checkpoints: tuple[CheckpointRef, ...] = ()
-    inference_checkpoints: tuple[CheckpointRef, ...] = ()
-    error: ErrorInfo | None = None
-
-
-@dataclass(frozen=True)
-class OperationRecord:
-    id: str
-    session_id: str
-    kind: OperationKind
-    status: OperationStatus
-    created_at: float
-    updated_at: float
-    idempotency_key: str | None  # None: submitted without one, never deduplicated
-    fingerprint: str
-    created_by: str
-    # The result once COMPLETED (its type follows `kind`, OPERATION_TYPES).
-    output: OperationOutput | None = None
-    error_code: OperationErrorCode | None = None
-    error_message: str | None = None
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    id: str
-    session_id: str
-    base_model: str
-    created_by: str
-    created_at: float
-    type: CheckpointType
-    step: int
-    path: str
-    lora_rank: int | None = None
-    # The producing session's effective LoRA config (None for full-weight checkpoints): a
-    # resumed session takes the fields its request leaves out from here.
-    lora_config: LoraConfig | None = None

@@ -26,18 +26,11 @@ from posttrain.engine.checkpoint.durable import fsync
 from posttrain.engine.checkpoint.formats import ADAPTER_FILES
 from posttrain.engine.interface import Engine
 from posttrain.errors import InvalidRequest, NotFound
+from posttrain.records import CheckpointRecord, ResourceRecord, SessionRecord
 from posttrain.service.ids import new_id
 from posttrain.service.signing import UrlSigner
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    CheckpointOutput,
-    CheckpointRecord,
-    CheckpointRef,
-    CheckpointType,
-    LoraConfig,
-    ResourceRecord,
-    SessionRecord,
-)
+from posttrain.types import CheckpointOutput, CheckpointRef, CheckpointType, LoraConfig
 
 log = logging.getLogger("posttrain.checkpoints")
 

@@ -18,8 +18,8 @@ import asyncio
 import threading
 from collections import defaultdict
 
+from posttrain.records import OperationRecord
 from posttrain.statuses import OPERATION_TERMINAL
-from posttrain.types import OperationRecord
 
 
 class Waiter:

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from posttrain.errors import NotFound
+from posttrain.records import ResourceRecord, SessionRecord
 from posttrain.statuses import OperationStatus
 from posttrain.store.repo import OperationDigest, Repo
-from posttrain.types import OperationKind, ResourceRecord, SessionRecord
+from posttrain.types import OperationKind
 
 __all__ = [
     "DashboardService",

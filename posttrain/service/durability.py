@@ -34,19 +34,13 @@ from typing import Any
 
 from posttrain.engine.checkpoint import durable
 from posttrain.engine.interface import Engine
+from posttrain.records import OperationRecord, PolicyState, SessionRecord
 from posttrain.service import full_weight_durability as full_weight
 from posttrain.service.kinds import KINDS
 from posttrain.statuses import OperationStatus
 from posttrain.store.codec import output_from_dict
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    OperationKind,
-    OperationOutput,
-    OperationRecord,
-    OperationRequest,
-    PolicyState,
-    SessionRecord,
-)
+from posttrain.types import OperationKind, OperationOutput, OperationRequest
 
 log = logging.getLogger("posttrain.durability")
 

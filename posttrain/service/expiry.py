@@ -23,11 +23,11 @@ import threading
 import time
 
 from posttrain.engine.interface import Engine
+from posttrain.records import ErrorInfo, ResourceRecord, SessionRecord
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
 from posttrain.statuses import ResourceStatus, SessionErrorCode, SessionStatus
 from posttrain.store.repo import Repo
-from posttrain.types import ErrorInfo, ResourceRecord, SessionRecord
 
 log = logging.getLogger("posttrain.expiry")
 

@@ -38,8 +38,9 @@ from collections.abc import Callable
 
 from posttrain.engine.interface import Engine
 from posttrain.errors import EngineFailure
+from posttrain.records import OperationRecord, SessionRecord
 from posttrain.service.kinds import KINDS
-from posttrain.types import OperationKind, OperationRecord, OperationRequest, SessionRecord
+from posttrain.types import OperationKind, OperationRequest
 
 # What a kept request goes through before it runs again (routed-experts keys resolved).
 Prepare = Callable[[OperationRecord, OperationRequest], OperationRequest]

@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any
 
 from posttrain.engine.interface import Engine
+from posttrain.records import SessionRecord
 from posttrain.service import policy
 from posttrain.types import (
     OPERATION_TYPES,
@@ -37,7 +38,6 @@ from posttrain.types import (
     OperationRequest,
     OperationTypes,
     OptimStepRequest,
-    SessionRecord,
 )
 
 

@@ -18,6 +18,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from posttrain.records import OperationRecord
 from posttrain.statuses import OperationStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -25,7 +26,6 @@ from posttrain.types import (
     ForwardBackwardRequest,
     OperationKind,
     OperationOutput,
-    OperationRecord,
     SampleOutput,
     SampleRequest,
 )

@@ -21,6 +21,7 @@ from posttrain.config import LimitsConfig
 from posttrain.engine.optim.step_settings import resolve_step_settings
 from posttrain.engine.train.expert_routes import check_routes
 from posttrain.errors import Conflict, EngineFailure, InvalidRequest, NotFound, posttrainError
+from posttrain.records import OperationRecord, SessionRecord
 from posttrain.service.ids import new_id
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
@@ -31,11 +32,9 @@ from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
     OperationKind,
-    OperationRecord,
     OperationRequest,
     OptimStepRequest,
     SampleRequest,
-    SessionRecord,
     TrainingSample,
 )
 

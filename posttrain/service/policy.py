@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from posttrain.types import PolicyState, SessionRecord
+from posttrain.records import PolicyState, SessionRecord
 
 
 def _with_policy(session: SessionRecord, policy: PolicyState, now: float) -> SessionRecord:

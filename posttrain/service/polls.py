@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import anyio.to_thread
 
+from posttrain.records import OperationRecord
 from posttrain.service.completion import CompletionWatch, Waiter
 from posttrain.service.operations import OperationService
 from posttrain.statuses import OPERATION_TERMINAL
-from posttrain.types import OperationKind, OperationRecord
+from posttrain.types import OperationKind
 
 
 @dataclass(frozen=True)

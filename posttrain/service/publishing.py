@@ -38,19 +38,14 @@ from dataclasses import dataclass
 
 from posttrain.engine.interface import Engine
 from posttrain.errors import SessionNotActive
+from posttrain.records import OperationRecord
 from posttrain.service import policy
 from posttrain.service.durability import changed_parts
 from posttrain.service.kinds import KINDS
 from posttrain.service.recording import OperationRecorder
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    OperationKind,
-    OperationRecord,
-    WeightsSyncOutput,
-    WeightsSyncRequest,
-    WeightSyncType,
-)
+from posttrain.types import OperationKind, WeightsSyncOutput, WeightsSyncRequest, WeightSyncType
 
 DEFERRED = frozenset({WeightSyncType.BACKGROUND_PUBLISH, WeightSyncType.PIPELINE})
 

@@ -14,11 +14,12 @@ import logging
 import time
 
 from posttrain.errors import operation_error_code, posttrainError
+from posttrain.records import OperationRecord
 from posttrain.service.durability import SessionDurability
 from posttrain.service.metrics import OperationMetrics
 from posttrain.statuses import OperationErrorCode, OperationStatus
 from posttrain.store.repo import Repo
-from posttrain.types import OperationOutput, OperationRecord
+from posttrain.types import OperationOutput
 
 log = logging.getLogger("posttrain.scheduler")
 

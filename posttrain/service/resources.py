@@ -17,11 +17,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from posttrain.config import ServerConfig
 from posttrain.engine.interface import Engine, ModelInfo
 from posttrain.errors import InvalidRequest, NotFound
+from posttrain.records import ErrorInfo, ResourceRecord
 from posttrain.service.ids import new_id
 from posttrain.service.scheduler import Scheduler
 from posttrain.statuses import SESSION_TERMINAL, ResourceErrorCode, ResourceStatus
 from posttrain.store.repo import Repo
-from posttrain.types import ErrorInfo, MuonScaling, ResourceRecord
+from posttrain.types import MuonScaling
 
 log = logging.getLogger("posttrain.resources")
 

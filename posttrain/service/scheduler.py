@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from posttrain.config import SchedulerConfig
 from posttrain.engine.interface import Engine
 from posttrain.errors import SessionNotActive, WorkerDied
+from posttrain.records import OperationRecord, SessionRecord
 from posttrain.service import policy
 from posttrain.service.admission import plan_passes
 from posttrain.service.arrivals import Arrivals, end_current_arrival
@@ -45,13 +46,11 @@ from posttrain.types import (
     ForwardBackwardRequest,
     OperationKind,
     OperationOutput,
-    OperationRecord,
     OperationRequest,
     OptimStepOutput,
     OptimStepRequest,
     SampleOutput,
     SampleRequest,
-    SessionRecord,
     WeightsSyncOutput,
     WeightsSyncRequest,
 )

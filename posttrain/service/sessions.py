@@ -21,6 +21,7 @@ from pathlib import Path
 
 from posttrain.engine.interface import Engine
 from posttrain.errors import InvalidRequest, NotFound
+from posttrain.records import ErrorInfo, OperationRecord, ResourceRecord, SessionRecord
 from posttrain.service.checkpoints import ResumePlan, plan_resume
 from posttrain.service.durability import EVERYTHING
 from posttrain.service.ids import new_id
@@ -31,13 +32,9 @@ from posttrain.store.repo import Repo
 from posttrain.types import (
     CheckpointType,
     CustomForwardBackwardRequest,
-    ErrorInfo,
     ForwardBackwardRequest,
     LoraConfig,
-    OperationRecord,
     OperationRequest,
-    ResourceRecord,
-    SessionRecord,
 )
 
 log = logging.getLogger("posttrain.sessions")

@@ -29,14 +29,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, create_model
 
 from posttrain.loss_specs import LOSS_SPECS
-from posttrain.types import (
-    OPERATION_TYPES,
-    LossConfig,
-    LossType,
-    OperationKind,
-    OperationRecord,
-    OperationRequest,
-)
+from posttrain.records import OperationRecord
+from posttrain.types import OPERATION_TYPES, LossConfig, LossType, OperationKind, OperationRequest
 
 T = TypeVar("T")
 

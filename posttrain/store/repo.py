@@ -16,6 +16,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Collection
 
+from posttrain.records import CheckpointRecord, OperationRecord, ResourceRecord, SessionRecord
 from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.store.codec import (
     from_dict,
@@ -24,14 +25,7 @@ from posttrain.store.codec import (
     request_to_json,
     to_json,
 )
-from posttrain.types import (
-    CheckpointRecord,
-    OperationKind,
-    OperationRecord,
-    OperationRequest,
-    ResourceRecord,
-    SessionRecord,
-)
+from posttrain.types import OperationKind, OperationRequest
 
 __all__ = ["OperationDigest", "Repo", "to_json"]
 

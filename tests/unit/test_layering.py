@@ -15,7 +15,7 @@ ALLOWED = {
     "engine": {"model"},
     "model": set(),
 }
-FOUNDATION = {"config", "errors", "statuses", "types", "loss_specs"}
+FOUNDATION = {"config", "errors", "statuses", "types", "records", "units", "loss_specs"}
 
 
 def imported_posttrain_modules(path: Path) -> set[str]:
@@ -48,7 +48,9 @@ def test_foundation_modules_import_nothing_above_them():
     for name in ("errors", "types"):
         imports = imported_posttrain_modules(PACKAGE / f"{name}.py")
         assert imports <= {"errors", "statuses"}, (name, imports)
-    assert imported_posttrain_modules(PACKAGE / "config.py") <= {"errors"}
+    assert imported_posttrain_modules(PACKAGE / "records.py") <= {"statuses", "types"}
+    assert imported_posttrain_modules(PACKAGE / "units.py") == set()
+    assert imported_posttrain_modules(PACKAGE / "config.py") <= {"errors", "units"}
     assert imported_posttrain_modules(PACKAGE / "loss_specs.py") <= {"errors", "types"}
 
 

@@ -18,8 +18,8 @@ from posttrain.api.contract import documented
 from posttrain.api.deps import ServicesDep, UserDep
 from posttrain.api.schemas import dashboard as d
 from posttrain.errors import NotFound
+from posttrain.records import ResourceRecord, SessionRecord
 from posttrain.service.dashboard import OperationDigest, SessionSeries, loss_per_token
-from posttrain.types import ResourceRecord, SessionRecord
 
 router = APIRouter()
 

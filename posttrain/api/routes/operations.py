@@ -39,8 +39,9 @@ from posttrain.api.deps import RawBodyDep, ServicesDep, UserDep, loads_strict
 from posttrain.api.kinds import WIRE_KINDS
 from posttrain.api.responses import json_bytes
 from posttrain.errors import InvalidRequest, NotFound, posttrainError
+from posttrain.records import OperationRecord
 from posttrain.service import Services
-from posttrain.types import OperationKind, OperationRecord, OperationRequest
+from posttrain.types import OperationKind, OperationRequest
 
 log = logging.getLogger("posttrain.api")
 router = APIRouter(prefix="/v1/rl/training-sessions")

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from posttrain import types as t
 from posttrain.api.schemas.reply import Reply, Timestamp, optional, timestamp
+from posttrain.records import CheckpointRecord, ErrorInfo, ResourceRecord, SessionRecord
 from posttrain.statuses import ResourceErrorCode, ResourceStatus, SessionErrorCode, SessionStatus
 from posttrain.types import CheckpointType
 
@@ -61,7 +62,7 @@ class ObjectError(Reply):
     codes: ClassVar[type[StrEnum] | None] = None
 
     @classmethod
-    def of(cls, error: t.ErrorInfo) -> Self:
+    def of(cls, error: ErrorInfo) -> Self:
         code = error.code if cls.codes is None else cls.codes(error.code)
         return cls.model_construct(
             code=code, message=error.message, occurred_at=timestamp(error.occurred_at)
@@ -111,7 +112,7 @@ class ModelResources(Reply):
     error: ResourceError = optional()
 
     @classmethod
-    def of(cls, r: t.ResourceRecord) -> Self:
+    def of(cls, r: ResourceRecord) -> Self:
         optimizer = (
             OptimizerConfig.model_construct(adam={})
             if r.muon_scaling is None
@@ -224,7 +225,7 @@ class Session(Reply):
     error: SessionError = optional()
 
     @classmethod
-    def of(cls, s: t.SessionRecord) -> Self:
+    def of(cls, s: SessionRecord) -> Self:
         return cls.copied(
             s,
             created_at=timestamp(s.created_at),
@@ -257,7 +258,7 @@ class Checkpoint(Reply):
     lora_rank: int = optional()
 
     @classmethod
-    def of(cls, c: t.CheckpointRecord) -> Self:
+    def of(cls, c: CheckpointRecord) -> Self:
         """lora_rank for every LoRA checkpoint (tinker reads it)."""
         return cls.copied(c, created_at=timestamp(c.created_at))
 

@@ -17,6 +17,7 @@ from pydantic import Field
 from posttrain import types as t
 from posttrain.api.schemas.objects import CheckpointRef
 from posttrain.api.schemas.reply import Reply, optional
+from posttrain.records import OperationRecord
 from posttrain.statuses import OperationErrorCode, OperationStatus
 from posttrain.types import StopReason
 
@@ -145,7 +146,7 @@ class OperationReply(Reply):
     error: OperationError = optional()
 
     @classmethod
-    def of(cls, op: t.OperationRecord) -> Self:
+    def of(cls, op: OperationRecord) -> Self:
         fields: dict[str, Any] = {"id": op.id, "status": op.status}
         if op.output is not None:
             fields["output"] = output_reply(op.output)

@@ -4,9 +4,8 @@ by model resource and session id, behind the Engine protocol (engine/interface.p
 Each method finds its resource and session here and hands them to the part that owns the work:
 the trainer (train/trainer.py), the generator (generate/generator.py), the memory estimates
 (memory/) or the checkpoint formats (checkpoint/). What a resource and a session hold is
-engine/state.py. A resource's methods are called from its one worker thread
-(service/scheduler.py), so per-resource state needs no lock; the resource table is guarded
-because resources come and go from other threads.
+engine/state.py. A resource's methods run on its one worker thread (service/scheduler.py), so
+per-resource state needs no lock; only the resource table, changed from other threads, has one.
 """
 
 from __future__ import annotations

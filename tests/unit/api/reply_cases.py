@@ -4,27 +4,29 @@ it, kept as literal text (key order, `16` vs `16.0`, `1e-05` included)."""
 
 from __future__ import annotations
 
+from posttrain.records import (
+    CheckpointRecord,
+    ErrorInfo,
+    OperationRecord,
+    PolicyState,
+    ResourceRecord,
+    SessionRecord,
+)
 from posttrain.statuses import OperationErrorCode, OperationStatus, ResourceStatus, SessionStatus
 from posttrain.types import (
     CheckpointOutput,
-    CheckpointRecord,
     CheckpointRef,
     CheckpointType,
     CustomForwardBackwardOutput,
-    ErrorInfo,
     ForwardBackwardResult,
     LoraConfig,
     MuonScaling,
     OperationKind,
-    OperationRecord,
     OptimStepOutput,
     PolicySegment,
-    PolicyState,
-    ResourceRecord,
     SampledSequence,
     SampleOutput,
     SampleResult,
-    SessionRecord,
     StopReason,
     TopkPromptLogprobs,
     WeightsSyncOutput,

@@ -25,6 +25,7 @@ import pytest
 from posttrain.config import SchedulerConfig, ServerConfig
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.errors import NonFiniteLoss
+from posttrain.records import OperationRecord
 from posttrain.service.operations import OperationService
 from posttrain.service.resources import ResourceService
 from posttrain.service.scheduler import Scheduler
@@ -40,7 +41,6 @@ from posttrain.types import (
     LossType,
     MuonScaling,
     OperationKind,
-    OperationRecord,
     OperationRequest,
     OptimStepRequest,
     PolicySegment,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
+from posttrain.records import ResourceRecord, SessionRecord
 from posttrain.service import Services, build_services
-from posttrain.types import ResourceRecord, SessionRecord
 
 USER = "user_local"
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.errors import InvalidRequest, NotFound
+from posttrain.records import CheckpointRecord, ResourceRecord, SessionRecord
 from posttrain.service.checkpoints import (
     PARTIAL_PREFIX,
     CheckpointService,
@@ -24,14 +25,7 @@ from posttrain.service.signing import UrlSigner
 from posttrain.statuses import ResourceStatus, SessionStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    CheckpointRecord,
-    CheckpointType,
-    LoraConfig,
-    MuonScaling,
-    ResourceRecord,
-    SessionRecord,
-)
+from posttrain.types import CheckpointType, LoraConfig, MuonScaling
 
 SESSION = SessionRecord(
     id="ts-1",

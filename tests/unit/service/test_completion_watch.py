@@ -7,9 +7,10 @@ import asyncio
 import dataclasses
 import threading
 
+from posttrain.records import OperationRecord
 from posttrain.service.completion import CompletionWatch
 from posttrain.statuses import OperationStatus
-from posttrain.types import OperationKind, OperationRecord
+from posttrain.types import OperationKind
 
 
 def record(op_id: str, status: OperationStatus) -> OperationRecord:

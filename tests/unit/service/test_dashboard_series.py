@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 
 from posttrain.errors import NotFound
+from posttrain.records import OperationRecord
+from posttrain.records import ResourceRecord as Resource
+from posttrain.records import SessionRecord as Session
 from posttrain.service.dashboard import DashboardService, loss_per_token
+from posttrain.statuses import OperationStatus, ResourceStatus
+from posttrain.statuses import SessionStatus as Status
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
-from posttrain.types import OperationKind, OperationRecord, OperationStatus, ResourceStatus
-from posttrain.types import ResourceRecord as Resource
-from posttrain.types import SessionRecord as Session
-from posttrain.types import SessionStatus as Status
+from posttrain.types import OperationKind
 
 FB, OPT = OperationKind.FORWARD_BACKWARD, OperationKind.OPTIM_STEP
 

@@ -12,9 +12,10 @@ from inprocess import USER, open_session, ready_resource, services_fixture  # no
 
 from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.errors import InvalidRequest
+from posttrain.records import OperationRecord
 from posttrain.service import Services
 from posttrain.statuses import OperationStatus, ResourceStatus, SessionErrorCode, SessionStatus
-from posttrain.types import OperationKind, OperationRecord
+from posttrain.types import OperationKind
 
 
 def make_due(services: Services, resource_id: str) -> None:

@@ -20,10 +20,11 @@ from inprocess import USER, open_session
 from posttrain.api.routes.operations import keep_wire_bodies_as_requests, parsed
 from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
 from posttrain.engine.checkpoint import durable
+from posttrain.records import OperationRecord
 from posttrain.service import Services, build_services, wire_services
 from posttrain.service.full_weight_durability import is_snapshot_due
 from posttrain.statuses import OperationStatus, SessionStatus
-from posttrain.types import OperationKind, OperationRecord
+from posttrain.types import OperationKind
 
 TOKENS = [1, 40, 41, 42, 50, 60, 70, 80]
 SAMPLE = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from posttrain.records import OperationRecord
 from posttrain.service.metrics import (
     DURATION_BUCKETS_S,
     RATE_WINDOW_S,
@@ -16,7 +17,6 @@ from posttrain.types import (
     LossConfig,
     LossType,
     OperationKind,
-    OperationRecord,
     SampledSequence,
     SampleOutput,
     SampleRequest,

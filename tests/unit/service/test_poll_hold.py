@@ -10,7 +10,8 @@ from fake_engine import USER, fb, wired_fixture  # noqa: F401
 
 from posttrain.service.completion import CompletionWatch
 from posttrain.service.polls import PollHold
-from posttrain.types import OperationKind, OperationStatus
+from posttrain.statuses import OperationStatus
+from posttrain.types import OperationKind
 
 FB = OperationKind.FORWARD_BACKWARD
 

@@ -9,12 +9,12 @@ import threading
 
 from fake_engine import USER, fb, sample, wired_fixture  # noqa: F401
 
+from posttrain.records import PolicyState
 from posttrain.statuses import OperationErrorCode, OperationStatus, SessionStatus
 from posttrain.types import (
     OperationKind,
     OptimStepRequest,
     PolicySegment,
-    PolicyState,
     WeightsSyncOutput,
     WeightsSyncRequest,
     WeightSyncType,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.records import OperationRecord
+from posttrain.statuses import OperationStatus
 from posttrain.store.codec import request_from_json, request_to_json
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
@@ -25,8 +27,6 @@ from posttrain.types import (
     LossType,
     MuonParams,
     OperationKind,
-    OperationRecord,
-    OperationStatus,
     OptimStepRequest,
     PpoParams,
     SampleRequest,

@@ -9,6 +9,7 @@ import sqlite3
 from pathlib import Path
 
 from posttrain.api.kinds import WIRE_KINDS
+from posttrain.records import OperationRecord
 from posttrain.statuses import OperationStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo, to_json
@@ -19,7 +20,6 @@ from posttrain.types import (
     ForwardBackwardResult,
     OperationKind,
     OperationOutput,
-    OperationRecord,
     OptimStepOutput,
     PolicySegment,
     SampledSequence,

@@ -6,10 +6,11 @@ import dataclasses
 from pathlib import Path
 
 from posttrain.api.schemas.dashboard import DashboardOperation
+from posttrain.records import OperationRecord, ResourceRecord, SessionRecord
 from posttrain.statuses import OperationStatus, ResourceStatus, SessionStatus
 from posttrain.store.db import connect
 from posttrain.store.repo import OperationDigest, Repo
-from posttrain.types import OperationKind, OperationRecord, ResourceRecord, SessionRecord
+from posttrain.types import OperationKind
 
 
 def make_repo(tmp_path: Path) -> Repo:

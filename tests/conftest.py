@@ -19,6 +19,16 @@ API_KEY = "test-key"
 BASE_MODEL = "posttrain/tiny-qwen3"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def engine_thread_count() -> None:
+    """Forward passes this process computes as references (a server's logprobs compared to
+    1e-6) run on the intra-op thread count every engine process uses: another count sums in
+    another order and moves float32 results by about 1e-6 (engine/hosts/threads.py)."""
+    from posttrain.engine.hosts.threads import use_intra_op_threads
+
+    use_intra_op_threads(None)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

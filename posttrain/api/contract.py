@@ -1,5 +1,5 @@
 """The served /openapi.json as the API's contract: request bodies, response models, the error
-envelope at each status a route can answer, and bearer auth (issue 14, api.md).
+envelope at each status a route can answer, and bearer auth (the API reference).
 
 Routes take their bodies as raw bytes and parse them with their wire models (api/deps.py), so
 that FastAPI's own validation never answers; each route names its body and reply models here

@@ -85,9 +85,10 @@ def scorer(resource) -> Iterator[SessionClient]:
     session.stop()
 
 
-def probe(session: SessionClient) -> list[list[float]]:
-    """Forward-only logprobs of every position of PROBE: equal iff the weights are equal."""
-    result = session.trainer.forward(samples=PROBE, loss=CE, interval=POLL_S)
+def probe(session: SessionClient, samples: list[dict[str, Any]] = PROBE) -> list[list[float]]:
+    """Forward-only logprobs of every position of `samples` (PROBE: equal iff the weights are
+    equal)."""
+    result = session.trainer.forward(samples=samples, loss=CE, interval=POLL_S)
     return [list(out.tensors["logprobs"].data) for out in result.loss_fn_outputs]
 
 
@@ -95,10 +96,7 @@ def current_logprobs(session: SessionClient) -> list[list[float]]:
     """Forward-only logprobs of SEQUENCES, scored as the batch the tests send: float32 sums
     may round differently in a batch of another shape (a single-threaded matmul tiles its
     rows by the batch's size), by about 1e-6."""
-    result = session.trainer.forward(
-        samples=[all_positions(s) for s in SEQUENCES], loss=CE, interval=POLL_S
-    )
-    return [list(out.tensors["logprobs"].data) for out in result.loss_fn_outputs]
+    return probe(session, [all_positions(s) for s in SEQUENCES])
 
 
 class Batch:

@@ -30,6 +30,7 @@ from posttrain.api.routes import (
     whoami,
 )
 from posttrain.api.schemas.objects import Health
+from posttrain.api.tinker import routes as tinker_routes
 from posttrain.config import ServerConfig
 from posttrain.errors import posttrainError
 from posttrain.service import wire_services
@@ -93,6 +94,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         dashboard.router,
         metrics.router,
         whoami.router,
+        tinker_routes.router,
     ):
         app.include_router(router)
 

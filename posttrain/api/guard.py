@@ -16,6 +16,7 @@ from typing import Any
 
 from posttrain.api.deps import authenticate
 from posttrain.api.responses import error_response
+from posttrain.api.tinker.handshake import authorization_of
 from posttrain.errors import PayloadTooLarge, posttrainError
 
 PAYLOAD_UPLOAD_PREFIX = "/v1/rl/payloads/"
@@ -38,7 +39,7 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             if not upload:
-                authenticate(services.config, headers.get("authorization", ""))
+                authenticate(services.config, authorization_of(headers))
             declared = headers.get("content-length", "")
             if declared.isdigit() and int(declared) > mib << 20:
                 raise _too_large(mib)

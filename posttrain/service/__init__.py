@@ -29,6 +29,7 @@ from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.scheduler import Scheduler
 from posttrain.service.sessions import SessionService
 from posttrain.service.signing import UrlSigner, signing_key
+from posttrain.service.tinker.service import TinkerService, build_tinker
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
 
@@ -52,6 +53,7 @@ class Services:
     metrics: MetricsService
     watch: CompletionWatch
     polls: PollHold
+    tinker: TinkerService
 
     @property
     def arrivals(self) -> Arrivals:
@@ -136,4 +138,5 @@ def wire_services(config: ServerConfig) -> Services:
         ),
         watch=watch,
         polls=PollHold(watch, operations, hold_s=config.poll_hold_seconds),
+        tinker=build_tinker(repo, resources, sessions, operations, checkpoints),
     )

@@ -45,15 +45,22 @@ class PollHold:
         return op.status in OPERATION_TERMINAL or self.hold_s <= 0
 
     async def settled(
-        self, user: str, session_id: str, kind: OperationKind, operation_id: str
+        self,
+        user: str,
+        session_id: str,
+        kind: OperationKind,
+        operation_id: str,
+        *,
+        hold_s: float | None = None,
     ) -> Settled:
-        """`user`'s operation once it is finished or the hold passed; NotFound as
-        OperationService.get raises it."""
+        """`user`'s operation once it is finished or the hold passed (`hold_s`, else the
+        configured hold); NotFound as OperationService.get raises it."""
+        hold = self.hold_s if hold_s is None or self.hold_s <= 0 else hold_s
 
         def read() -> OperationRecord:
             return self.operations.get(user, session_id, kind, operation_id)
 
-        if self.hold_s <= 0:
+        if hold <= 0:
             return Settled(await anyio.to_thread.run_sync(read), was_held=False)
         loop = asyncio.get_running_loop()
 
@@ -70,7 +77,7 @@ class PollHold:
             if op.status in OPERATION_TERMINAL:
                 return Settled(op, was_held=False)
             try:
-                await asyncio.wait_for(waiter.wait(), timeout=self.hold_s)
+                await asyncio.wait_for(waiter.wait(), timeout=hold)
             except TimeoutError:
                 pass  # the hold passed: answer the current status, the SDK polls again
             if waiter.record is None:  # not woken by the completion: read it again

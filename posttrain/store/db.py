@@ -33,6 +33,9 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS payloads (
     id TEXT PRIMARY KEY, session_id TEXT NOT NULL, created_at REAL NOT NULL,
     path TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS dialect_objects (
+    kind TEXT NOT NULL, id TEXT NOT NULL, created_by TEXT NOT NULL, created_at REAL NOT NULL,
+    data TEXT NOT NULL, PRIMARY KEY (kind, id));
 CREATE INDEX IF NOT EXISTS sessions_by_resource ON sessions (resource_id);
 CREATE INDEX IF NOT EXISTS operations_by_session ON operations (session_id);
 """

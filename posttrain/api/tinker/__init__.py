@@ -1,0 +1,1 @@
+"""The Tinker wire surface (`/api/v1`): the tinker SDK's protocol over the same services."""

@@ -1,0 +1,93 @@
+"""Typed reads and writes of the dialect's records (records.py) over the store, with the one
+ownership rule: an object another user owns reads as absent (404), as on the Together surface.
+
+Imports: store.dialect, errors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from posttrain.errors import NotFound
+from posttrain.service.tinker import records as r
+from posttrain.store.dialect import DialectObjects
+
+R = TypeVar("R")
+
+_KINDS: dict[type, str] = {
+    r.ClientRecord: r.CLIENT,
+    r.RunRecord: r.RUN,
+    r.SamplerRecord: r.SAMPLER,
+    r.FutureRecord: r.FUTURE,
+    r.NameRecord: r.NAME,
+}
+_KEYS: dict[type, Callable[[Any], str]] = {
+    r.ClientRecord: lambda x: x.id,
+    r.RunRecord: lambda x: x.model_id,
+    r.SamplerRecord: lambda x: x.id,
+    r.FutureRecord: lambda x: x.id,
+    r.NameRecord: lambda x: x.path,
+}
+_NOUNS = {
+    r.ClientRecord: ("session", "session_id"),
+    r.RunRecord: ("model", "model_id"),
+    r.SamplerRecord: ("sampling session", "sampling_session_id"),
+    r.FutureRecord: ("request", "request_id"),
+    r.NameRecord: ("checkpoint", "path"),
+}
+
+
+class Registry:
+    def __init__(self, objects: DialectObjects) -> None:
+        self.objects = objects
+
+    def put(self, record: Any) -> None:
+        cls = type(record)
+        created = getattr(record, "created_at", time.time())
+        self.objects.put(_KINDS[cls], _KEYS[cls](record), record.user, created, r.as_dict(record))
+
+    def insert(self, record: Any) -> bool:
+        cls = type(record)
+        return self.objects.insert(
+            _KINDS[cls], _KEYS[cls](record), record.user, record.created_at, r.as_dict(record)
+        )
+
+    def find(self, cls: type[R], key: str, user: str | None = None) -> R | None:
+        found = self.objects.get(_KINDS[cls], key)
+        if found is None or (user is not None and found[0] != user):
+            return None
+        return r.from_dict(cls, found[1])
+
+    def get(self, cls: type[R], key: str, user: str) -> R:
+        record = self.find(cls, key, user)
+        if record is None:
+            noun, param = _NOUNS[cls]
+            raise NotFound(f"{noun} {key} not found", param=param)
+        return record
+
+    def all(self, cls: type[R], user: str | None = None) -> list[R]:
+        return [r.from_dict(cls, data) for data in self.objects.list(_KINDS[cls], user)]
+
+    def delete(self, cls: type, key: str) -> None:
+        self.objects.delete(_KINDS[cls], key)
+
+    def seq_future(self, owner: str, seq_id: int | None) -> str | None:
+        """The request id an earlier POST with this (run or sampler, seq_id) answered."""
+        if seq_id is None:
+            return None
+        found = self.objects.get(r.SEQ, f"{owner}#{seq_id}")
+        return found[1]["future"] if found is not None else None
+
+    def claim_seq(self, owner: str, seq_id: int | None, user: str, future_id: str) -> str:
+        """Bind (owner, seq_id) to future_id unless a concurrent retry bound it first; the
+        request id that owns the pair."""
+        if seq_id is None:
+            return future_id
+        key = f"{owner}#{seq_id}"
+        if self.objects.insert(r.SEQ, key, user, time.time(), {"future": future_id}):
+            return future_id
+        found = self.objects.get(r.SEQ, key)
+        assert found is not None
+        return found[1]["future"]

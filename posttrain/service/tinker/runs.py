@@ -1,0 +1,281 @@
+"""Tinker client sessions and training runs over posttrain's resources and sessions.
+
+A client session is one SDK process: it owns the runs and samplers it creates, and its
+heartbeats keep their model resources alive (the resources' inactivity expiry moves on, as an
+operation would move it). A run is one LoRA training session on a model resource the dialect
+finds or provisions for (user, base model): one with a free slot and a generator, else a new
+one, so a user's runs and samplers on one base model share its weights.
+
+Every run request that becomes an operation goes through OperationService.submit, keyed by the
+run's seq_id: a retried POST (the SDK resends a failed POST with a new X-Idempotency-Key but
+the same seq_id) answers the first one's future and never runs twice.
+
+Imports: service, store, types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any
+
+from posttrain.errors import InvalidRequest, NotFound, posttrainError
+from posttrain.records import ResourceRecord, SessionRecord
+from posttrain.service.ids import new_id
+from posttrain.service.operations import OperationService
+from posttrain.service.resources import ResourceService
+from posttrain.service.sessions import SessionService
+from posttrain.service.tinker.records import ClientRecord, FutureRecord, RunRecord
+from posttrain.service.tinker.registry import Registry
+from posttrain.statuses import ResourceStatus, SessionStatus
+from posttrain.store.repo import Repo
+from posttrain.types import LoraConfig, OperationKind, OperationRequest
+
+# Tinker's wire carries no LoRA alpha; this is the scale its peers use (SkyRL: 32), so a rank-r
+# adapter's update is scaled by 32/r as in their runs.
+LORA_ALPHA = 32
+# A provisioned resource outlives its last request by this long; heartbeats move it on.
+RESOURCE_IDLE_S = 3600
+# The ids a user's objects are named under: the SDK derives a created-via-load run's id itself.
+RUN_ID = "{client}:train:{seq}"
+
+
+def fingerprint(request: Any) -> str:
+    """The same request gives the same fingerprint: a retry with the same seq_id must match."""
+    return hashlib.sha256(repr(request).encode()).hexdigest()
+
+
+class TinkerRuns:
+    def __init__(
+        self,
+        repo: Repo,
+        registry: Registry,
+        resources: ResourceService,
+        sessions: SessionService,
+        operations: OperationService,
+    ) -> None:
+        self.repo = repo
+        self.registry = registry
+        self.resources = resources
+        self.sessions = sessions
+        self.operations = operations
+
+    # ------------------------------------------------------------ client sessions
+
+    def create_client(
+        self, user: str, tags: list[str], user_metadata: dict[str, Any] | None
+    ) -> ClientRecord:
+        now = time.time()
+        record = ClientRecord(new_id("tc"), user, now, now, tags, user_metadata)
+        self.registry.put(record)
+        return record
+
+    def heartbeat(self, user: str, client_id: str) -> bool:
+        """Keep the client's resources alive; False once the client finished (the SDK stops
+        its heartbeat on 410)."""
+        client = self.registry.get(ClientRecord, client_id, user)
+        if client.finished:
+            return False
+        for resource_id in self._resources_of(user, client_id):
+            self.resources.touch(resource_id)
+        return True
+
+    def finish(self, user: str, client_id: str) -> None:
+        """The SDK's close(): the client ends; its runs and samplers stay readable (a saved
+        path outlives the process), and their resources expire when idle."""
+        client = self.registry.get(ClientRecord, client_id, user)
+        self.registry.put(dataclasses.replace(client, finished=True))
+
+    def _resources_of(self, user: str, client_id: str) -> set[str]:
+        runs = self.registry.all(RunRecord, user)
+        return {run.resource_id for run in runs if run.client_id == client_id}
+
+    # ------------------------------------------------------------ runs
+
+    def create_run(
+        self,
+        user: str,
+        client_id: str,
+        model_seq_id: int,
+        base_model: str,
+        lora: LoraConfig,
+        user_metadata: dict[str, Any] | None,
+        resume_from: str | None = None,
+        load_optimizer: bool | None = None,
+    ) -> FutureRecord:
+        """A run's session, set up before this returns (as SessionService.create waits); the
+        future carries the model id, or the reason it failed. A retry of the same
+        (client, model_seq_id) answers the first future."""
+        self.registry.get(ClientRecord, client_id, user)
+        model_id = RUN_ID.format(client=client_id, seq=model_seq_id)
+        if (earlier := self.registry.seq_future(model_id, 0)) is not None:
+            return self.registry.get(FutureRecord, earlier, user)
+        future_type = "load_weights" if resume_from is not None else "create_model"
+        future = FutureRecord(new_id("req"), user, future_type, time.time())
+        if self.registry.claim_seq(model_id, 0, user, future.id) != future.id:
+            return self.registry.get(FutureRecord, self.registry.seq_future(model_id, 0), user)
+        try:
+            session = self._new_session(
+                user, base_model, lora, model_id, resume_from, load_optimizer
+            )
+        except posttrainError as exc:
+            future = dataclasses.replace(future, error=exc.message)
+            self.registry.put(future)
+            return future
+        assert session.lora_config is not None
+        run = RunRecord(
+            model_id=model_id,
+            user=user,
+            client_id=client_id,
+            session_id=session.id,
+            resource_id=session.resource_id,
+            base_model=base_model,
+            lora_rank=session.lora_config.rank,
+            train_unembed=session.lora_config.train_unembed,
+            created_at=time.time(),
+            user_metadata=user_metadata,
+        )
+        self.registry.put(run)
+        result: dict[str, Any] = {"model_id": model_id}
+        future = dataclasses.replace(future, result=result, session_id=session.id)
+        self.registry.put(future)
+        return future
+
+    def run(self, user: str, model_id: str) -> RunRecord:
+        return self.registry.get(RunRecord, model_id, user)
+
+    def session(self, run: RunRecord) -> SessionRecord:
+        return self.sessions.get(run.user, run.session_id)
+
+    def submit(
+        self,
+        user: str,
+        model_id: str,
+        seq_id: int | None,
+        future_type: str,
+        kind: OperationKind,
+        request: OperationRequest,
+        extra: dict[str, Any] | None = None,
+    ) -> FutureRecord:
+        """An operation on the run's session, as its request number seq_id."""
+        run = self.run(user, model_id)
+        return self.submit_on(
+            user, model_id, run.session_id, seq_id, future_type, kind, request, extra
+        )
+
+    def submit_on(
+        self,
+        user: str,
+        owner: str,
+        session_id: str,
+        seq_id: int | None,
+        future_type: str,
+        kind: OperationKind,
+        request: OperationRequest,
+        extra: dict[str, Any] | None = None,
+    ) -> FutureRecord:
+        """An operation on a posttrain session for the run or sampler `owner`, whose request
+        number seq_id deduplicates retries."""
+        if (earlier := self.registry.seq_future(owner, seq_id)) is not None:
+            return self.registry.get(FutureRecord, earlier, user)
+        session = self.sessions.get(user, session_id)
+        key = None if seq_id is None else f"tinker-{owner}-{seq_id}"
+        op = self.operations.submit(
+            user,
+            session,
+            kind,
+            idempotency_key=key,
+            fingerprint=fingerprint(request),
+            request=request,
+        )
+        future = FutureRecord(
+            id=f"req-{op.id}",
+            user=user,
+            type=future_type,
+            created_at=time.time(),
+            session_id=session_id,
+            operation_id=op.id,
+            operation_kind=kind.value,
+            extra=extra or {},
+        )
+        self.registry.put(future)
+        self.registry.claim_seq(owner, seq_id, user, future.id)
+        return future
+
+    # ------------------------------------------------------------ provisioning
+
+    def _new_session(
+        self,
+        user: str,
+        base_model: str,
+        lora: LoraConfig,
+        display_name: str,
+        resume_from: str | None,
+        load_optimizer: bool | None,
+    ) -> SessionRecord:
+        resource = self.resource_for(user, base_model)
+        given = frozenset() if resume_from is not None else frozenset({"rank", "train_unembed"})
+        session = self.sessions.create(
+            user,
+            resource_id=resource.id,
+            lora=lora,
+            display_name=display_name,
+            metadata={},
+            resume_from_checkpoint_id=resume_from,
+            load_optimizer=load_optimizer,
+            lora_given=given,
+        )
+        session = self._settled(user, session)
+        if session.status != SessionStatus.RUNNING:
+            message = session.error.message if session.error else f"session is {session.status}"
+            raise InvalidRequest(f"could not start a training session: {message}")
+        return session
+
+    def _settled(self, user: str, session: SessionRecord) -> SessionRecord:
+        deadline = time.time() + 120.0
+        while session.status == SessionStatus.CREATING and time.time() < deadline:
+            time.sleep(0.05)
+            session = self.sessions.get(user, session.id)
+        return session
+
+    def resource_for(self, user: str, base_model: str) -> ResourceRecord:
+        """A READY LoRA resource of the user's on base_model with a generator and a free slot,
+        else a new one."""
+        self.resources.check_base_model(base_model)
+        for record in self.resources.list(user, {ResourceStatus.READY.value}):
+            if (
+                record.base_model == base_model
+                and record.lora_enabled
+                and record.num_generator_replicas >= 1
+                and self._free_slots(record) > 0
+            ):
+                return record
+        created = self.resources.create(
+            user,
+            base_model=base_model,
+            lora_enabled=True,
+            num_generator_replicas=1,
+            inactive_timeout=RESOURCE_IDLE_S,
+            muon_scaling=None,
+        )
+        deadline = time.time() + 300.0
+        while created.status == ResourceStatus.CREATING and time.time() < deadline:
+            time.sleep(0.05)
+            created = self.resources.get(user, created.id)
+        if created.status != ResourceStatus.READY:
+            message = created.error.message if created.error else str(created.status)
+            raise InvalidRequest(f"could not load base model {base_model}: {message}")
+        return created
+
+    def _free_slots(self, record: ResourceRecord) -> int:
+        held = [
+            s
+            for s in self.repo.sessions_of_resource(record.id)
+            if s.status in (SessionStatus.CREATING, SessionStatus.RUNNING, SessionStatus.STOPPING)
+        ]
+        return self.resources.session_capacity(record) - len(held)
+
+
+def not_found_run(model_id: str) -> NotFound:
+    return NotFound(f"model {model_id} not found", param="model_id")

@@ -1,0 +1,41 @@
+"""The Tinker dialect's services, wired over the one set of posttrain services.
+
+Imports: service, store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.operations import OperationService
+from posttrain.service.resources import ResourceService
+from posttrain.service.sessions import SessionService
+from posttrain.service.tinker.records import FutureRecord
+from posttrain.service.tinker.registry import Registry
+from posttrain.service.tinker.runs import TinkerRuns
+from posttrain.service.tinker.weights import TinkerWeights
+from posttrain.store.dialect import DialectObjects
+from posttrain.store.repo import Repo
+
+
+@dataclass
+class TinkerService:
+    registry: Registry
+    runs: TinkerRuns
+    weights: TinkerWeights
+
+    def future(self, user: str, request_id: str) -> FutureRecord:
+        return self.registry.get(FutureRecord, request_id, user)
+
+
+def build_tinker(
+    repo: Repo,
+    resources: ResourceService,
+    sessions: SessionService,
+    operations: OperationService,
+    checkpoints: CheckpointService,
+) -> TinkerService:
+    registry = Registry(DialectObjects(repo))
+    runs = TinkerRuns(repo, registry, resources, sessions, operations)
+    return TinkerService(registry, runs, TinkerWeights(registry, runs, checkpoints))

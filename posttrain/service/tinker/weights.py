@@ -1,0 +1,287 @@
+"""Named `tinker://` checkpoints and the samplers that serve saved or frozen weights.
+
+A save answers a future at once and writes a posttrain checkpoint as an operation in the run's
+order (so it holds the weights of that moment); its name maps to the checkpoint once the
+operation finished. A path names `tinker://{model_id}/weights/{name}` (training state, with
+the optimizer) or `.../sampler_weights/{name}` (weights only).
+
+Samplers: a base-model sampler is a fresh rank-1 adapter (its B matrix starts at zero, so it
+samples the base model) on the user's resource for that model; a saved path's sampler loads
+the checkpoint into an adapter of its own; a snapshot (save_weights_and_get_sampling_client)
+is an inference checkpoint written in the run's order, loaded into its own adapter when the
+SDK first collects the future, so training that follows never reaches it; an inflight sampler
+samples on the run's own session after a weights-sync.
+
+Imports: service, types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from posttrain.errors import InvalidRequest, NotFound
+from posttrain.records import OperationRecord
+from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.ids import new_id
+from posttrain.service.tinker.records import (
+    ClientRecord,
+    FutureRecord,
+    NameRecord,
+    RunRecord,
+    SamplerRecord,
+)
+from posttrain.service.tinker.registry import Registry
+from posttrain.service.tinker.runs import TinkerRuns
+from posttrain.statuses import OperationStatus
+from posttrain.types import (
+    CheckpointRequest,
+    CheckpointType,
+    LoraConfig,
+    OperationKind,
+    SampleRequest,
+    WeightsSyncRequest,
+    WeightSyncType,
+)
+
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+SAMPLER_ID = "{client}:sample:{seq}"
+# A base-model sampler's adapter: the smallest rank, its update zero until trained (never).
+BASE_ADAPTER = LoraConfig(rank=1, alpha=1, seed=0, train_unembed=False)
+
+
+def parse_path(path: str) -> tuple[str, str, str]:
+    """(model_id, segment, name) of `tinker://{model_id}/{segment}/{name}`."""
+    if not path.startswith("tinker://"):
+        raise InvalidRequest(f"path {path!r} is not a tinker:// path", param="path")
+    parts = path[len("tinker://") :].split("/")
+    if len(parts) != 3 or parts[1] not in SEGMENTS or not parts[0] or not parts[2]:
+        raise InvalidRequest(
+            f"path {path!r} is not tinker://MODEL_ID/weights/NAME or"
+            " tinker://MODEL_ID/sampler_weights/NAME",
+            param="path",
+        )
+    return parts[0], parts[1], parts[2]
+
+
+class TinkerWeights:
+    def __init__(self, registry: Registry, runs: TinkerRuns, checkpoints: CheckpointService):
+        self.registry = registry
+        self.runs = runs
+        self.checkpoints = checkpoints
+
+    # ------------------------------------------------------------ saving
+
+    def save(
+        self,
+        user: str,
+        model_id: str,
+        seq_id: int | None,
+        name: str,
+        *,
+        sampler: bool,
+        ttl_seconds: int | None,
+        overwrite: bool,
+        user_metadata: dict[str, str] | None,
+    ) -> FutureRecord:
+        if (earlier := self.registry.seq_future(model_id, seq_id)) is not None:
+            return self.registry.get(FutureRecord, earlier, user)
+        segment = "sampler_weights" if sampler else "weights"
+        if not name or "/" in name:
+            raise InvalidRequest(
+                f"checkpoint name {name!r} must be non-empty, without '/'", param="path"
+            )
+        if ttl_seconds is not None and ttl_seconds <= 0:
+            raise InvalidRequest("ttl_seconds must be positive", param="ttl_seconds")
+        path = f"tinker://{model_id}/{segment}/{name}"
+        self.runs.run(user, model_id)
+        existing = self.registry.find(NameRecord, path)
+        if existing is not None and not overwrite:
+            raise InvalidRequest(
+                f"checkpoint {path} exists; send overwrite=true to replace it", param="path"
+            )
+        kind = OperationKind.INFERENCE_CHECKPOINT if sampler else OperationKind.TRAINING_CHECKPOINT
+        ctype = CheckpointType.INFERENCE if sampler else CheckpointType.TRAINING
+        future = self.runs.submit(
+            user,
+            model_id,
+            seq_id,
+            "save_weights_for_sampler" if sampler else "save_weights",
+            kind,
+            CheckpointRequest(ctype),
+            extra={"path": path},
+        )
+        now = time.time()
+        self.registry.put(
+            NameRecord(
+                path=path,
+                user=user,
+                model_id=model_id,
+                checkpoint_type=SEGMENTS[segment],
+                future_id=future.id,
+                created_at=now,
+                expires_at=None if ttl_seconds is None else now + ttl_seconds,
+                user_metadata=user_metadata,
+            )
+        )
+        return future
+
+    def resolve(self, user: str, path: str, param: str = "path") -> str:
+        """The posttrain checkpoint id a path names (it must have been written)."""
+        parse_path(path)
+        record = self.registry.find(NameRecord, path)
+        if record is None or (record.user != user and not record.public):
+            raise NotFound(f"checkpoint {path} not found", param=param)
+        if record.expires_at is not None and record.expires_at < time.time():
+            raise NotFound(f"checkpoint {path} expired", param=param)
+        if record.checkpoint_id is not None:
+            return record.checkpoint_id
+        future = self.registry.get(FutureRecord, record.future_id, record.user)
+        op = self.runs.repo.get_operation(future.operation_id or "")
+        if op is None or op.status != OperationStatus.COMPLETED:
+            state = (
+                "failed"
+                if op is not None and op.status == OperationStatus.FAILED
+                else "not written yet"
+            )
+            raise InvalidRequest(f"checkpoint {path} is {state}", param=param)
+        checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
+        self.registry.put(dataclasses.replace(record, checkpoint_id=checkpoint_id))
+        return checkpoint_id
+
+    # ------------------------------------------------------------ samplers
+
+    def create_sampler(
+        self,
+        user: str,
+        client_id: str,
+        seq: int,
+        *,
+        base_model: str | None,
+        model_path: str | None,
+    ) -> SamplerRecord:
+        self.registry.get(ClientRecord, client_id, user)
+        sampler_id = SAMPLER_ID.format(client=client_id, seq=seq)
+        if (existing := self.registry.find(SamplerRecord, sampler_id, user)) is not None:
+            return existing  # a retried create
+        if model_path is not None:
+            checkpoint_id = self.resolve(user, model_path, param="model_path")
+            checkpoint = self.checkpoints.get(user, checkpoint_id)
+            if base_model is not None and base_model != checkpoint.base_model:
+                raise InvalidRequest(
+                    f"model_path {model_path} was trained from {checkpoint.base_model},"
+                    f" not {base_model}",
+                    param="base_model",
+                )
+            session = self.runs._new_session(
+                user, checkpoint.base_model, BASE_ADAPTER, sampler_id, checkpoint_id, False
+            )
+            kind, base = "path", checkpoint.base_model
+        elif base_model is not None:
+            session = self.runs._new_session(user, base_model, BASE_ADAPTER, sampler_id, None, None)
+            kind, base = "base", base_model
+        else:
+            raise InvalidRequest("send base_model or model_path", param="base_model")
+        record = SamplerRecord(
+            id=sampler_id,
+            user=user,
+            client_id=client_id,
+            base_model=base,
+            kind=kind,
+            created_at=time.time(),
+            session_id=session.id,
+            model_path=model_path,
+        )
+        self.registry.put(record)
+        return record
+
+    def save_for_sampler(
+        self, user: str, model_id: str, seq_id: int | None, sampler_seq: int, kind: str
+    ) -> FutureRecord:
+        """An ephemeral sampler of the run's weights as of this request: frozen (snapshot) or
+        following the run (inflight)."""
+        if (earlier := self.registry.seq_future(model_id, seq_id)) is not None:
+            return self.registry.get(FutureRecord, earlier, user)
+        run = self.runs.run(user, model_id)
+        sampler_id = SAMPLER_ID.format(client=run.client_id, seq=sampler_seq)
+        if kind == "inflight":
+            future = self.runs.submit(
+                user,
+                model_id,
+                seq_id,
+                "save_weights_for_sampler",
+                OperationKind.WEIGHTS_SYNC,
+                WeightsSyncRequest(WeightSyncType.SYNCHRONOUS),
+                extra={"sampling_session_id": sampler_id},
+            )
+            session_id: str | None = run.session_id
+        elif kind == "snapshot":
+            future = self.runs.submit(
+                user,
+                model_id,
+                seq_id,
+                "save_weights_for_sampler",
+                OperationKind.INFERENCE_CHECKPOINT,
+                CheckpointRequest(CheckpointType.INFERENCE),
+                extra={"sampling_session_id": sampler_id},
+            )
+            session_id = None
+        else:
+            raise InvalidRequest(f"kind {kind!r} is not snapshot or inflight", param="kind")
+        self.registry.put(
+            SamplerRecord(
+                id=sampler_id,
+                user=user,
+                client_id=run.client_id,
+                base_model=run.base_model,
+                kind=kind,
+                created_at=time.time(),
+                session_id=session_id,
+                checkpoint_future=future.id if session_id is None else None,
+            )
+        )
+        return future
+
+    def sampler_session(self, user: str, sampler_id: str) -> str:
+        """The posttrain session a sampler samples on; a snapshot's is made here, once."""
+        sampler = self.registry.get(SamplerRecord, sampler_id, user)
+        if sampler.session_id is not None:
+            return sampler.session_id
+        future = self.registry.get(FutureRecord, sampler.checkpoint_future or "", user)
+        op = self.runs.repo.get_operation(future.operation_id or "")
+        if op is None or op.status != OperationStatus.COMPLETED:
+            raise InvalidRequest(
+                f"sampling session {sampler_id}'s weights are not saved yet",
+                param="sampling_session_id",
+            )
+        checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
+        session = self.runs._new_session(
+            user, sampler.base_model, BASE_ADAPTER, sampler_id, checkpoint_id, False
+        )
+        self.registry.put(dataclasses.replace(sampler, session_id=session.id))
+        return session.id
+
+    def finished(self, future: FutureRecord, op: OperationRecord) -> None:
+        """A future's operation completed: a snapshot's sampler gets its session now, before
+        the SDK (which waits on this future) sends its first sample."""
+        sampler_id = future.extra.get("sampling_session_id")
+        if sampler_id is not None and op.status == OperationStatus.COMPLETED:
+            self.sampler_session(future.user, sampler_id)
+
+    def sample(
+        self, user: str, sampler_id: str, seq_id: int | None, request: SampleRequest
+    ) -> FutureRecord:
+        session_id = self.sampler_session(user, sampler_id)
+        return self.runs.submit_on(
+            user,
+            sampler_id,
+            session_id,
+            seq_id,
+            "sample",
+            OperationKind.SAMPLE,
+            request,
+            extra={"num_samples": request.num_samples},
+        )
+
+
+__all__ = ["TinkerWeights", "parse_path", "RunRecord", "new_id"]

@@ -1,0 +1,166 @@
+"""Scenarios run by the real tinker 0.38 SDK against a posttrain server; each prints one JSON
+object on its last stdout line for tests/integration/test_tinker_native.py to check.
+
+Run with the tinker 0.38 interpreter (tests/tinker_env.py): `python client.py SCENARIO URL`.
+Nothing here imports posttrain: this is what a user's loop does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import tinker
+from tinker import types
+
+BASE_MODEL = "posttrain/tiny-qwen3"
+API_KEY = "tml-posttrain-test"
+SEQUENCES = [[1, 20, 21, 22, 23, 24, 25], [1, 30, 31, 32, 33], [1, 40, 41, 42, 43, 44]]
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    weights = [0.0] + [1.0] * (len(tokens) - 2)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+            "weights": types.TensorData(data=weights, dtype="float32"),
+        },
+    )
+
+
+def logprobs_of(output: types.ForwardBackwardOutput) -> list[list[float]]:
+    return [[float(x) for x in out["logprobs"].data] for out in output.loss_fn_outputs]
+
+
+def adam(lr: float = 1e-2) -> types.AdamParams:
+    return types.AdamParams(learning_rate=lr)
+
+
+def service(url: str) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=url, api_key=API_KEY)
+
+
+def handshake(url: str) -> dict:
+    with service(url) as client:
+        caps = client.get_server_capabilities()
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1)
+        info = training.get_info()
+        return {
+            "models": [m.model_name for m in caps.supported_models],
+            "model_id": training.model_id,
+            "info_base": info.model_data.model_name,
+            "lora_rank": info.lora_rank,
+        }
+
+
+def sl_steps(url: str) -> dict:
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2)
+        data = [datum(s) for s in SEQUENCES]
+        losses = []
+        metrics = None
+        for _ in range(4):
+            out = training.forward_backward(data, "cross_entropy").result()
+            metrics = out.metrics
+            losses.append(out.metrics["loss:sum"])
+            training.optim_step(adam()).result()
+        forward = logprobs_of(training.forward(data, "cross_entropy").result())
+        sampler = training.save_weights_and_get_sampling_client()
+        scored = [
+            sampler.compute_logprobs(types.ModelInput.from_ints(s)).result() for s in SEQUENCES
+        ]
+        return {"losses": losses, "metrics": metrics, "forward": forward, "scored": scored}
+
+
+def resume(url: str) -> dict:
+    """save_state after 2 steps, resume with the optimizer, take the same third step both ways."""
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3)
+        data = [datum(s) for s in SEQUENCES]
+        for _ in range(2):
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(adam()).result()
+        path = training.save_state("after-two").result().path
+        resumed = client.create_training_client_from_state_with_optimizer(path)
+        losses = {}
+        for name, client_ in (("original", training), ("resumed", resumed)):
+            client_.forward_backward(data, "cross_entropy").result()
+            client_.optim_step(adam()).result()
+            out = client_.forward(data, "cross_entropy").result()
+            losses[name] = out.metrics["loss:sum"]
+        return {"path": path, "model_ids": [training.model_id, resumed.model_id], **losses}
+
+
+def snapshot(url: str) -> dict:
+    """A snapshot sampler keeps the weights of its moment; a later one sees training."""
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=4)
+        data = [datum(s) for s in SEQUENCES]
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam(5e-2)).result()
+        frozen = training.save_weights_and_get_sampling_client()
+        prompt = types.ModelInput.from_ints(SEQUENCES[0])
+        before = frozen.compute_logprobs(prompt).result()
+        for _ in range(3):
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(adam(5e-2)).result()
+        after = frozen.compute_logprobs(prompt).result()
+        fresh = training.save_weights_and_get_sampling_client().compute_logprobs(prompt).result()
+        base = client.create_sampling_client(base_model=BASE_MODEL)
+        params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=7, stop=[])
+        sampled = base.sample(prompt, num_samples=3, sampling_params=params).result()
+        return {
+            "before": before,
+            "after": after,
+            "fresh": fresh,
+            "sampled": [list(map(int, s.tokens)) for s in sampled.sequences],
+            "stop_reasons": [s.stop_reason for s in sampled.sequences],
+        }
+
+
+def chunked(url: str) -> dict:
+    """1,100 datums in one call (the SDK sends two chunks) against the same data in 4 calls."""
+    rng = np.random.default_rng(0)
+    seqs = [[1] + [int(t) for t in rng.integers(2, 200, size=5)] for _ in range(1100)]
+    data = [datum(s) for s in seqs]
+    with service(url) as client:
+        result = {}
+        for name, calls in (("one", [data]), ("four", [data[i::4] for i in range(4)])):
+            training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=9)
+            total = 0.0
+            for part in calls:
+                total += training.forward_backward(part, "cross_entropy").result().metrics[
+                    "loss:sum"
+                ]
+            training.optim_step(adam()).result()
+            after = training.forward(data[:8], "cross_entropy").result()
+            result[name] = {"loss": total, "after": logprobs_of(after)}
+        return result
+
+
+def refusals(url: str) -> dict:
+    """Each refusal surfaces as an exception with posttrain's message, never a hang."""
+    out = {}
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5)
+        data = [datum(SEQUENCES[0])]
+        for name, call in (
+            ("stable_reinforce", lambda: training.forward_backward(data, "stable_reinforce")),
+            ("unknown_model", lambda: client.create_lora_training_client(base_model="no/such")),
+        ):
+            try:
+                value = call()
+                if hasattr(value, "result"):
+                    value.result()
+                out[name] = "no error"
+            except Exception as exc:  # noqa: BLE001 - the message is what is checked
+                out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (handshake, sl_steps, resume, snapshot, chunked, refusals)}
+
+if __name__ == "__main__":
+    print(json.dumps(SCENARIOS[sys.argv[1]](sys.argv[2])))

@@ -1,0 +1,91 @@
+"""The real tinker 0.38 SDK against a real `posttrain serve`, on the Tinker wire surface
+(/api/v1). Each scenario runs in the tinker 0.38 interpreter (tests/tinker_env.py: the
+Together SDK's shim pins tinker 0.23.1, so the two cannot share this process) and reports what
+it saw; the assertions are here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ServerProcess
+
+CLIENT = Path(__file__).parent / "tinker_native" / "client.py"
+
+
+@pytest.fixture(scope="module")
+def tinker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess.started(tmp_path_factory.mktemp("tinker-native"))
+    yield proc
+    proc.stop()
+
+
+def run(tinker_python: str, scenario: str, server: ServerProcess) -> dict:
+    done = subprocess.run(
+        [tinker_python, str(CLIENT), scenario, server.base_url],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={"TINKER_TELEMETRY": "0", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, f"{scenario} failed:\n{done.stderr[-4000:]}\n{server.log()[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_handshake_creates_a_training_run_and_closes(tinker_python, tinker_server):
+    seen = run(tinker_python, "handshake", tinker_server)
+    assert "posttrain/tiny-qwen3" in seen["models"]
+    assert seen["model_id"].endswith(":train:0")
+    assert seen["info_base"] == "posttrain/tiny-qwen3"
+    assert seen["lora_rank"] == 4
+
+
+def test_supervised_steps_lower_the_loss_and_sampler_logprobs_match_training(
+    tinker_python, tinker_server
+):
+    seen = run(tinker_python, "sl_steps", tinker_server)
+    losses = seen["losses"]
+    assert losses[-1] < losses[0]
+    assert all(":" in key for key in seen["metrics"])  # the SDK splits every key on ':'
+    for forward, scored in zip(seen["forward"], seen["scored"], strict=True):
+        assert scored[0] is None  # nothing predicts the first prompt token
+        # forward[i] scores token i+1 given tokens[:i+1]: the sampler's prompt logprobs
+        assert scored[1:] == pytest.approx(forward, abs=2e-5)
+
+
+def test_resume_with_optimizer_reproduces_the_next_loss_bit_for_bit(tinker_python, tinker_server):
+    seen = run(tinker_python, "resume", tinker_server)
+    assert seen["path"] == f"tinker://{seen['model_ids'][0]}/weights/after-two"
+    assert seen["model_ids"][1].endswith(":train:1")
+    assert seen["resumed"] == seen["original"]
+
+
+def test_a_snapshot_sampler_keeps_its_weights_while_training_goes_on(
+    tinker_python, tinker_server
+):
+    seen = run(tinker_python, "snapshot", tinker_server)
+    assert seen["after"] == seen["before"]
+    assert seen["fresh"][1:] != pytest.approx(seen["before"][1:], abs=1e-4)
+    assert all(len(tokens) == 5 for tokens in seen["sampled"])  # stop=[]: no stop, not even EOS
+    assert seen["stop_reasons"] == ["length"] * 3
+
+
+def test_one_call_of_1100_datums_equals_the_same_data_in_four_calls(
+    tinker_python, tinker_server
+):
+    seen = run(tinker_python, "chunked", tinker_server)
+    assert math.isclose(seen["one"]["loss"], seen["four"]["loss"], rel_tol=1e-5)
+    for one, four in zip(seen["one"]["after"], seen["four"]["after"], strict=True):
+        assert one == pytest.approx(four, abs=1e-5)
+
+
+def test_refusals_raise_with_the_reason(tinker_python, tinker_server):
+    seen = run(tinker_python, "refusals", tinker_server)
+    assert "stable_reinforce" in seen["stable_reinforce"]
+    assert "importance_sampling" in seen["stable_reinforce"]
+    assert "no/such" in seen["unknown_model"]

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import ServerProcess
 
@@ -33,7 +34,9 @@ def run(tinker_python: str, scenario: str, server: ServerProcess) -> dict:
         timeout=900,
         env={"TINKER_TELEMETRY": "0", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
     )
-    assert done.returncode == 0, f"{scenario} failed:\n{done.stderr[-4000:]}\n{server.log()[-3000:]}"
+    assert done.returncode == 0, (
+        f"{scenario} failed:\n{done.stderr[-4000:]}\n{server.log()[-3000:]}"
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -65,9 +68,7 @@ def test_resume_with_optimizer_reproduces_the_next_loss_bit_for_bit(tinker_pytho
     assert seen["resumed"] == seen["original"]
 
 
-def test_a_snapshot_sampler_keeps_its_weights_while_training_goes_on(
-    tinker_python, tinker_server
-):
+def test_a_snapshot_sampler_keeps_its_weights_while_training_goes_on(tinker_python, tinker_server):
     seen = run(tinker_python, "snapshot", tinker_server)
     assert seen["after"] == seen["before"]
     assert seen["fresh"][1:] != pytest.approx(seen["before"][1:], abs=1e-4)
@@ -75,9 +76,7 @@ def test_a_snapshot_sampler_keeps_its_weights_while_training_goes_on(
     assert seen["stop_reasons"] == ["length"] * 3
 
 
-def test_one_call_of_1100_datums_equals_the_same_data_in_four_calls(
-    tinker_python, tinker_server
-):
+def test_one_call_of_1100_datums_equals_the_same_data_in_four_calls(tinker_python, tinker_server):
     seen = run(tinker_python, "chunked", tinker_server)
     assert math.isclose(seen["one"]["loss"], seen["four"]["loss"], rel_tol=1e-5)
     for one, four in zip(seen["one"]["after"], seen["four"]["after"], strict=True):
@@ -89,3 +88,43 @@ def test_refusals_raise_with_the_reason(tinker_python, tinker_server):
     assert "stable_reinforce" in seen["stable_reinforce"]
     assert "importance_sampling" in seen["stable_reinforce"]
     assert "no/such" in seen["unknown_model"]
+
+
+def _post(server: ServerProcess, path: str, body: dict, key: str = "retry-1") -> httpx.Response:
+    headers = {"X-API-Key": "tml-posttrain-test", "X-Idempotency-Key": key}
+    return httpx.post(f"{server.base_url}/api/v1/{path}", json=body, headers=headers, timeout=60)
+
+
+def _result(server: ServerProcess, request_id: str) -> dict:
+    return _post(server, "retrieve_future", {"request_id": request_id}).json()
+
+
+def test_a_retried_post_with_the_same_seq_id_runs_once(tinker_server):
+    client = _post(tinker_server, "create_session", {"tags": [], "sdk_version": "0.38.0"}).json()
+    created = _post(
+        tinker_server,
+        "create_model",
+        {
+            "session_id": client["session_id"],
+            "model_seq_id": 0,
+            "base_model": "posttrain/tiny-qwen3",
+            "lora_config": {"rank": 2, "seed": 0},
+        },
+    ).json()
+    model_id = _result(tinker_server, created["request_id"])["model_id"]
+    step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+    first = _post(tinker_server, "optim_step", step, key="retry-a").json()
+    second = _post(tinker_server, "optim_step", step, key="retry-b").json()
+    assert second["request_id"] == first["request_id"]
+    assert "metrics" in _result(tinker_server, first["request_id"])
+    sessions = httpx.get(
+        f"{tinker_server.base_url}/v1/rl/training-sessions",
+        headers={"Authorization": "Bearer tml-posttrain-test"},
+        timeout=30,
+    ).json()["data"]
+    (run,) = [s for s in sessions if s.get("display_name") == model_id]
+    assert run["step"] == 1  # one optimizer step, not two
+    # After finish, the heartbeat answers 410 and the SDK stops beating.
+    assert _post(tinker_server, f"sessions/{client['session_id']}/finish", {}).status_code == 200
+    beat = _post(tinker_server, "session_heartbeat", {"session_id": client["session_id"]})
+    assert beat.status_code == 410

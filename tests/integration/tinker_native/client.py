@@ -131,9 +131,9 @@ def chunked(url: str) -> dict:
             training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=9)
             total = 0.0
             for part in calls:
-                total += training.forward_backward(part, "cross_entropy").result().metrics[
-                    "loss:sum"
-                ]
+                total += (
+                    training.forward_backward(part, "cross_entropy").result().metrics["loss:sum"]
+                )
             training.optim_step(adam()).result()
             after = training.forward(data[:8], "cross_entropy").result()
             result[name] = {"loss": total, "after": logprobs_of(after)}

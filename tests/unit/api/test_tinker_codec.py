@@ -6,18 +6,15 @@ checks the same codec against the real SDK."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import zstandard
 
 from posttrain.api.tinker import tinker_public_pb2 as pb
-from posttrain.api.tinker.codec import (
-    WireDatum,
-    WireSpan,
-    WireTensor,
-    decode_forward_backward,
-)
+from posttrain.api.tinker.codec import WireDatum, WireSpan, WireTensor, decode_forward_backward
 from posttrain.api.tinker.codec_replies import (
     TOPK_EMPTY,
     WireSequence,
@@ -80,13 +77,8 @@ def test_a_text_datum_decodes_to_its_tokens_and_dense_inputs():
 
     wire = decode_forward_backward(msg.SerializeToString(), None)
 
-    assert (wire.model_id, wire.seq_id, wire.loss_fn, wire.forward_only) == (
-        "sess-1:train:0",
-        7,
-        "cross_entropy",
-        False,
-    )
-    assert wire.loss_fn_config == {}
+    head = (wire.model_id, wire.seq_id, wire.loss_fn, wire.forward_only, wire.loss_fn_config)
+    assert head == ("sess-1:train:0", 7, "cross_entropy", False, {})
     assert wire.datums == (
         WireDatum(
             tokens=(151644, 872, 198, 9707, 11),
@@ -322,13 +314,11 @@ def read_forward_backward_output(body: bytes) -> tuple[str, list[dict], dict[str
         rows: list[dict] = [{} for _ in range(record.num_datums)]
         for name, field in record.fields.items():
             offsets = np.frombuffer(field.offsets, "<i8")
-            assert offsets.size == record.num_datums + 1 and offsets[0] == 0
-            assert offsets[-1] == len(field.data)
+            assert [len(offsets), *offsets[[0, -1]]] == [record.num_datums + 1, 0, len(field.data)]
             flat = np.frombuffer(field.data, layouts[field.dtype])
-            if field.dtype == 4:
+            size, trailing = flat.itemsize, tuple(field.trailing_shape)
+            if field.dtype == 4:  # bfloat16: the upper half of a float32
                 flat = (flat.astype("<u4") << 16).view("<f4")
-            size = flat.itemsize if field.dtype != 4 else 2
-            trailing = tuple(field.trailing_shape)
             for i in range(record.num_datums):
                 values = flat[offsets[i] // size : offsets[i + 1] // size]
                 leading = values.size // math.prod(trailing)
@@ -338,16 +328,11 @@ def read_forward_backward_output(body: bytes) -> tuple[str, list[dict], dict[str
 
 
 def test_forward_backward_output_batches_each_field_with_byte_offsets():
+    logprobs = [((-0.5, -1.25, -3.0), (3,)), ((-2.0,), (1,)), ((), (0,))]
+    topk_ids = [((1, 2, 3, 4, 5, 6), (3, 2)), ((7, 8), (1, 2)), ((), (0, 2))]
     outputs = [
-        {
-            "logprobs": WireTensor((-0.5, -1.25, -3.0), (3,), "float32"),
-            "topk_ids": WireTensor((1, 2, 3, 4, 5, 6), (3, 2), "int64"),
-        },
-        {
-            "logprobs": WireTensor((-2.0,), (1,), "float32"),
-            "topk_ids": WireTensor((7, 8), (1, 2), "int64"),
-        },
-        {"logprobs": WireTensor((), (0,), "float32"), "topk_ids": WireTensor((), (0, 2), "int64")},
+        {"logprobs": WireTensor(*lp, "float32"), "topk_ids": WireTensor(*ids, "int64")}
+        for lp, ids in zip(logprobs, topk_ids, strict=True)
     ]
     metrics = {"loss:sum": 12.5, "valid_tokens:sum": 4.0}
 
@@ -355,8 +340,8 @@ def test_forward_backward_output_batches_each_field_with_byte_offsets():
 
     msg = pb.ForwardBackwardOutput.FromString(body)
     assert len(msg.loss_fn_outputs) == 1 and msg.loss_fn_outputs[0].num_datums == 3
-    logprobs = msg.loss_fn_outputs[0].fields["logprobs"]
-    assert np.frombuffer(logprobs.offsets, "<i8").tolist() == [0, 12, 16, 16]
+    offsets = msg.loss_fn_outputs[0].fields["logprobs"].offsets
+    assert np.frombuffer(offsets, "<i8").tolist() == [0, 12, 16, 16]
     assert list(msg.loss_fn_outputs[0].fields["topk_ids"].trailing_shape) == [2]
     kind, read, read_metrics = read_forward_backward_output(body)
     assert (kind, read_metrics) == ("ArrayRecord", metrics)
@@ -375,10 +360,8 @@ def test_ragged_trailing_shapes_split_into_records_and_bfloat16_rounds_to_neares
         {"x": WireTensor((6, 7, 8), (1, 3), "int32")},
     ]
     body = encode_forward_backward_output("ArrayRecord", outputs, {})
-    assert [r.num_datums for r in pb.ForwardBackwardOutput.FromString(body).loss_fn_outputs] == [
-        1,
-        2,
-    ]
+    records = pb.ForwardBackwardOutput.FromString(body).loss_fn_outputs
+    assert [record.num_datums for record in records] == [1, 2]
     assert [o["x"][:2] for o in read_forward_backward_output(body)[1]] == [
         ([1, 2], (1, 2)),
         ([3, 4, 5], (1, 3)),
@@ -430,16 +413,11 @@ def test_sample_response_carries_sequences_and_prompt_logprobs_as_the_sdk_reads_
     assert math.isnan(prompt[0]) and prompt[1:].tolist() == [-2.5, -0.75]
     topk = msg.topk_prompt_logprobs
     assert (topk.length, topk.k, msg.prompt_cache_hit_tokens) == (3, 2, 2)
-    assert np.frombuffer(topk.token_ids, "<i4").reshape(3, 2).tolist() == [
-        [TOPK_EMPTY[0]] * 2,
-        [5, 6],
-        [7, TOPK_EMPTY[0]],
-    ]
-    assert np.frombuffer(topk.logprobs, "<f4").reshape(3, 2).tolist() == [
-        [TOPK_EMPTY[1]] * 2,
-        [-0.5, -1.0],
-        [-0.25, TOPK_EMPTY[1]],
-    ]
+    empty_id, empty_logprob = TOPK_EMPTY
+    ids = np.frombuffer(topk.token_ids, "<i4").reshape(3, 2).tolist()
+    assert ids == [[empty_id, empty_id], [5, 6], [7, empty_id]]
+    logprobs = np.frombuffer(topk.logprobs, "<f4").reshape(3, 2).tolist()
+    assert logprobs == [[empty_logprob, empty_logprob], [-0.5, -1.0], [-0.25, empty_logprob]]
 
 
 def test_sample_response_without_prompt_fields_and_with_sampled_topk():
@@ -456,13 +434,17 @@ def test_sample_response_without_prompt_fields_and_with_sampled_topk():
 
 
 def test_the_vendored_schema_lives_beside_the_together_shims_tinker_proto():
-    """Both register tinker_public.proto; the vendored one is in a private pool, so importing
-    both works in either order and each parses the other's bytes."""
+    """Both register tinker_public.proto, with different contents; the vendored one is in a
+    private pool, so both import in either order and each parses the other's bytes."""
     sdk = pytest.importorskip("tinker.proto.tinker_public_pb2")
     assert pb.DESCRIPTOR.pool is not sdk.DESCRIPTOR.pool
     msg, _ = one_datum(weights=np.array([0.5, 1.0], np.float32))
     parsed = sdk.ForwardBackwardRequest.FromString(msg.SerializeToString())
-    assert (parsed.model_id, parsed.data[0].loss_fn_inputs["weights"].dense) == (
-        msg.model_id,
-        msg.data[0].loss_fn_inputs["weights"].dense,
+    assert parsed.SerializeToString() == msg.SerializeToString()
+    sdk_first = (
+        "import tinker.proto.tinker_public_pb2 as sdk\n"
+        "import posttrain.api.tinker.tinker_public_pb2 as pb\n"
+        "print(pb.Tensor.FromString(sdk.Tensor(dense=b'ab').SerializeToString()).dense)"
     )
+    done = subprocess.run([sys.executable, "-c", sdk_first], capture_output=True, text=True)
+    assert (done.returncode, done.stdout.strip()) == (0, "b'ab'"), done.stderr

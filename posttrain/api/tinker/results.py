@@ -10,11 +10,11 @@ Imports: api.tinker, records, types.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from posttrain.api.tinker.codec import (
-    WireTensor,
+from posttrain.api.tinker.codec import WireTensor
+from posttrain.api.tinker.codec_replies import (
+    WireSequence,
     encode_forward_backward_output,
     encode_sample_response,
 )
@@ -72,28 +72,29 @@ def _forward_backward(future: FutureRecord, result: ForwardBackwardResult) -> by
 
 
 def _sample(output: SampleOutput) -> bytes:
+    """posttrain's prompt logprobs hold a placeholder at position 0 (nothing predicts the first
+    token); the SDK reads None (NaN on the wire) there."""
     result = output.results[0]
     sequences = [
-        (
-            list(seq.tokens),
-            list(seq.logprobs),
-            "stop" if seq.stop_reason == StopReason.STOP else "length",
+        WireSequence(
+            tokens=tuple(seq.tokens),
+            logprobs=tuple(seq.logprobs),
+            stop_reason="stop" if seq.stop_reason == StopReason.STOP else "length",
         )
         for seq in result.sequences
     ]
     prompt_logprobs = None
     if result.prompt_logprobs is not None:
-        prompt_logprobs = [None] + [
-            None if (v is None or math.isnan(v)) else v for v in result.prompt_logprobs[1:]
-        ]
+        prompt_logprobs = [None, *result.prompt_logprobs[1:]]
     topk = None
     if result.topk_prompt_logprobs is not None:
         topk = [None] + [
-            list(zip(t.token_ids, t.logprobs)) for t in result.topk_prompt_logprobs[1:]
+            list(zip(t.token_ids, t.logprobs, strict=True))
+            for t in result.topk_prompt_logprobs[1:]
         ]
     hits = result.sequences[0].prompt_cache_hit_tokens if result.sequences else 0
     return encode_sample_response(
-        sequences=sequences,
+        sequences,
         prompt_logprobs=prompt_logprobs,
         topk_prompt_logprobs=topk,
         prompt_cache_hit_tokens=hits,

@@ -187,9 +187,11 @@ def serve(args: argparse.Namespace) -> NoReturn:
     try:
         check_data_dir(config.data_dir)
         check_device(config.engine.device)
-        # The built-ins are known to be servable; only the user's directories are checked.
+        # The built-ins are known to be servable (under any name); the user's directories are
+        # checked.
+        builtin_dirs = set(BUILTIN_MODELS.values())
         for spec in config.models:
-            if spec.id not in BUILTIN_MODELS and (problem := servable_problem(spec.path)):
+            if spec.path not in builtin_dirs and (problem := servable_problem(spec.path)):
                 raise ConfigError(f"--model {spec.path}: {problem}", param="models")
         check_trainer_ranks(config.engine)
     except ConfigError:

@@ -365,10 +365,14 @@ class ServerConfig(BaseModel):
     models: tuple[ModelSpec, ...] = Field(
         default_factory=builtin_model_specs,
         description="add a local Hugging Face causal-LM directory, served as base_model"
-        " <directory name> beside the built-in posttrain/tiny-qwen3 and posttrain/tiny-qwen3-moe"
-        " (repeatable)",
+        " <directory name> beside the built-in posttrain/tiny-qwen3 and posttrain/tiny-qwen3-moe;"
+        " NAME=PATH serves it as base_model NAME (a hub name such as Qwen/Qwen3-8B), and"
+        " NAME=posttrain/tiny-qwen3 serves a built-in model under NAME too (repeatable)",
         json_schema_extra=flag(
-            "models", name="--model", metavar="PATH", default="none: the built-in models only"
+            "models",
+            name="--model",
+            metavar="[NAME=]PATH",
+            default="none: the built-in models only",
         ),
     )
     signing_key: str = Field(

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from posttrain.config import ModelSpec, ServerConfig, builtin_model_specs
+from posttrain.config import BUILTIN_MODELS, ModelSpec, ServerConfig, builtin_model_specs
 from posttrain.errors import ConfigError
 
 ENV_PREFIX = "POSTTRAIN_"
@@ -80,12 +80,52 @@ def stay_offline() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def model_spec_from_path(path: str | Path) -> ModelSpec:
-    """`--model PATH` adds a local HF directory, listed under its directory name."""
+def model_spec_from_path(path: str | Path, *, given: str | None = None) -> ModelSpec:
+    """`--model PATH` adds a local HF directory, listed under its directory name. `given`:
+    the whole `--model` value, which an error names (PATH alone by default)."""
     directory = Path(path).expanduser().resolve()
     if not (directory / "config.json").is_file():
-        raise ConfigError(f"--model {path}: no config.json in that directory", param="models")
+        where = path if given else "that directory"
+        raise ConfigError(f"--model {given or path}: no config.json in {where}", param="models")
     return ModelSpec(id=directory.name, path=directory)
+
+
+def model_spec_from_flag(value: str) -> ModelSpec:
+    """One `--model` value: `PATH` (served under its directory name), or `NAME=PATH` and
+    `NAME=BUILTIN` (PATH, or a built-in model's directory, served as base_model NAME: a hub
+    name such as `Qwen/Qwen3-8B`, which clients that look models up by name know).
+
+    A value that is itself a directory is a PATH, even with a `=` in it."""
+    if "=" not in value or Path(value).expanduser().is_dir():
+        return model_spec_from_path(value)
+    name, _, target = value.partition("=")
+    # Tinker clients cut a model name at `:` (`name:checkpoint`), so a NAME holds none.
+    if not name or any(c.isspace() or c == ":" for c in name):
+        raise ConfigError(
+            f"--model {value}: NAME in NAME=PATH must be non-empty, without spaces or `:`",
+            param="models",
+        )
+    if not target:
+        raise ConfigError(f"--model {value}: no PATH after `{name}=`", param="models")
+    if target in BUILTIN_MODELS:
+        return ModelSpec(id=name, path=BUILTIN_MODELS[target])
+    return ModelSpec(id=name, path=model_spec_from_path(target, given=value).path)
+
+
+def model_specs_from_flags(values: list[str]) -> tuple[ModelSpec, ...]:
+    """The built-in models, then one per `--model` value; a base_model name served twice is
+    refused, naming the value that repeats it."""
+    specs = list(builtin_model_specs())
+    for value in values:
+        spec = model_spec_from_flag(value)
+        if any(spec.id == other.id for other in specs):
+            raise ConfigError(
+                f"--model {value}: base_model {spec.id!r} is already served; give this one"
+                " another name with --model NAME=PATH",
+                param="models",
+            )
+        specs.append(spec)
+    return tuple(specs)
 
 
 def load_keys_file(path: str | Path) -> dict[str, str]:
@@ -153,8 +193,8 @@ def build_config(
 ) -> ServerConfig:
     """ServerConfig from POSTTRAIN_* env (the settings declared with `env=True`, and API_KEY,
     KEYS_FILE), then `overrides` (top-level fields or sub-configs), then `flags` (setting path
-    -> value as given on the command line; `models`: the `--model` directories, served beside
-    the built-ins).
+    -> value as given on the command line; `models`: the `--model` values, `[NAME=]PATH`,
+    served beside the built-ins).
 
     Later sources win; an invalid value raises ConfigError naming the flag, variable or field."""
     values: dict[str, Any] = {}
@@ -169,7 +209,7 @@ def build_config(
         value = given
         if path == ("models",):
             assert isinstance(given, list)
-            value = (*builtin_model_specs(), *(model_spec_from_path(p) for p in given))
+            value = model_specs_from_flags(given)
         _place(values, path, value)
         origins[path] = f"{named[path]} {given}"
     api_key = api_key or os.environ.get(ENV_PREFIX + "API_KEY") or None

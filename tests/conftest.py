@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tinker_env import tinker_python  # noqa: F401  (the fixture, for every test module)
 
 API_KEY = "test-key"
 BASE_MODEL = "posttrain/tiny-qwen3"

@@ -39,6 +39,10 @@ class ModelInfo:
     max_batch_size: int
     max_lora_rank: int
     moe: MoeShape | None = None  # expert routes of an MoE model; None: dense
+    # The local directory the model and its tokenizer load from (AutoTokenizer, offline), so a
+    # client on this machine can load the same tokenizer. The service fills it in from the
+    # served ModelSpec (service/resources.py); an engine leaves it None.
+    tokenizer_dir: Path | None = None
 
 
 @dataclass(frozen=True)

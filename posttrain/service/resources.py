@@ -42,7 +42,14 @@ class ResourceService:
         self.base_models = {spec.id for spec in config.models}
 
     def supported_models(self) -> list[tuple[str, ModelInfo]]:
-        return [(spec.id, self.engine.model_info(spec.id)) for spec in self.config.models]
+        return [(spec.id, self.model_info(spec.id)) for spec in self.config.models]
+
+    def model_info(self, base_model: str) -> ModelInfo:
+        """The engine's limits of a served base model, and the directory its tokenizer loads
+        from: the one the engine loads the model from (ServerConfig.models)."""
+        self.check_base_model(base_model)
+        path = next(spec.path for spec in self.config.models if spec.id == base_model)
+        return dataclasses.replace(self.engine.model_info(base_model), tokenizer_dir=path)
 
     def tokenizer_id(self, base_model: str) -> str:
         """What AutoTokenizer.from_pretrained loads offline for base_model: its directory."""

@@ -51,11 +51,6 @@ class ResourceService:
         path = next(spec.path for spec in self.config.models if spec.id == base_model)
         return dataclasses.replace(self.engine.model_info(base_model), tokenizer_dir=path)
 
-    def tokenizer_id(self, base_model: str) -> str:
-        """What AutoTokenizer.from_pretrained loads offline for base_model: its directory."""
-        self.check_base_model(base_model)
-        return next(str(spec.path) for spec in self.config.models if spec.id == base_model)
-
     def device_name(self) -> str:
         """The device the engine resolved (`cpu`, `NVIDIA H200`), not the configured `auto`."""
         return self.engine.device_name()

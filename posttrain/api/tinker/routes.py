@@ -156,7 +156,7 @@ def get_info(body: RawBodyDep, svc: ServicesDep, user: str = TinkerUser) -> dict
         "model_data": {
             "arch": None,
             "model_name": run.base_model,
-            "tokenizer_id": svc.resources.tokenizer_id(run.base_model),
+            "tokenizer_id": str(svc.resources.model_info(run.base_model).tokenizer_dir),
         },
         "is_lora": True,
         "lora_rank": run.lora_rank,
@@ -320,7 +320,7 @@ def asample(body: RawBodyDep, svc: ServicesDep, user: str = TinkerUser) -> dict[
             param="sampling_session_id",
         )
     sampler = svc.tinker.registry.get(SamplerRecord, request.sampling_session_id, user)
-    context = dict(svc.resources.supported_models())[sampler.base_model].context_length
+    context = svc.resources.model_info(sampler.base_model).context_length
     domain = sample_request(request, context)
     future = svc.tinker.weights.sample(user, sampler.id, request.seq_id, domain)
     ids = [f"{future.id}:{i}" for i in range(request.num_samples)]

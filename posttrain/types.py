@@ -205,14 +205,39 @@ class WeightsSyncRequest:
 # ---------------------------------------------------------------- sampling
 
 
+# The most top-k alternatives per prompt position a sample request may ask for: the service
+# refuses more (service/operations.py) and the Together schema advertises it (api.md 1.4.6).
+# 20 is the tinker cookbook's default and recommended width for top-k distillation.
+MAX_TOPK_PROMPT_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 100
+    """How a sample request's sequences are drawn, and where each one ends.
+
+    A sequence ends with STOP at the first sampled token that is one of `stop_token_ids`, or
+    one of the model's EOS ids while `stop_at_eos` holds, or that completes one of the `stop`
+    strings (the text of the sequence, stop strings spanning tokens); that token is the last one
+    returned, with its logprob. Otherwise it ends with LENGTH after `max_tokens` tokens. With
+    `stop_at_eos` False and no other stop a sequence always runs to `max_tokens`.
+
+    `max_tokens` None: as many tokens as the context length leaves after the longest prompt,
+    within the operation token limit (service/operations.py resolves it at submit; the engine
+    only ever sees a number).
+
+    The Together surface sends strings only and always stops at EOS. Tinker's `stop`: None ->
+    the defaults here; [] -> stop_at_eos False; a list of strings -> `stop`; a list of token
+    ids -> `stop_token_ids` (EOS still stops, as with strings).
+    """
+
+    max_tokens: int | None = 100
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_at_eos: bool = True
 
 
 @dataclass(frozen=True)
@@ -290,6 +315,11 @@ class TopkPromptLogprobs:
 
 @dataclass(frozen=True)
 class SampleResult:
+    """One prompt's sequences. `prompt_logprobs` and `topk_prompt_logprobs` cover the whole
+    prompt; entry i belongs to prompt token i given the tokens before it, so entry 0 has no
+    value: it holds the placeholder 0.0 (and an empty top-k entry), which the Together wire
+    sends as is (api.md 1.4.6) and the Tinker wire sends as NaN (its SDK reads None there)."""
+
     sequences: list[SampledSequence]
     policy_segments: list[PolicySegment]
     prompt_logprobs: list[float] | None = None

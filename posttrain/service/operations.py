@@ -29,6 +29,7 @@ from posttrain.service.sessions import SessionService
 from posttrain.statuses import OperationErrorCode, OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import (
+    MAX_TOPK_PROMPT_LOGPROBS,
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
     OperationKind,
@@ -39,6 +40,26 @@ from posttrain.types import (
 )
 
 RESTART_MESSAGE = "the server restarted while this operation was pending or running"
+
+
+def resolved_max_tokens(
+    request: SampleRequest, context_length: int, limits: LimitsConfig
+) -> SampleRequest:
+    """max_tokens None means as many tokens as the request's limits allow: what the context
+    length leaves after the longest prompt (prompt + max_tokens <= context_length, the rule
+    _checked_sample applies to a given max_tokens), and no more than keeps num_samples x
+    (prompt + max_tokens) within the operation token limit. At least 1, so a prompt that
+    leaves no room is refused by those same checks, naming sampling_params.max_tokens."""
+    params = request.sampling_params
+    if params.max_tokens is not None:
+        return request
+    context_room = context_length - max(len(prompt) for prompt in request.prompts)
+    per_sample = limits.max_operation_tokens // request.num_samples  # prompts + completions
+    token_room = (per_sample - sum(map(len, request.prompts))) // len(request.prompts)
+    max_tokens = max(1, min(context_room, token_room))
+    return dataclasses.replace(
+        request, sampling_params=dataclasses.replace(params, max_tokens=max_tokens)
+    )
 
 
 class OperationService:
@@ -142,7 +163,7 @@ class OperationService:
                     "this model resource has no generator (num_generator_replicas = 0)",
                     param="compute_config.num_generator_replicas",
                 )
-            self._check_sample(session.base_model, request)
+            request = self._checked_sample(session.base_model, request)
         if isinstance(request, ForwardBackwardRequest | CustomForwardBackwardRequest):
             # Keys become the routes they name now: a key that expires while the operation
             # is queued cannot fail it later.
@@ -209,9 +230,21 @@ class OperationService:
                     sample.routed_experts, info.moe, len(sample.tokens), f"samples[{index}].{field}"
                 )
 
-    def _check_sample(self, base_model: str, request: SampleRequest) -> None:
+    def _checked_sample(self, base_model: str, request: SampleRequest) -> SampleRequest:
+        """The request with max_tokens None resolved (resolved_max_tokens), checked against
+        the limits and the model."""
         engine = self.resources.engine
         info = engine.model_info(base_model)
+        if request.topk_prompt_logprobs > MAX_TOPK_PROMPT_LOGPROBS:
+            raise InvalidRequest(
+                f"topk_prompt_logprobs is {request.topk_prompt_logprobs}; the maximum is"
+                f" {MAX_TOPK_PROMPT_LOGPROBS}",
+                param="topk_prompt_logprobs",
+            )
+        request = resolved_max_tokens(request, info.context_length, self.limits)
+        engine.check_tokens(
+            base_model, request.sampling_params.stop_token_ids, "sampling_params.stop"
+        )
         sequences = len(request.prompts) * request.num_samples
         if sequences > self.limits.max_sequences:
             raise InvalidRequest(
@@ -239,6 +272,7 @@ class OperationService:
                     f" {info.context_length}",
                     param="sampling_params.max_tokens",
                 )
+        return request
 
     def get(self, user: str, session_id: str, kind: OperationKind, op_id: str) -> OperationRecord:
         self.sessions.get(user, session_id)

@@ -15,6 +15,7 @@ from posttrain.api.schemas.samples import (
 from posttrain.api.schemas.wire import Int64, Lenient, Wire, given_fields
 from posttrain.errors import InvalidRequest
 from posttrain.types import (
+    MAX_TOPK_PROMPT_LOGPROBS,
     AdamParams,
     MuonParams,
     OptimStepRequest,
@@ -115,7 +116,7 @@ class SampleIn(Wire):
     num_samples: int | None = Field(None, ge=1)
     sampling_params: SamplingParamsIn | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    topk_prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     return_routed_experts: bool | None = None
     payload_id: str | None = None
 

@@ -49,6 +49,12 @@ class SampledRow:
     # return_routed_experts: the experts of each generated token fed back, [L, K] each.
     routes: list[Tensor] | None = None
 
+    @property
+    def max_tokens(self) -> int:
+        """The row's max_tokens: a number here, since the service resolves None at submit."""
+        assert self.params.max_tokens is not None, "max_tokens None is resolved before the engine"
+        return self.params.max_tokens
+
 
 class LiveRows:
     """The live rows in cache order, with their per-row settings and uniforms."""
@@ -100,7 +106,7 @@ class LiveRows:
     def _draw_ahead(self) -> None:
         """The next C uniforms of every live row's generator, C no more than any row can use."""
         rows = [self.rows[r] for r in self.live]
-        count = min(DRAWS_AHEAD, max(r.params.max_tokens - len(r.tokens) for r in rows))
+        count = min(DRAWS_AHEAD, max(r.max_tokens - len(r.tokens) for r in rows))
         block_BC = torch.zeros(len(rows), count)
         for i, row in enumerate(rows):
             if row.generator is not None:

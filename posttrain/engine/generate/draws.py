@@ -3,8 +3,9 @@
 `draw` samples one token per live row from its logits (sampling_math.py: temperature, top-k,
 top-p, one inverse-CDF draw from the row's own random stream) with its untempered float32
 logprob (train/logprobs.py), reading nothing back. `record_steps` takes a block's read-back
-tokens and appends each row's up to its stop (EOS, a stop string, max_tokens), dropping what a
-row computed past it. The decode loop that calls them is sampler.py.
+tokens and appends each row's up to its stop (a stop token id, EOS unless the row's params turn
+it off, a stop string, max_tokens), dropping what a row computed past it. The decode loop that
+calls them is sampler.py.
 
 Legend: B = rows in a pass, V = vocab, K = passes in a block.
 """
@@ -24,12 +25,19 @@ from posttrain.types import StopReason
 
 
 def record(gm: GeneratorModel, row: SampledRow, token: int, logprob: float) -> None:
-    """Append a sampled token; set the row's stop reason when it ends here."""
+    """Append a sampled token; set the row's stop reason when it ends here (the rule is
+    SamplingParams's: a stop token id, EOS unless stop_at_eos is off, or a completed stop
+    string ends it with STOP, the token kept; else max_tokens with LENGTH)."""
     row.tokens.append(token)
     row.logprobs.append(logprob)
-    if token in gm.eos_token_ids or hit_stop_string(gm.tokenizer, row.tokens, row.params.stop):
+    params = row.params
+    if (
+        token in params.stop_token_ids
+        or (params.stop_at_eos and token in gm.eos_token_ids)
+        or hit_stop_string(gm.tokenizer, row.tokens, params.stop)
+    ):
         row.stop_reason = StopReason.STOP
-    elif len(row.tokens) >= row.params.max_tokens:
+    elif len(row.tokens) >= row.max_tokens:
         row.stop_reason = StopReason.LENGTH
 
 

@@ -17,11 +17,12 @@ operations and sessions can share passes) and runs:
    accelerator, 1 on the CPU): a block reads nothing back from the device but, at its end,
    the sampled tokens and logprobs of its K passes, in one transfer; what a pass needs of the
    rows is kept ready between passes (decode_rows.py). The host then records each row's K
-   tokens up to its stop (EOS, a stop string even when it spans tokens, its max_tokens) and
-   drops the passes a row ran past it: its random stream is its own, so no other row's tokens
-   change (their logprobs may in the last bits: a matrix product's rows depend on how many
-   rows it has). Finished rows leave the batch at block ends and the cache is compacted
-   (prompts no live row continues too), so long rows never pay for finished ones.
+   tokens up to its stop (draws.record: a stop token id, EOS unless the row's params turn it
+   off, a stop string even when it spans tokens, its max_tokens) and drops the passes a row
+   ran past it: its random stream is its own, so no other row's tokens change (their
+   logprobs may in the last bits: a matrix product's rows depend on how many rows it has).
+   Finished rows leave the batch at block ends and the cache is compacted (prompts no live
+   row continues too), so long rows never pay for finished ones.
    Static-shape passes (decode_graph.py; on CUDA with `--cuda-graphs on`, where they are
    captured in CUDA graphs and replayed) keep finished rows as padding until at most half the
    batch runs.
@@ -198,7 +199,7 @@ def _generate(
     batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
     if not batch.live:
         return _results(requests, groups, group_of_request, rows, segments)
-    longest_completion = max(rows[r].params.max_tokens for r in batch.live)
+    longest_completion = max(rows[r].max_tokens for r in batch.live)
     own = new_cache(gm, len(batch.live), min(longest_completion, DECODE_POSITIONS_PER_GROWTH))
     cache = FanoutKVCache(
         prefill_cache, list(range(len(groups))), own, [rows[r].group for r in batch.live]
@@ -228,10 +229,7 @@ def _generate(
         # No row runs past the longest max_tokens still wanted: the last block is shortened.
         steps = min(
             steps_per_block,
-            max(
-                rows[batch.live[i]].params.max_tokens - len(rows[batch.live[i]].tokens)
-                for i in running
-            ),
+            max(rows[batch.live[i]].max_tokens - len(rows[batch.live[i]].tokens) for i in running),
         )
         if own_positions + steps > cache.capacity:
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))

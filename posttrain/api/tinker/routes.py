@@ -320,8 +320,7 @@ def asample(body: RawBodyDep, svc: ServicesDep, user: str = TinkerUser) -> dict[
             param="sampling_session_id",
         )
     sampler = svc.tinker.registry.get(SamplerRecord, request.sampling_session_id, user)
-    context = svc.resources.model_info(sampler.base_model).context_length
-    domain = sample_request(request, context)
+    domain = sample_request(request)
     future = svc.tinker.weights.sample(user, sampler.id, request.seq_id, domain)
     ids = [f"{future.id}:{i}" for i in range(request.num_samples)]
     return _future(future, sample_sequence_ids=ids)

@@ -13,8 +13,6 @@ from posttrain.api.tinker.wire import Sample
 from posttrain.errors import InvalidRequest
 from posttrain.types import SampleRequest, SamplingParams
 
-MAX_TOPK_PROMPT_LOGPROBS = 20
-
 
 def prompt_tokens(body: Sample) -> tuple[int, ...]:
     tokens: list[int] = []
@@ -30,7 +28,7 @@ def prompt_tokens(body: Sample) -> tuple[int, ...]:
     return tuple(tokens)
 
 
-def sample_request(body: Sample, context_tokens: int) -> SampleRequest:
+def sample_request(body: Sample) -> SampleRequest:
     params = body.sampling_params
     for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if getattr(body, name):
@@ -44,11 +42,6 @@ def sample_request(body: Sample, context_tokens: int) -> SampleRequest:
             "record_stability_info is not served (stable_reinforce is not one of posttrain's"
             " losses)",
             param="record_stability_info",
-        )
-    if body.topk_prompt_logprobs > MAX_TOPK_PROMPT_LOGPROBS:
-        raise InvalidRequest(
-            f"topk_prompt_logprobs is at most {MAX_TOPK_PROMPT_LOGPROBS}",
-            param="topk_prompt_logprobs",
         )
     tokens = prompt_tokens(body)
     stop = params.stop
@@ -64,15 +57,8 @@ def sample_request(body: Sample, context_tokens: int) -> SampleRequest:
             strings = tuple(stop)  # type: ignore[arg-type]
         else:
             token_ids = tuple(int(s) for s in stop)
-    room = context_tokens - len(tokens)
-    if room < 1:
-        raise InvalidRequest(
-            f"prompt of {len(tokens)} tokens fills the model's context of {context_tokens}",
-            param="prompt",
-        )
-    max_tokens = room if params.max_tokens is None else params.max_tokens
     sampling = SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=params.max_tokens,  # None: what the context leaves (the service resolves it)
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,

@@ -192,7 +192,7 @@ def custom_forward_backward(
     """Back-propagate sum_i sum_t g_it * logp_it (api.md 1.4.3); weights/mask not applied."""
     device = resource.loaded.device
     packed = pack(request.samples, device)
-    width = packed.tokens_ST.shape[1]
+    width = packed.targets_ST.shape[1]
     gradients_ST = torch.zeros(len(request.samples), width, device=device)
     for index, gradient in enumerate(request.gradients):
         gradients_ST[index, : len(gradient)] = torch.tensor(gradient)

@@ -6,6 +6,12 @@ wire names of its params object (`loss.<params_field>`) and of its seed-era inpu
 range of each param. Per loss_fn_inputs key (INPUT_SPECS): the dtypes it may carry and whether
 its values must be non-negative. The rules are losses.md 1.2 and 1.5 and api.md 4.4.
 
+Two API surfaces (Dialect) share the table: Together's /v1/rl and Tinker's /api/v1
+(api/tinker/). A loss or a key that only one of them accepts says so here (LossSpec.dialects,
+InputSpec.dialects), and so does a rule that differs between them: Tinker's client-side
+forward_backward_custom sends cross-entropy weights -dC/dlogp, which may be negative, so
+`weights` is non-negative on the Together surface only (InputSpec.non_negative_in).
+
 The API edge (api/schemas) checks every forward-backward against this table once, at submit,
 so a bad request is a 400 naming the field; the engine trusts its typed inputs. Values arrive
 here already parsed and finite (api/schemas/samples.parse_numbers), so what is left to check
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
+from enum import StrEnum
 from typing import Any
 
 from posttrain.errors import InvalidRequest
@@ -27,12 +34,21 @@ from posttrain.types import (
     DppoParams,
     DroParams,
     GrpoParams,
+    GspoParams,
     LossConfig,
     LossParams,
     LossType,
     PpoParams,
     TrainingSample,
 )
+
+
+class Dialect(StrEnum):
+    TOGETHER = "together"  # /v1/rl (api.md)
+    TINKER = "tinker"  # /api/v1 (tinker-wire.md)
+
+
+_BOTH = frozenset(Dialect)
 
 
 @dataclass(frozen=True)
@@ -53,12 +69,19 @@ class LossSpec:
     inputs_block: str | None  # seed era: loss_inputs.<inputs_block> (CE reads none)
     required_inputs: tuple[str, ...]  # in the order a missing one is reported (api.md 4.4)
     bounds: tuple[Bound, ...] = ()  # in the order a broken one is reported
+    dialects: frozenset[Dialect] = _BOTH  # the surfaces that accept the loss
 
 
 @dataclass(frozen=True)
 class InputSpec:
     dtypes: frozenset[str]  # the wire dtypes the key may carry (api.md 4.4)
-    is_non_negative: bool = False
+    non_negative_in: frozenset[Dialect] = frozenset()  # surfaces where a value < 0 is a 400
+    dialects: frozenset[Dialect] = _BOTH  # the surfaces that accept the key
+
+    @property
+    def is_non_negative(self) -> bool:
+        """Non-negative on the Together surface (losses.md 1.3)."""
+        return Dialect.TOGETHER in self.non_negative_in
 
 
 _POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
@@ -123,6 +146,16 @@ LOSS_SPECS: dict[LossType, LossSpec] = {
         required_inputs=_POLICY_INPUTS,
         bounds=(*_RATIO_BOUNDS, Bound("beta", 0.0)),
     ),
+    # Tinker's gspo (GSPO-token, summed; engine/train/losses.gspo): no Together wire names.
+    LossType.GSPO: LossSpec(
+        function="gspo",
+        params_type=GspoParams,
+        params_field=None,
+        inputs_block=None,
+        required_inputs=_POLICY_INPUTS,  # + sequence_ratio_mask (required_inputs())
+        bounds=_RATIO_BOUNDS,
+        dialects=frozenset({Dialect.TINKER}),
+    ),
 }
 
 _FLOAT = frozenset({"float32"})
@@ -133,10 +166,29 @@ INPUT_SPECS: dict[str, InputSpec] = {
     "advantages": InputSpec(_FLOAT),
     "reference_logprobs": InputSpec(_FLOAT),
     # weights and mask are checked in this order; fractional weights are honoured (losses.md 2).
-    "weights": InputSpec(_INT_OR_FLOAT, is_non_negative=True),
-    "mask": InputSpec(_INT_OR_FLOAT, is_non_negative=True),
+    "weights": InputSpec(_INT_OR_FLOAT, non_negative_in=frozenset({Dialect.TOGETHER})),
+    "mask": InputSpec(_INT_OR_FLOAT, non_negative_in=_BOTH),
+    # GSPO's sequence-ratio tokens (!= 0), Tinker's key.
+    "sequence_ratio_mask": InputSpec(
+        _INT_OR_FLOAT,
+        non_negative_in=frozenset({Dialect.TINKER}),
+        dialects=frozenset({Dialect.TINKER}),
+    ),
 }
-LOSS_FN_INPUT_KEYS = frozenset(INPUT_SPECS)  # the keys the server understands (api.md 1.7.2)
+
+
+def loss_types(dialect: Dialect) -> tuple[LossType, ...]:
+    """The losses a surface accepts, in table order."""
+    return tuple(t for t, spec in LOSS_SPECS.items() if dialect in spec.dialects)
+
+
+def input_keys(dialect: Dialect) -> frozenset[str]:
+    """The loss_fn_inputs keys a surface understands."""
+    return frozenset(k for k, spec in INPUT_SPECS.items() if dialect in spec.dialects)
+
+
+# The keys the Together surface understands (api.md 1.7.2).
+LOSS_FN_INPUT_KEYS = input_keys(Dialect.TOGETHER)
 
 
 def required_inputs(config: LossConfig) -> dict[str, str]:
@@ -145,6 +197,8 @@ def required_inputs(config: LossConfig) -> dict[str, str]:
     required = dict.fromkeys(LOSS_SPECS[config.type].required_inputs, "")
     if isinstance(config.params, GrpoParams) and config.params.beta > 0:
         required["reference_logprobs"] = " with beta > 0"  # the k3 term reads it (losses.md 9.2)
+    if config.type == LossType.GSPO:
+        required["sequence_ratio_mask"] = ""  # the tokens of the sequence ratio
     return required
 
 
@@ -184,18 +238,23 @@ def check_params(config: LossConfig) -> None:
         )
 
 
-def check_input_values(samples: Sequence[TrainingSample]) -> None:
-    """Raise InvalidRequest naming the first sample whose weights or mask holds a negative
-    value (losses.md 1.3). Values are finite by now (parse_numbers)."""
+def check_input_values(
+    samples: Sequence[TrainingSample],
+    dialect: Dialect = Dialect.TOGETHER,
+    field: str = "samples",
+) -> None:
+    """Raise InvalidRequest naming the first sample (`<field>[i]`) whose weights or mask
+    holds a negative value where `dialect` forbids it (losses.md 1.3). Values are finite by
+    now (parse_numbers)."""
     for key, spec in INPUT_SPECS.items():
-        if not spec.is_non_negative:
+        if dialect not in spec.non_negative_in:
             continue
         for index, sample in enumerate(samples):
             values = sample.loss_fn_inputs.get(key)
             if values and min(values) < 0:
                 raise InvalidRequest(
                     f"loss_fn_inputs.{key} of sample {index} is negative",
-                    param=f"samples[{index}].loss_fn_inputs.{key}",
+                    param=f"{field}[{index}].loss_fn_inputs.{key}",
                 )
 
 

@@ -22,6 +22,7 @@ class LossType(StrEnum):
     DRO = "LOSS_TYPE_DRO"
     DPPO = "LOSS_TYPE_DPPO"
     GRPO = "LOSS_TYPE_GRPO"
+    GSPO = "LOSS_TYPE_GSPO"  # the Tinker surface's only (loss_specs.LossSpec.dialects)
 
 
 class GrpoAggregation(StrEnum):
@@ -104,7 +105,15 @@ class GrpoParams:
     ratio_type: GrpoRatioType = GrpoRatioType.TOKEN
 
 
-LossParams = PpoParams | CispoParams | DroParams | DppoParams | GrpoParams | None
+@dataclass(frozen=True)
+class GspoParams:
+    """Tinker's gspo: absolute bounds on the sequence ratio (losses.md 9.3, tinker/losses.py)."""
+
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+
+
+LossParams = PpoParams | CispoParams | DroParams | DppoParams | GrpoParams | GspoParams | None
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,11 @@ class TrainingSample:
     """One sample: `tokens` is the model input ((prompt + completion)[:-1]); every
     `loss_fn_inputs` value has exactly len(tokens) entries (checked by the api layer).
 
+    `targets_per_position` K > 1 (the Tinker surface's [N, K] target_tokens, top-k
+    distillation; cross-entropy only): target_tokens and weights then hold N * K entries,
+    row-major (position n's K targets at [n * K, (n + 1) * K)), every other key N, and the
+    sample's logprobs are N * K values in the same order (`loss_length`).
+
     `routed_experts_key` names routes the sampler recorded; the service resolves it into
     `routed_experts` at submit, so the engine only ever reads the routes."""
 
@@ -150,6 +164,12 @@ class TrainingSample:
     loss_fn_inputs: dict[str, tuple[float, ...]]
     routed_experts_key: str | None = None
     routed_experts: ExpertRoutes | None = None
+    targets_per_position: int = 1
+
+    @property
+    def loss_length(self) -> int:
+        """Entries of target_tokens, weights and the reported logprobs: N * K."""
+        return len(self.tokens) * self.targets_per_position
 
 
 @dataclass(frozen=True)
@@ -158,6 +178,9 @@ class ForwardBackwardRequest:
     loss: LossConfig
     forward_only: bool = False
     return_loss_fn_outputs: bool = False
+    # The Tinker surface: report the logprob of every target (outputs always carry one per
+    # target there), not 0.0 where the loss excludes a position (losses.md 1.3).
+    report_all_logprobs: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,14 @@ from posttrain.api.schemas.samples import (
 )
 from posttrain.api.schemas.wire import Wire, given_fields
 from posttrain.errors import InvalidRequest
-from posttrain.loss_specs import LOSS_SPECS, check_input_values, check_params, params_from_fields
+from posttrain.loss_specs import (
+    LOSS_SPECS,
+    Dialect,
+    check_input_values,
+    check_params,
+    loss_types,
+    params_from_fields,
+)
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
@@ -91,11 +98,11 @@ _LOSS_OF_PARAMS = {s.params_field: t for t, s in LOSS_SPECS.items() if s.params_
 def parse_loss_type(name: str, param: str) -> LossType:
     """`LOSS_TYPE_*`, or a short name such as `ppo` (losses.md 1.2, api.md 5.4)."""
     spelling = name if name.startswith("LOSS_TYPE_") else f"LOSS_TYPE_{name.upper()}"
-    try:
-        return LossType(spelling)
-    except ValueError:
-        known = ", ".join(t.value for t in LossType)
-        raise InvalidRequest(f"unknown loss type {name!r}; known: {known}", param=param) from None
+    known_types = loss_types(Dialect.TOGETHER)  # GSPO is the Tinker surface's only
+    if spelling not in known_types:
+        known = ", ".join(t.value for t in known_types)
+        raise InvalidRequest(f"unknown loss type {name!r}; known: {known}", param=param)
+    return LossType(spelling)
 
 
 def infer_loss_type(loss: LossConfigIn, samples: list[TrainingSampleIn]) -> LossType:

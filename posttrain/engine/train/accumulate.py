@@ -8,8 +8,11 @@ Not here: the forward passes and losses that produce the summed loss (trainer.py
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.state import SessionState
@@ -73,3 +76,17 @@ def accumulate_many(
             p.grad = g if old is None else (old if g is None else old + g)
         errors.append(None)
     return errors
+
+
+@contextmanager
+def frozen(params: list[nn.Parameter]) -> Iterator[None]:
+    """Keep forward_only sessions out of a shared pass's graph, so the backward of the other
+    sessions' losses leaves their .grad exactly as it was (not a tensor of zeros)."""
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)

@@ -42,6 +42,7 @@ from posttrain.types import (
     GrpoAggregation,
     GrpoParams,
     GrpoRatioType,
+    GspoParams,
     LossParams,
     LossType,
     PpoParams,
@@ -60,6 +61,7 @@ class LossBatch:
     sampler_logprobs_ST: Tensor | None = None  # wire key `logprobs`
     advantages_ST: Tensor | None = None
     reference_logprobs_ST: Tensor | None = None
+    sequence_ratio_mask_ST: Tensor | None = None  # GSPO's ratio tokens (!= 0)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class LossOutput:
 
 LossFn = Callable[[Tensor, LossBatch, LossParams], LossOutput]
 
-_ParamsT = TypeVar("_ParamsT", PpoParams, CispoParams, DppoParams, GrpoParams)
+_ParamsT = TypeVar("_ParamsT", PpoParams, CispoParams, DppoParams, GrpoParams, GspoParams)
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -399,6 +401,36 @@ def grpo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     return LossOutput(loss, metrics, included_ST)
 
 
+def gspo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
+    """Tinker's gspo (GSPO-token): per included token -min(s_t A, clip(s_t, lo, hi) A), plain sum.
+
+    s_t = exp(x_t - sg(x_t) + sg(lambda_i)): value s_i = exp(lambda_i), lambda_i the mean of
+    x - q over the sample's ratio tokens M (sequence_ratio_mask != 0; none: lambda_i = 0), and
+    ds_t/dx_t = s_i. Unlike GRPO SEQUENCE, M is its own set (the loss still sums over the
+    inclusion m) and the reduction is a plain sum. Defaults lo 0.8, hi 1.2. [S, T] -> scalar.
+    """
+    gspo_params = _params(params, GspoParams)
+    low, high = gspo_params.clip_low_threshold, gspo_params.clip_high_threshold
+    included_ST, counted_ST, _, _, advantages_ST = _policy_inputs(logprobs_ST, batch)
+    in_ratio_ST = batch.valid_ST & (
+        _require(batch.sequence_ratio_mask_ST, "sequence_ratio_mask") != 0
+    )
+    read_ST = included_ST | in_ratio_ST
+    x_ST = _select(read_ST, logprobs_ST)
+    q_ST = _select(read_ST, _require(batch.sampler_logprobs_ST, "logprobs"))
+    in_ratio_S = in_ratio_ST.sum(dim=1).clamp(min=1)
+    mean_log_ratio_S = _select(in_ratio_ST, x_ST - q_ST).detach().sum(dim=1) / in_ratio_S
+    log_ratio_ST = _select(included_ST, x_ST - x_ST.detach() + mean_log_ratio_S[:, None])
+    per_token_ST, clipped_high_ST, clipped_low_ST = _clipped_surrogate(
+        torch.exp(log_ratio_ST), advantages_ST, low, high
+    )
+    loss = _select(included_ST, per_token_ST).sum()
+    metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
+    metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, counted_ST)
+    metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, counted_ST)
+    return LossOutput(loss, metrics, read_ST)
+
+
 LOSSES: dict[LossType, LossFn] = {
     LossType.CROSS_ENTROPY: cross_entropy,
     LossType.IMPORTANCE_SAMPLING: importance_sampling,
@@ -407,4 +439,5 @@ LOSSES: dict[LossType, LossFn] = {
     LossType.DRO: dro,
     LossType.DPPO: dppo,
     LossType.GRPO: grpo,
+    LossType.GSPO: gspo,
 }

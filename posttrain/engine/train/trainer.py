@@ -22,17 +22,23 @@ H = hidden size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from posttrain.config import EngineConfig
 from posttrain.engine.state import ResourceState, SessionState
-from posttrain.engine.train.accumulate import accumulate_many
-from posttrain.engine.train.batching import PackedBatch, member_loss_batch, pack, unpack
+from posttrain.engine.train.accumulate import accumulate_many, frozen
+from posttrain.engine.train.batching import (
+    PackedBatch,
+    at_targets,
+    member_loss_batch,
+    pack,
+    unpack,
+)
 from posttrain.engine.train.buckets import Routing, assemble, bucket_routing, plan_buckets
 from posttrain.engine.train.expert_routes import forced_routes
 from posttrain.engine.train.logprobs import target_logprobs
@@ -75,7 +81,7 @@ class _Scored:
     member: _Member
     loss: float
     metrics: dict[str, float]
-    reported_ST: Tensor  # its target logprobs, 0.0 where the loss does not include a token
+    reported_ST: Tensor  # its logprobs (loss axis), 0.0 where excluded (report_all_logprobs)
 
 
 def forward_backward_batch(
@@ -132,7 +138,7 @@ def _shared_pass(
     with (
         _sharded_operation(resource),
         torch.set_grad_enabled(train),
-        _frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
+        frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
     ):
         logprobs_ST = _batch_logprobs(config, resource, merged, routing, gradient, needed_ST)
         trainable: list[tuple[_Member, Tensor]] = []
@@ -149,7 +155,9 @@ def _shared_pass(
                     f"loss is {loss_value}; nothing was accumulated"
                 )
                 continue
-            reported_ST = torch.where(output.included_ST, rows_ST.detach(), 0.0)
+            shown_ST = loss_batch.valid_ST if member.request.report_all_logprobs else None
+            shown_ST = output.included_ST if shown_ST is None else shown_ST
+            reported_ST = torch.where(shown_ST, rows_ST.detach(), 0.0)
             scored[member.index] = _Scored(member, loss_value, output.metrics, reported_ST)
             if not member.request.forward_only:
                 trainable.append((member, output.loss))
@@ -170,7 +178,7 @@ def _result(scored: _Scored, *, is_always: bool) -> ForwardBackwardResult:
     """The item's result; its per-token outputs when the server or the request asks for them."""
     member = scored.member
     wanted = is_always or member.request.return_loss_fn_outputs
-    lengths_S = [len(sample.tokens) for sample in member.request.samples]
+    lengths_S = [sample.loss_length for sample in member.request.samples]
     outputs = unpack(scored.reported_ST, lengths_S) if wanted else None
     return ForwardBackwardResult(scored.loss, scored.metrics, outputs)
 
@@ -184,7 +192,7 @@ def custom_forward_backward(
     """Back-propagate sum_i sum_t g_it * logp_it (api.md 1.4.3); weights/mask not applied."""
     device = resource.loaded.device
     packed = pack(request.samples, device)
-    width = packed.tokens_ST.shape[1]
+    width = packed.targets_ST.shape[1]
     gradients_ST = torch.zeros(len(request.samples), width, device=device)
     for index, gradient in enumerate(request.gradients):
         gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
@@ -236,7 +244,7 @@ def _batch_logprobs(
             config, resource, merged, routing, rows=rows, needed_ST=needed_ST, forwards=forwards
         ),
         merged.lengths_S,
-        merged.tokens_ST.shape[1],
+        merged.targets_ST.shape[1],
         resource.loaded.device,
     )
 
@@ -252,7 +260,7 @@ def forward_logprobs(
     needed_ST: Tensor | None = None,
     forwards: int | None = None,
 ) -> Tensor:
-    """float32 [S, T] logprob of each target token, 0.0 at padding, with each adapter of
+    """float32 [S, T] logprob of each target (T on the loss axis), 0.0 at padding, each adapter of
     `routing` applied to its rows (positions in `packed`; None: every row). With `rows`, only
     those rows of `packed`, in that order: [len(rows), T].
 
@@ -287,7 +295,7 @@ def forward_logprobs(
             forwards or 0,
             torch.zeros(valid_ST.shape, device=valid_ST.device),
         )
-    logprobs_ST = assemble(pieces_BL, buckets, packed.tokens_ST.shape[1])
+    logprobs_ST = assemble(pieces_BL, buckets, packed.targets_ST.shape[1])
     # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
     # whichever bucket a row landed in.
     logprobs_ST = torch.where(valid_ST, logprobs_ST, 0.0)
@@ -347,15 +355,16 @@ def _bucket_logprobs(
     gradient: TokenGradient | None = None,
     needed_ST: Tensor | None = None,
 ) -> Tensor:
-    """float32 [B, L] logprobs of one bucket's rows, L its longest row; `routing` in
-    bucket positions; `gradient` in batch rows. Positions outside `needed_ST` get 0, and
-    the head runs only at the needed ones."""
+    """float32 [B, L] logprobs of one bucket's rows, L its longest row on the loss axis;
+    `routing` in bucket positions; `gradient` in batch rows. Positions outside `needed_ST` get
+    0, and the head runs only at the needed ones."""
     device = resource.loaded.device
     index_B = torch.tensor(rows, device=device)
     width = max(packed.lengths_S[row] for row in rows)
+    loss_width = max(packed.loss_lengths_S[row] for row in rows)
 
-    def take(values_ST: Tensor) -> Tensor:
-        return values_ST.index_select(0, index_B)[:, :width]
+    def take(values_ST: Tensor, columns: int = width) -> Tensor:
+        return values_ST.index_select(0, index_B)[:, :columns]
 
     assignments = [
         (key, None if local is None else torch.tensor(local, device=device))
@@ -370,16 +379,17 @@ def _bucket_logprobs(
         hidden_BLH = model.base_model(
             input_ids=take(packed.tokens_ST), attention_mask=take(packed.attention_mask_ST)
         ).last_hidden_state
+        hidden_BLH = at_targets(packed, rows, loss_width, hidden_BLH)  # the loss axis
         # The backward of all buckets runs after this block: a head chunk recomputed then
         # must see this bucket's routing again.
-        targets_BL = take(packed.targets_ST)
+        targets_BL = take(packed.targets_ST, loss_width)
         # The head's adapters select rows of the bucket: picked positions form one row, so
         # they are picked only when one adapter applies to every row. Not yet with the
         # token gradients of a trained head: that pair moved the two-rank test's gradients by
         # 3e-5 relative (tests/unit/engine/test_trainer_group.py allows 1e-5), not understood.
         is_one_adapter = len(assignments) == 1 and assignments[0][1] is None
         is_pickable = is_one_adapter and gradient is None
-        needed_BL = take(needed_ST) if needed_ST is not None and is_pickable else None
+        needed_BL = take(needed_ST, loss_width) if needed_ST is not None and is_pickable else None
         # All needed, or none (the loss must still depend on the logprobs): every position.
         if needed_BL is None or bool(needed_BL.all()) or not bool(needed_BL.any()):
             rows_B1 = index_B.unsqueeze(1)
@@ -421,7 +431,9 @@ def _needed(merged: PackedBatch, members: list[_Member]) -> Tensor:
     for m in members:
         batch = member_loss_batch(merged, m.rows, m.request.samples)
         width = batch.valid_ST.shape[1]
-        needed_ST[m.first_row : m.rows.stop, :width] = needed_positions(m.request.loss, batch)
+        needed = needed_positions(m.request.loss, batch)  # all when all are reported
+        needed = needed | batch.valid_ST if m.request.report_all_logprobs else needed
+        needed_ST[m.first_row : m.rows.stop, :width] = needed
     return needed_ST
 
 
@@ -434,17 +446,3 @@ def _sharded_operation(resource: ResourceState):
 def _reduced_in_backward(resource: ResourceState) -> frozenset[int]:
     shards = resource.param_shards
     return frozenset() if shards is None else shards.reduced_in_backward
-
-
-@contextmanager
-def _frozen(params: list[nn.Parameter]) -> Iterator[None]:
-    """Keep forward_only sessions out of a shared pass's graph, so the backward of the other
-    sessions' losses leaves their .grad exactly as it was (not a tensor of zeros)."""
-    flags = [p.requires_grad for p in params]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, flag in zip(params, flags, strict=True):
-            p.requires_grad_(flag)

@@ -89,8 +89,7 @@ def _sample(output: SampleOutput) -> bytes:
     topk = None
     if result.topk_prompt_logprobs is not None:
         topk = [None] + [
-            list(zip(t.token_ids, t.logprobs, strict=True))
-            for t in result.topk_prompt_logprobs[1:]
+            list(zip(t.token_ids, t.logprobs, strict=True)) for t in result.topk_prompt_logprobs[1:]
         ]
     hits = result.sequences[0].prompt_cache_hit_tokens if result.sequences else 0
     return encode_sample_response(

@@ -9,64 +9,66 @@ from __future__ import annotations
 
 import math
 
-from posttrain.api.tinker.codec import WireForwardBackward
-from posttrain.api.tinker.losses import tinker_loss
+from posttrain.api.tinker.codec import WireDatum, WireForwardBackward
+from posttrain.api.tinker.losses import check_tinker_inputs, logprobs_shape, tinker_loss
 from posttrain.api.tinker.wire import OptimStep
 from posttrain.errors import InvalidRequest
-from posttrain.loss_specs import LOSS_FN_INPUT_KEYS, required_inputs
 from posttrain.types import AdamParams, ForwardBackwardRequest, OptimStepRequest, TrainingSample
 
 
 def forward_backward_request(
     wire: WireForwardBackward,
-) -> tuple[ForwardBackwardRequest, list[tuple[int, ...]]]:
-    """The domain request and, per datum, the shape its logprobs output takes (the shape of
-    its target_tokens)."""
+) -> tuple[ForwardBackwardRequest, list[list[int]]]:
+    """The domain request and, per datum, the shape its logprobs output takes (its
+    target_tokens' shape: [N], or [N, K] for top-k cross-entropy)."""
+    if not wire.model_id:
+        raise InvalidRequest("model_id is required", param="model_id")
     if not wire.datums:
         raise InvalidRequest("forward_backward needs at least one datum", param="data")
     loss = tinker_loss(wire.loss_fn, dict(wire.loss_fn_config))
-    required = required_inputs(loss)
-    samples = []
-    shapes = []
-    for index, datum in enumerate(wire.datums):
-        where = f"data[{index}]"
-        if not datum.tokens:
-            raise InvalidRequest(f"{where}.model_input has no tokens", param=f"{where}.model_input")
-        inputs: dict[str, tuple[float, ...]] = {}
-        for key, tensor in datum.inputs.items():
-            param = f"{where}.loss_fn_inputs.{key}"
-            if key not in LOSS_FN_INPUT_KEYS:
-                known = ", ".join(sorted(LOSS_FN_INPUT_KEYS))
-                raise InvalidRequest(
-                    f"unknown loss_fn_inputs key {key!r}; known: {known}", param=param
-                )
-            if not tensor.shape or tensor.shape[0] != len(datum.tokens):
-                raise InvalidRequest(
-                    f"{key} has shape {list(tensor.shape)}; model_input has"
-                    f" {len(datum.tokens)} tokens",
-                    param=param,
-                )
-            if len(tensor.shape) != 1:
-                raise InvalidRequest(f"{key} must be 1-D", param=param)
-            values = tuple(float(v) for v in tensor.values)
-            if not all(math.isfinite(v) for v in values):
-                raise InvalidRequest(f"{key} holds a value that is not finite", param=param)
-            inputs[key] = values
-        for key, why in required.items():
-            if key not in inputs:
-                raise InvalidRequest(
-                    f"{wire.loss_fn}{why} requires {key} in every datum",
-                    param=f"{where}.loss_fn_inputs.{key}",
-                )
-        samples.append(TrainingSample(tokens=tuple(datum.tokens), loss_fn_inputs=inputs))
-        shapes.append(datum.inputs["target_tokens"].shape)
+    samples = tuple(_sample(index, datum) for index, datum in enumerate(wire.datums))
     request = ForwardBackwardRequest(
-        samples=tuple(samples),
+        samples=samples,
         loss=loss,
         forward_only=wire.forward_only,
-        return_loss_fn_outputs=True,
+        return_loss_fn_outputs=True,  # the SDK reads per-datum logprobs of every call
+        report_all_logprobs=True,  # at every position: forward_backward_custom's forward
     )
-    return request, shapes
+    check_tinker_inputs(request)
+    return request, [logprobs_shape(sample) for sample in samples]
+
+
+def _sample(index: int, datum: WireDatum) -> TrainingSample:
+    """A datum as a TrainingSample: its 1-D inputs as they are, a 2-D [N, K] target_tokens
+    (with weights of the same shape) row-major with targets_per_position K."""
+    where = f"data[{index}]"
+    if not datum.tokens:
+        raise InvalidRequest(f"{where}.model_input has no tokens", param=f"{where}.model_input")
+    targets = datum.inputs.get("target_tokens")
+    if targets is None:
+        raise InvalidRequest(
+            "target_tokens is required", param=f"{where}.loss_fn_inputs.target_tokens"
+        )
+    per_position = targets.shape[1] if len(targets.shape) == 2 else 1
+    inputs: dict[str, tuple[float, ...]] = {}
+    for key, tensor in datum.inputs.items():
+        param = f"{where}.loss_fn_inputs.{key}"
+        if len(tensor.shape) > 2 or (len(tensor.shape) == 2 and key not in _PER_TARGET):
+            raise InvalidRequest(
+                f"{key} has shape {list(tensor.shape)}; only target_tokens and weights may be"
+                " 2-D [N, K]",
+                param=param,
+            )
+        values = tuple(float(v) for v in tensor.values)
+        if not all(math.isfinite(v) for v in values):
+            raise InvalidRequest(f"{key} holds a value that is not finite", param=param)
+        inputs[key] = values
+    return TrainingSample(
+        tokens=tuple(datum.tokens), loss_fn_inputs=inputs, targets_per_position=per_position
+    )
+
+
+_PER_TARGET = ("target_tokens", "weights")
 
 
 def optim_step_request(body: OptimStep) -> OptimStepRequest:

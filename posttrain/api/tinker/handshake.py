@@ -10,6 +10,8 @@ Flags, each against the SDK 0.38 default:
   chunks one after another, in seq_id order, instead of all at once with the first chunk last
   (which a server must reorder); their gradients add up as one call's would.
 - `use_pyqwest_transport` false: the SDK's plain httpx transport; both work over http.
+- `fwdbwd_max_chunk_len`: the engine's max_batch_size (the SDK's default, 1,024, is more than
+  one forward-backward takes here).
 - everything else as the SDK defaults it (no JWT exchange, no server-side custom losses, no
   batched future polling).
 
@@ -21,8 +23,9 @@ from __future__ import annotations
 from fastapi import Request
 
 from posttrain.api.deps import authenticate
+from posttrain.config import ServerConfig
 
-CLIENT_CONFIG = {
+FLAGS = {
     "pjwt_auth_enabled": False,
     "parallel_fwdbwd_chunks": False,
     "proto_compress_fwdbwd": False,
@@ -31,6 +34,22 @@ CLIENT_CONFIG = {
     "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
 }
+# The SDK's own chunk bound (bytes of one forward_backward body); a smaller body limit wins.
+SDK_CHUNK_BYTES = 5_000_000
+
+
+def client_config(config: ServerConfig) -> dict[str, object]:
+    """The flags, and the chunk bounds of this server: a forward_backward chunk holds at most
+    the engine's max_batch_size datums and fits under half the body limit."""
+    return {
+        **FLAGS,
+        "fwdbwd_max_chunk_len": config.engine.max_batch_size,
+        "fwdbwd_max_chunk_bytes_count": min(
+            SDK_CHUNK_BYTES, (config.limits.max_body_mib << 20) // 2
+        ),
+    }
+
+
 DYNAMIC_CONFIG = {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 

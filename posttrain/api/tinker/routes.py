@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from posttrain.api.deps import RawBodyDep, ServicesDep, loads_strict, parse
 from posttrain.api.tinker import wire as w
 from posttrain.api.tinker.codec import decode_forward_backward
-from posttrain.api.tinker.handshake import CLIENT_CONFIG, DYNAMIC_CONFIG, tinker_user
+from posttrain.api.tinker.handshake import DYNAMIC_CONFIG, client_config, tinker_user
 from posttrain.api.tinker.results import PROTO, failure, rendered
 from posttrain.api.tinker.sampling import sample_request
 from posttrain.api.tinker.training import forward_backward_request, optim_step_request
@@ -50,8 +50,8 @@ def _future(future: FutureRecord, **extra: Any) -> dict[str, Any]:
 
 
 @router.post("/client/config")
-async def client_config(user: str = TinkerUser) -> dict[str, Any]:
-    return CLIENT_CONFIG
+async def client_flags(svc: ServicesDep, user: str = TinkerUser) -> dict[str, Any]:
+    return client_config(svc.config)
 
 
 @router.post("/client/dynamic_config")

@@ -123,7 +123,7 @@ def snapshot(url: str) -> dict:
 def chunked(url: str) -> dict:
     """1,100 datums in one call (the SDK sends two chunks) against the same data in 4 calls."""
     rng = np.random.default_rng(0)
-    seqs = [[1] + [int(t) for t in rng.integers(2, 200, size=5)] for _ in range(1100)]
+    seqs = [[1] + [int(t) for t in rng.integers(2, 90, size=5)] for _ in range(1100)]
     data = [datum(s) for s in seqs]
     with service(url) as client:
         result = {}

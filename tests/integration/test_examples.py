@@ -19,10 +19,10 @@ from helpers import API_KEY
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run_example(name: str, base_url: str, *args: str) -> str:
+def run_example(name: str, base_url: str, *args: str, python: str = sys.executable) -> str:
     env = {**os.environ, "TOGETHER_API_KEY": API_KEY, "HF_HUB_OFFLINE": "1"}
     completed = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), "--base-url", base_url, *args],
+        [python, str(EXAMPLES / name), "--base-url", base_url, *args],
         capture_output=True,
         text=True,
         env=env,
@@ -62,6 +62,16 @@ def test_tinker_shim_example_runs_the_same_loop(shared_server):
     out = run_example(
         "tinker_shim.py", shared_server.base_url, "--steps", "2", "--prompts", "3",
         "--group-size", "4",
+    )  # fmt: skip
+    rewards = numbers(r"mean reward (\d+\.\d+)", out)
+    trained = numbers(r"trained samples +(\d+)", out)
+    assert len(rewards) == 2 and any(t > 0 for t in trained), out
+
+
+def test_tinker_native_example_runs_the_loop_on_the_tinker_038_sdk(shared_server, tinker_python):
+    out = run_example(
+        "tinker_native.py", shared_server.base_url, "--steps", "2", "--prompts", "3",
+        "--group-size", "4", python=tinker_python,
     )  # fmt: skip
     rewards = numbers(r"mean reward (\d+\.\d+)", out)
     trained = numbers(r"trained samples +(\d+)", out)

@@ -1,26 +1,31 @@
 """The Tinker wire's training-run and checkpoint REST routes over raw HTTP against a real
 `posttrain serve`, as the tinker 0.38 RestClient sends them (`X-API-Key`, checkpoint ids with a
 slash in the URL, 204 answers to mutations) and with the fields its response models require.
-Two users from a keys file: another user's runs and checkpoints read as absent."""
+Users from a keys file: another user's runs and checkpoints read as absent. The last test runs
+the real SDK's RestClient (tests/tinker_env.py's interpreter) over the same routes."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 import pytest
 from conftest import ServerProcess
 
-ALICE, BOB, CAROL = "tml-alice", "tml-bob", "tml-carol"
+ALICE, BOB, CAROL, DAVE = "tml-alice", "tml-bob", "tml-carol", "tml-dave"
 BASE_MODEL = "posttrain/tiny-qwen3"
+SCENARIO = Path(__file__).parent / "tinker_native" / "rest_checkpoints.py"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("tinker-checkpoints")
     keys = directory / "keys"
-    keys.write_text(f"{ALICE} user_alice\n{BOB} user_bob\n{CAROL} user_carol\n")
+    keys.write_text(f"{ALICE} user_alice\n{BOB} user_bob\n{CAROL} user_carol\n{DAVE} user_dave\n")
     proc = ServerProcess.started(directory, "--keys-file", str(keys))
     yield proc
     proc.stop()
@@ -162,3 +167,38 @@ def test_ttl_publish_and_delete_through_the_checkpoint_id_in_the_url(server):
     assert again.status_code == 404 and error_param(again) == "checkpoint_id"
     gone = call(server, "POST", "weights_info", json={"tinker_path": path})
     assert gone.status_code == 404
+
+
+def test_the_sdk_rest_client_reads_lists_and_changes_checkpoints(tinker_python, server):
+    done = subprocess.run(
+        [tinker_python, str(SCENARIO), server.base_url, DAVE],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"TINKER_TELEMETRY": "0", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, f"{done.stderr[-4000:]}\n{server.log()[-3000:]}"
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    state, weights = seen["paths"]
+    model_id = seen["run"]["id"]
+    assert state == f"tinker://{model_id}/weights/s1"
+    assert seen["run"] == {
+        "id": model_id,
+        "base_model": BASE_MODEL,
+        "lora_rank": 4,
+        "user_metadata": {"renderer": "qwen3"},
+        "last": state,
+        "last_sampler": weights,
+    }
+    assert [c[:2] for c in seen["listed"]] == [
+        ["sampler_weights/w1", "sampler"],
+        ["weights/s1", "training"],
+    ]
+    assert all(c[2] > 0 for c in seen["listed"])
+    assert seen["page"] == [1, 2]
+    assert seen["runs"] == [[model_id], 1]
+    assert seen["info"] == [BASE_MODEL, True, 4, "adamw"]
+    assert seen["ttl_s"][0] == pytest.approx(7200, abs=120) and seen["ttl_s"][1] is None
+    assert seen["public"] == [True, False]
+    assert seen["after_delete"] == [weights]
+    assert "404" in seen["deleted_again"] and "checkpoint_id" in seen["deleted_again"]

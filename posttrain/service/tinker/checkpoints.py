@@ -116,6 +116,8 @@ class TinkerCheckpoints:
         return run
 
     def training_run(self, user: str, model_id: str, access_scope: str = "owned") -> RunView:
+        """The caller's run; with access_scope accessible, also another user's run that has a
+        published checkpoint (shown with its published checkpoints only)."""
         _scope(access_scope)
         run = self.registry.find(RunRecord, model_id)
         if run is not None and run.user != user:
@@ -128,6 +130,8 @@ class TinkerCheckpoints:
     def training_runs(
         self, user: str, limit: int, offset: int, access_scope: str = "owned"
     ) -> Page[RunView]:
+        """The caller's runs (and, accessible, others' with a published checkpoint), newest
+        first."""
         _scope(access_scope)
         runs = self.registry.all(RunRecord, user)
         if access_scope == "accessible":
@@ -143,7 +147,7 @@ class TinkerCheckpoints:
 
     def _run_view(self, run: RunRecord, *, public_only: bool) -> RunView:
         listed = self._listed(run.model_id, owner=run.user, public_only=public_only)
-        latest = {}
+        latest: dict[str, tuple[NameRecord, CheckpointRecord]] = {}
         for name, checkpoint in listed:  # newest first: keep the first of each type
             latest.setdefault(name.checkpoint_type, (name, checkpoint))
         session = self.repo.get_session(run.session_id)

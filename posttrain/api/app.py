@@ -30,6 +30,7 @@ from posttrain.api.routes import (
     whoami,
 )
 from posttrain.api.schemas.objects import Health
+from posttrain.api.tinker import checkpoint_routes as tinker_checkpoint_routes
 from posttrain.api.tinker import routes as tinker_routes
 from posttrain.config import ServerConfig
 from posttrain.errors import posttrainError
@@ -95,6 +96,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         metrics.router,
         whoami.router,
         tinker_routes.router,
+        tinker_checkpoint_routes.router,
     ):
         app.include_router(router)
 

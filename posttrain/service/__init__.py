@@ -115,6 +115,8 @@ def wire_services(config: ServerConfig) -> Services:
         repo, engine, scheduler, resources, interval_s=config.expiry_check_interval_s
     )
     scheduler.on_worker_lost = sessions.recover_worker
+    tinker = build_tinker(repo, resources, sessions, operations, checkpoints)
+    expiry.add_sweep(tinker.checkpoints.sweep)  # checkpoint names past their TTL
     return Services(
         config,
         repo,
@@ -138,5 +140,5 @@ def wire_services(config: ServerConfig) -> Services:
         ),
         watch=watch,
         polls=PollHold(watch, operations, hold_s=config.poll_hold_seconds),
-        tinker=build_tinker(repo, resources, sessions, operations, checkpoints),
+        tinker=tinker,
     )

@@ -1,12 +1,15 @@
-"""Checkpoints: saving them, listing and retrieving them, planning a resume from one, and
-signed downloads of their files (api.md 1.4.7, 1.4.8, 1.5, 3.6, 7.15).
+"""Checkpoints: saving them, listing and retrieving them, planning a resume from one, signed
+downloads of their files (api.md 1.4.7, 1.4.8, 1.5, 3.6, 7.15), and deleting them (the Tinker
+surface's checkpoint delete and TTL).
 
 Each checkpoint lives in <data_dir>/checkpoints/<id>/ (file formats: engine/checkpoint/formats.py).
 It is written under a `.partial-` name, flushed, renamed into place, and only then recorded in the
 store, so a process killed mid-save leaves no record pointing at partial files; leftovers are
-removed at startup. The merged model of a LoRA inference checkpoint is built on its first
-MERGED download into <id>/merged, the same way (a full-weight session writes <id>/merged when
-it saves). Records and files survive restarts.
+removed at startup. A delete goes the other way, the record first and then the files, so a kill
+in between leaves a directory without a record, which startup removes as well. The merged model
+of a LoRA inference checkpoint is built on its first MERGED download into <id>/merged, the same
+way (a full-weight session writes <id>/merged when it saves). Records and files survive
+restarts.
 
 Imports: store, engine.interface.
 """
@@ -25,10 +28,11 @@ from pathlib import Path
 from posttrain.engine.checkpoint.durable import fsync
 from posttrain.engine.checkpoint.formats import ADAPTER_FILES
 from posttrain.engine.interface import Engine
-from posttrain.errors import InvalidRequest, NotFound
+from posttrain.errors import Conflict, InvalidRequest, NotFound
 from posttrain.records import CheckpointRecord, ResourceRecord, SessionRecord
 from posttrain.service.ids import new_id
 from posttrain.service.signing import UrlSigner
+from posttrain.statuses import SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import CheckpointOutput, CheckpointRef, CheckpointType, LoraConfig
 
@@ -280,6 +284,44 @@ class CheckpointService:
             and (wanted is None or c.type == wanted)
         ]
 
+    def size_bytes(self, record: CheckpointRecord) -> int:
+        """The bytes its directory's files hold (a built merged model included)."""
+        root = Path(record.path)
+        return sum(
+            p.stat().st_size
+            for p in root.rglob("*")
+            if p.is_file()
+            and not any(part.startswith(PARTIAL_PREFIX) for part in p.relative_to(root).parts)
+        )
+
+    # ------------------------------------------------------------ deleting
+
+    def delete(self, user: str, checkpoint_id: str, *, param: str = "id") -> None:
+        """Remove a checkpoint: its record, its ref on the session that saved it, its files.
+
+        A session still being set up from it (CREATING, resuming from it) is reading its files:
+        the delete is refused (Conflict) until that session is running. A MERGED download
+        being built holds the merge lock, so the files go after it. Signed URLs for its files
+        stop resolving with the record."""
+        record = self.get(user, checkpoint_id)
+        loading = [
+            s.id
+            for s in self.repo.list_sessions(user)
+            if s.status == SessionStatus.CREATING and s.resume_from_checkpoint_id == checkpoint_id
+        ]
+        if loading:
+            raise Conflict(
+                f"checkpoint {checkpoint_id} is being loaded by session {loading[0]}; delete it"
+                " once that session is running",
+                param=param,
+            )
+        self.repo.delete_checkpoint(checkpoint_id)
+        if self.repo.get_session(record.session_id) is not None:
+            self.repo.update_session(record.session_id, lambda s: _without(s, checkpoint_id))
+        with self._merge_lock:
+            shutil.rmtree(record.path, ignore_errors=True)
+        log.info("deleted checkpoint %s", checkpoint_id)
+
     # ------------------------------------------------------------ downloads
 
     def download(self, user: str, checkpoint_id: str, variant: str | None) -> list[CheckpointFile]:
@@ -348,3 +390,11 @@ class CheckpointService:
         if "/" in filename or filename.startswith(".") or not file.is_file():
             raise NotFound(f"checkpoint file {filename} not found", param="filename")
         return file
+
+
+def _without(session: SessionRecord, checkpoint_id: str) -> SessionRecord:
+    training = tuple(c for c in session.training_checkpoints if c.id != checkpoint_id)
+    inference = tuple(c for c in session.inference_checkpoints if c.id != checkpoint_id)
+    return dataclasses.replace(
+        session, training_checkpoints=training, inference_checkpoints=inference
+    )

@@ -5,7 +5,8 @@ create and each operation submit move it (ResourceService.touch), and extend-exp
 on request. A daemon thread looks every `interval_s` for READY resources past their
 `expires_at` and expires each one on its own worker (service/scheduler.py), in line with its
 jobs: the resource goes STOPPING, its CREATING and RUNNING sessions go EXPIRED, its state
-leaves the engine, and it ends STOPPED.
+leaves the engine, and it ends STOPPED. The same thread runs the other expiry sweeps it is
+given (add_sweep: the Tinker surface's checkpoint names past their TTL).
 
 A resource with an operation PENDING or RUNNING is never expired: that operation is activity,
 so its expiry moves to now + inactive_timeout instead. The job on the worker checks again,
@@ -21,6 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from posttrain.engine.interface import Engine
 from posttrain.records import ErrorInfo, ResourceRecord, SessionRecord
@@ -51,10 +53,15 @@ class ExpiryReaper:
         self.scheduler = scheduler
         self.resources = resources
         self.interval_s = interval_s
+        self._sweeps: list[Callable[[float], object]] = []
         self._queued: set[str] = set()
         self._queued_lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="expiry", daemon=True)
+
+    def add_sweep(self, sweep: Callable[[float], object]) -> None:
+        """Run sweep(now) on this thread after each scan (e.g. expired checkpoint names)."""
+        self._sweeps.append(sweep)
 
     def start(self) -> None:
         self._thread.start()
@@ -66,10 +73,11 @@ class ExpiryReaper:
 
     def _loop(self) -> None:
         while not self._closed.wait(self.interval_s):
-            try:
-                self.scan(time.time())
-            except Exception:  # noqa: BLE001 - a loop boundary like the scheduler's: log, retry
-                log.exception("expiry scan failed; retrying in %.1fs", self.interval_s)
+            for scan in (self.scan, *self._sweeps):
+                try:
+                    scan(time.time())
+                except Exception:  # noqa: BLE001 - a loop boundary like the scheduler's
+                    log.exception("expiry scan failed; retrying in %.1fs", self.interval_s)
 
     def scan(self, now: float) -> list[str]:
         """Queue an expiry job for each READY resource past its expires_at; returns their ids.

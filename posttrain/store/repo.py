@@ -285,6 +285,9 @@ class Repo:
         )
         return [from_dict(CheckpointRecord, json.loads(row[0])) for row in rows]
 
+    def delete_checkpoint(self, checkpoint_id: str) -> None:
+        self._execute("DELETE FROM checkpoints WHERE id = ?", (checkpoint_id,))
+
     def all_checkpoints(self) -> list[CheckpointRecord]:
         rows = self._query("SELECT data FROM checkpoints")
         return [from_dict(CheckpointRecord, json.loads(row[0])) for row in rows]

@@ -11,6 +11,7 @@ from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.operations import OperationService
 from posttrain.service.resources import ResourceService
 from posttrain.service.sessions import SessionService
+from posttrain.service.tinker.checkpoints import TinkerCheckpoints
 from posttrain.service.tinker.records import FutureRecord
 from posttrain.service.tinker.registry import Registry
 from posttrain.service.tinker.runs import TinkerRuns
@@ -24,6 +25,7 @@ class TinkerService:
     registry: Registry
     runs: TinkerRuns
     weights: TinkerWeights
+    checkpoints: TinkerCheckpoints
 
     def future(self, user: str, request_id: str) -> FutureRecord:
         return self.registry.get(FutureRecord, request_id, user)
@@ -38,4 +40,7 @@ def build_tinker(
 ) -> TinkerService:
     registry = Registry(DialectObjects(repo))
     runs = TinkerRuns(repo, registry, resources, sessions, operations)
-    return TinkerService(registry, runs, TinkerWeights(registry, runs, checkpoints))
+    weights = TinkerWeights(registry, runs, checkpoints)
+    return TinkerService(
+        registry, runs, weights, TinkerCheckpoints(registry, runs, weights, checkpoints)
+    )

@@ -1,7 +1,7 @@
 """The GRPO loop of grpo.py written for the tinker 0.38 SDK itself, on posttrain's Tinker surface.
 
-    pip install tinker==0.38.0                        # in its own venv (the Together SDK pins 0.23.1)
-    python examples/tinker_native.py                  # starts `posttrain serve` itself
+    pip install tinker==0.38.0              # its own venv: the Together SDK pins tinker 0.23.1
+    python examples/tinker_native.py        # starts `posttrain serve` itself
     python examples/tinker_native.py --base-url http://127.0.0.1:8000
 
 A tinker loop runs on posttrain by pointing ServiceClient at the server (`base_url`, or

@@ -43,8 +43,12 @@ def test_the_readme_has_the_blocks_this_test_checks():
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
-def test_python_block_runs_as_written_against_a_server(index, shared_server, tmp_path):
+def test_python_block_runs_as_written_against_a_server(index, shared_server, tmp_path, request):
+    """A block that imports the tinker SDK itself runs in the tinker 0.38 interpreter
+    (tests/tinker_env.py); the others in this one, with the Together SDK."""
     code = PYTHON_BLOCKS[index]
+    is_tinker = re.search(r"^import tinker\b", code, flags=re.M) is not None
+    python = request.getfixturevalue("tinker_python") if is_tinker else sys.executable
     assert DEFAULT_URL in code, "a block must address the server `posttrain serve` starts"
     script = tmp_path / f"readme_block_{index}.py"
     script.write_text(code.replace(DEFAULT_URL, shared_server.base_url))
@@ -52,7 +56,7 @@ def test_python_block_runs_as_written_against_a_server(index, shared_server, tmp
     env.pop("TOGETHER_BASE_URL", None)
     env.pop("TOGETHER_API_KEY", None)
     completed = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path
+        [python, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.strip(), "every block prints what it did"

@@ -192,7 +192,11 @@ class EngineConfig(BaseModel):
         2048, ge=2, description="most tokens in one training sample (capped by the model)"
     )
     max_sessions_per_resource: int = Field(
-        8, ge=1, description="concurrent LoRA sessions one model resource hosts"
+        8,
+        ge=1,
+        description="concurrent LoRA sessions one model resource hosts (Tinker samplers"
+        " included: the least recently used gives its slot up)",
+        json_schema_extra=flag("limits and auth", metavar="N"),
     )
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="tokens per chunk of the float32 log-softmax (bounds memory)"

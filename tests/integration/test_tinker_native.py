@@ -128,3 +128,19 @@ def test_a_retried_post_with_the_same_seq_id_runs_once(tinker_server):
     assert _post(tinker_server, f"sessions/{client['session_id']}/finish", {}).status_code == 200
     beat = _post(tinker_server, "session_heartbeat", {"session_id": client["session_id"]})
     assert beat.status_code == 410
+
+
+def test_samplers_past_the_slots_give_the_least_recently_used_slot_up(tinker_python, tmp_path):
+    server = ServerProcess.started(tmp_path, "--max-sessions-per-resource", "3")
+    try:
+        seen = run(tinker_python, "eviction", server)
+        resources = httpx.get(
+            f"{server.base_url}/v1/rl/model-resources",
+            headers={"Authorization": "Bearer tml-posttrain-test"},
+            timeout=30,
+        ).json()["data"]
+    finally:
+        server.stop()
+    assert seen["again"] == seen["first"]  # rebuilt from their checkpoints: the same weights
+    assert len({json.dumps(x) for x in seen["first"]}) == 4  # four different moments
+    assert len(resources) == 1  # one copy of the base weights, never a second resource

@@ -69,6 +69,8 @@ class SamplerRecord:
     session_id: str | None = None
     model_path: str | None = None
     checkpoint_future: str | None = None  # a snapshot's checkpoint, until its session exists
+    checkpoint_id: str | None = None  # the weights it serves (snapshot, path): rebuilt from it
+    last_used: float = 0.0  # its last sample: the least recently used gives its slot up first
 
 
 @dataclass(frozen=True)

@@ -209,11 +209,12 @@ class TinkerRuns:
         self,
         user: str,
         base_model: str,
-        lora: LoraConfig,
+        lora: LoraConfig | None,
         display_name: str,
         resume_from: str | None,
         load_optimizer: bool | None,
     ) -> SessionRecord:
+        """A RUNNING session for a run or a sampler; `lora` None: the checkpoint's adapter."""
         resource = self.resource_for(user, base_model)
         given = frozenset() if resume_from is not None else frozenset({"rank", "train_unembed"})
         session = self.sessions.create(
@@ -248,7 +249,7 @@ class TinkerRuns:
                 record.base_model == base_model
                 and record.lora_enabled
                 and record.num_generator_replicas >= 1
-                and self._free_slots(record) > 0
+                and self.free_slots(record.id) > 0
             ):
                 return record
         created = self.resources.create(
@@ -268,10 +269,12 @@ class TinkerRuns:
             raise InvalidRequest(f"could not load base model {base_model}: {message}")
         return created
 
-    def _free_slots(self, record: ResourceRecord) -> int:
+    def free_slots(self, resource_id: str) -> int:
+        record = self.repo.get_resource(resource_id)
+        assert record is not None
         held = [
             s
-            for s in self.repo.sessions_of_resource(record.id)
+            for s in self.repo.sessions_of_resource(resource_id)
             if s.status in (SessionStatus.CREATING, SessionStatus.RUNNING, SessionStatus.STOPPING)
         ]
         return self.resources.session_capacity(record) - len(held)

@@ -12,6 +12,12 @@ is an inference checkpoint written in the run's order, loaded into its own adapt
 SDK first collects the future, so training that follows never reaches it; an inflight sampler
 samples on the run's own session after a weights-sync.
 
+Every sampler but an inflight one holds an adapter slot on the user's resource of its base
+model (the base weights are shared). When the slots run out, the least recently used sampler
+gives its slot up and is rebuilt from its checkpoint when it samples again (_make_room): a
+loop that takes a snapshot every step keeps at most --max-sessions-per-resource adapters per
+resource, never another copy of the base weights.
+
 Imports: service, types.
 """
 
@@ -33,7 +39,7 @@ from posttrain.service.tinker.records import (
 )
 from posttrain.service.tinker.registry import Registry
 from posttrain.service.tinker.runs import TinkerRuns
-from posttrain.statuses import OperationStatus
+from posttrain.statuses import OperationStatus, ResourceStatus, SessionStatus
 from posttrain.types import (
     CheckpointRequest,
     CheckpointType,
@@ -173,12 +179,13 @@ class TinkerWeights:
                     f" not {base_model}",
                     param="base_model",
                 )
-            session = self.runs._new_session(
-                user, checkpoint.base_model, BASE_ADAPTER, sampler_id, checkpoint_id, False
+            session_id = self._sampler_session(
+                user, checkpoint.base_model, sampler_id, checkpoint_id
             )
             kind, base = "path", checkpoint.base_model
         elif base_model is not None:
-            session = self.runs._new_session(user, base_model, BASE_ADAPTER, sampler_id, None, None)
+            checkpoint_id = None
+            session_id = self._sampler_session(user, base_model, sampler_id, None)
             kind, base = "base", base_model
         else:
             raise InvalidRequest("send base_model or model_path", param="base_model")
@@ -189,8 +196,10 @@ class TinkerWeights:
             base_model=base,
             kind=kind,
             created_at=time.time(),
-            session_id=session.id,
+            session_id=session_id,
             model_path=model_path,
+            checkpoint_id=checkpoint_id,
+            last_used=time.time(),
         )
         self.registry.put(record)
         return record
@@ -243,23 +252,77 @@ class TinkerWeights:
         return future
 
     def sampler_session(self, user: str, sampler_id: str) -> str:
-        """The posttrain session a sampler samples on; a snapshot's is made here, once."""
+        """The posttrain session a sampler samples on: a snapshot's is made once its checkpoint
+        is written, and one that gave its slot up is rebuilt from its checkpoint."""
         sampler = self.registry.get(SamplerRecord, sampler_id, user)
-        if sampler.session_id is not None:
+        if sampler.session_id is not None and self._is_live(user, sampler.session_id):
             return sampler.session_id
-        future = self.registry.get(FutureRecord, sampler.checkpoint_future or "", user)
-        op = self.runs.repo.get_operation(future.operation_id or "")
-        if op is None or op.status != OperationStatus.COMPLETED:
+        if sampler.kind == "inflight":
             raise InvalidRequest(
-                f"sampling session {sampler_id}'s weights are not saved yet",
+                f"sampling session {sampler_id} followed a training run that stopped",
                 param="sampling_session_id",
             )
-        checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
-        session = self.runs._new_session(
-            user, sampler.base_model, BASE_ADAPTER, sampler_id, checkpoint_id, False
+        checkpoint_id = sampler.checkpoint_id
+        if sampler.kind == "snapshot" and checkpoint_id is None:
+            future = self.registry.get(FutureRecord, sampler.checkpoint_future or "", user)
+            op = self.runs.repo.get_operation(future.operation_id or "")
+            if op is None or op.status != OperationStatus.COMPLETED:
+                raise InvalidRequest(
+                    f"sampling session {sampler_id}'s weights are not saved yet",
+                    param="sampling_session_id",
+                )
+            checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
+        session_id = self._sampler_session(user, sampler.base_model, sampler_id, checkpoint_id)
+        self.registry.put(
+            dataclasses.replace(
+                sampler, session_id=session_id, checkpoint_id=checkpoint_id, last_used=time.time()
+            )
         )
-        self.registry.put(dataclasses.replace(sampler, session_id=session.id))
+        return session_id
+
+    def _is_live(self, user: str, session_id: str) -> bool:
+        return self.runs.sessions.get(user, session_id).status == SessionStatus.RUNNING
+
+    def _sampler_session(
+        self, user: str, base_model: str, sampler_id: str, checkpoint_id: str | None
+    ) -> str:
+        self._make_room(user, base_model)
+        adapter = BASE_ADAPTER if checkpoint_id is None else None
+        session = self.runs._new_session(
+            user, base_model, adapter, sampler_id, checkpoint_id, False if checkpoint_id else None
+        )
         return session.id
+
+    def _make_room(self, user: str, base_model: str) -> None:
+        """Samplers cost an adapter slot each on the user's resources of base_model. When every
+        slot is taken, the least recently used sampler gives its slot up (its record stays; it
+        is rebuilt from its checkpoint if it samples again) rather than a new resource loading
+        another copy of the base weights. Training runs and inflight samplers never give up
+        theirs: without a sampler to evict, a new resource is provisioned."""
+        resources = [
+            r.id
+            for r in self.runs.resources.list(user, {ResourceStatus.READY.value})
+            if r.base_model == base_model and r.lora_enabled and r.num_generator_replicas >= 1
+        ]
+        if not resources or any(self.runs.free_slots(r) > 0 for r in resources):
+            return
+        live = {
+            s.id
+            for r in resources
+            for s in self.runs.repo.sessions_of_resource(r)
+            if s.status == SessionStatus.RUNNING
+        }
+        candidates = [
+            s
+            for s in self.registry.all(SamplerRecord, user)
+            if s.kind != "inflight" and s.session_id in live
+        ]
+        if not candidates:
+            return
+        victim = min(candidates, key=lambda s: s.last_used or s.created_at)
+        assert victim.session_id is not None
+        self.runs.sessions.stop(user, victim.session_id)
+        self.registry.put(dataclasses.replace(victim, session_id=None))
 
     def finished(self, future: FutureRecord, op: OperationRecord) -> None:
         """A future's operation completed: a snapshot's sampler gets its session now, before
@@ -272,6 +335,8 @@ class TinkerWeights:
         self, user: str, sampler_id: str, seq_id: int | None, request: SampleRequest
     ) -> FutureRecord:
         session_id = self.sampler_session(user, sampler_id)
+        sampler = self.registry.get(SamplerRecord, sampler_id, user)
+        self.registry.put(dataclasses.replace(sampler, last_used=time.time()))
         return self.runs.submit_on(
             user,
             sampler_id,

@@ -160,7 +160,27 @@ def refusals(url: str) -> dict:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (handshake, sl_steps, resume, snapshot, chunked, refusals)}
+def eviction(url: str) -> dict:
+    """On a server hosting 3 sessions per resource: a run and 4 snapshot samplers. The first
+    snapshot gives its slot up and, asked again, serves the same weights."""
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=6)
+        data = [datum(s) for s in SEQUENCES]
+        prompt = types.ModelInput.from_ints(SEQUENCES[1])
+        samplers, first = [], []
+        for _ in range(4):
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(adam(5e-2)).result()
+            sampler = training.save_weights_and_get_sampling_client()
+            first.append(sampler.compute_logprobs(prompt).result())
+            samplers.append(sampler)
+        again = [s.compute_logprobs(prompt).result() for s in samplers]
+        return {"first": first, "again": again}
+
+
+SCENARIOS = {
+    f.__name__: f for f in (handshake, sl_steps, resume, snapshot, chunked, refusals, eviction)
+}
 
 if __name__ == "__main__":
     print(json.dumps(SCENARIOS[sys.argv[1]](sys.argv[2])))

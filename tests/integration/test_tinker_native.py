@@ -88,6 +88,7 @@ def test_refusals_raise_with_the_reason(tinker_python, tinker_server):
     assert "stable_reinforce" in seen["stable_reinforce"]
     assert "importance_sampling" in seen["stable_reinforce"]
     assert "no/such" in seen["unknown_model"]
+    assert "data[1].model_input" in seen["out_of_vocabulary"]  # the caller's field names
 
 
 def _post(server: ServerProcess, path: str, body: dict, key: str = "retry-1") -> httpx.Response:

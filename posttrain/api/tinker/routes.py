@@ -25,7 +25,11 @@ from posttrain.api.tinker.codec import decode_forward_backward
 from posttrain.api.tinker.handshake import DYNAMIC_CONFIG, client_config, tinker_user
 from posttrain.api.tinker.results import PROTO, failure, rendered
 from posttrain.api.tinker.sampling import sample_request
-from posttrain.api.tinker.training import forward_backward_request, optim_step_request
+from posttrain.api.tinker.training import (
+    forward_backward_request,
+    in_tinker_terms,
+    optim_step_request,
+)
 from posttrain.errors import InvalidRequest, posttrainError
 from posttrain.service.tinker.records import FutureRecord, SamplerRecord
 from posttrain.service.tinker.runs import LORA_ALPHA
@@ -179,15 +183,16 @@ async def forward_backward(
         if earlier := svc.tinker.registry.seq_future(decoded.model_id, decoded.seq_id):
             return {"request_id": earlier, "model_id": decoded.model_id}
         domain, shapes = forward_backward_request(decoded)
-        future = svc.tinker.runs.submit(
-            user,
-            decoded.model_id,
-            decoded.seq_id,
-            "forward_backward",
-            OperationKind.FORWARD_BACKWARD,
-            domain,
-            extra={"shapes": [list(s) for s in shapes]},
-        )
+        with in_tinker_terms():
+            future = svc.tinker.runs.submit(
+                user,
+                decoded.model_id,
+                decoded.seq_id,
+                "forward_backward",
+                OperationKind.FORWARD_BACKWARD,
+                domain,
+                extra={"shapes": [list(s) for s in shapes]},
+            )
         return _future(future, model_id=decoded.model_id)
 
     return await run_in_threadpool(submit)

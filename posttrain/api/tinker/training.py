@@ -8,6 +8,8 @@ Imports: api.tinker, loss_specs, errors, types.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from posttrain.api.tinker.codec import WireDatum, WireForwardBackward
 from posttrain.api.tinker.losses import check_tinker_inputs, logprobs_shape, tinker_loss
@@ -98,3 +100,14 @@ def optim_step_request(body: OptimStep) -> OptimStepRequest:
             grad_clip_norm=adam.grad_clip_norm,
         )
     )
+
+
+@contextmanager
+def in_tinker_terms() -> Iterator[None]:
+    """The service checks a forward-backward's samples in the Together API's words
+    (`samples[i].model_input`); a Tinker caller sent `data[i]`, and the error says so."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        param = exc.param.replace("samples[", "data[", 1) if exc.param else exc.param
+        raise InvalidRequest(exc.message.replace("samples[", "data["), param=param) from None

@@ -141,15 +141,21 @@ def chunked(url: str) -> dict:
 
 
 def refusals(url: str) -> dict:
-    """Each refusal surfaces as an exception with posttrain's message, never a hang."""
+    """Each refusal surfaces as an exception with posttrain's message, never a hang (a
+    training client that saw a failure is spent, so each gets its own)."""
     out = {}
     with service(url) as client:
-        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5)
-        data = [datum(SEQUENCES[0])]
+
+        def run_of(seed: int) -> tinker.TrainingClient:
+            return client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=seed)
+
         for name, call in (
-            ("stable_reinforce", lambda: training.forward_backward(data, "stable_reinforce")),
+            ("stable_reinforce", lambda: run_of(5).forward_backward(
+                [datum(SEQUENCES[0])], "stable_reinforce")),
+            ("out_of_vocabulary", lambda: run_of(6).forward_backward(
+                [datum(SEQUENCES[0]), datum([1, 2, 500, 3])], "cross_entropy")),
             ("unknown_model", lambda: client.create_lora_training_client(base_model="no/such")),
-        ):
+        ):  # fmt: skip
             try:
                 value = call()
                 if hasattr(value, "result"):

@@ -127,12 +127,14 @@ def all_gather_seconds(numel: int, world: int) -> float:
     """Median seconds of a gloo all-gather of `numel` float32 values sharded over `world`
     processes on this host (what a sharded frozen base pays per forward)."""
     import multiprocessing
+    import socket
 
-    from posttrain.engine.hosts.trainer_group import _free_port
-
+    with socket.socket() as probe:  # a port free now, for the group's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{port}"
     ranks = [
         context.Process(target=_gather_rank, args=(rank, world, address, numel, out))
         for rank in range(world)

@@ -188,9 +188,10 @@ class LanedEngine(Engine, Protocol):
     lanes (service/worker.py), each with the fence of its place in the resource's FIFO."""
 
     # On generator lane `lane` (0 up to generator_lanes()): that lane's generator applies what
-    # was staged up to `fence`, and no later change, then generates. `between_tokens` is not
-    # called (publishes reach it as staged changes, PIPELINE ones between decode passes); the
-    # defaults are the first lane as of nothing staged.
+    # was staged up to `fence`, and no later change, then generates; the defaults are the
+    # first lane as of nothing staged. Still Engine.sample_batch, so it accepts
+    # `between_tokens`, and never calls it: publishes reach a lane as staged changes (PIPELINE
+    # ones between decode passes), so the scheduler passes none on a lane.
     def sample_batch(
         self,
         resource_id: str,

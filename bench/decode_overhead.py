@@ -1,8 +1,8 @@
 """Sampler per-decode-step overhead against the matmul floor (issue 16, item 2).
 
-Runs engine/sampler.generate on one model (the built-in tiny Qwen3 by default, a LoRA adapter
-routed as a session samples) and times every decode step, from one embedding call to the
-next (a forward pre-hook on the input embedding). The floor of a step with B live rows is the
+Runs engine/generate/sampler.generate on one model (the built-in tiny Qwen3 by default, a
+LoRA adapter routed as a session samples) and times every decode step, from one embedding call
+to the next (a forward pre-hook on the input embedding). The floor of a step with B live rows is the
 time of the step's matrix products alone: every linear layer's x[B, in] @ W^T (LoRA A and B
 products included) and the output head, run back to back on random inputs in the same
 process. Overhead = step time - floor: Python, small tensor ops, attention, sampling.

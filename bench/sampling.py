@@ -4,7 +4,7 @@ on the same weights in one process (a benchmark, not a timed test).
 The shape of an RL rollout (issue 5): --prompts prompts of --prompt-tokens random tokens,
 --samples completions each, up to --new-tokens new tokens, temperature 1, EOS ends a row.
 
-- posttrain: engine/sampler.generate with a LoRA adapter routed (as a session samples): one
+- posttrain: engine/generate/sampler.generate with a LoRA adapter routed (as a session samples): one
   prefill per prompt fanned out to its samples, a preallocated KV cache, finished rows freed,
   vectorised per-row-seeded sampling, the prefix cache on (fresh prompts each repetition, so
   it only pays for insertions).

@@ -1,6 +1,6 @@
 """The loss specifications: one table of what each built-in loss takes and allows.
 
-Per loss (LOSS_SPECS): the name of its function in engine/losses.LOSSES, its params type, the
+Per loss (LOSS_SPECS): the name of its function in engine/train/losses.LOSSES, its params type, the
 wire names of its params object (`loss.<params_field>`) and of its seed-era inputs block
 (`loss_inputs.<inputs_block>`), the loss_fn_inputs keys every sample must send, and the allowed
 range of each param. Per loss_fn_inputs key (INPUT_SPECS): the dtypes it may carry and whether
@@ -63,7 +63,7 @@ class Bound:
 
 @dataclass(frozen=True)
 class LossSpec:
-    function: str  # its function's name in engine/losses.LOSSES, also its short wire name
+    function: str  # its function's name in engine/train/losses.LOSSES, also its short wire name
     params_type: type | None  # None: the loss takes no params (CE, IS)
     params_field: str | None  # wire: loss.<params_field> (CE has an empty one, IS none)
     inputs_block: str | None  # seed era: loss_inputs.<inputs_block> (CE reads none)

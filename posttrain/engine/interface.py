@@ -3,7 +3,9 @@
 One protocol, implemented explicitly by each engine: hosts/in_process.py's LocalEngine (the
 reference: everything in this process), hosts/remote.py's RemoteEngine (resources in worker
 processes or trainer groups) and hosts/replicas.py's ReplicatedEngine (generators apart);
-engine/build.py picks one. Imports: types (torch for type checking only).
+engine/build.py picks one. The last is also a LanedEngine: its generators run beside the
+trainer, on generator lanes, and only it takes a sample's lane and fence; the others answer
+that they have no lanes. Imports: types (torch for type checking only).
 """
 
 from __future__ import annotations
@@ -101,10 +103,10 @@ class Engine(Protocol):
         self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
     ) -> None: ...
 
-    # Generators apart from the trainer (hosts/replicas.py): how many generations may run
-    # beside it (0: samples run on the trainer's lane), and the fence of what the generators
-    # must serve for a sample queued now; sample_batch(fence=, lane=) applies exactly that on
-    # the lane's generator.
+    # Generators apart from the trainer (LanedEngine below): how many generations may run
+    # beside it (0: samples run on the trainer's lane, the only answer of an engine whose
+    # generator shares the trainer), and the fence of what the generators must serve for a
+    # sample queued now.
     def generator_lanes(self, resource_id: str) -> int: ...
 
     def generator_fence(self, resource_id: str) -> int: ...
@@ -115,22 +117,17 @@ class Engine(Protocol):
         self, resource_id: str, session_id: str
     ) -> tuple[dict[str, Tensor], int]: ...
 
-    # Several sample operations (any sessions of the resource) in one generation: one result
-    # list per item, in order. policy_segments come from the engine, which knows what each
-    # generator serves; rows of a session whose generator is republished during
-    # `between_tokens` switch at that boundary. On the trainer's lane (an engine with no
-    # generator lanes) `fence` and `lane` are 0: the generator there serves what the trainer
-    # published, and `between_tokens` may publish into it; on generator lane `lane` (0 up to
-    # generator_lanes()) the generator applies what was staged up to `fence` and
-    # `between_tokens` is not called (publishes reach it as staged changes).
+    # Several sample operations (any sessions of the resource) in one generation, on the
+    # trainer's lane: one result list per item, in order. The generator serves what the
+    # trainer published; policy_segments come from the engine, which knows what each
+    # generator serves; `between_tokens` runs between decode passes and may publish, and rows
+    # of a session whose generator is republished there switch at that boundary.
     def sample_batch(
         self,
         resource_id: str,
         items: list[tuple[str, SampleRequest]],
         *,
         between_tokens: Callable[[], None] | None = None,
-        fence: int = 0,
-        lane: int = 0,
     ) -> list[list[SampleResult]]: ...
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
@@ -187,3 +184,24 @@ class Engine(Protocol):
 
     # Server shutdown: stop whatever processes the engine started (none in process).
     def close(self) -> None: ...
+
+
+class LanedEngine(Engine, Protocol):
+    """An engine whose generators run apart from the trainer (hosts/replicas.py): once a
+    resource is loaded, generator_lanes() > 0 and the scheduler hands its samples to generator
+    lanes (service/worker.py), each with the fence of its place in the resource's FIFO."""
+
+    # On generator lane `lane` (0 up to generator_lanes()): that lane's generator applies what
+    # was staged up to `fence`, and no later change, then generates; the defaults are the
+    # first lane as of nothing staged. Still Engine.sample_batch, so it accepts
+    # `between_tokens`, and never calls it: publishes reach a lane as staged changes (PIPELINE
+    # ones between decode passes), so the scheduler passes none on a lane.
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        between_tokens: Callable[[], None] | None = None,
+        fence: int = 0,
+        lane: int = 0,
+    ) -> list[list[SampleResult]]: ...

@@ -1,44 +1,62 @@
-"""The operation-kind table: per kind, how the service schedules it, what durable state it
-changes and what a restart does with it.
+"""The operation-kind table: per kind, how the service schedules and runs it, what durable
+state it changes and what a restart does with it.
 
 Its typed request and output come from types.OPERATION_TYPES (the store reads those too); the
 api layer's half, api/kinds.py, adds the wire body and reply. Whoever needs to know something
 about a kind reads it here instead of branching on the kind:
 
+- `run`: the engine pass over a group of its operations (service/scheduler.py): the engine
+  call, what it does to the session's record, and each member's output.
 - `sharing`: how the resource worker groups queued operations of this kind into one engine
   pass (service/worker.py). A kind that runs alone is a barrier: nothing is grouped across it.
 - `on_generator`: it runs on the generator and leaves the trainer alone, so it may move to a
   generator lane (service/worker.py) and a deferred weights-sync never waits for it
   (service/publishing.py).
 - `changes`: the parts of a session's durable state it changes (service/durability.py).
-- `transition`: what it does to the session's step and policy versions, applied again when a
-  full-weight session's journal is folded after a restart (service/full_weight_durability.py).
-- `replay`: the engine call that runs it again from its kept request on a restored full-weight
-  snapshot; None: it is not journaled (it changes nothing the snapshot holds).
+- `transition`: what it does to the session's step and policy versions: applied when it runs
+  (`run`), and again when a full-weight session's journal is folded after a restart
+  (service/full_weight_durability.py).
+- `replay`: the engine call that runs one operation of it from its request, given the trainer's
+  policy version when it ran: a pass of one runs it (`run`), and a restart runs it again from
+  the kept request on a restored full-weight snapshot; None: it is not journaled (it changes
+  nothing the snapshot holds).
 - `snapshots`: a full-weight snapshot may follow it (each persist_every-th optimizer step).
 
-Imports: engine.interface, types.
+Imports: engine.interface, store (for type checking only), types.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-from posttrain.engine.interface import Engine
-from posttrain.records import SessionRecord
+from posttrain.engine.interface import Engine, LanedEngine
+from posttrain.records import OperationRecord, SessionRecord
 from posttrain.service import policy
 from posttrain.types import (
     OPERATION_TYPES,
+    CheckpointRequest,
+    CustomForwardBackwardOutput,
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
     OperationKind,
+    OperationOutput,
     OperationRequest,
     OperationTypes,
+    OptimStepOutput,
     OptimStepRequest,
+    SampleOutput,
+    SampleRequest,
+    WeightsSyncOutput,
 )
+
+if TYPE_CHECKING:
+    from posttrain.service.checkpoints import CheckpointService
+    from posttrain.service.routed_experts import RoutedExpertsStore
+    from posttrain.store.repo import Repo
 
 
 class Sharing(Enum):
@@ -51,6 +69,38 @@ class Sharing(Enum):
     ANY = "any"
 
 
+class InFlight(Protocol):
+    """service/publishing.py's PublishMailbox, as a sample pass on the trainer's lane sees it."""
+
+    def publish_in_flight(self, resource_id: str) -> None: ...
+
+
+class Runner(Protocol):
+    """What a pass runs with: the scheduler's parts (service/scheduler.py)."""
+
+    repo: Repo
+    engine: Engine
+    checkpoints: CheckpointService | None
+    routed_experts: RoutedExpertsStore
+    mailbox: InFlight
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A generator lane's pass (service/worker.py): the generator of lane `index` serves what
+    was staged up to `fence`, the place of the group's samples in the resource's FIFO."""
+
+    index: int
+    fence: int
+
+
+R = TypeVar("R")
+Outcome = OperationOutput | Exception
+# A group member ready to run: its RUNNING record, its session, its request.
+Ready = tuple[OperationRecord, SessionRecord, OperationRequest]
+# (runner, resource, the group's members, its generator lane; None: the trainer's lane)
+# -> per member, in order, an output or an error.
+Run = Callable[[Runner, str, list[Ready], Lane | None], list[Outcome]]
 Transition = Callable[[SessionRecord, float], SessionRecord]
 # (engine, session, request, trainer policy version when it first ran) -> None
 Replay = Callable[[Engine, SessionRecord, Any, int], None]
@@ -59,6 +109,7 @@ Replay = Callable[[Engine, SessionRecord, Any, int], None]
 @dataclass(frozen=True)
 class KindRules:
     types: OperationTypes
+    run: Run
     sharing: Sharing = Sharing.ALONE
     on_generator: bool = False
     # None: a request the caller does not hold (a deferred weights-sync's completion).
@@ -72,6 +123,74 @@ def _trains(request: OperationRequest | None) -> tuple[str, ...]:
     """A forward-backward changes the gradients unless it only scores (forward_only)."""
     scoring = isinstance(request, ForwardBackwardRequest) and request.forward_only
     return () if scoring else ("gradients",)
+
+
+# ------------------------------------------------------------ runs: one engine pass each
+
+
+def _requests(ready: list[Ready], cls: type[R]) -> list[tuple[str, R]]:
+    """(session id, request) per member; the kind fixed the request type at the api edge."""
+    pairs = []
+    for _, session, request in ready:
+        assert isinstance(request, cls), f"{type(request).__name__} is not {cls.__name__}"
+        pairs.append((session.id, request))
+    return pairs
+
+
+def _run_forward_backward(
+    runner: Runner, resource_id: str, ready: list[Ready], _: Lane | None
+) -> list[Outcome]:
+    items = _requests(ready, ForwardBackwardRequest)
+    return list(runner.engine.forward_backward_batch(resource_id, items))
+
+
+def _run_sample(
+    runner: Runner, resource_id: str, ready: list[Ready], lane: Lane | None
+) -> list[Outcome]:
+    items = _requests(ready, SampleRequest)
+    if lane is None:
+        # The trainer's lane: between tokens, PIPELINE weights-syncs submitted meanwhile
+        # publish in flight.
+        results = runner.engine.sample_batch(
+            resource_id, items, between_tokens=lambda: runner.mailbox.publish_in_flight(resource_id)
+        )
+    else:
+        # A generator lane exists only where the generators run apart (generator_lanes() > 0):
+        # publishes run on the trainer's lane and reach the running generation as staged
+        # changes, at a token boundary (engine/hosts/replicas.py).
+        laned = cast(LanedEngine, runner.engine)
+        results = laned.sample_batch(resource_id, items, fence=lane.fence, lane=lane.index)
+    return [
+        SampleOutput(runner.routed_experts.keyed(session.id, per_op))
+        for (_, session, _), per_op in zip(ready, results, strict=True)
+    ]
+
+
+def _alone(output: Callable[[SessionRecord], OperationOutput]) -> Run:
+    """The run of a journaled kind that runs alone: its `replay` call (the same call a restart
+    replays), then its `transition` of the session's record; `output` reads the session after."""
+
+    def run(runner: Runner, _: str, ready: list[Ready], __: Lane | None) -> list[Outcome]:
+        ((op, session, request),) = ready
+        rules = KINDS[op.kind]
+        assert rules.replay is not None, f"{op.kind} has no engine call"
+        rules.replay(runner.engine, session, request, session.policy_state.trainer_step)
+        if (transition := rules.transition) is not None:
+            now = time.time()
+            session = runner.repo.update_session(session.id, lambda s: transition(s, now))
+        return [output(session)]
+
+    return run
+
+
+def _run_checkpoint(runner: Runner, _: str, ready: list[Ready], __: Lane | None) -> list[Outcome]:
+    ((_, session, request),) = ready
+    assert isinstance(request, CheckpointRequest), type(request).__name__
+    assert runner.checkpoints is not None, "scheduler built without a CheckpointService"
+    return [runner.checkpoints.save(session, request.type)]
+
+
+# ------------------------------------------------------------ replays: one operation each
 
 
 def _replay_forward_backward(engine: Engine, session: SessionRecord, request: Any, _: int) -> None:
@@ -94,6 +213,8 @@ def _replay_optim_step(engine: Engine, session: SessionRecord, request: Any, _: 
 
 
 def _replay_weights_sync(engine: Engine, session: SessionRecord, _: Any, version: int) -> None:
+    # SYNCHRONOUS when run: publish at this operation's place in the FIFO, and complete once
+    # the generator serves it. The deferred modes never run here (service/publishing.py).
     engine.publish(session.resource_id, session.id, version=version)
 
 
@@ -101,17 +222,20 @@ _TYPES = OPERATION_TYPES
 KINDS: dict[OperationKind, KindRules] = {
     OperationKind.FORWARD_BACKWARD: KindRules(
         _TYPES[OperationKind.FORWARD_BACKWARD],
+        _run_forward_backward,
         sharing=Sharing.ACROSS_SESSIONS,
         changes=_trains,
         replay=_replay_forward_backward,
     ),
     OperationKind.CUSTOM_FORWARD_BACKWARD: KindRules(
         _TYPES[OperationKind.CUSTOM_FORWARD_BACKWARD],
+        _alone(lambda _: CustomForwardBackwardOutput()),
         changes=lambda _: ("gradients",),
         replay=_replay_custom_forward_backward,
     ),
     OperationKind.OPTIM_STEP: KindRules(
         _TYPES[OperationKind.OPTIM_STEP],
+        _alone(lambda session: OptimStepOutput(step=session.step)),
         changes=lambda _: ("trainer", "optimizer", "gradients"),
         transition=policy.stepped,
         replay=_replay_optim_step,
@@ -119,13 +243,22 @@ KINDS: dict[OperationKind, KindRules] = {
     ),
     OperationKind.WEIGHTS_SYNC: KindRules(
         _TYPES[OperationKind.WEIGHTS_SYNC],
+        _alone(
+            lambda session: WeightsSyncOutput(
+                weights_version=session.policy_state.applied_weights_version
+            )
+        ),
         changes=lambda _: ("generator",),
         transition=policy.synced,
         replay=_replay_weights_sync,
     ),
     OperationKind.SAMPLE: KindRules(
-        _TYPES[OperationKind.SAMPLE], sharing=Sharing.ANY, on_generator=True
+        _TYPES[OperationKind.SAMPLE], _run_sample, sharing=Sharing.ANY, on_generator=True
     ),
-    OperationKind.TRAINING_CHECKPOINT: KindRules(_TYPES[OperationKind.TRAINING_CHECKPOINT]),
-    OperationKind.INFERENCE_CHECKPOINT: KindRules(_TYPES[OperationKind.INFERENCE_CHECKPOINT]),
+    OperationKind.TRAINING_CHECKPOINT: KindRules(
+        _TYPES[OperationKind.TRAINING_CHECKPOINT], _run_checkpoint
+    ),
+    OperationKind.INFERENCE_CHECKPOINT: KindRules(
+        _TYPES[OperationKind.INFERENCE_CHECKPOINT], _run_checkpoint
+    ),
 }

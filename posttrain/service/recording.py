@@ -16,14 +16,12 @@ import time
 from posttrain.errors import operation_error_code, posttrainError
 from posttrain.records import OperationRecord
 from posttrain.service.durability import SessionDurability
+from posttrain.service.kinds import Outcome
 from posttrain.service.metrics import OperationMetrics
 from posttrain.statuses import OperationErrorCode, OperationStatus
 from posttrain.store.repo import Repo
-from posttrain.types import OperationOutput
 
 log = logging.getLogger("posttrain.scheduler")
-
-Outcome = OperationOutput | Exception
 
 
 def error_code(exc: BaseException) -> OperationErrorCode:

@@ -1,14 +1,13 @@
 """Operations on the resource workers: one path from enqueue to finish for every kind.
 
 An operation is queued on its resource's worker (service/worker.py), which runs it as a group
-of one or more: forward-backwards of several sessions, or samples of any sessions, share one
-engine pass, and every other kind runs alone. A group runs through `_run_group`: the
-pending/running preamble, memory admission (service/admission.py: what does not fit fails
-RESOURCE_EXHAUSTED before it runs), the engine pass or passes, the finish
-(service/recording.py). What a group raises as a whole is caught by the worker's one job
-boundary, which fails its unfinished operations through the same finish path. Deferred
-weights-syncs complete through the publish mailbox (service/publishing.py), which finishes them
-through that path too.
+of one or more: the kind's `sharing` (service/kinds.py) says which operations may share one
+engine pass. A group runs through `_run_group`: the pending/running preamble, memory admission
+(service/admission.py: what does not fit fails RESOURCE_EXHAUSTED before it runs), the engine
+pass or passes (each the kind's `run`, service/kinds.py), the finish (service/recording.py).
+What a group raises as a whole is caught by the worker's one job boundary, which fails its
+unfinished operations through the same finish path. Deferred weights-syncs complete through the
+publish mailbox (service/publishing.py), which finishes them through that path too.
 
 Imports: store, engine.interface.
 """
@@ -20,55 +19,27 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from posttrain.config import SchedulerConfig
 from posttrain.engine.interface import Engine
 from posttrain.errors import SessionNotActive, WorkerDied
 from posttrain.records import OperationRecord, SessionRecord
-from posttrain.service import policy
 from posttrain.service.admission import plan_passes
 from posttrain.service.arrivals import Arrivals, end_current_arrival
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.durability import SessionDurability, changed_parts
+from posttrain.service.kinds import KINDS, Lane, Outcome, Ready
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.publishing import PublishMailbox, is_deferred
-from posttrain.service.recording import OperationRecorder, Outcome
+from posttrain.service.recording import OperationRecorder
 from posttrain.service.routed_experts import RoutedExpertsStore
 from posttrain.service.worker import Job, OnFailure, QueuedOperation, ResourceWorker
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
-from posttrain.types import (
-    CheckpointOutput,
-    CheckpointRequest,
-    CustomForwardBackwardOutput,
-    CustomForwardBackwardRequest,
-    ForwardBackwardRequest,
-    OperationKind,
-    OperationOutput,
-    OperationRequest,
-    OptimStepOutput,
-    OptimStepRequest,
-    SampleOutput,
-    SampleRequest,
-    WeightsSyncOutput,
-    WeightsSyncRequest,
-)
+from posttrain.types import OperationKind, OperationRequest, WeightsSyncRequest
 
 log = logging.getLogger("posttrain.scheduler")
-
-R = TypeVar("R")
-# A group member ready to run: its RUNNING record, its session, its request.
-Ready = tuple[OperationRecord, SessionRecord, OperationRequest]
-
-
-def _requests(ready: list[Ready], cls: type[R]) -> list[tuple[str, R]]:
-    """(session id, request) per member; the kind fixed the request type at the api edge."""
-    pairs = []
-    for _, session, request in ready:
-        assert isinstance(request, cls), f"{type(request).__name__} is not {cls.__name__}"
-        pairs.append((session.id, request))
-    return pairs
 
 
 class Scheduler:
@@ -107,14 +78,6 @@ class Scheduler:
         # ticket order equal to the FIFO order.
         self.mailbox = PublishMailbox(repo, engine, self.recorder)
         self._enqueue_lock = threading.Lock()
-        # The kinds that always run alone: one engine call for one operation.
-        self._alone: dict[OperationKind, Callable[[SessionRecord, Any], OperationOutput]] = {
-            OperationKind.CUSTOM_FORWARD_BACKWARD: self._custom_forward_backward,
-            OperationKind.OPTIM_STEP: self._optim_step,
-            OperationKind.WEIGHTS_SYNC: self._weights_sync,
-            OperationKind.TRAINING_CHECKPOINT: self._checkpoint,
-            OperationKind.INFERENCE_CHECKPOINT: self._checkpoint,
-        }
 
     def worker(self, resource_id: str) -> ResourceWorker:
         with self._lock:
@@ -207,15 +170,18 @@ class Scheduler:
         )
         self.recorder.finish([(ready[i][0], error) for i, error in refused.items()])
         # A generator lane's group: one fence, one lane (service/worker.py).
-        fence, lane = max(item.fence for item in group), group[0].lane
+        index = group[0].lane
+        lane = None if index is None else Lane(index, max(item.fence for item in group))
         for members in passes:
-            self._run_pass(resource_id, kind, members, fence, lane)
+            self._run_pass(resource_id, kind, members, lane)
 
     def _run_pass(
-        self, resource_id: str, kind: OperationKind, ready: list[Ready], fence: int, lane: int
+        self, resource_id: str, kind: OperationKind, ready: list[Ready], lane: Lane | None
     ) -> None:
+        """One engine pass over the members (the kind's `run`, service/kinds.py); per member
+        an output or an error, each recorded."""
         started = time.monotonic()
-        outcomes = self._pass(resource_id, kind, ready, fence, lane)
+        outcomes = KINDS[kind].run(self, resource_id, ready, lane)
         if len(ready) > 1:
             self.metrics.shared_pass(len(ready))
         log.info(
@@ -232,7 +198,7 @@ class Scheduler:
     def _start(self, group: list[QueuedOperation]) -> list[Ready]:
         """The preamble: skip what is no longer PENDING, fail what belongs to a session that
         is not RUNNING, and mark the rest RUNNING in one store transaction."""
-        ready: list[tuple[OperationRecord, SessionRecord, OperationRequest]] = []
+        ready: list[Ready] = []
         stopped: list[tuple[OperationRecord, Outcome]] = []
         sessions: dict[str, SessionRecord | None] = {}
         for item in group:
@@ -258,58 +224,3 @@ class Scheduler:
             # On this worker thread, before the next queued operation: it finds its session
             # restored, not a dead process (engine/hosts/worker_process.py).
             self.on_worker_lost(resource_id)
-
-    def _pass(
-        self, resource_id: str, kind: OperationKind, ready: list[Ready], fence: int, lane: int
-    ) -> list[Outcome]:
-        """One engine pass over the group; per member an output or an error."""
-        if kind == OperationKind.FORWARD_BACKWARD:
-            items = _requests(ready, ForwardBackwardRequest)
-            return list(self.engine.forward_backward_batch(resource_id, items))
-        if kind == OperationKind.SAMPLE:
-            # Between tokens, PIPELINE weights-syncs submitted meanwhile publish in flight. On a
-            # generator lane (engine/hosts/replicas.py) the engine does not call it: those publishes
-            # run on the trainer's lane and reach the running generation at a token boundary.
-            results = self.engine.sample_batch(
-                resource_id,
-                _requests(ready, SampleRequest),
-                between_tokens=lambda: self.mailbox.publish_in_flight(resource_id),
-                fence=fence,
-                lane=lane,
-            )
-            return [
-                SampleOutput(self.routed_experts.keyed(session.id, per_op))
-                for (_, session, _), per_op in zip(ready, results, strict=True)
-            ]
-        ((_, session, request),) = ready
-        return [self._alone[kind](session, request)]
-
-    # ------------------------------------------------------------ the kinds that run alone
-
-    def _custom_forward_backward(
-        self, session: SessionRecord, request: CustomForwardBackwardRequest
-    ) -> CustomForwardBackwardOutput:
-        self.engine.custom_forward_backward(session.resource_id, session.id, request)
-        return CustomForwardBackwardOutput()
-
-    def _optim_step(self, session: SessionRecord, request: OptimStepRequest) -> OptimStepOutput:
-        self.engine.optim_step(session.resource_id, session.id, request)
-        now = time.time()
-        updated = self.repo.update_session(session.id, lambda s: policy.stepped(s, now))
-        return OptimStepOutput(step=updated.step)
-
-    def _weights_sync(
-        self, session: SessionRecord, request: WeightsSyncRequest
-    ) -> WeightsSyncOutput:
-        # SYNCHRONOUS: publish at this operation's place in the FIFO, and complete once the
-        # generator serves it. The deferred modes never get here (publishing.py).
-        self.engine.publish(
-            session.resource_id, session.id, version=session.policy_state.trainer_step
-        )
-        now = time.time()
-        updated = self.repo.update_session(session.id, lambda s: policy.synced(s, now))
-        return WeightsSyncOutput(weights_version=updated.policy_state.applied_weights_version)
-
-    def _checkpoint(self, session: SessionRecord, request: CheckpointRequest) -> CheckpointOutput:
-        assert self.checkpoints is not None, "scheduler built without a CheckpointService"
-        return self.checkpoints.save(session, request.type)

@@ -56,7 +56,7 @@ class QueuedOperation:
     # A sample handed to a generator lane: what the generators serve as of its FIFO place
     # (Engine.generator_fence); 0 on the trainer's lane.
     fence: int = 0
-    lane: int = 0  # the generator lane that runs it
+    lane: int | None = None  # the generator lane that runs it; None: the trainer's lane
 
     @property
     def rows(self) -> int:

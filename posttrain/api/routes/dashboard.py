@@ -69,19 +69,14 @@ def session_json(s: SessionRecord) -> dict[str, Any]:
     }
 
 
-def operation_json(d: OperationDigest) -> dict[str, Any]:
-    return {
-        "id": d.id,
-        "session_id": d.session_id,
-        "kind": d.kind.value,
-        "status": d.status.value,
-        "created_at": d.created_at,
-        "updated_at": d.updated_at,
-        "error_code": d.error_code,
-        "error_message": d.error_message,
-        "loss": d.loss,
-        "loss_per_token": loss_per_token(d.loss, d.metrics),
-    }
+def operation_json(digest: OperationDigest) -> dict[str, Any]:
+    """The digest's fields that DashboardOperation names, in its order."""
+    return d.DashboardOperation.copied(
+        digest,
+        kind=digest.kind.value,
+        status=digest.status.value,
+        loss_per_token=loss_per_token(digest.loss, digest.metrics),
+    ).wire()
 
 
 def series_json(series: SessionSeries) -> dict[str, Any]:

@@ -284,17 +284,14 @@ class LocalEngine:
         items: list[tuple[str, SampleRequest]],
         *,
         between_tokens: Callable[[], None] | None = None,
-        fence: int = 0,
-        lane: int = 0,
     ) -> list[list[SampleResult]]:
         """Several sample operations of one resource (any sessions) in one generation.
 
         `between_tokens` runs between decode passes and may call `publish` (PIPELINE
         weights-sync); rows of a session whose generator changed continue on the new weights
         and their results record the switch in policy_segments. Returns one list of results
-        (one per prompt) per item. The generator shares the trainer's lane here: no generator
-        lanes, so `fence` and `lane` are 0 (hosts/replicas.py runs generators apart)."""
-        assert fence == 0 and lane == 0, f"no generator lane {lane} (fence {fence}) here"
+        (one per prompt) per item. The generator shares the trainer's lane here, so there is
+        no lane or fence to take (hosts/replicas.py runs generators apart)."""
         resource = self._resource(resource_id)
         found = [(self._session(resource_id, sid)[1], request) for sid, request in items]
         return generator.sample_batch(self.config, resource, found, between_tokens=between_tokens)

@@ -206,17 +206,8 @@ class RemoteEngine(Generic[H]):
         items: list[tuple[str, SampleRequest]],
         *,
         between_tokens: Callable[[], None] | None = None,
-        fence: int = 0,
-        lane: int = 0,
     ) -> list[list[SampleResult]]:
-        return self._send(
-            Command.SAMPLE_BATCH,
-            resource_id,
-            items,
-            between_tokens=between_tokens,
-            fence=fence,
-            lane=lane,
-        )
+        return self._send(Command.SAMPLE_BATCH, resource_id, items, between_tokens=between_tokens)
 
     # ------------------------------------------------------------ memory and sizes
 

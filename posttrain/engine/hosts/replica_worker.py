@@ -18,7 +18,6 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -120,12 +119,12 @@ class ReplicaEngine(LocalEngine):
         resource_id: str,
         items: list[tuple[str, SampleRequest]],
         *,
-        between_tokens: Callable[[], None] | None = None,
         fence: int = 0,
-        lane: int = 0,
     ) -> list[list[SampleResult]]:
         """The generation at its FIFO place: apply the changes up to `fence`, then sample;
-        PIPELINE installs that arrive meanwhile land between decode passes."""
+        PIPELINE installs that arrive meanwhile land between decode passes. The replica is one
+        generator lane of a LanedEngine (hosts/replicas.py sends it the sample's fence), so it
+        takes no lane; nor a `between_tokens`: its own hook (`_mid_generation`) runs there."""
         self.received(fence)
         with self._arrived:
             due = [c for c in self._staged if c[0] <= fence]

@@ -1,6 +1,7 @@
 """Generator replicas: a resource's sampling runs in processes of its own, beside its trainer.
 
-`ReplicatedEngine` implements the Engine protocol over a trainer engine (LocalEngine in the API
+`ReplicatedEngine` implements the LanedEngine protocol (engine/interface.py: the Engine protocol,
+with a sample's generator lane and fence) over a trainer engine (LocalEngine in the API
 process, or ProcessEngine) and `compute_config.num_generator_replicas` replica processes per
 resource, each a `ReplicaEngine`: the same base model loaded again, serving every session's
 generator and nothing else. The scheduler runs samples on generator lanes of their own, one per
@@ -87,6 +88,8 @@ class _Replicas:
 
 
 class ReplicatedEngine:
+    """A LanedEngine: the trainer engine for everything but sampling, replicas for that."""
+
     def __init__(
         self,
         trainer: Engine,

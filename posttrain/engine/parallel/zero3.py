@@ -34,7 +34,7 @@ The generator's copy lives on rank 0 alone (sampling runs there: trainer_group.R
 weights-sync sends each parameter from its owner into it. Checkpoints, exports and persisted
 state gather the full tensors one at a time onto rank 0, which writes the one-process formats;
 loading copies each rank's own. When the session ends every rank gathers the whole model again
-and the hooks go (engine/full_weight.restore_base then puts the base weights back).
+and the hooks go (engine/train/full_weight.restore_base then puts the base weights back).
 
 Imports: torch (torch.distributed); engine.parallel.zero2.
 """

@@ -45,8 +45,11 @@ def train_and_publish(engine, version: int) -> int:
     return engine.generator_fence("r")
 
 
-def sampled(engine, *, fence: int = 0, lane: int = 0) -> list:
-    (results,) = engine.sample_batch("r", [("s", PROMPT)], fence=fence, lane=lane)
+def sampled(engine, *, fence: int = 0, lane: int = 0, session: str = "s") -> list:
+    """One sample: on a ReplicatedEngine, on generator lane `lane` as of `fence`; an inline
+    LocalEngine has no lanes (its generator serves what the trainer published)."""
+    at = {"fence": fence, "lane": lane} if isinstance(engine, ReplicatedEngine) else {}
+    (results,) = engine.sample_batch("r", [(session, PROMPT)], **at)
     return results
 
 
@@ -180,8 +183,7 @@ def test_a_full_weight_session_samples_on_its_replica_what_the_inline_generator_
         seen.append(sampled(engine, fence=fence))
         engine.drop_session("r", "s")  # the base weights come back, on the replica too
         engine.create_session("r", "t", LORA)
-        (results,) = engine.sample_batch("r", [("t", PROMPT)], fence=engine.generator_fence("r"))
-        return [*seen, results]
+        return [*seen, sampled(engine, fence=engine.generator_fence("r"), session="t")]
 
     inline = trained(LocalEngine(CONFIG, MODELS))
     engine = ReplicatedEngine(LocalEngine(CONFIG, MODELS), CONFIG, MODELS)

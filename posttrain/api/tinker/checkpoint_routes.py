@@ -24,7 +24,7 @@ from posttrain.api.tinker import wire as w
 from posttrain.api.tinker.handshake import tinker_user
 from posttrain.service.tinker.checkpoints import CheckpointView, Page, RunView
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", include_in_schema=False)  # as routes.py says why
 
 TinkerUser = Depends(tinker_user)
 CHECKPOINT = "/training_runs/{model_id}/checkpoints/{segment}/{name}"

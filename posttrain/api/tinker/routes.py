@@ -36,7 +36,9 @@ from posttrain.service.tinker.runs import LORA_ALPHA
 from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.types import LoraConfig, OperationKind
 
-router = APIRouter(prefix="/api/v1")
+# The Tinker protocol is the SDK's (protobuf bodies, futures): /openapi.json documents the
+# Together surface, which schemathesis fuzzes; the tinker SDK is this surface's contract.
+router = APIRouter(prefix="/api/v1", include_in_schema=False)
 HOLD_S = 30.0  # under the SDK's 45 s retrieve_future timeout
 
 TinkerUser = Depends(tinker_user)

@@ -26,9 +26,9 @@ def tinker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     proc.stop()
 
 
-def run(tinker_python: str, scenario: str, server: ServerProcess) -> dict:
+def run(tinker_python: str, scenario: str, server: ServerProcess, *args: str) -> dict:
     done = subprocess.run(
-        [tinker_python, str(CLIENT), scenario, server.base_url],
+        [tinker_python, str(CLIENT), scenario, server.base_url, *args],
         capture_output=True,
         text=True,
         timeout=900,
@@ -145,3 +145,29 @@ def test_samplers_past_the_slots_give_the_least_recently_used_slot_up(tinker_pyt
     assert seen["again"] == seen["first"]  # rebuilt from their checkpoints: the same weights
     assert len({json.dumps(x) for x in seen["first"]}) == 4  # four different moments
     assert len(resources) == 1  # one copy of the base weights, never a second resource
+
+
+def test_a_path_saved_before_a_restart_serves_the_same_weights_after_it(tinker_python, tmp_path):
+    server = ServerProcess.started(tmp_path)
+    try:
+        before = run(tinker_python, "saved_sampler", server)
+        server.stop()
+        server.start(keep_port=True)
+        after = run(tinker_python, "after_restart", server, before["path"])
+    finally:
+        server.stop()
+    assert before["path"].endswith("/sampler_weights/for-later")
+    assert after["scored"] == before["scored"]
+
+
+def test_an_inflight_sampler_follows_the_run_and_top_k_prompt_logprobs_agree(
+    tinker_python, tinker_server
+):
+    seen = run(tinker_python, "inflight", tinker_server)
+    assert seen["after"] != seen["before"]
+    assert seen["after"] == seen["now"]  # the weights a fresh snapshot of that moment holds
+    topk, logprobs = seen["topk"], seen["prompt_logprobs"]
+    assert topk[0] is None and logprobs[0] is None  # nothing predicts the first token
+    for row, value in zip(topk[1:], logprobs[1:], strict=True):
+        assert len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1]
+        assert value <= row[0][1] + 1e-6  # the prompt's token is at best the most likely one

@@ -184,9 +184,72 @@ def eviction(url: str) -> dict:
         return {"first": first, "again": again}
 
 
+def saved_sampler(url: str) -> dict:
+    """Before a restart: train, save sampler weights under a name, score a prompt with them."""
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=7)
+        data = [datum(s) for s in SEQUENCES]
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam(5e-2)).result()
+        path = training.save_weights_for_sampler("for-later").result().path
+        sampler = client.create_sampling_client(model_path=path)
+        prompt = types.ModelInput.from_ints(SEQUENCES[2])
+        return {"path": path, "scored": sampler.compute_logprobs(prompt).result()}
+
+
+def after_restart(url: str, path: str) -> dict:
+    """After a restart: a new client samples the path saved before it."""
+    with service(url) as client:
+        sampler = client.create_sampling_client(model_path=path)
+        prompt = types.ModelInput.from_ints(SEQUENCES[2])
+        return {"scored": sampler.compute_logprobs(prompt).result()}
+
+
+def inflight(url: str) -> dict:
+    """An inflight sampler follows the run's weights; top-k prompt logprobs come with it."""
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=8)
+        data = [datum(s) for s in SEQUENCES]
+        follower = training.save_weights_and_get_sampling_client(kind="inflight")
+        prompt = types.ModelInput.from_ints(SEQUENCES[0])
+        before = follower.compute_logprobs(prompt).result()
+        for _ in range(2):
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(adam(5e-2)).result()
+        training.save_weights_and_get_sampling_client(kind="inflight")  # publishes W2
+        after = follower.compute_logprobs(prompt).result()
+        params = types.SamplingParams(max_tokens=1)
+        topk = follower.sample(
+            prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3
+        ).result()
+        snapshot = training.save_weights_and_get_sampling_client().compute_logprobs(prompt)
+        return {
+            "before": before,
+            "after": after,
+            "now": snapshot.result(),
+            "topk": [
+                None if row is None else [[int(t), float(lp)] for t, lp in row]
+                for row in topk.topk_prompt_logprobs
+            ],
+            "prompt_logprobs": topk.prompt_logprobs,
+        }
+
+
 SCENARIOS = {
-    f.__name__: f for f in (handshake, sl_steps, resume, snapshot, chunked, refusals, eviction)
+    f.__name__: f
+    for f in (
+        handshake,
+        sl_steps,
+        resume,
+        snapshot,
+        chunked,
+        refusals,
+        eviction,
+        saved_sampler,
+        after_restart,
+        inflight,
+    )
 }
 
 if __name__ == "__main__":
-    print(json.dumps(SCENARIOS[sys.argv[1]](sys.argv[2])))
+    print(json.dumps(SCENARIOS[sys.argv[1]](*sys.argv[2:])))

@@ -46,6 +46,7 @@ def test_handshake_creates_a_training_run_and_closes(tinker_python, tinker_serve
     assert seen["model_id"].endswith(":train:0")
     assert seen["info_base"] == "posttrain/tiny-qwen3"
     assert seen["lora_rank"] == 4
+    assert seen["session_runs"] == [seen["model_id"]] and seen["listed"]
 
 
 def test_supervised_steps_lower_the_loss_and_sampler_logprobs_match_training(

@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from posttrain.api.deps import RawBodyDep, ServicesDep, loads_strict, parse
@@ -31,7 +31,7 @@ from posttrain.api.tinker.training import (
     optim_step_request,
 )
 from posttrain.errors import InvalidRequest, posttrainError
-from posttrain.service.tinker.records import FutureRecord, SamplerRecord
+from posttrain.service.tinker.records import ClientRecord, FutureRecord, RunRecord, SamplerRecord
 from posttrain.service.tinker.runs import LORA_ALPHA
 from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.types import LoraConfig, OperationKind
@@ -111,6 +111,34 @@ def session_heartbeat(
 def finish_session(session_id: str, svc: ServicesDep, user: str = TinkerUser) -> dict[str, Any]:
     svc.tinker.runs.finish(user, session_id)
     return {}
+
+
+@router.get("/sessions")
+def list_sessions(
+    svc: ServicesDep,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+    user: str = TinkerUser,
+) -> dict[str, Any]:
+    clients = sorted(svc.tinker.registry.all(ClientRecord, user), key=lambda c: -c.created_at)
+    return {"sessions": [c.id for c in clients[offset : offset + limit]]}
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, svc: ServicesDep, user: str = TinkerUser) -> dict[str, Any]:
+    client = svc.tinker.registry.get(ClientRecord, session_id, user)
+    runs = [
+        r.model_id for r in svc.tinker.registry.all(RunRecord, user) if r.client_id == client.id
+    ]
+    samplers = [
+        s.id for s in svc.tinker.registry.all(SamplerRecord, user) if s.client_id == client.id
+    ]
+    metadata = client.user_metadata
+    return {
+        "training_run_ids": runs,
+        "sampler_ids": samplers,
+        "user_metadata": {k: str(v) for k, v in metadata.items()} if metadata else None,
+    }
 
 
 # ------------------------------------------------------------------ training runs

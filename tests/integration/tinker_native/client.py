@@ -47,7 +47,13 @@ def handshake(url: str) -> dict:
         caps = client.get_server_capabilities()
         training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1)
         info = training.get_info()
+        rest = client.create_rest_client()
+        session_id = training.model_id.split(":train:")[0]  # the SDK names runs after it
+        mine = rest.get_session(session_id).result()
+        listed = rest.list_sessions().result().sessions
         return {
+            "session_runs": list(mine.training_run_ids),
+            "listed": session_id in listed,
             "models": [m.model_name for m in caps.supported_models],
             "model_id": training.model_id,
             "info_base": info.model_data.model_name,

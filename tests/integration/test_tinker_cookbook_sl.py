@@ -210,7 +210,8 @@ def test_sl_loop_resumes_from_its_last_state_checkpoint(
     step-2 save (checkpoints.jsonl up to that record), and run 2, the same command, resumes
     from it: create_training_client_from_state_with_optimizer on a path saved by another
     session. Batch 2 then sees the same weights (the same loss) and, with the Adam moments
-    restored, ends at the same weights as run 1's final checkpoint."""
+    restored, ends at the same weights as run 1's final checkpoint. Run 3 resumes from that
+    final checkpoint (the last record) and has nothing left to train."""
     log_path = workdir / "sl_loop"
     sl_loop(tinker_python, cookbook_env, cookbook_server, log_path)
     checkpoints = log_path / "checkpoints.jsonl"
@@ -231,13 +232,22 @@ def test_sl_loop_resumes_from_its_last_state_checkpoint(
     assert all(math.isfinite(row["train_mean_nll"]) for row in metrics)
     assert metrics[3]["train_mean_nll"] == pytest.approx(metrics[2]["train_mean_nll"], abs=1e-6)
 
+    # Run 3, the same command once more: the last record is run 2's final (batch 6, all the
+    # batches), so it resumes from there, trains nothing and saves the same weights again.
+    output = sl_loop(tinker_python, cookbook_env, cookbook_server, log_path)
+    assert "Resuming from batch 6" in output
+    third = read_jsonl(checkpoints)
+    assert [(r["name"], r["batch"]) for r in third[3:]] == [("final", 6)]
+    assert len(read_jsonl(log_path / "metrics.jsonl")) == 4
+
     sequences = [[1, *range(20, 36), 2], [1, *range(40, 60)]]
-    paths = [first[1]["sampler_path"], second[2]["sampler_path"]]
+    paths = [first[1]["sampler_path"], second[2]["sampler_path"], third[3]["sampler_path"]]
     scored = score(tinker_python, cookbook_env, cookbook_server, sequences, paths)
-    for original, resumed, base in zip(
-        scored[paths[0]], scored[paths[1]], scored["base"], strict=True
+    for original, resumed, again, base in zip(
+        *(scored[path] for path in paths), scored["base"], strict=True
     ):
         assert resumed[1:] == pytest.approx(original[1:], abs=1e-5)
+        assert again[1:] == pytest.approx(resumed[1:], abs=1e-6)
         assert original[1:] != pytest.approx(base[1:], abs=1e-3)
 
 

@@ -288,7 +288,7 @@ def test_rl_loop_on_a_local_gsm8k(tinker_python, rl_server, hf_home, tmp_path):
     assert server_steps(rl_server, final["model_id"]) == 0
 
 
-def test_on_policy_distillation_from_a_second_served_model(
+def test_on_policy_distillation_from_served_models_and_a_saved_checkpoint(
     tinker_python, rl_server, hf_home, tmp_path
 ):
     """The teacher is a base-model sampling client of the MoE; it scores each student rollout
@@ -321,20 +321,22 @@ def test_on_policy_distillation_from_a_second_served_model(
     final = final_checkpoint(log_path)
     assert server_steps(rl_server, final["model_id"]) == 2
 
-    # A teacher from a saved checkpoint: a sampling client made from that run's final
-    # sampler weights by their tinker:// path, in a new client session.
-    log_path = tmp_path / "distill-from-checkpoint"
+    # One teacher per dataset (on_policy_multi_teacher): the MoE for DeepMath, and for Tulu 3
+    # the run above's final sampler weights, a sampling client made from their tinker://
+    # path in another client session.
+    log_path = tmp_path / "distill-two-teachers"
     out = recipe(
         tinker_python,
-        "tinker_cookbook.recipes.distillation.on_policy_distillation",
+        "tinker_cookbook.recipes.distillation.on_policy_multi_teacher",
         rl_server,
         hf_home,
         f"model_name={STUDENT}",
-        f"teacher_model={STUDENT}",
-        f"teacher_checkpoint={final['sampler_path']}",
-        "dataset=deepmath",
+        f"deepmath_teacher_model={SECOND}",
+        f"tulu3_teacher_model={STUDENT}",
+        f"tulu3_teacher_checkpoint={final['sampler_path']}",
+        "deepmath_groups_per_batch=2",
+        "tulu3_groups_per_batch=2",
         "group_size=2",
-        "groups_per_batch=2",
         "max_tokens=8",
         "lora_rank=4",
         "max_steps=1",
@@ -344,4 +346,5 @@ def test_on_policy_distillation_from_a_second_served_model(
     )
     assert "Training completed successfully" in out
     (row,) = [r for r in metrics(log_path) if "optim/lr" in r]
-    assert "teacher_kl" in row
+    assert row["env/all/total_episodes"] == 8  # 2 groups of 2 from each dataset
+    assert {"teacher_kl/dataset_0", "teacher_kl/dataset_1"} <= set(row)

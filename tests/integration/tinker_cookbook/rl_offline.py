@@ -4,12 +4,13 @@ written where the `transformers` and `datasets` libraries look first when HF_HUB
 - The tokenizer of each hub name (`Qwen/Qwen3-8B`, ...): the cookbook calls
   `AutoTokenizer.from_pretrained(name)`; a hub cache entry whose `refs/main` names a local
   snapshot holding the tiny model's tokenizer files answers it in every process.
-- `openai/gsm8k` (config `main`; rl_loop, rl_basic, math_rl env=gsm8k) and
-  `zwhe99/DeepMath-103K` (config `default`; on-policy distillation): `load_dataset(repo)` offline
-  falls back to the prepared-dataset cache (`<ns>___<snake name>/<config>/0.0.0/<hash>/` with
+- `openai/gsm8k` (config `main`; rl_loop, rl_basic, math_rl env=gsm8k),
+  `zwhe99/DeepMath-103K` and `allenai/tulu-3-sft-mixture` (config `default`; on-policy
+  distillation, with one teacher or one per dataset): offline, `load_dataset(repo)` falls back
+  to the prepared-dataset cache (`<ns>___<snake name>/<config>/0.0.0/<hash>/` holding
   `dataset_info.json` and `<snake name>-<split>.arrow`), which this writes with the datasets
-  library's own writer. Every question is a one-digit sum, so a model can be taught to answer
-  them (rl_warmstart.py).
+  library's own writer. Every question is a one-digit sum: short prompts for a model with a
+  512-token context.
 
 Run with the tinker 0.38 interpreter (it holds `datasets`):
 `python rl_offline.py HF_HOME TOKENIZER_DIR HUB_NAME...`. Prints the problems as JSON.
@@ -78,6 +79,18 @@ def main(hf_home: Path, tokenizer_dir: Path, hub_names: list[str]) -> None:
         for p in items
     ]
     seed_dataset(hf_home / "datasets", "zwhe99/DeepMath-103K", "default", {"train": deepmath})
+    tulu3 = [
+        {
+            "id": f"sum-{i}",
+            "messages": [
+                {"role": "user", "content": p["question"]},
+                {"role": "assistant", "content": str(p["answer"])},
+            ],
+            "source": "posttrain",
+        }
+        for i, p in enumerate(items)
+    ]
+    seed_dataset(hf_home / "datasets", "allenai/tulu-3-sft-mixture", "default", {"train": tulu3})
     print(json.dumps(items))
 
 

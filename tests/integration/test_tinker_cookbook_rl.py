@@ -219,20 +219,14 @@ def test_math_rl_with_other_losses_and_update_schedules(
     assert server_steps(rl_server, final_checkpoint(log_path)["model_id"]) == optimizer_steps
 
 
-def test_rl_basic_with_a_kl_penalty_against_a_second_served_model(
-    tinker_python, rl_server, hf_home, tmp_path
-):
-    """rl_basic (rl.train on gsm8k) with kl_penalty_coef > 0: a base-model sampling client of
-    another served model scores every rollout with compute_logprobs. math_rl's CLI cannot
-    set kl_reference_config, which rl.train requires for a KL penalty; rl_basic's can.
-    At temperature 1 the tiny model ends its turn at once, where both models agree; at 4 it
-    writes tokens the two models score apart."""
-    log_path = tmp_path / "rl-basic"
+def rl_basic(tinker_python, server, hf_home, log_path: Path, *overrides: str) -> list[dict]:
+    """rl_basic (rl.train on gsm8k) with a KL penalty at temperature 4: at temperature 1 the
+    tiny model ends its turn at once, a token every model here scores near 0."""
     builder = "dataset_builder"
     recipe(
         tinker_python,
         "tinker_cookbook.recipes.rl_basic",
-        rl_server,
+        server,
         hf_home,
         f"model_name={STUDENT}",
         f"{builder}=tinker_cookbook.recipes.math_rl.math_env:Gsm8kDatasetBuilder",
@@ -244,17 +238,38 @@ def test_rl_basic_with_a_kl_penalty_against_a_second_served_model(
         "lora_rank=4",
         "learning_rate=1e-3",
         "loss_fn=importance_sampling",
-        "max_steps=2",
         "temperature=4.0",
         "kl_penalty_coef=0.5",
-        f"kl_reference_config.base_model={SECOND}",
         f"log_path={log_path}",
+        *overrides,
     )
     rows = [r for r in metrics(log_path) if "optim/lr" in r]
+    assert all(row["env/all/ac_tokens_per_turn"] > 1 for row in rows)
+    return rows
+
+
+def test_rl_basic_kl_penalty_scores_rollouts_with_a_base_model_sampler(
+    tinker_python, rl_server, hf_home, tmp_path
+):
+    """kl_penalty_coef > 0: a base-model sampling client scores every rollout with
+    compute_logprobs, and the difference from the sampled logprobs is the penalty. math_rl's
+    CLI cannot set kl_reference_config, which rl.train requires for a KL penalty;
+    rl_basic's can."""
+    # Against the student's own base model before any step (the LoRA starts at zero), the
+    # reference's logprobs are the sampler's own, position for position.
+    (row,) = rl_basic(
+        tinker_python, rl_server, hf_home, tmp_path / "same", "max_steps=1",
+        f"kl_reference_config.base_model={STUDENT}",
+    )  # fmt: skip
+    assert abs(row["kl_policy_base"]) < 1e-5
+    # Against another served model: the two score the sampled tokens apart.
+    log_path = tmp_path / "other"
+    rows = rl_basic(
+        tinker_python, rl_server, hf_home, log_path, "max_steps=2",
+        f"kl_reference_config.base_model={SECOND}",
+    )  # fmt: skip
     assert len(rows) == 2
-    for row in rows:
-        assert row["env/all/ac_tokens_per_turn"] > 1
-        assert abs(row["kl_policy_base"]) > 1e-3  # another model: they score tokens apart
+    assert all(abs(row["kl_policy_base"]) > 1e-3 for row in rows)
     assert server_steps(rl_server, final_checkpoint(log_path)["model_id"]) == 2
 
 

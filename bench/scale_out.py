@@ -89,7 +89,11 @@ def throughput(engine, args: argparse.Namespace) -> float:
 
     def lane(index: int) -> None:
         for seed in range(index, args.requests, 2):
-            engine.sample_batch("r", [("s", request(args, seed))], fence=fence, lane=index % lanes)
+            batch = [("s", request(args, seed))]
+            if engine.generator_lanes("r") == 0:  # an inline generator has no lanes
+                engine.sample_batch("r", batch)
+            else:
+                engine.sample_batch("r", batch, fence=fence, lane=index % lanes)
 
     if engine.generator_lanes("r") == 0:
         lane(0), lane(1)  # inline: one generator, one at a time (the scheduler's order)

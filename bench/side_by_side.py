@@ -5,7 +5,8 @@ One run, per model (`tiny`: the built-in posttrain/tiny-qwen3; `qwen3-40m`: the 
 Qwen3 config of bench/sampling.py, vocab 32k, seed 0, saved to a temporary directory). Both
 sides load the same model directory in float32; posttrain is a real `posttrain serve`
 subprocess driven by the unmodified SDK at its default polling, peft runs in this process.
-The server inherits this process's environment, so both sides use the same threads (printed).
+The server runs with `--threads` set to this process's torch thread count (the server's own
+rule would take half the cores), so both sides use the same threads (printed).
 LoRA rank 32, alpha 32, every rows' step is forward-backward + AdamW optim-step:
 
 - fixed, head frozen: 8 x 256 tokens of cross-entropy; posttrain `train_unembed: false`,
@@ -339,7 +340,9 @@ ROWS = ("fixed-frozen", "fixed-head", "variable-rl", "sampling")
 def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     with (
         served_model(name) as (base_model, extra_args, vocab),
-        local_server(extra_args=extra_args) as base_url,
+        local_server(
+            extra_args=(*extra_args, "--threads", str(torch.get_num_threads()))
+        ) as base_url,
     ):
         with contextlib.redirect_stdout(io.StringIO()):
             resources = ModelResourcesClient.create(
@@ -375,7 +378,7 @@ def main() -> None:
     omp = os.environ.get("OMP_NUM_THREADS", "unset")
     print(
         f"torch {torch.__version__}, peft {peft.__version__}; OMP_NUM_THREADS={omp}, torch"
-        f" threads {torch.get_num_threads()} here and in the server (same environment); float32,"
+        f" threads {torch.get_num_threads()} here and in the server (--threads); float32,"
         f" LoRA rank {RANK}; load average {os.getloadavg()[0]:.2f}; sizes {args.sizes}"
     )
     lines = []

@@ -76,6 +76,7 @@ def plan_resume(
     load_optimizer: bool | None,
     lora: LoraConfig | None,
     lora_given: frozenset[str],
+    shared: bool = False,
 ) -> ResumePlan:
     """Check that `checkpoint_id` can start a session on `resource`; raises NotFound (404) or
     InvalidRequest (400) naming the reason.
@@ -85,9 +86,9 @@ def plan_resume(
     `lora_given` (those the request set) must agree with it, except dropout, which only shapes
     future training. The seed is ignored (api.md 1.3). `load_optimizer` None means true for a
     training checkpoint; an inference checkpoint holds weights only, so an explicit true is an
-    error."""
+    error. `shared`: another user's checkpoint its owner published (the caller checked that)."""
     checkpoint = repo.get_checkpoint(checkpoint_id)
-    if checkpoint is None or checkpoint.created_by != user:
+    if checkpoint is None or (checkpoint.created_by != user and not shared):
         raise NotFound(f"checkpoint {checkpoint_id} not found", param="resume_from_checkpoint_id")
     if checkpoint.type == CheckpointType.INFERENCE:
         if load_optimizer:

@@ -79,6 +79,7 @@ class SessionService:
         resume_from_checkpoint_id: str | None,
         load_optimizer: bool | None = None,
         lora_given: frozenset[str] = frozenset(),
+        resume_shared: bool = False,
     ) -> SessionRecord:
         """`lora_given` names the lora_config fields the request set; a resumed session takes
         the others from its checkpoint (service/checkpoints.plan_resume)."""
@@ -104,6 +105,7 @@ class SessionService:
                 load_optimizer=load_optimizer,
                 lora=lora,
                 lora_given=lora_given,
+                shared=resume_shared,
             )
             lora = resume.lora
         info = self.engine.model_info(resource.base_model)

@@ -202,3 +202,37 @@ def test_the_sdk_rest_client_reads_lists_and_changes_checkpoints(tinker_python, 
     assert seen["public"] == [True, False]
     assert seen["after_delete"] == [weights]
     assert "404" in seen["deleted_again"] and "checkpoint_id" in seen["deleted_again"]
+
+
+def test_a_published_path_is_sampled_and_loaded_by_another_user(server):
+    model_id = new_run(server, {})
+    sampler_path = save(server, model_id, 1, "to-share", sampler=True)
+    state_path = save(server, model_id, 2, "state-to-share", sampler=False)
+    bob = call(server, "POST", "create_session", BOB, json={"tags": [], "sdk_version": "0.38.0"})
+    session = bob.json()["session_id"]
+
+    def sampler_of(path: str, seq: int) -> httpx.Response:
+        body = {"session_id": session, "sampling_session_seq_id": seq, "model_path": path}
+        return call(server, "POST", "create_sampling_session", BOB, json=body)
+
+    def load(path: str, seq: int) -> httpx.Response:
+        body = {"session_id": session, "model_seq_id": seq, "path": path, "optimizer": False}
+        return call(server, "POST", "load_weights", BOB, json=body)
+
+    hidden = sampler_of(sampler_path, 0)
+    assert hidden.status_code == 404 and error_param(hidden) == "model_path"
+    assert load(state_path, 0).status_code == 404
+    for name in ("sampler_weights/to-share", "weights/state-to-share"):
+        route = f"training_runs/{model_id}/checkpoints/{name}/publish"
+        assert call(server, "POST", route).status_code == 204
+    shared = sampler_of(sampler_path, 1)
+    assert shared.status_code == 200, shared.text
+    loaded = result(server, load(state_path, 1), BOB)
+    assert loaded["model_id"] == f"{session}:train:1"
+    # Bob's run is his: Alice does not see it, and its checkpoint stays Alice's.
+    assert (
+        call(server, "POST", "get_info", ALICE, json={"model_id": loaded["model_id"]}).status_code
+        == 404
+    )
+    info = call(server, "POST", "get_info", BOB, json={"model_id": loaded["model_id"]})
+    assert info.status_code == 200 and info.json()["lora_rank"] == 2

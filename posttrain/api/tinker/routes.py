@@ -291,8 +291,8 @@ def load_weights(body: RawBodyDep, svc: ServicesDep, user: str = TinkerUser) -> 
             param="model_id",
         )
     _check_optimizer(request.optimizer_config, "optimizer_config")
-    checkpoint_id = svc.tinker.weights.resolve(user, request.path)
-    checkpoint = svc.checkpoints.get(user, checkpoint_id)
+    checkpoint_id, owner = svc.tinker.weights.resolve_with_owner(user, request.path)
+    checkpoint = svc.checkpoints.get(owner, checkpoint_id)
     if request.base_model is not None and request.base_model != checkpoint.base_model:
         raise InvalidRequest(
             f"path {request.path} was trained from {checkpoint.base_model}", param="base_model"
@@ -312,6 +312,7 @@ def load_weights(body: RawBodyDep, svc: ServicesDep, user: str = TinkerUser) -> 
         request.user_metadata,
         resume_from=checkpoint_id,
         load_optimizer=request.optimizer,
+        shared=owner != user,
     )
     if future.result is not None:
         future = svc.tinker.registry.find(FutureRecord, future.id) or future

@@ -103,6 +103,7 @@ class TinkerRuns:
         user_metadata: dict[str, Any] | None,
         resume_from: str | None = None,
         load_optimizer: bool | None = None,
+        shared: bool = False,
     ) -> FutureRecord:
         """A run's session, set up before this returns (as SessionService.create waits); the
         future carries the model id, or the reason it failed. A retry of the same
@@ -117,7 +118,7 @@ class TinkerRuns:
             return self.registry.get(FutureRecord, self.registry.seq_future(model_id, 0), user)
         try:
             session = self._new_session(
-                user, base_model, lora, model_id, resume_from, load_optimizer
+                user, base_model, lora, model_id, resume_from, load_optimizer, shared
             )
         except posttrainError as exc:
             future = dataclasses.replace(future, error=exc.message)
@@ -213,8 +214,10 @@ class TinkerRuns:
         display_name: str,
         resume_from: str | None,
         load_optimizer: bool | None,
+        shared: bool = False,
     ) -> SessionRecord:
-        """A RUNNING session for a run or a sampler; `lora` None: the checkpoint's adapter."""
+        """A RUNNING session for a run or a sampler; `lora` None: the checkpoint's adapter;
+        `shared`: resume_from is another user's published checkpoint."""
         resource = self.resource_for(user, base_model)
         given = frozenset() if resume_from is not None else frozenset({"rank", "train_unembed"})
         session = self.sessions.create(
@@ -226,6 +229,7 @@ class TinkerRuns:
             resume_from_checkpoint_id=resume_from,
             load_optimizer=load_optimizer,
             lora_given=given,
+            resume_shared=shared,
         )
         session = self._settled(user, session)
         if session.status != SessionStatus.RUNNING:

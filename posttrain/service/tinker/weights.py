@@ -134,6 +134,10 @@ class TinkerWeights:
 
     def resolve(self, user: str, path: str, param: str = "path") -> str:
         """The posttrain checkpoint id a path names (it must have been written)."""
+        return self.resolve_with_owner(user, path, param)[0]
+
+    def resolve_with_owner(self, user: str, path: str, param: str = "path") -> tuple[str, str]:
+        """(checkpoint id, its owner) of a path `user` may read: theirs, or one published."""
         parse_path(path)
         record = self.registry.find(NameRecord, path)
         if record is None or (record.user != user and not record.public):
@@ -141,7 +145,7 @@ class TinkerWeights:
         if record.expires_at is not None and record.expires_at < time.time():
             raise NotFound(f"checkpoint {path} expired", param=param)
         if record.checkpoint_id is not None:
-            return record.checkpoint_id
+            return record.checkpoint_id, record.user
         future = self.registry.get(FutureRecord, record.future_id, record.user)
         op = self.runs.repo.get_operation(future.operation_id or "")
         if op is None or op.status != OperationStatus.COMPLETED:
@@ -153,7 +157,7 @@ class TinkerWeights:
             raise InvalidRequest(f"checkpoint {path} is {state}", param=param)
         checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
         self.registry.put(dataclasses.replace(record, checkpoint_id=checkpoint_id))
-        return checkpoint_id
+        return checkpoint_id, record.user
 
     # ------------------------------------------------------------ samplers
 
@@ -171,8 +175,8 @@ class TinkerWeights:
         if (existing := self.registry.find(SamplerRecord, sampler_id, user)) is not None:
             return existing  # a retried create
         if model_path is not None:
-            checkpoint_id = self.resolve(user, model_path, param="model_path")
-            checkpoint = self.checkpoints.get(user, checkpoint_id)
+            checkpoint_id, owner = self.resolve_with_owner(user, model_path, param="model_path")
+            checkpoint = self.checkpoints.get(owner, checkpoint_id)
             if base_model is not None and base_model != checkpoint.base_model:
                 raise InvalidRequest(
                     f"model_path {model_path} was trained from {checkpoint.base_model},"
@@ -286,10 +290,16 @@ class TinkerWeights:
     def _sampler_session(
         self, user: str, base_model: str, sampler_id: str, checkpoint_id: str | None
     ) -> str:
+        """A session for a sampler: a fresh base adapter, or the checkpoint's weights (the
+        caller resolved it: the user's own, or one its owner published)."""
         self._make_room(user, base_model)
-        adapter = BASE_ADAPTER if checkpoint_id is None else None
+        if checkpoint_id is None:
+            session = self.runs._new_session(user, base_model, BASE_ADAPTER, sampler_id, None, None)
+            return session.id
+        checkpoint = self.runs.repo.get_checkpoint(checkpoint_id)
+        shared = checkpoint is not None and checkpoint.created_by != user
         session = self.runs._new_session(
-            user, base_model, adapter, sampler_id, checkpoint_id, False if checkpoint_id else None
+            user, base_model, None, sampler_id, checkpoint_id, False, shared
         )
         return session.id
 

@@ -172,3 +172,33 @@ def test_an_inflight_sampler_follows_the_run_and_top_k_prompt_logprobs_agree(
     for row, value in zip(topk[1:], logprobs[1:], strict=True):
         assert len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1]
         assert value <= row[0][1] + 1e-6  # the prompt's token is at best the most likely one
+
+
+def test_tinker_runs_never_land_on_a_resource_made_on_the_together_surface(tinker_server):
+    together = {"Authorization": "Bearer tml-posttrain-test"}
+    made = httpx.post(
+        f"{tinker_server.base_url}/v1/rl/model-resources",
+        json={"base_model": "posttrain/tiny-qwen3", "inactive_timeout": 600},
+        headers={**together, "Idempotency-Key": "together-resource"},
+        timeout=60,
+    ).json()
+    client = _post(tinker_server, "create_session", {"tags": [], "sdk_version": "0.38.0"}).json()
+    body = {
+        "session_id": client["session_id"],
+        "model_seq_id": 0,
+        "base_model": "posttrain/tiny-qwen3",
+        "lora_config": {"rank": 2, "seed": 0},
+    }
+    created = _post(tinker_server, "create_model", body).json()
+    model_id = _result(tinker_server, created["request_id"])["model_id"]
+    sessions = httpx.get(
+        f"{tinker_server.base_url}/v1/rl/training-sessions", headers=together, timeout=30
+    ).json()["data"]
+    (run,) = [s for s in sessions if s.get("display_name") == model_id]
+    assert run["model_resources_id"] != made["id"]
+    stopped = httpx.post(
+        f"{tinker_server.base_url}/v1/rl/model-resources/{made['id']}/stop",
+        headers=together,
+        timeout=60,
+    )
+    assert stopped.status_code == 200, stopped.text  # no Tinker session holds it

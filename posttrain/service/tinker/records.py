@@ -12,6 +12,7 @@
 - FutureRecord: a request id. Most name one posttrain operation; create_model and the
   create-via-load answer at once and keep their result.
 - NameRecord: a `tinker://` checkpoint path = the future that writes it, then its checkpoint.
+- ProvisionedRecord: a model resource the dialect made (find-or-create picks among these).
 
 Imports: nothing from posttrain.
 """
@@ -27,6 +28,7 @@ RUN = "run"
 SAMPLER = "sampler"
 FUTURE = "future"
 NAME = "name"
+PROVISIONED = "provisioned"
 SEQ = "seq"  # (run or sampler, seq_id) -> request id: a retried POST answers the same future
 
 R = TypeVar("R")
@@ -100,6 +102,17 @@ class NameRecord:
     expires_at: float | None = None
     user_metadata: dict[str, str] | None = None
     public: bool = False
+
+
+@dataclass(frozen=True)
+class ProvisionedRecord:
+    """A model resource this dialect provisioned: its runs and samplers go only on these, never
+    on a resource the user made on the Together surface (whose close would find them there)."""
+
+    id: str
+    user: str
+    base_model: str
+    created_at: float
 
 
 def as_dict(record: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ _KINDS: dict[type, str] = {
     r.SamplerRecord: r.SAMPLER,
     r.FutureRecord: r.FUTURE,
     r.NameRecord: r.NAME,
+    r.ProvisionedRecord: r.PROVISIONED,
 }
 _KEYS: dict[type, Callable[[Any], str]] = {
     r.ClientRecord: lambda x: x.id,
@@ -29,6 +30,7 @@ _KEYS: dict[type, Callable[[Any], str]] = {
     r.SamplerRecord: lambda x: x.id,
     r.FutureRecord: lambda x: x.id,
     r.NameRecord: lambda x: x.path,
+    r.ProvisionedRecord: lambda x: x.id,
 }
 _NOUNS = {
     r.ClientRecord: ("session", "session_id"),
@@ -36,6 +38,7 @@ _NOUNS = {
     r.SamplerRecord: ("sampling session", "sampling_session_id"),
     r.FutureRecord: ("request", "request_id"),
     r.NameRecord: ("checkpoint", "path"),
+    r.ProvisionedRecord: ("model resource", "model_resources_id"),
 }
 
 

@@ -4,7 +4,8 @@ A client session is one SDK process: it owns the runs and samplers it creates, a
 heartbeats keep their model resources alive (the resources' inactivity expiry moves on, as an
 operation would move it). A run is one LoRA training session on a model resource the dialect
 finds or provisions for (user, base model): one with a free slot and a generator, else a new
-one, so a user's runs and samplers on one base model share its weights.
+one, so a user's runs and samplers on one base model share its weights. Only resources the
+dialect provisioned are used: one the user made on the Together surface stays theirs alone.
 
 Every run request that becomes an operation goes through OperationService.submit, keyed by the
 run's seq_id: a retried POST (the SDK resends a failed POST with a new X-Idempotency-Key but
@@ -26,7 +27,12 @@ from posttrain.service.ids import new_id
 from posttrain.service.operations import OperationService
 from posttrain.service.resources import ResourceService
 from posttrain.service.sessions import SessionService
-from posttrain.service.tinker.records import ClientRecord, FutureRecord, RunRecord
+from posttrain.service.tinker.records import (
+    ClientRecord,
+    FutureRecord,
+    ProvisionedRecord,
+    RunRecord,
+)
 from posttrain.service.tinker.registry import Registry
 from posttrain.statuses import ResourceStatus, SessionStatus
 from posttrain.store.repo import Repo
@@ -244,17 +250,19 @@ class TinkerRuns:
             session = self.sessions.get(user, session.id)
         return session
 
+    def provisioned(self, user: str, base_model: str) -> list[ResourceRecord]:
+        """The READY resources this dialect provisioned for (user, base_model)."""
+        ids = {
+            p.id for p in self.registry.all(ProvisionedRecord, user) if p.base_model == base_model
+        }
+        return [r for r in self.resources.list(user, {ResourceStatus.READY.value}) if r.id in ids]
+
     def resource_for(self, user: str, base_model: str) -> ResourceRecord:
-        """A READY LoRA resource of the user's on base_model with a generator and a free slot,
-        else a new one."""
+        """One of the dialect's READY resources for (user, base_model) with a free slot, else a
+        new one (LoRA, one generator)."""
         self.resources.check_base_model(base_model)
-        for record in self.resources.list(user, {ResourceStatus.READY.value}):
-            if (
-                record.base_model == base_model
-                and record.lora_enabled
-                and record.num_generator_replicas >= 1
-                and self.free_slots(record.id) > 0
-            ):
+        for record in self.provisioned(user, base_model):
+            if self.free_slots(record.id) > 0:
                 return record
         created = self.resources.create(
             user,
@@ -264,6 +272,7 @@ class TinkerRuns:
             inactive_timeout=RESOURCE_IDLE_S,
             muon_scaling=None,
         )
+        self.registry.put(ProvisionedRecord(created.id, user, base_model, time.time()))
         deadline = time.time() + 300.0
         while created.status == ResourceStatus.CREATING and time.time() < deadline:
             time.sleep(0.05)

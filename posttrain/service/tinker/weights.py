@@ -39,7 +39,7 @@ from posttrain.service.tinker.records import (
 )
 from posttrain.service.tinker.registry import Registry
 from posttrain.service.tinker.runs import TinkerRuns
-from posttrain.statuses import OperationStatus, ResourceStatus, SessionStatus
+from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.types import (
     CheckpointRequest,
     CheckpointType,
@@ -309,11 +309,7 @@ class TinkerWeights:
         is rebuilt from its checkpoint if it samples again) rather than a new resource loading
         another copy of the base weights. Training runs and inflight samplers never give up
         theirs: without a sampler to evict, a new resource is provisioned."""
-        resources = [
-            r.id
-            for r in self.runs.resources.list(user, {ResourceStatus.READY.value})
-            if r.base_model == base_model and r.lora_enabled and r.num_generator_replicas >= 1
-        ]
+        resources = [r.id for r in self.runs.provisioned(user, base_model)]
         if not resources or any(self.runs.free_slots(r) > 0 for r in resources):
             return
         live = {

@@ -23,9 +23,8 @@ Each side has one LoRA training run (rank 8) per loop, and both get the same tok
    group-relative advantages of bench/sdk_loops.py's toy reward, the prompt positions zero)
    and optim_step, submitted back to back and awaited.
 
-The two clients are two users of the server (a keys file), so each holds its own model
-resources: posttrain puts a user's Tinker runs and samplers on any of that user's resources
-with a free slot, and would otherwise fill the shim's (whose teardown then refuses to stop).
+The two clients are two users of the server (a keys file), so the /metrics and the dashboard
+tell their objects apart; the Tinker surface provisions its own resources either way.
 
 Per loop: one untimed warm-up step of each client, then --reps repetitions of --steps steps of
 each, the order of the two clients alternating between repetitions. Printed: every run, then

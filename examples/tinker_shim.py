@@ -5,90 +5,25 @@
 
 A script written for the `tinker` SDK runs on posttrain by changing its import line to
 `import together.post_training.tinker as tinker` and pointing ServiceClient at the server.
-Tinker has no GRPO loss name, so the policy loss is tinker's "importance_sampling" (the same
-surrogate, summed over tokens); the advantages are still group-relative.
+The loop itself is examples/_tinker_grpo.py, which tinker_native.py runs on the tinker SDK.
 """
 
 from __future__ import annotations
 
-import random
-
-from _common import (
-    API_KEY,
-    BASE_MODEL,
-    addition_problems,
-    addition_reward,
-    decode,
-    encode,
-    parser,
-    server,
-)
+from _common import API_KEY, BASE_MODEL, parser, server
+from _tinker_grpo import add_arguments, train
 
 
 def main() -> None:
     args_parser = parser(__doc__)
-    args_parser.add_argument("--steps", type=int, default=10, help="training steps")
-    args_parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    args_parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    args_parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam learning rate")
+    add_arguments(args_parser)
     args = args_parser.parse_args()
     import together.post_training.tinker as tinker  # after --help: it loads torch
 
-    train = addition_problems(seed=1, count=2000)
-    rng = random.Random(0)
     with server(args.base_url) as base_url:
         service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
         training = service.create_lora_training_client(base_model=BASE_MODEL, rank=16, seed=0)
-        sampler = training.save_weights_and_get_sampling_client()
-        for step in range(1, args.steps + 1):
-            batch = rng.sample(train, args.prompts)
-            params = tinker.SamplingParams(max_tokens=5, temperature=1.0, seed=step)
-            # Submit every prompt before waiting on any: the futures resolve in any order.
-            futures = [
-                sampler.sample(
-                    prompt=tinker.ModelInput.from_ints(encode(prompt)),
-                    num_samples=args.group_size,
-                    sampling_params=params,
-                )
-                for prompt, _ in batch
-            ]
-            data, rewards = [], []
-            for (prompt, answer), future in zip(batch, futures, strict=True):
-                sequences = future.result().sequences
-                group = [
-                    addition_reward(decode(s.tokens), answer, stopped=s.stop_reason == "stop")
-                    for s in sequences
-                ]
-                rewards += group
-                mean = sum(group) / len(group)
-                prompt_ids = encode(prompt)
-                pad = len(prompt_ids) - 1
-                for sequence, r in zip(sequences, group, strict=True):
-                    if r == mean:
-                        continue
-                    tokens = prompt_ids + list(sequence.tokens)
-                    completion = len(sequence.tokens)
-                    data.append(
-                        tinker.Datum(
-                            model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={
-                                "target_tokens": tokens[1:],
-                                "logprobs": [0.0] * pad + list(sequence.logprobs),
-                                "advantages": [0.0] * pad + [r - mean] * completion,
-                            },
-                        )
-                    )
-            loss = 0.0
-            if data:
-                output = training.forward_backward(data, "importance_sampling").result()
-                loss = output.metrics["loss:sum"]
-                training.optim_step(tinker.AdamParams(learning_rate=args.learning_rate)).result()
-                sampler = training.save_weights_and_get_sampling_client()
-            print(
-                f"step {step:3d}  mean reward {sum(rewards) / len(rewards):.3f}  "
-                f"trained samples {len(data):3d}  loss {loss:+.4f}",
-                flush=True,
-            )
+        train(tinker, training, args)
         training.close()
 
 

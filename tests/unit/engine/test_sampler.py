@@ -36,14 +36,19 @@ CE = LossConfig(LossType.CROSS_ENTROPY)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-@pytest.fixture
-def engine() -> LocalEngine:
+def session_engine() -> LocalEngine:
+    """The built-in model on resource "r" with one LoRA session "s"."""
     engine = LocalEngine(
         EngineConfig(device="cpu", logprob_chunk_tokens=5), {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
     )
     engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
     engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
     return engine
+
+
+@pytest.fixture
+def engine() -> LocalEngine:
+    return session_engine()
 
 
 def encode(engine: LocalEngine, text: str) -> tuple[int, ...]:

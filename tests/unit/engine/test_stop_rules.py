@@ -9,28 +9,17 @@ import pytest
 import torch
 from engine_calls import sample
 from test_decode_blocks import assert_identical, engine_for, run_blocks
+from test_sampler import GREEDY, encode, session_engine
 
-from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig, LimitsConfig
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, LimitsConfig
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.service.operations import resolved_max_tokens
-from posttrain.types import LoraConfig, SampleRequest, SamplingParams, StopReason
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+from posttrain.types import SampleRequest, SamplingParams, StopReason
 
 
 @pytest.fixture(scope="module")
 def engine() -> LocalEngine:
-    engine = LocalEngine(
-        EngineConfig(device="cpu", logprob_chunk_tokens=5), {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
-    )
-    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
-    engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
-    return engine
-
-
-def encode(engine: LocalEngine, text: str) -> tuple[int, ...]:
-    tokenizer = engine._resource("r").loaded.tokenizer
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
+    return session_engine()
 
 
 def eos_ids(engine: LocalEngine) -> frozenset[int]:

@@ -307,6 +307,7 @@ def long_section(driver: Driver, args: argparse.Namespace, solo_short: float) ->
         "short_solo_s": solo_short,
         "fb_solo_s": statistics.median(fb_solo),
         "fb_during_s": statistics.median(fb_during),
+        "late_while_running": sum(r > 0 for r in remaining),  # of --reps
     }
     print(
         f"large op alone ({args.long_samples} x {args.long_tokens} tokens): {long_s:.2f} s;"
@@ -316,7 +317,8 @@ def long_section(driver: Driver, args: argparse.Namespace, solo_short: float) ->
     print(
         f"late one-sample op: {out['late_latency_s']:.2f} s (long op's remaining time at its"
         f" submit {out['long_remaining_s']:.2f} s; alone {solo_short:.2f} s;"
-        f" {out['late_latency_s'] / solo_short:.1f}x alone)"
+        f" {out['late_latency_s'] / solo_short:.1f}x alone; submitted while it ran in"
+        f" {out['late_while_running']} of {args.reps})"
     )
     target = 2 * out["fb_solo_s"] + block
     print(

@@ -31,7 +31,7 @@ def test_stream_quick_run_prints_every_section_and_json():
         ("burst", 2.0),
     ]
     for row in stream["rows"]:
-        assert row["completed_ops_s"] > 0
+        assert row["completed_ops_s"] > 0 and row["ideal_ops_s"] > 0
         assert 0 < row["latency_median_s"] <= row["latency_p90_s"]
         assert row["offered_ops_s"] == pytest.approx(2.0 / stream["solo_op_s"])
         assert 1 <= row["tokens_per_op"] <= 4  # --quick: up to 4 new tokens, EOS may end one

@@ -56,6 +56,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -150,9 +151,10 @@ class Driver:
             )
         return batch
 
-    def wait_running(self) -> None:
-        """Until the server reports a sample operation running (its generation has started)."""
-        while metrics(self.base_url).get(RUNNING, 0.0) < 1:
+    def wait_running(self, submitter: threading.Thread) -> None:
+        """Until the server reports a sample operation running (its generation has started),
+        or `submitter`, the thread waiting for that operation, has its result."""
+        while submitter.is_alive() and metrics(self.base_url).get(RUNNING, 0.0) < 1:
             time.sleep(0.005)
 
 
@@ -185,7 +187,9 @@ def run_stream(
         return list(pool.map(one, range(args.ops)))
 
 
-def during_long(driver: Driver, args: argparse.Namespace, long_solo: float, seed: int, late):
+def during_long(
+    driver: Driver, args: argparse.Namespace, long_solo: float, seed: int, late: Callable[[], Op]
+) -> tuple[Op, Op]:
     """The long operation, and `late()` submitted --late-after of its solo time after it was
     seen running: (long Op, late Op)."""
     rng = random.Random(seed)
@@ -197,7 +201,7 @@ def during_long(driver: Driver, args: argparse.Namespace, long_solo: float, seed
         )
     )
     thread.start()
-    driver.wait_running()
+    driver.wait_running(thread)
     time.sleep(args.late_after * long_solo)
     late_op = late()
     thread.join()

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -81,7 +82,7 @@ from posttrain.types import (  # noqa: E402
 import gpu_check_ops as ops  # noqa: E402  (bench/ is this script's folder)
 import gpu_check_sample as sample  # noqa: E402
 from gpu_check_common import CE, QWEN3_0_6B, SMALL, build_model, ce_sample, one_pass  # noqa: E402
-from gpu_check_isolated import optional_section, run_child  # noqa: E402
+from gpu_check_isolated import optional_section, static_section  # noqa: E402
 from gpu_check_report import summary  # noqa: E402
 from gpu_check_train import measure_forward_backward  # noqa: E402
 
@@ -235,6 +236,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    # A TERM (gpu_run.sh's timeout) unwinds, so a child section kills its process group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
@@ -301,11 +304,8 @@ def main() -> None:
     def static(timeout: float) -> dict | str:
         if timeout < (0 if args.small else ESTIMATE_S["generate_static"]):
             return f"skipped: {timeout:.0f} s of the budget left"
-        try:
-            result = run_child("gpu_check_isolated:static_generate", static_args, timeout)
-        except Exception as exc:  # noqa: BLE001
-            return f"skipped: {type(exc).__name__}: {exc}"
-        if "sampler_tokens_per_s" in report:
+        result = static_section(static_args, timeout)
+        if isinstance(result, dict) and "sampler_tokens_per_s" in report:
             result["sampler_over_generate_static"] = (
                 report["sampler_tokens_per_s"] / result["generate_static_tokens_per_s"]
             )

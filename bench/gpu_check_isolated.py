@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 RESULT = "GPU_CHECK_RESULT "
 LOG_TAIL = 3000  # characters of a child's stderr echoed into the run's log
@@ -70,6 +71,27 @@ def optional_section(
     if not isinstance(result, dict):
         return f"skipped: run() returned {type(result).__name__}, not a dict"
     return result
+
+
+def static_section(arguments: list, timeout: float) -> dict | str:
+    """static_generate(*arguments) in a child within `timeout` seconds; where the compiled run
+    fails at once (no compiler, a graph break that raises), the eager static-cache run in the
+    time left, with the compile error in the result."""
+    start = time.perf_counter()
+    try:
+        return run_child("gpu_check_isolated:static_generate", arguments, timeout)
+    except TimeoutError as exc:
+        return f"skipped: TimeoutError: {exc}"
+    except Exception as exc:  # noqa: BLE001
+        failure = f"{type(exc).__name__}: {exc}"
+        left = timeout - (time.perf_counter() - start)
+        if not arguments[-1] or left < 10:
+            return f"skipped: {failure}"
+    try:
+        result = run_child("gpu_check_isolated:static_generate", [*arguments[:-1], False], left)
+    except Exception as exc:  # noqa: BLE001
+        return f"skipped: {failure}; eager: {type(exc).__name__}: {exc}"
+    return result | {"generate_static_compile_error": failure[:300]}
 
 
 def static_generate(

@@ -66,7 +66,12 @@ def summary(report: dict) -> str:
         f"  sampler vs generate, static cache (compiled: {report.get('generate_static_compiled')})"
         f"  {get('sampler_over_generate_static', '{:.2f}')}x:"
         f" {get('generate_static_tokens_per_s', rate)} tokens/s after a first call of"
-        f" {get('generate_static_first_call_s', '{:.1f}')} s",
+        f" {get('generate_static_first_call_s', '{:.1f}')} s"
+        + (
+            f" (compile failed, eager: {report['generate_static_compile_error']})"
+            if "generate_static_compile_error" in report
+            else ""
+        ),
         f"  decode paths  {get('decode_graphs_tokens_per_s', rate)} tokens/s static"
         " passes in CUDA graphs (eager off CUDA),"
         f" {get('decode_static_eager_tokens_per_s', rate)} static eager,"

@@ -15,10 +15,10 @@ Section (estimate on an H200): what it prints.
 - setup (~25 s): model build and save (1.2 GB), two resources, the full-weight generator copy;
 - correctness (~10 s): sampler vs forward_only logprobs, max abs diff, LoRA and full weight,
   in bf16; the fused shared-prefix attention vs explicit matmuls (max diff, speed-up);
-- forward_backward (~20 s): 8 x 1024 tokens through posttrain LoRA r32 and full weight, and
-  through transformers full weight and PEFT LoRA r32 (same layers; same tokens,
-  `model(ids, labels=ids).loss.backward()`): tokens/s, TFLOP/s, MFU, peak GiB, posttrain /
-  transformers;
+- fb_lora, fb_full, fb_transformers (~5, ~5, ~15 s): 8 x 1024 tokens of cross-entropy
+  forward-backward through posttrain LoRA r32 and full weight, then through transformers full
+  weight and PEFT LoRA r32 (same layers; same tokens, `model(ids, labels=ids).loss.backward()`
+  on the model from_pretrained): tokens/s, TFLOP/s, MFU, peak GiB, posttrain / transformers;
 - sampling (~40 s): the RL shape (16 prompts x 256 tokens x 8 samples x 128 new tokens):
   decode ms/step and tokens/s against the memory-bandwidth bound; sampler vs `generate`
   (dynamic cache, same model and adapter);
@@ -84,14 +84,16 @@ import gpu_check_sample as sample  # noqa: E402
 from gpu_check_common import CE, QWEN3_0_6B, SMALL, build_model, ce_sample, one_pass  # noqa: E402
 from gpu_check_isolated import optional_section, static_section  # noqa: E402
 from gpu_check_report import summary  # noqa: E402
-from gpu_check_train import measure_forward_backward  # noqa: E402
+from gpu_check_train import ForwardBackward, fb_ratios  # noqa: E402
 
 # Seconds each section is estimated to take on an H200 (the docstring's table): a section is
 # skipped when less than this is left of --budget-s.
 ESTIMATE_S = {
     "correctness": 10,
     "full_weight": 15,
-    "forward_backward": 20,
+    "fb_lora": 5,
+    "fb_full": 5,
+    "fb_transformers": 15,
     "sampling": 40,
     "decode_paths": 70,
     "multi_lora": 30,
@@ -257,6 +259,9 @@ def main() -> None:
     try:
         build_model(directory, config, device, dtype)
         engine, vocab = setup(args, device, dtype_name, directory)
+        fb = ForwardBackward(
+            engine, config, args, device, dtype, torch.Generator().manual_seed(2), vocab
+        )
         report["sections"]["setup"] = "ok"
     except Exception as exc:  # noqa: BLE001  (the children may still run)
         traceback.print_exc()
@@ -264,6 +269,10 @@ def main() -> None:
         report["sections"]["setup"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
     report["setup_seconds"] = time.perf_counter() - run.started
     generator = torch.Generator().manual_seed(0)
+    if engine is not None:
+        fb = ForwardBackward(
+            engine, config, args, device, dtype, torch.Generator().manual_seed(2), vocab
+        )
 
     def correctness() -> dict:
         result = {
@@ -274,9 +283,9 @@ def main() -> None:
     in_process = {
         "correctness": correctness,
         "full_weight": lambda: full_weight(engine, vocab, generator),
-        "forward_backward": lambda: measure_forward_backward(
-            engine, config, args, device, dtype, generator, vocab, directory
-        ),
+        "fb_lora": lambda: fb.posttrain_lora(),
+        "fb_full": lambda: fb.posttrain_full(),
+        "fb_transformers": lambda: fb.transformers(directory),
         "sampling": lambda: sample.measure_sampling(
             engine, config, args, device, dtype, generator, vocab
         ),
@@ -290,6 +299,7 @@ def main() -> None:
             report["sections"][name] = "skipped: the setup failed"
         else:
             run.section(name, fn)
+    report.update(fb_ratios(report))
     choice, line = sample.cuda_graphs_decision(report, device)
     report["cuda_graphs_default_supported"], report["cuda_graphs_decision"] = choice, line
     engine = None  # the children get the device to themselves (vLLM sizes by it)

@@ -79,55 +79,86 @@ def _peft(model: torch.nn.Module, rank: int, alpha: int) -> tuple[torch.nn.Modul
     raise AssertionError("unreachable")
 
 
-def measure_forward_backward(
-    engine: LocalEngine, config: dict, args, device, dtype, generator, vocab, directory: Path
-) -> dict:
-    """posttrain LoRA (resource r, session s0) and full weight (resource f, session fw), and
-    transformers full weight and LoRA, each on the same --fb-rows x --fb-tokens batch."""
-    rows, length = args.fb_rows, args.fb_tokens
-    samples = tuple(ce_sample(generator, length, vocab) for _ in range(rows))
-    request = ForwardBackwardRequest(samples, CE)
-    tokens = rows * length
-    resource, session = engine._session("r", "s0")
-    base = matmul_parameters(resource.loaded.model)
-    lora = sum(p.numel() for _, p in resource.lora.adapter_parameters(session.trainer_key))
-    lora_flops, lora_flops_6n = fb_flops(config, base, lora, rows, length, full_weight=False)
-    full_flops, _ = fb_flops(config, base, 0, rows, length, full_weight=True)
-    peak = device_peak_tflops(args, device)
-    report: dict[str, object] = {
-        "fb_tokens": tokens,
-        "fb_shape": f"{rows} x {length} tokens",
-        "fb_matmul_parameters": base,
-        "fb_lora_parameters": lora,
-        "peak_tflops": peak,
-    }
-    # posttrain LoRA: the keys without a variant in their name (as before the full-weight row)
-    lora_s, memory = _posttrain(engine, "r", "s0", request, args, device)
-    lora_rates = _rates("fb", lora_s, tokens, lora_flops, peak, memory)
-    lora_rates["mfu"] = lora_rates.pop("fb_mfu")
-    lora_rates["mfu_6n"] = None if peak is None else lora_flops_6n / lora_s / (peak * 1e12)
-    report.update(lora_rates)
-    full_s, memory = _posttrain(engine, "f", "fw", request, args, device)
-    report.update(_rates("fb_full", full_s, tokens, full_flops, peak, memory))
+class ForwardBackward:
+    """One --fb-rows x --fb-tokens batch and its FLOPs; each variant is its own gpu_check
+    section (fb_lora, fb_full, fb_transformers), so one failing keeps the others' numbers."""
 
-    ids = torch.tensor([s.tokens for s in samples], device=device)
-    model = Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype).to(device).train()
-    try:
-        hf_full_s, memory = _transformers(model, ids, args, device)
-        report.update(_rates("transformers_fb_full", hf_full_s, tokens, full_flops, peak, memory))
-        report["fb_full_over_transformers"] = hf_full_s / full_s
+    def __init__(self, engine: LocalEngine, config: dict, args, device, dtype, generator, vocab):
+        self.engine, self.args, self.device, self.dtype = engine, args, device, dtype
+        rows, length = args.fb_rows, args.fb_tokens
+        self.samples = tuple(ce_sample(generator, length, vocab) for _ in range(rows))
+        self.tokens = rows * length
+        resource, session = engine._session("r", "s0")
+        self.base = matmul_parameters(resource.loaded.model)
+        self.lora = sum(p.numel() for _, p in resource.lora.adapter_parameters(session.trainer_key))
+        self.lora_flops, self.lora_flops_6n = fb_flops(
+            config, self.base, self.lora, rows, length, full_weight=False
+        )
+        self.full_flops, _ = fb_flops(config, self.base, 0, rows, length, full_weight=True)
+        self.peak = device_peak_tflops(args, device)
+
+    def counts(self) -> dict:
+        return {
+            "fb_tokens": self.tokens,
+            "fb_shape": f"{self.args.fb_rows} x {self.args.fb_tokens} tokens",
+            "fb_matmul_parameters": self.base,
+            "fb_lora_parameters": self.lora,
+            "peak_tflops": self.peak,
+        }
+
+    def posttrain_lora(self) -> dict:
+        """posttrain LoRA r32 (resource r, session s0): the keys without a variant in their
+        name, as before the full-weight row."""
+        request = ForwardBackwardRequest(self.samples, CE)
+        seconds, memory = _posttrain(self.engine, "r", "s0", request, self.args, self.device)
+        rates = _rates("fb", seconds, self.tokens, self.lora_flops, self.peak, memory)
+        rates["mfu"] = rates.pop("fb_mfu")
+        peak = None if self.peak is None else self.peak * 1e12
+        rates["mfu_6n"] = None if peak is None else self.lora_flops_6n / seconds / peak
+        return self.counts() | rates
+
+    def posttrain_full(self) -> dict:
+        """posttrain full weight (resource f, session fw)."""
+        request = ForwardBackwardRequest(self.samples, CE)
+        seconds, memory = _posttrain(self.engine, "f", "fw", request, self.args, self.device)
+        return _rates("fb_full", seconds, self.tokens, self.full_flops, self.peak, memory)
+
+    def transformers(self, directory: Path) -> dict:
+        """transformers full weight on the model from_pretrained, then PEFT LoRA r32 on it
+        (posttrain's own adapter wrapper where peft is not installed)."""
+        report: dict[str, object] = {}
+        args, device = self.args, self.device
+        ids = torch.tensor([s.tokens for s in self.samples], device=device)
+        model = Qwen3ForCausalLM.from_pretrained(directory, dtype=self.dtype).to(device).train()
         try:
-            adapted, report["transformers_fb_lora_impl"] = _peft(model, 32, 64)
-            hf_lora_s, memory = _transformers(adapted, ids, args, device)
-        except ImportError:  # no PEFT: transformers' forward through posttrain's own adapter
-            report["transformers_fb_lora_impl"] = "posttrain's LoRA wrapper (peft not installed)"
-            with engine.trainer_model("r", "s0") as wrapped:
-                hf_lora_s, memory = _transformers(wrapped, ids, args, device)
-                engine.discard_gradients("r", "s0")
-        lora_rates = _rates("transformers_fb_lora", hf_lora_s, tokens, lora_flops, peak, memory)
-        report.update(lora_rates)
-        report["fb_lora_over_transformers"] = hf_lora_s / lora_s
-    finally:
-        del model
-        reset_peak(device)
-    return report
+            seconds, memory = _transformers(model, ids, args, device)
+            flops = self.full_flops
+            report.update(
+                _rates("transformers_fb_full", seconds, self.tokens, flops, self.peak, memory)
+            )
+            try:
+                adapted, report["transformers_fb_lora_impl"] = _peft(model, 32, 64)
+                seconds, memory = _transformers(adapted, ids, args, device)
+            except ImportError:  # no PEFT: transformers' forward through posttrain's adapter
+                report["transformers_fb_lora_impl"] = "posttrain's LoRA wrapper (no peft)"
+                with self.engine.trainer_model("r", "s0") as wrapped:
+                    seconds, memory = _transformers(wrapped, ids, args, device)
+                    self.engine.discard_gradients("r", "s0")
+            flops = self.lora_flops
+            report.update(
+                _rates("transformers_fb_lora", seconds, self.tokens, flops, self.peak, memory)
+            )
+        finally:
+            del model
+            reset_peak(device)
+        return report
+
+
+def fb_ratios(report: dict) -> dict:
+    """posttrain / transformers tokens/s, for each variant both sides measured."""
+    ratios = {}
+    for variant, ours in (("full", "fb_full_seconds"), ("lora", "fb_seconds")):
+        theirs = f"transformers_fb_{variant}_seconds"
+        if ours in report and theirs in report:
+            ratios[f"fb_{variant}_over_transformers"] = report[theirs] / report[ours]
+    return ratios

@@ -61,7 +61,9 @@ KEYS = {
 IN_PROCESS = (
     "correctness",
     "full_weight",
-    "forward_backward",
+    "fb_lora",
+    "fb_full",
+    "fb_transformers",
     "sampling",
     "decode_paths",
     "multi_lora",

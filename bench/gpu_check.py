@@ -196,6 +196,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny model and shapes (dry run)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers (rehearsal)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--fb-rows", type=int, default=None)
     parser.add_argument("--fb-tokens", type=int, default=None)
@@ -244,10 +245,13 @@ def main() -> None:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     config = SMALL if args.small else QWEN3_0_6B
+    if args.layers is not None:
+        config = {**config, "num_hidden_layers": args.layers}
     report: dict[str, object] = {
         "device": args.device,
         "dtype": dtype_name,
-        "model": "small" if args.small else "qwen3-0.6b shape, random init",
+        "model": ("small" if args.small else "qwen3-0.6b shape, random init")
+        + ("" if args.layers is None else f", {args.layers} layers"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "budget_s": args.budget_s,

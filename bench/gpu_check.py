@@ -86,7 +86,7 @@ from gpu_check_isolated import optional_section, static_section  # noqa: E402
 from gpu_check_report import summary  # noqa: E402
 from gpu_check_train import ForwardBackward, fb_ratios  # noqa: E402
 
-# Seconds each section is estimated to take on an H200 (the docstring's table): a section is
+# Seconds each section is estimated to take on an H200 (the docstring's list): a section is
 # skipped when less than this is left of --budget-s.
 ESTIMATE_S = {
     "correctness": 10,
@@ -273,10 +273,6 @@ def main() -> None:
         report["sections"]["setup"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
     report["setup_seconds"] = time.perf_counter() - run.started
     generator = torch.Generator().manual_seed(0)
-    if engine is not None:
-        fb = ForwardBackward(
-            engine, config, args, device, dtype, torch.Generator().manual_seed(2), vocab
-        )
 
     def correctness() -> dict:
         result = {
@@ -306,7 +302,7 @@ def main() -> None:
     report.update(fb_ratios(report))
     choice, line = sample.cuda_graphs_decision(report, device)
     report["cuda_graphs_default_supported"], report["cuda_graphs_decision"] = choice, line
-    engine = None  # the children get the device to themselves (vLLM sizes by it)
+    engine = fb = None  # the children get the device to themselves (vLLM sizes by it)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

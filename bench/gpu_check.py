@@ -324,6 +324,7 @@ def main() -> None:
     run.child("generate_static", static, nested=False)
     run.child("fsdp2", lambda t: optional_section("gpu_fsdp2", [args.device, args.small], t))
     run.child("vllm", lambda t: optional_section("gpu_vllm", [args.device, args.small], t, "vllm"))
+    report.update(sample.bound_fractions(report))
     run.write()
     print(summary(report))
     print(json.dumps(report))

@@ -82,6 +82,13 @@ def summary(report: dict) -> str:
         f"  {get('decode_short_graphs_tokens_per_s', rate)} graphs vs"
         f" {get('decode_short_blocks_tokens_per_s', rate)} dynamic blocks tokens/s"
         f" ({get('decode_short_graphs_over_blocks', '{:.2f}')}x)",
+        "  whole calls against the bandwidth limit (prefill included)  graphs"
+        f" {get('decode_graphs_fraction_of_bound', '{:.1%}')}, dynamic blocks"
+        f" {get('decode_blocks_fraction_of_bound', '{:.1%}')}, static eager"
+        f" {get('decode_static_eager_fraction_of_bound', '{:.1%}')}, per-token"
+        f" {get('decode_per_token_fraction_of_bound', '{:.1%}')}; generate dynamic"
+        f" {get('generate_fraction_of_bound', '{:.1%}')}, static"
+        f" {get('generate_static_fraction_of_bound', '{:.1%}')}",
         f"  {report.get('cuda_graphs_decision', '--cuda-graphs default: undecided')}",
         f"  multi-LoRA ({report.get('multi_lora_shape')})"
         f"  {get('multi_lora_batched_tokens_per_s', rate)} tokens/s in one batch,"

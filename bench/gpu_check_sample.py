@@ -252,3 +252,19 @@ def cuda_graphs_decision(report: dict, device: torch.device) -> tuple[str | None
         )
     choice = "on" if rl >= 1.05 and short >= 1.0 else "off"
     return choice, f"--cuda-graphs default supported by these numbers: {choice} ({numbers})"
+
+
+def bound_fractions(report: dict) -> dict:
+    """Whole-call tokens/s (prefill included) of each decode path and of the static-cache
+    `generate`, as fractions of the RL shape's memory-bandwidth limit: graphs on and off
+    against the bound and against each other on one scale."""
+    limit = report.get("decode_bandwidth_limit_tokens_per_s")
+    if not limit:
+        return {}
+    keys = [f"decode_{way}_tokens_per_s" for way in WAYS]
+    keys += ["sampler_tokens_per_s", "generate_tokens_per_s", "generate_static_tokens_per_s"]
+    return {
+        key.replace("tokens_per_s", "fraction_of_bound"): report[key] / limit
+        for key in keys
+        if isinstance(report.get(key), float)
+    }

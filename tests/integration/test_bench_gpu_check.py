@@ -84,7 +84,7 @@ def last_json(out: str) -> dict:
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
-    out = run_bench("gpu_check.py", "--device", "cpu", "--small")
+    out = run_bench("gpu_check.py", "--device", "cpu", "--small", "--bandwidth-tbs", "0.05")
     report = last_json(out)
     assert KEYS <= report.keys(), out
     assert report["device"] == "cpu" and report["dtype"] == "float32"
@@ -137,6 +137,17 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
             f"multi_lora_{way}_tokens_per_s",
         )
     assert report["generate_static_compiled"] is False  # transformers compiles only on CUDA
+
+    # the bandwidth limit: every row's token per step, at 0.05 TB/s, over the step's bytes
+    limit = report["decode_bandwidth_limit_tokens_per_s"]
+    rows = report["decode_rows"]
+    assert rows == 4  # --small: 2 prompts x 2 samples
+    assert limit == pytest.approx(rows * 0.05e12 / report["decode_bytes_per_step"], rel=1e-9)
+    for way in ("graphs", "blocks", "static_eager", "per_token"):
+        fraction = report[f"decode_{way}_fraction_of_bound"]
+        assert fraction == pytest.approx(report[f"decode_{way}_tokens_per_s"] / limit, rel=1e-9)
+    static = report["generate_static_fraction_of_bound"]
+    assert static == pytest.approx(report["generate_static_tokens_per_s"] / limit, rel=1e-9)
 
     # weights-sync copies the generator adapter (float32) or the whole float32 model
     assert report["weights_sync_bytes"] == 4 * LORA_PARAMETERS

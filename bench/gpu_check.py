@@ -23,7 +23,8 @@ Section (estimate on an H200): what it prints.
   decode ms/step and tokens/s against the memory-bandwidth bound; sampler vs `generate`
   (dynamic cache, same model and adapter);
 - decode_paths (~70 s): CUDA graphs / static eager / dynamic blocks of 8 (the default) /
-  per-token on the RL shape, graphs vs blocks on 4 prompts x 16 new tokens, and the line
+  per-token on the RL shape, graphs vs blocks on 4 prompts x 16 new tokens, each path's and
+  both `generate`s' whole-call tokens/s as a fraction of the bandwidth limit, and the line
   saying which `--cuda-graphs` default these support;
 - multi_lora (~30 s): 8 adapters x 2 prompts x 8 samples x 32 new tokens in one batch vs the 8
   one at a time vs all rows on one adapter, tokens/s;

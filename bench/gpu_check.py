@@ -7,8 +7,9 @@ Builds a randomly initialised Qwen3 of the Qwen3-0.6B shape (28 layers, hidden 1
 matmuls + the 156M head), bfloat16 on CUDA, saves it in HF format (no hub access) and runs
 posttrain's LocalEngine on it: resource r (LoRA rank 32 sessions: s0, and a0..a7 for the
 multi-LoRA section) and resource f (one full-weight session, fw). Sections, in order; each one
-that fails prints its error in the report and the others still run; one whose estimate exceeds
-the budget left is skipped, saying so.
+that fails prints its error in the report and the others still run; one whose estimate (scaled
+by how much slower than estimated the last decode-bound section ran) exceeds the budget left is
+skipped, saying so.
 
 Section (estimate on an H200): what it prints.
 
@@ -113,17 +114,21 @@ class Run:
         self.args, self.report = args, report
         self.started = time.perf_counter()
         self.report["sections"] = {}
+        # How much slower than estimated the last decode-bound section (estimate >= 30 s) ran,
+        # at least 1: later estimates are scaled by it, so a slow device skips sections rather
+        # than overrun the budget.
+        self.pace = 1.0
 
     def left(self) -> float:
         return self.args.budget_s - (time.perf_counter() - self.started)
 
     def section(self, name: str, fn) -> None:
         sections = self.report["sections"]
-        estimate = 0 if self.args.small else ESTIMATE_S.get(name, 0)
+        estimate = 0 if self.args.small else ESTIMATE_S.get(name, 0) * self.pace
         if name in self.args.skip:
             sections[name] = "skipped: --skip"
         elif estimate > self.left():
-            sections[name] = f"skipped: ~{estimate} s estimated, {self.left():.0f} s left"
+            sections[name] = f"skipped: ~{estimate:.0f} s estimated, {self.left():.0f} s left"
         else:
             start = time.perf_counter()
             try:
@@ -132,6 +137,9 @@ class Run:
             except Exception as exc:  # noqa: BLE001  (a failing section must not stop the run)
                 traceback.print_exc()
                 sections[name] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+            if ESTIMATE_S.get(name, 0) >= 30:
+                self.pace = max(1.0, (time.perf_counter() - start) / ESTIMATE_S[name])
+        self.report["pace"] = self.pace
         self.write()
 
     def child(self, name: str, fn, *, nested: bool = True) -> None:

@@ -213,6 +213,13 @@ def test_a_failing_section_reports_its_error_and_the_next_one_runs(tmp_path: Pat
     assert report["sections"]["working"].startswith("ok in")
     assert report["measured"] == 2.5 and "never" not in report
 
+    # at full size a section runs only if its H200 estimate fits in the budget left
+    full_size = Run(Namespace(budget_s=30.0, small=False, skip=set(), json=None), {})
+    full_size.section("sampling", lambda: {"never": 1})  # estimated 40 s
+    assert full_size.report["sections"]["sampling"] == "skipped: ~40 s estimated, 30 s left"
+    full_size.section("weights_sync", lambda: {"measured": 1.0})  # estimated 2 s
+    assert full_size.report["measured"] == 1.0 and full_size.report["pace"] == 1.0
+
 
 def module(tmp_path: Path, monkeypatch, name: str, body: str) -> str:
     (tmp_path / f"{name}.py").write_text(body)

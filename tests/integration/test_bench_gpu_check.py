@@ -11,6 +11,8 @@ A smoke test of the script, not of its numbers: nothing here asserts on wall-clo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -257,3 +259,32 @@ def test_an_optional_section_that_fails_absent_or_slow_says_skipped(tmp_path, mo
     assert optional_section(slow, ["cpu", True], 5) == "skipped: 5 s of the time budget left"
     needs = optional_section(slow, ["cpu", True], 60, needs="no_such_package_here")
     assert needs == "skipped: no_such_package_here is not installed"
+
+
+@pytest.mark.slow
+def test_gpu_run_sh_writes_the_report_into_out(tmp_path: Path):
+    """The GPU session's one command, pointed at the CPU dry run (later --device wins)."""
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": "",
+    }
+    completed = subprocess.run(
+        [str(BENCH / "gpu_run.sh"), "--device", "cpu", "--small", "--skip", "generate_static"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "gpu_check exit 0" in completed.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    printed = (tmp_path / "gpu_check.txt").read_text().strip().splitlines()
+    assert json.loads(printed[-1]) == report
+    assert report["device"] == "cpu" and report["sections"]["generate_static"] == "skipped: --skip"
+    assert report["sections"]["decode_paths"].startswith("ok in")
+    assert report["budget_s"] == 445  # the 470 s limit less 25
+    environment = (tmp_path / "environment.txt").read_text()
+    assert "torch " in environment and "transformers " in environment

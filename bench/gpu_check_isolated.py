@@ -12,6 +12,7 @@ prints the function's dict as JSON on a line starting with RESULT."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -40,11 +41,13 @@ def run_child(target: str, arguments: list, timeout: float) -> dict:
         out, err = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
+        _, err = child.communicate()
+        sys.stderr.write(f"[{target}, killed at {timeout:.0f} s] {err[-LOG_TAIL:]}\n")
         raise TimeoutError(f"timed out after {timeout:.0f} s") from None
-    finally:
-        if child.poll() is None:
+    finally:  # the child and whatever it left running in its group (a vLLM engine core)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
     sys.stderr.write(f"[{target}] {err[-LOG_TAIL:]}\n")
     results = [line for line in out.splitlines() if line.startswith(RESULT)]
     if child.returncode != 0 or not results:

@@ -331,8 +331,13 @@ def main() -> None:
         return result
 
     run.child("generate_static", static, nested=False)
-    run.child("fsdp2", lambda t: optional_section("gpu_fsdp2", [args.device, args.small], t))
-    run.child("vllm", lambda t: optional_section("gpu_vllm", [args.device, args.small], t, "vllm"))
+    # run(device, small), or the FSDP2 module's fsdp2_check(device, ...) (smaller when small)
+    fsdp2_small = dict(steps=1, rows=2, tokens=16) if args.small else {}
+    fsdp2_calls = [("run", [args.device, args.small], {})]
+    fsdp2_calls.append(("fsdp2_check", [args.device], fsdp2_small))
+    run.child("fsdp2", lambda t: optional_section("gpu_fsdp2", fsdp2_calls, t))
+    vllm_calls = [("run", [args.device, args.small], {})]
+    run.child("vllm", lambda t: optional_section("gpu_vllm", vllm_calls, t, "vllm"))
     report.update(sample.bound_fractions(report))
     run.write()
     print(summary(report))

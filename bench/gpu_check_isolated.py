@@ -57,10 +57,11 @@ def run_child(target: str, arguments: list, timeout: float) -> dict:
 
 
 def optional_section(
-    module: str, arguments: list, timeout: float, needs: str | None = None
+    module: str, calls: list[tuple[str, list, dict]], timeout: float, needs: str | None = None
 ) -> dict | str:
-    """bench/<module>.py's run(*arguments) in a child: its dict, or `skipped: <reason>` when
-    the module is absent, `needs` is not installed, time is short, or the run fails."""
+    """In a child, the first of `calls` (function name, positional and keyword arguments) that
+    bench/<module>.py defines: its dict, or `skipped: <reason>` when the module is absent,
+    `needs` is not installed, time is short, or the call fails or returns no dict."""
     if importlib.util.find_spec(module) is None:
         return f"skipped: bench/{module}.py is absent"
     if needs is not None and importlib.util.find_spec(needs) is None:
@@ -68,12 +69,23 @@ def optional_section(
     if timeout < 10:
         return f"skipped: {timeout:.0f} s of the time budget left"
     try:
-        result = run_child(f"{module}:run", arguments, timeout)
+        name, result = run_child("gpu_check_isolated:call_first", [module, calls], timeout)
     except Exception as exc:  # noqa: BLE001  (any failure is this section's own)
         return f"skipped: {type(exc).__name__}: {exc}"
     if not isinstance(result, dict):
-        return f"skipped: run() returned {type(result).__name__}, not a dict"
+        return f"skipped: {name}() returned {type(result).__name__}, not a dict"
     return result
+
+
+def call_first(module_name: str, calls: list[tuple[str, list, dict]]) -> tuple[str, object]:
+    """(name, result) of the first of `calls` that the module defines (in the child)."""
+    module = importlib.import_module(module_name)
+    for name, args, kwargs in calls:
+        function = getattr(module, name, None)
+        if callable(function):
+            return name, function(*args, **kwargs)
+    names = ", ".join(name for name, _, _ in calls)
+    raise AttributeError(f"bench/{module_name}.py defines none of {names}")
 
 
 def static_section(arguments: list, timeout: float) -> dict | str:

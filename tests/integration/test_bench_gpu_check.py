@@ -230,34 +230,43 @@ def module(tmp_path: Path, monkeypatch, name: str, body: str) -> str:
     return name
 
 
+RUN = [("run", ["cpu", True], {})]
+
+
 def test_an_optional_section_returns_its_dict_from_a_child(tmp_path, monkeypatch):
     body = "import os\ndef run(device, small):\n    return {'pid': os.getpid(), 'small': small}\n"
     name = module(tmp_path, monkeypatch, "gpu_probe_ok", body)
-    result = optional_section(name, ["cpu", True], timeout=60)
+    result = optional_section(name, RUN, timeout=60)
     assert isinstance(result, dict) and result["small"] is True
-    assert result["pid"] != __import__("os").getpid()  # ran in a child process
+    assert result["pid"] != os.getpid()  # ran in a child process
+
+
+def test_an_optional_section_calls_the_first_function_its_module_defines(tmp_path, monkeypatch):
+    body = "def fsdp2_check(device, *, steps=4):\n    return {'device': device, 'steps': steps}\n"
+    name = module(tmp_path, monkeypatch, "gpu_probe_other", body)
+    calls = [*RUN, ("fsdp2_check", ["cpu"], {"steps": 1})]
+    assert optional_section(name, calls, 60) == {"device": "cpu", "steps": 1}
+    result = optional_section(name, RUN, 60)
+    assert result.startswith("skipped: RuntimeError: exit 1: AttributeError: bench/"), result
+    assert result.endswith("defines none of run"), result
 
 
 @pytest.mark.slow  # waits out a 10 s timeout
 def test_an_optional_section_that_fails_absent_or_slow_says_skipped(tmp_path, monkeypatch):
-    assert optional_section("gpu_probe_absent", ["cpu", True], 60) == (
+    assert optional_section("gpu_probe_absent", RUN, 60) == (
         "skipped: bench/gpu_probe_absent.py is absent"
     )
     raises = module(tmp_path, monkeypatch, "gpu_probe_raises", "def run(d, s):\n    1 / 0\n")
-    result = optional_section(raises, ["cpu", True], 60)
+    result = optional_section(raises, RUN, 60)
     assert result.startswith("skipped: RuntimeError: exit 1: ZeroDivisionError"), result
     not_dict = module(tmp_path, monkeypatch, "gpu_probe_list", "def run(d, s):\n    return []\n")
-    assert (
-        optional_section(not_dict, ["cpu", True], 60) == "skipped: run() returned list, not a dict"
-    )
+    assert optional_section(not_dict, RUN, 60) == "skipped: run() returned list, not a dict"
     slow = module(
         tmp_path, monkeypatch, "gpu_probe_slow", "import time\ndef run(d, s):\n    time.sleep(60)\n"
     )
-    assert (
-        optional_section(slow, ["cpu", True], 10) == "skipped: TimeoutError: timed out after 10 s"
-    )
-    assert optional_section(slow, ["cpu", True], 5) == "skipped: 5 s of the time budget left"
-    needs = optional_section(slow, ["cpu", True], 60, needs="no_such_package_here")
+    assert optional_section(slow, RUN, 10) == "skipped: TimeoutError: timed out after 10 s"
+    assert optional_section(slow, RUN, 5) == "skipped: 5 s of the time budget left"
+    needs = optional_section(slow, RUN, 60, needs="no_such_package_here")
     assert needs == "skipped: no_such_package_here is not installed"
 
 

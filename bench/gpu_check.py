@@ -35,7 +35,8 @@ Section (estimate on an H200): what it prints.
 - generate_static (child process, <= 150 s): transformers `generate` with
   `cache_implementation="static"`, compiled on CUDA (its default), on the RL shape;
 - fsdp2, vllm (child processes, what is left): bench/gpu_fsdp2.py and bench/gpu_vllm.py
-  `run(device, small)` where present (vLLM only where installed), else `skipped: <reason>`.
+  `run(device, small)` where present (FSDP2: else its `fsdp2_check(device)`; vLLM only where
+  installed), their dicts as they return them, else `skipped: <reason>`.
 
 Estimates from FLOPs and bytes: a LoRA forward-backward of 8,192 tokens is 4 x 596M (frozen
 base: forward and input gradients) + 6 x 25M (adapter) per token + causal attention 2.9 TFLOP =

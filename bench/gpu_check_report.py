@@ -38,7 +38,8 @@ def summary(report: dict) -> str:
     lines = [
         f"device {report['device']} ({report.get('gpu', 'cpu')}), {report['model']},"
         f" {report['dtype']}; {get('wall_seconds', '{:.0f}')} s of the"
-        f" {get('budget_s', '{:.0f}')} s budget (setup {get('setup_seconds', '{:.0f}')} s)",
+        f" {get('budget_s', '{:.0f}')} s budget (setup {get('setup_seconds', '{:.0f}')} s;"
+        f" estimates scaled {get('pace', '{:.2f}')}x)",
         "  sections  " + "; ".join(f"{k}: {v}" for k, v in sections.items()),
         f"  sampler vs forward logprobs, max |diff|  LoRA {get('sampler_vs_forward_max_abs_diff')},"
         f" full weight {get('sampler_vs_forward_full_weight_max_abs_diff')}",

@@ -59,8 +59,10 @@ keeps what it measured).
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -269,7 +271,8 @@ def main() -> None:
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(0)
     run = Run(args, report)
-    directory = Path(tempfile.mkdtemp()) / "bench-qwen3"
+    directory = Path(tempfile.mkdtemp(prefix="gpu_check-")) / "bench-qwen3"
+    atexit.register(shutil.rmtree, directory.parent, True)  # the model (1.2 GB on the GPU run)
     try:
         build_model(directory, config, device, dtype)
         engine, vocab = setup(args, device, dtype_name, directory)

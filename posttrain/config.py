@@ -98,12 +98,21 @@ class EngineConfig(BaseModel):
     # weights-sync pickles the published tensors across a pipe. It pays where samples are long
     # and several sessions train while others sample; on the built-in model and in the tests
     # the inline generator is faster, so it stays the default. Replicas: engine/hosts/replicas.py.
-    generators: Literal["inline", "process"] = Field(
+    generators: Literal["inline", "process", "vllm"] = Field(
         "inline",
         description="where each model resource's generators run: inline, on the trainer's"
-        " model (a sample waits for the trainer and the trainer for it), or as"
-        " compute_config.num_generator_replicas processes that sample beside the trainer",
+        " model (a sample waits for the trainer and the trainer for it), as"
+        " compute_config.num_generator_replicas processes that sample beside the trainer, or"
+        " as that many vLLM servers (needs --vllm-python)",
         json_schema_extra=flag("scale-out"),
+    )
+    # vLLM pins an older transformers: its own venv. The replicas: engine/hosts/vllm_engine.py.
+    vllm_python: Path | None = Field(
+        None,
+        description="the python of a venv with vLLM (scripts/build_vllm_env.sh builds"
+        " .venv-vllm) that runs each --generators vllm replica as"
+        " `python -m vllm.entrypoints.openai.api_server`",
+        json_schema_extra=flag("scale-out", env=True, metavar="PATH", default="none"),
     )
     # Measured (bench/scale_out.py, docs/benchmarks.md): on one CPU host a broadcast and the
     # pipes move an adapter alike; a broadcast sends a bucket's bytes once for all replicas
@@ -246,7 +255,7 @@ class EngineConfig(BaseModel):
         return parse_bytes(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _ray_places_processes(self) -> EngineConfig:
+    def _checks(self) -> EngineConfig:
         # A ConfigError, not a ValueError: pydantic passes it through, naming the field.
         processes = self.workers == "process" or self.generators == "process"
         if self.ray is not None and not processes and self.trainer_ranks == 1:
@@ -254,6 +263,12 @@ class EngineConfig(BaseModel):
                 "--ray places worker processes: give --workers process, --generators process"
                 " or --trainer-ranks N",
                 param="engine.ray",
+            )
+        if self.generators == "vllm" and self.vllm_python is None:
+            raise ConfigError(
+                "--generators vllm runs vLLM from a venv of its own: give --vllm-python PATH"
+                " (or POSTTRAIN_VLLM_PYTHON); scripts/build_vllm_env.sh builds .venv-vllm",
+                param="engine.vllm_python",
             )
         return self
 

@@ -45,6 +45,10 @@ class ModelInfo:
     # client on this machine can load the same tokenizer. The service fills it in from the
     # served ModelSpec (service/resources.py); an engine leaves it None.
     tokenizer_dir: Path | None = None
+    # Sample fields (SampleRequest attributes, named as on the wire) this engine's generators
+    # cannot honour, each with why: a request that sets one is refused with a 400 naming it,
+    # never served without it (hosts/vllm_engine.py fills it in).
+    refused_sample_fields: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ from posttrain.statuses import SESSION_TERMINAL, ResourceErrorCode, ResourceStat
 from posttrain.store.repo import Repo
 from posttrain.types import MuonScaling
 
-
 # How long create waits for the model to load before answering CREATING.
 READY_WAIT_S = 30.0
 MAX_INACTIVE_TIMEOUT_S = 86400

@@ -13,6 +13,7 @@ server fails its sample with INTERNAL_ERROR naming it, and the next sample is se
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import uuid
@@ -152,35 +153,118 @@ def test_two_sessions_adapters_stay_isolated(lora_resource):
     fresh.stop()
 
 
-def test_a_pipeline_sync_switches_a_running_sample_at_a_token_boundary(
-    vllm_server, lora_resource
-):
-    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 8, "seed": 8})
-    ops = low_level(vllm_server.base_url).post_training.operations
-    train(session, steps=1)
-    params = {"max_tokens": 400, "temperature": 1.0, "seed": 2}
-    running = ops.sample(
+def start_long_sample(url: str, session) -> object:
+    """Submit a sample that runs for a while (8 prompts x 4 sequences of up to 400 tokens:
+    the longest of 32 decides) and return once it is running."""
+    ops = low_level(url).post_training.operations
+    op = ops.sample(
         session.session_id,
         idempotency_key=str(uuid.uuid4()),
-        model_inputs=[model_input(PROMPT)],
-        num_samples=2,
-        sampling_params=params,
+        model_inputs=[model_input(PROMPT)] * 8,
+        num_samples=4,
+        sampling_params={"max_tokens": 400, "temperature": 1.0, "seed": 2},
     )
-    while ops.retrieve_sample(running.id, session_id=session.session_id).status == (
+    while ops.retrieve_sample(op.id, session_id=session.session_id).status == (
         "TRAINING_OPERATION_STATUS_PENDING"
     ):
         time.sleep(0.01)
-    synced = session.trainer.weights_sync(weight_sync_type=PIPELINE, interval=FAST)
-    assert synced.weights_version == 1
-    while (op := ops.retrieve_sample(running.id, session_id=session.session_id)).status in (
+    return op
+
+
+def vllm_generating(pid: int) -> float:
+    """Sequences the vLLM server `pid` is decoding now (its own /metrics)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    port = int(argv[argv.index(b"--port") + 1])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    match = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def finished(url: str, session, op):
+    ops = low_level(url).post_training.operations
+    while (done := ops.retrieve_sample(op.id, session_id=session.session_id)).status in (
         "TRAINING_OPERATION_STATUS_PENDING",
         "TRAINING_OPERATION_STATUS_RUNNING",
     ):
         time.sleep(0.02)
-    result = op.output.results[0]
-    found = segments(result)
-    assert len(found) == 2 and found[0] == (0, 0) and found[1][1] == 1, found
-    assert 0 < found[1][0] < max(len(s.tokens) for s in result.sequences)
+    return done
+
+
+def test_a_pipeline_sync_switches_a_running_sample_at_a_token_boundary(vllm_server, lora_resource):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 8, "seed": 8})
+    train(session, steps=1)
+    (pid,) = vllm_servers(vllm_server.process.pid)
+    running = start_long_sample(vllm_server.base_url, session)
+    while vllm_generating(pid) < 32:  # every sequence is on the server, decoding
+        time.sleep(0.01)
+    synced = session.trainer.weights_sync(weight_sync_type=PIPELINE, interval=FAST)
+    assert synced.weights_version == 1
+    done = finished(vllm_server.base_url, session, running)
+    assert done.status == "TRAINING_OPERATION_STATUS_COMPLETED", done.error
+    found = [segments(result) for result in done.output.results]
+    switched = [f for f in found if len(f) == 2]
+    assert switched, found  # the generation was still running when the sync landed
+    for each in found:  # a prompt whose decoding began after the pause is wholly version 1
+        assert each in ([(0, 0)], [(0, 1)]) or (each[0] == (0, 0) and each[1][1] == 1), each
+    for (_, start), result in zip([f[1] for f in switched], done.output.results, strict=False):
+        assert 0 < start <= max(len(s.tokens) for s in result.sequences)
     # The next sample runs wholly on the new weights.
     assert segments(sample(session)) == [(0, 1)]
     session.stop()
+
+
+def test_what_vllm_cannot_do_is_a_400_naming_the_field(vllm_server, lora_resource):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 9})
+    url = f"{vllm_server.base_url}/v1/rl/training-sessions/{session.session_id}/operations/sample"
+    for field in ("return_routed_experts", "prompt_logprobs"):
+        response = httpx.post(
+            url,
+            headers={"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": str(uuid.uuid4())},
+            json={"model_inputs": [model_input(PROMPT)], field: True},
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+    assert segments(sample(session)) == [(0, 0)]  # nothing else changed
+    session.stop()
+
+
+def test_a_killed_vllm_server_fails_its_sample_and_the_next_is_served(vllm_server, lora_resource):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 10})
+    train(session, steps=1)
+    session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    (pid,) = vllm_servers(vllm_server.process.pid)
+    running = start_long_sample(vllm_server.base_url, session)
+    os.kill(pid, signal.SIGKILL)
+    done = finished(vllm_server.base_url, session, running)
+    assert done.status == "TRAINING_OPERATION_STATUS_FAILED"
+    assert done.error.code == "TRAINING_OPERATION_ERROR_CODE_INTERNAL_ERROR"
+    assert "generator replica 0 of model resource" in done.error.message
+    assert f"pid {pid})" in done.error.message
+    assert vllm_server.process.poll() is None  # the API server lives on
+    after = sample(session)  # a new vLLM server, serving the synced weights
+    assert segments(after) == [(0, 1)]
+    assert mismatch(session, after) <= 1e-4
+    (restarted,) = vllm_servers(vllm_server.process.pid)
+    assert restarted != pid
+    session.stop()
+
+
+def test_a_full_weight_session_trains_syncs_and_samples_through_vllm(vllm_server):
+    resources = ModelResourcesClient.create(
+        base_url=vllm_server.base_url,
+        api_key=API_KEY,
+        base_model=BASE_MODEL,
+        lora_enabled=False,
+        interval=0.2,
+    )
+    session = resources.create_session(interval=0.2)
+    before = sample(session)
+    assert segments(before) == [(0, 0)] and mismatch(session, before) <= 1e-4
+    train(session)
+    session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    after = sample(session)
+    assert segments(after) == [(0, 2)]
+    assert mismatch(session, after) <= 1e-4  # vLLM reloaded the trained weights
+    assert [s.tokens for s in after.sequences] != [s.tokens for s in before.sequences]
+    session.stop()
+    resources.stop()

@@ -31,6 +31,7 @@ trainer_forwarding, vllm_requests, vllm_server).
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
@@ -272,8 +273,8 @@ class VllmEngine(TrainerForwarding):
         directory.mkdir(parents=True, exist_ok=True)
         lora = state.sessions[session_id]
         state.written.add(directory)
-        if lora is None:
-            tensors = {n: t.contiguous() for n, t in tensors.items()}
+        if lora is None:  # checkpoint names: a LoRA-wrapped layer's weight is `<layer>.base.*`
+            tensors = {re.sub(r"\.base(?=\.)", "", n): t.contiguous() for n, t in tensors.items()}
             save_file(tensors, str(directory / FULL_WEIGHTS_FILE))
             return directory, version
         targets = sorted({name.rsplit(".", 1)[0].rsplit(".", 1)[-1] for name in tensors})

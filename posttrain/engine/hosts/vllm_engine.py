@@ -127,6 +127,7 @@ class VllmEngine(TrainerForwarding):
                 max_loras=self.config.max_sessions_per_resource,
                 max_lora_rank=self.config.max_lora_rank,
                 log_path=self._logs / f"{resource_id}.log",
+                gpu_memory_utilization=0.4 if self.device.type == "cuda" else None,
             )
             state = _Resource(base_model, spec, self._root / resource_id)
             self._resources[resource_id] = state

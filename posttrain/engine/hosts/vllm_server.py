@@ -53,6 +53,9 @@ class ServerSpec:
     max_loras: int
     max_lora_rank: int
     log_path: Path
+    # On a GPU the trainer shares the device: vLLM may take this fraction of it (its default,
+    # 0.9, would leave the trainer nothing). None on the CPU.
+    gpu_memory_utilization: float | None = None
 
 
 def free_port() -> int:
@@ -89,6 +92,8 @@ class VllmServer:
             "--enable-scale-out", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--worker-extension-cls", EXTENSION,
         ]  # fmt: skip
+        if spec.gpu_memory_utilization is not None:
+            command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with spec.log_path.open("ab") as log:
             # A session of its own: stop() ends the engine core and workers with it.

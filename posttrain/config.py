@@ -101,18 +101,21 @@ class EngineConfig(BaseModel):
     generators: Literal["inline", "process", "vllm"] = Field(
         "inline",
         description="where each model resource's generators run: inline, on the trainer's"
-        " model (a sample waits for the trainer and the trainer for it), as"
-        " compute_config.num_generator_replicas processes that sample beside the trainer, or"
-        " as that many vLLM servers (needs --vllm-python)",
+        " model (a sample waits for the trainer and the trainer for it), or as"
+        " compute_config.num_generator_replicas processes (or vLLM servers) beside it",
         json_schema_extra=flag("scale-out"),
     )
-    # vLLM pins an older transformers: its own venv. The replicas: engine/hosts/vllm_engine.py.
-    vllm_python: Path | None = Field(
+    vllm_python: Path | None = Field(  # vLLM's own venv (engine/hosts/vllm_engine.py)
         None,
-        description="the python of a venv with vLLM (scripts/build_vllm_env.sh builds"
-        " .venv-vllm) that runs each --generators vllm replica as"
-        " `python -m vllm.entrypoints.openai.api_server`",
+        description="the python of a venv with vLLM that runs --generators vllm replicas",
         json_schema_extra=flag("scale-out", env=True, metavar="PATH", default="none"),
+    )
+    vllm_mismatch_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of vLLM samples whose tokens the trainer scores (|logprob diff|)",
+        json_schema_extra=flag("scale-out", metavar="P"),
     )
     # Measured (bench/scale_out.py, docs/benchmarks.md): on one CPU host a broadcast and the
     # pipes move an adapter alike; a broadcast sends a bucket's bytes once for all replicas
@@ -265,11 +268,8 @@ class EngineConfig(BaseModel):
                 param="engine.ray",
             )
         if self.generators == "vllm" and self.vllm_python is None:
-            raise ConfigError(
-                "--generators vllm runs vLLM from a venv of its own: give --vllm-python PATH"
-                " (or POSTTRAIN_VLLM_PYTHON); scripts/build_vllm_env.sh builds .venv-vllm",
-                param="engine.vllm_python",
-            )
+            message = "--generators vllm needs --vllm-python PATH (scripts/build_vllm_env.sh)"
+            raise ConfigError(message, param="engine.vllm_python")
         return self
 
 

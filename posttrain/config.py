@@ -37,17 +37,17 @@ def flag(
     *,
     name: str | None = None,
     hidden: bool = False,
-    env: bool = False,
+    env: bool | str = False,
     metavar: str | None = None,
     default: str | None = None,
     switch: bool = False,
 ) -> dict[str, Any]:
     """The `json_schema_extra` of a field `posttrain serve` takes as a flag in help `group`.
 
-    `name`: the flag when it is not `--` plus the field's name with dashes; `hidden`: kept out
-    of --help (test knobs); `env`: also read from POSTTRAIN_<FIELD NAME>; `default`: what --help
-    says for the default when the value alone would not tell a user; `switch`: a bool given as
-    a bare `--flag` (bools are otherwise `on|off`)."""
+    `name`: the flag when not `--` plus the field's name with dashes; `hidden`: kept out of
+    --help (test knobs); `env`: also read from POSTTRAIN_<FIELD NAME> (a str: that variable);
+    `default`: what --help says for the default when the value alone would not tell a user;
+    `switch`: a bool given as a bare `--flag` (bools are otherwise `on|off`)."""
     spec = {"group": group, "name": name, "hidden": hidden, "env": env, "metavar": metavar}
     return {"flag": {**spec, "default": default, "switch": switch}}
 
@@ -108,7 +108,7 @@ class EngineConfig(BaseModel):
     vllm_python: Path | None = Field(  # vLLM's own venv (engine/hosts/vllm_engine.py)
         None,
         description="the python of a venv with vLLM that runs --generators vllm replicas",
-        json_schema_extra=flag("scale-out", env=True, metavar="PATH", default="none"),
+        json_schema_extra=flag("scale-out", env="POSTTRAIN_VLLM_PYTHON", metavar="PATH"),
     )
     vllm_mismatch_rate: float = Field(
         0.0,

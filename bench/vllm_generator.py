@@ -96,16 +96,16 @@ def main() -> None:
     built = {"built-in": LocalEngine(config, PATHS)}
     begin = time.perf_counter()
     built["vLLM"] = VllmEngine(LocalEngine(config, PATHS), vllm_config, PATHS)
-    for engine in built.values():
-        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None, generator_replicas=1)
-        engine.create_session("r", "s", LoraConfig(rank=32, seed=1))
-        engine.publish("r", "s", version=1)
-    print(
-        f"model={BUILTIN_MODEL_ID} torch threads={torch.get_num_threads()} reps={args.reps}"
-        f" cores={os.cpu_count()}; the vLLM server started and served: "
-        f"{time.perf_counter() - begin:.1f} s"
-    )
     try:
+        for engine in built.values():
+            engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None, generator_replicas=1)
+            engine.create_session("r", "s", LoraConfig(rank=32, seed=1))
+            engine.publish("r", "s", version=1)
+        print(
+            f"model={BUILTIN_MODEL_ID} torch threads={torch.get_num_threads()} reps={args.reps}"
+            f" cores={os.cpu_count()}; the vLLM server started and served: "
+            f"{time.perf_counter() - begin:.1f} s"
+        )
         tokens = args.requests * args.prompts * args.samples * args.tokens
         seconds: dict[str, list[float]] = {name: [] for name in built}
         for rep in range(args.reps):

@@ -37,17 +37,17 @@ def flag(
     *,
     name: str | None = None,
     hidden: bool = False,
-    env: bool = False,
+    env: bool | str = False,
     metavar: str | None = None,
     default: str | None = None,
     switch: bool = False,
 ) -> dict[str, Any]:
     """The `json_schema_extra` of a field `posttrain serve` takes as a flag in help `group`.
 
-    `name`: the flag when it is not `--` plus the field's name with dashes; `hidden`: kept out
-    of --help (test knobs); `env`: also read from POSTTRAIN_<FIELD NAME>; `default`: what --help
-    says for the default when the value alone would not tell a user; `switch`: a bool given as
-    a bare `--flag` (bools are otherwise `on|off`)."""
+    `name`: the flag when not `--` plus the field's name with dashes; `hidden`: kept out of
+    --help (test knobs); `env`: also read from POSTTRAIN_<FIELD NAME> (a str: that variable);
+    `default`: what --help says for the default when the value alone would not tell a user;
+    `switch`: a bool given as a bare `--flag` (bools are otherwise `on|off`)."""
     spec = {"group": group, "name": name, "hidden": hidden, "env": env, "metavar": metavar}
     return {"flag": {**spec, "default": default, "switch": switch}}
 
@@ -98,12 +98,24 @@ class EngineConfig(BaseModel):
     # weights-sync pickles the published tensors across a pipe. It pays where samples are long
     # and several sessions train while others sample; on the built-in model and in the tests
     # the inline generator is faster, so it stays the default. Replicas: engine/hosts/replicas.py.
-    generators: Literal["inline", "process"] = Field(
+    generators: Literal["inline", "process", "vllm"] = Field(
         "inline",
         description="where each model resource's generators run: inline, on the trainer's"
         " model (a sample waits for the trainer and the trainer for it), or as"
-        " compute_config.num_generator_replicas processes that sample beside the trainer",
+        " compute_config.num_generator_replicas processes (or vLLM servers) beside it",
         json_schema_extra=flag("scale-out"),
+    )
+    vllm_python: Path | None = Field(  # vLLM's own venv (engine/hosts/vllm_engine.py)
+        None,
+        description="the python of a venv with vLLM that runs --generators vllm replicas",
+        json_schema_extra=flag("scale-out", env="POSTTRAIN_VLLM_PYTHON", metavar="PATH"),
+    )
+    vllm_mismatch_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of vLLM samples whose tokens the trainer scores (|logprob diff|)",
+        json_schema_extra=flag("scale-out", metavar="P"),
     )
     # Measured (bench/scale_out.py, docs/benchmarks.md): on one CPU host a broadcast and the
     # pipes move an adapter alike; a broadcast sends a bucket's bytes once for all replicas
@@ -246,7 +258,7 @@ class EngineConfig(BaseModel):
         return parse_bytes(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _ray_places_processes(self) -> EngineConfig:
+    def _checks(self) -> EngineConfig:
         # A ConfigError, not a ValueError: pydantic passes it through, naming the field.
         processes = self.workers == "process" or self.generators == "process"
         if self.ray is not None and not processes and self.trainer_ranks == 1:
@@ -255,6 +267,9 @@ class EngineConfig(BaseModel):
                 " or --trainer-ranks N",
                 param="engine.ray",
             )
+        if self.generators == "vllm" and self.vllm_python is None:
+            message = "--generators vllm needs --vllm-python PATH (scripts/build_vllm_env.sh)"
+            raise ConfigError(message, param="engine.vllm_python")
         return self
 
 

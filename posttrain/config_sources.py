@@ -65,7 +65,7 @@ def settings(
             flag=spec["name"] or "--" + field_name.replace("_", "-"),
             group=spec["group"],
             hidden=spec["hidden"],
-            env=ENV_PREFIX + "_".join(path).upper() if spec["env"] else None,
+            env=_env_name(spec["env"], path),
             metavar=spec["metavar"],
             default=spec["default"],
             switch=spec["switch"],
@@ -182,6 +182,13 @@ def _place(values: dict[str, Any], path: tuple[str, ...], value: object) -> None
         values[name] = inner = inner.model_dump() if isinstance(inner, BaseModel) else inner or {}
         values = inner
     values[last] = value
+
+
+def _env_name(env: bool | str, path: tuple[str, ...]) -> str | None:
+    """The variable a setting is read from: its own name, POSTTRAIN_<PATH>, or none."""
+    if isinstance(env, str):
+        return env
+    return ENV_PREFIX + "_".join(path).upper() if env else None
 
 
 def build_config(

@@ -337,6 +337,16 @@ class TopkPromptLogprobs:
 
 
 @dataclass(frozen=True)
+class LogprobMismatch:
+    """|sampled logprob - the trainer's logprob| over one result's sampled tokens, where the
+    generators run apart from the trainer (vLLM) and the trainer scored what they sampled."""
+
+    mean: float
+    max: float
+    tokens: int
+
+
+@dataclass(frozen=True)
 class SampleResult:
     """One prompt's sequences. `prompt_logprobs` and `topk_prompt_logprobs` cover the whole
     prompt; entry i belongs to prompt token i given the tokens before it, so entry 0 has no
@@ -347,6 +357,7 @@ class SampleResult:
     policy_segments: list[PolicySegment]
     prompt_logprobs: list[float] | None = None
     topk_prompt_logprobs: list[TopkPromptLogprobs] | None = None
+    logprob_mismatch: LogprobMismatch | None = None
 
 
 @dataclass(frozen=True)

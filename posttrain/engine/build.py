@@ -3,8 +3,9 @@ Engine (engine/interface.py) the service runs on.
 
 `--trainer-ranks N` (N > 1) gives a TrainerGroupEngine (any `--workers`), `--workers process` a
 ProcessEngine, and otherwise the in-process LocalEngine; `--generators process` wraps it in a
-ReplicatedEngine. Every process they start goes through one Placement: Ray actors with `--ray`
-(Ray is imported then, and only then), else child processes of this one.
+ReplicatedEngine, `--generators vllm` in a VllmEngine (vLLM server processes, always local).
+Every other process they start goes through one Placement: Ray actors with `--ray` (Ray is
+imported then, and only then), else child processes of this one.
 
 Imports: config, errors, engine.interface, engine.hosts; engine.hosts.ray_placement (and Ray)
 only with `--ray`.
@@ -21,6 +22,7 @@ from posttrain.engine.hosts.placement import Placement
 from posttrain.engine.hosts.remote import ProcessEngine
 from posttrain.engine.hosts.replicas import ReplicatedEngine
 from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.vllm_engine import VllmEngine
 from posttrain.engine.interface import Engine
 from posttrain.errors import ConfigError
 
@@ -37,6 +39,8 @@ def build_engine(config: EngineConfig, model_paths: dict[str, Path]) -> Engine:
         engine = LocalEngine(config, model_paths)
     if config.generators == "process":
         engine = ReplicatedEngine(engine, config, model_paths, placement)
+    elif config.generators == "vllm":
+        engine = VllmEngine(engine, config, model_paths)  # vLLM servers, always local
     return engine
 
 

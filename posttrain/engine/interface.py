@@ -2,10 +2,10 @@
 
 One protocol, implemented explicitly by each engine: hosts/in_process.py's LocalEngine (the
 reference: everything in this process), hosts/remote.py's RemoteEngine (resources in worker
-processes or trainer groups) and hosts/replicas.py's ReplicatedEngine (generators apart);
-engine/build.py picks one. The last is also a LanedEngine: its generators run beside the
-trainer, on generator lanes, and only it takes a sample's lane and fence; the others answer
-that they have no lanes. Imports: types (torch for type checking only).
+processes or trainer groups), hosts/replicas.py's ReplicatedEngine and hosts/vllm_engine.py's
+VllmEngine (generators apart); engine/build.py picks one. The last two are also LanedEngines:
+their generators run beside the trainer, on generator lanes, and only they take a sample's lane
+and fence; the others answer that they have no lanes. Imports: types (torch for type checking only).
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class ModelInfo:
     # client on this machine can load the same tokenizer. The service fills it in from the
     # served ModelSpec (service/resources.py); an engine leaves it None.
     tokenizer_dir: Path | None = None
+    # Sample fields (SampleRequest attributes, named as on the wire) this engine's generators
+    # cannot honour, each with why: a request that sets one is refused with a 400 naming it,
+    # never served without it (hosts/vllm_engine.py fills it in).
+    refused_sample_fields: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,11 @@ class OperationMetrics:
         self._durations: dict[str, Histogram] = {}
         self._tokens: Counter[str] = Counter()
         self._recent_tokens: deque[tuple[float, str, int]] = deque()
+        # Generators apart from the trainer: the trainer's scoring of sampled tokens
+        # (types.LogprobMismatch): tokens scored, their summed and largest |difference|.
+        self.mismatch_tokens = 0
+        self.mismatch_sum = 0.0
+        self.mismatch_max = 0.0
         # Shared passes: engine passes that served several sessions' operations at once.
         self.shared_passes = 0
         self.shared_pass_operations = 0
@@ -99,6 +104,8 @@ class OperationMetrics:
     def count_tokens(
         self, kind: OperationKind, request: object, output: OperationOutput | None
     ) -> None:
+        if isinstance(output, SampleOutput):
+            self._count_mismatch(output)
         tokens = operation_tokens(request, output)
         if tokens == 0:
             return
@@ -106,6 +113,14 @@ class OperationMetrics:
         with self._lock:
             self._tokens[kind.value] += tokens
             self._recent_tokens.append((now, kind.value, tokens))
+
+    def _count_mismatch(self, output: SampleOutput) -> None:
+        for result in output.results:
+            if (mismatch := result.logprob_mismatch) is not None:
+                with self._lock:
+                    self.mismatch_tokens += mismatch.tokens
+                    self.mismatch_sum += mismatch.mean * mismatch.tokens
+                    self.mismatch_max = max(self.mismatch_max, mismatch.max)
 
     def tokens_per_second(self) -> dict[str, float]:
         """Per kind, tokens of the operations finished in the last RATE_WINDOW_S seconds."""
@@ -255,6 +270,21 @@ class MetricsService:
             "gauge",
             "Sample POSTs received and not yet answered (held ones included).",
             [f"posttrain_sample_posts_unanswered {self.unanswered_samples()}"],
+        )
+        ops = self.operations
+        mean = ops.mismatch_sum / ops.mismatch_tokens if ops.mismatch_tokens else 0.0
+        lines += _family(
+            "posttrain_generator_logprob_mismatch",
+            "gauge",
+            "Sampled tokens the trainer scored (vLLM generators): mean and max |logprob diff|.",
+            [
+                f"posttrain_generator_logprob_mismatch{_labels(stat=stat)} {value}"
+                for stat, value in (
+                    ("mean", mean),
+                    ("max", ops.mismatch_max),
+                    ("tokens", ops.mismatch_tokens),
+                )
+            ],
         )
         lines += _family(
             "posttrain_sessions",

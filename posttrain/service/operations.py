@@ -241,6 +241,9 @@ class OperationService:
                 f" {MAX_TOPK_PROMPT_LOGPROBS}",
                 param="topk_prompt_logprobs",
             )
+        for name, why in info.refused_sample_fields:
+            if getattr(request, name):
+                raise InvalidRequest(f"{name} is not available on this server: {why}", param=name)
         request = resolved_max_tokens(request, info.context_length, self.limits)
         engine.check_tokens(
             base_model, request.sampling_params.stop_token_ids, "sampling_params.stop"

@@ -10,7 +10,6 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -23,8 +22,6 @@ from posttrain.service.scheduler import Scheduler
 from posttrain.statuses import SESSION_TERMINAL, ResourceErrorCode, ResourceStatus
 from posttrain.store.repo import Repo
 from posttrain.types import MuonScaling
-
-log = logging.getLogger("posttrain.resources")
 
 # How long create waits for the model to load before answering CREATING.
 READY_WAIT_S = 30.0
@@ -69,13 +66,13 @@ class ResourceService:
         self.check_inactive_timeout(inactive_timeout)
         self.check_generator_replicas(num_generator_replicas)
         if num_generator_replicas > 1 and self.config.engine.generators == "inline":
-            # Accepted and reported as asked (the SDK reads it back), but an inline generator
-            # is one, on the trainer: say so where the operator looks, not silently.
-            log.warning(
-                "compute_config.num_generator_replicas %d: this server runs one inline"
-                " generator per model resource; start it with --generators process for"
-                " replica processes that sample beside the trainer",
-                num_generator_replicas,
+            # Honest counts: an inline generator is one, on the trainer's model, so a resource
+            # gets the replicas it asks for or is refused (nothing is created).
+            raise InvalidRequest(
+                f"compute_config.num_generator_replicas {num_generator_replicas}: this server"
+                " runs one inline generator per model resource; ask for 1, or start it with"
+                " --generators process (or --generators vllm) for replicas",
+                param="compute_config.num_generator_replicas",
             )
         now = time.time()
         record = ResourceRecord(

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ServerProcess
 
 from posttrain.config import BUILTIN_MODELS
 
@@ -40,6 +41,16 @@ PYTHON_BLOCKS = blocks("python")
 
 def test_the_readme_has_the_blocks_this_test_checks():
     assert len(PYTHON_BLOCKS) >= 2 and len(blocks("bash")) >= 4
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory):
+    """The server the README's scaling-out block names: generator replica processes, so its
+    resource gets the replicas it asks for (an inline server refuses more than one)."""
+    directory = tmp_path_factory.mktemp("readme")
+    proc = ServerProcess.started(directory, "--generators", "process")
+    yield proc
+    proc.stop()
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))

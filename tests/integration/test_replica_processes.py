@@ -122,7 +122,7 @@ def test_two_replicas_give_what_the_inline_generator_gives(replica_server, tmp_p
     through_replicas = loop(session)
     inline = ServerProcess.started(tmp_path, "--poll-hold-seconds", "0")
     try:
-        _, twin = open_session(inline.base_url, 2)
+        _, twin = open_session(inline.base_url, 1)  # inline: one generator
         assert loop(twin) == through_replicas
     finally:
         inline.stop()

@@ -185,3 +185,17 @@ def test_each_flag_is_declared_once_on_its_field():
     assert by_path[("models",)] == "--model"
     for setting in settings():
         assert setting.info.description, setting.path
+
+
+def test_vllm_generators_take_their_python_from_the_flag_or_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("POSTTRAIN_VLLM_PYTHON", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        config_of("--generators", "vllm")
+    assert refused.value.param == "engine.vllm_python" and "--vllm-python" in str(refused.value)
+    python = tmp_path / "bin" / "python"
+    flagged = config_of(
+        "--generators", "vllm", "--vllm-python", str(python), "--vllm-mismatch-rate", "0.5"
+    )
+    assert (flagged.engine.vllm_python, flagged.engine.vllm_mismatch_rate) == (python, 0.5)
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(python))
+    assert config_of("--generators", "vllm").engine.vllm_python == python

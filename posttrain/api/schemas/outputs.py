@@ -93,21 +93,31 @@ class TopkLogprobs(Reply):
     logprobs: list[float]
 
 
+class LogprobMismatch(Reply):
+    mean: float
+    max: float
+    tokens: int
+
+
 class SampleResult(Reply):
     policy_segments: list[PolicySegment]
     sequences: list[SampledSequence]
     # Entry 0 has no previous token: a placeholder 0.0 (api.md 1.4.6).
     prompt_logprobs: list[float] = optional()
     topk_prompt_logprobs: list[TopkLogprobs] = optional()
+    # vLLM generators: the trainer's scoring of the sampled tokens, where it scored them.
+    logprob_mismatch: LogprobMismatch = optional()
 
     @classmethod
     def of(cls, result: t.SampleResult) -> Self:
         topk = result.topk_prompt_logprobs
+        mismatch = result.logprob_mismatch
         return cls.copied(
             result,
             policy_segments=[PolicySegment.copied(s) for s in result.policy_segments],
             sequences=[SampledSequence.copied(s) for s in result.sequences],
             topk_prompt_logprobs=None if topk is None else [TopkLogprobs.copied(k) for k in topk],
+            logprob_mismatch=None if mismatch is None else LogprobMismatch.copied(mismatch),
         )
 
 

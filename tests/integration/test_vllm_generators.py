@@ -1,0 +1,316 @@
+"""`posttrain serve --generators vllm`: each generator replica is a vLLM server process
+(engine/hosts/vllm_engine.py), run from the venv scripts/build_vllm_env.sh builds
+(tests/vllm_env.py; these tests skip, saying why, only where it cannot be built).
+
+Through the SDK against a real server, one vLLM server per resource shared by the module (a
+start costs tens of seconds): a LoRA session's samples score within 1e-4 of the trainer's
+forward on the same tokens (CPU float32), before and after training, and follow each
+weights-sync; two sessions' adapters stay apart; a PIPELINE weights-sync switches a running
+sample at a token boundary and policy_segments say where; a full-weight session does the same
+through vLLM's weight reload; what vLLM cannot do is a 400 naming the field; a killed vLLM
+server fails its sample with INTERNAL_ERROR naming it, and the next sample is served."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from helpers import API_KEY, BASE_MODEL, low_level, sft_sample
+from together.post_training import ModelResourcesClient
+from vllm_env import vllm_python  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.slow
+
+CE = {"type": "LOSS_TYPE_CROSS_ENTROPY"}
+FAST = 0.05
+ADAM = {"learning_rate": 5e-2, "weight_decay": 0.0}
+PROMPT = [1, 40, 41, 42, 50]
+TRAIN = [1, 40, 41, 42, 50, 60, 70, 80, 33, 34, 35, 36]
+SYNC = "WEIGHT_SYNC_TYPE_SYNCHRONOUS"
+PIPELINE = "WEIGHT_SYNC_TYPE_PIPELINE"
+
+
+def model_input(tokens: list[int]) -> dict:
+    return {"chunks": [{"encoded_text": {"tokens": tokens}}]}
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, vllm_python: Path):  # noqa: F811
+    directory = tmp_path_factory.mktemp("vllm")
+    proc = ServerProcess.started(
+        directory,
+        "--poll-hold-seconds", "0", "--generators", "vllm", "--vllm-python", str(vllm_python),
+        "--vllm-mismatch-rate", "1",
+    )  # fmt: skip
+    yield proc
+    started = vllm_servers(proc.process.pid)
+    proc.stop()
+    assert [pid for pid in started if Path(f"/proc/{pid}").exists()] == []  # stopped with it
+
+
+def vllm_servers(parent: int | None) -> list[int]:
+    """Pids of vLLM API servers started by `parent` (any parent: None)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmdline and parent in (None, ppid):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def lora_resource(vllm_server):
+    resources = ModelResourcesClient.create(
+        base_url=vllm_server.base_url, api_key=API_KEY, base_model=BASE_MODEL, interval=0.2
+    )
+    yield resources
+    resources.stop()
+
+
+def scored(session, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer's forward logprobs of `tokens` after `prompt`."""
+    result = session.trainer.forward(
+        samples=[sft_sample(prompt + tokens, len(prompt))], loss=CE, interval=FAST
+    )
+    return result.loss_fn_outputs[0].tensors["logprobs"].data[len(prompt) - 1 :]
+
+
+def train(session, steps: int = 2) -> None:
+    for _ in range(steps):
+        session.trainer.forward_backward(samples=[sft_sample(TRAIN, 1)], loss=CE, interval=FAST)
+        session.trainer.optim_step(adam_params=ADAM, interval=FAST)
+
+
+def sample(session, seed: int = 3, **params):
+    sampling = {"max_tokens": 8, "seed": seed, **params}
+    return session.generator.sample(
+        model_input(PROMPT), num_samples=2, sampling_params=sampling, interval=FAST
+    )
+
+
+def mismatch(session, result) -> float:
+    """The largest |sampled logprob - trainer logprob| over every sampled token."""
+    worst = 0.0
+    for sequence in result.sequences:
+        assert len(sequence.tokens) == len(sequence.logprobs) >= 1
+        forward = scored(session, PROMPT, list(sequence.tokens))
+        worst = max(worst, *(abs(a - b) for a, b in zip(forward, sequence.logprobs, strict=True)))
+    return worst
+
+
+def segments(result) -> list[tuple[int, int]]:
+    return [(p.start_token, p.version) for p in result.policy_segments]
+
+
+def test_a_lora_session_trains_syncs_and_samples_through_vllm(lora_resource):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 8, "seed": 5})
+    before = sample(session)
+    assert mismatch(session, before) <= 1e-4
+    assert segments(before) == [(0, 0)]
+    assert [list(s.tokens) for s in sample(session).sequences] == [
+        list(s.tokens) for s in before.sequences
+    ]  # a seed repeats within the engine
+    base_logprobs = scored(session, PROMPT, list(before.sequences[0].tokens))
+
+    train(session)
+    synced = session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    assert synced.weights_version == 2
+    after = sample(session)
+    assert segments(after) == [(0, 2)]
+    assert mismatch(session, after) <= 1e-4  # the samples follow the new weights
+    moved = scored(session, PROMPT, list(before.sequences[0].tokens))
+    assert max(abs(a - b) for a, b in zip(moved, base_logprobs, strict=True)) > 1e-2
+    session.stop()
+
+
+def test_the_trainer_scores_what_vllm_sampled_per_operation_and_in_metrics(
+    vllm_server, lora_resource
+):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 12})
+    train(session, steps=1)
+    session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    base = f"{vllm_server.base_url}/v1/rl/training-sessions/{session.session_id}/operations"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {
+        "model_inputs": [model_input(PROMPT), model_input(PROMPT[:3])],
+        "num_samples": 2,
+        "sampling_params": {"max_tokens": 6, "seed": 1},
+    }
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    op = httpx.post(f"{base}/sample", headers=headers | key, json=body).json()
+    while (done := httpx.get(f"{base}/sample/{op['id']}", headers=headers).json())["status"] in (
+        "TRAINING_OPERATION_STATUS_PENDING",
+        "TRAINING_OPERATION_STATUS_RUNNING",
+    ):
+        time.sleep(0.02)
+    results = done["output"]["results"]
+    for result in results:  # --vllm-mismatch-rate 1: every operation is scored
+        found = result["logprob_mismatch"]
+        assert found["tokens"] == sum(len(s["tokens"]) for s in result["sequences"])
+        assert 0 <= found["mean"] <= found["max"] <= 1e-4
+    metrics = httpx.get(f"{vllm_server.base_url}/metrics").text
+    stats = dict(
+        re.findall(r'^posttrain_generator_logprob_mismatch\{stat="(\w+)"\} (\S+)$', metrics, re.M)
+    )
+    assert float(stats["tokens"]) >= sum(r["logprob_mismatch"]["tokens"] for r in results)
+    assert 0 <= float(stats["mean"]) <= float(stats["max"]) <= 1e-4
+    session.stop()
+
+
+def test_two_sessions_adapters_stay_isolated(lora_resource):
+    trained = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 6})
+    fresh = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 7})
+    train(trained, steps=3)
+    trained.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    fresh.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    one, other = sample(trained, seed=11), sample(fresh, seed=11)
+    assert segments(one) == [(0, 3)] and segments(other) == [(0, 0)]
+    assert mismatch(trained, one) <= 1e-4
+    assert mismatch(fresh, other) <= 1e-4
+    # The same tokens score differently on the two sessions: each sample used its own adapter.
+    tokens = list(other.sequences[0].tokens)
+    gap = zip(scored(trained, PROMPT, tokens), other.sequences[0].logprobs, strict=True)
+    assert max(abs(a - b) for a, b in gap) > 1e-2
+    trained.stop()
+    fresh.stop()
+
+
+def start_long_sample(url: str, session) -> object:
+    """Submit a sample that runs for a while (8 prompts x 4 sequences of up to 400 tokens:
+    the longest of 32 decides) and return once it is running."""
+    ops = low_level(url).post_training.operations
+    op = ops.sample(
+        session.session_id,
+        idempotency_key=str(uuid.uuid4()),
+        model_inputs=[model_input(PROMPT)] * 8,
+        num_samples=4,
+        sampling_params={"max_tokens": 400, "temperature": 1.0, "seed": 2},
+    )
+    while ops.retrieve_sample(op.id, session_id=session.session_id).status == (
+        "TRAINING_OPERATION_STATUS_PENDING"
+    ):
+        time.sleep(0.01)
+    return op
+
+
+def vllm_metric(pid: int, name: str) -> float:
+    """A value of the vLLM server `pid`'s own /metrics (0 before it reports one)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    port = int(argv[argv.index(b"--port") + 1])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    match = re.search(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_decoding(url: str, session, op, pid: int, sequences: int) -> None:
+    """Return once the vLLM server `pid` decodes at least `sequences` sequences; fail if the
+    sample finished first."""
+    ops = low_level(url).post_training.operations
+    while vllm_metric(pid, "num_requests_running") < sequences:
+        status = ops.retrieve_sample(op.id, session_id=session.session_id).status
+        assert status == "TRAINING_OPERATION_STATUS_RUNNING", status
+        time.sleep(0.01)
+
+
+def finished(url: str, session, op):
+    ops = low_level(url).post_training.operations
+    while (done := ops.retrieve_sample(op.id, session_id=session.session_id)).status in (
+        "TRAINING_OPERATION_STATUS_PENDING",
+        "TRAINING_OPERATION_STATUS_RUNNING",
+    ):
+        time.sleep(0.02)
+    return done
+
+
+def test_a_pipeline_sync_switches_a_running_sample_at_a_token_boundary(vllm_server, lora_resource):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 8, "seed": 8})
+    train(session, steps=1)
+    (pid,) = vllm_servers(vllm_server.process.pid)
+    running = start_long_sample(vllm_server.base_url, session)
+    wait_decoding(vllm_server.base_url, session, running, pid, sequences=16)
+    time.sleep(0.2)  # a few tokens each before the switch
+    synced = session.trainer.weights_sync(weight_sync_type=PIPELINE, interval=FAST)
+    assert synced.weights_version == 1
+    done = finished(vllm_server.base_url, session, running)
+    assert done.status == "TRAINING_OPERATION_STATUS_COMPLETED", done.error
+    found = [segments(result) for result in done.output.results]
+    switched = [f for f in found if len(f) == 2]
+    assert switched, found  # the generation was still running when the sync landed
+    for each in found:  # a prompt whose decoding began after the pause is wholly version 1
+        assert each in ([(0, 0)], [(0, 1)]) or (each[0] == (0, 0) and each[1][1] == 1), each
+    for (_, start), result in zip([f[1] for f in switched], done.output.results, strict=False):
+        assert 0 < start <= max(len(s.tokens) for s in result.sequences)
+    # The next sample runs wholly on the new weights.
+    assert segments(sample(session)) == [(0, 1)]
+    session.stop()
+
+
+def test_what_vllm_cannot_do_is_a_400_naming_the_field(vllm_server, lora_resource):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 9})
+    url = f"{vllm_server.base_url}/v1/rl/training-sessions/{session.session_id}/operations/sample"
+    for field in ("return_routed_experts", "prompt_logprobs"):
+        response = httpx.post(
+            url,
+            headers={"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": str(uuid.uuid4())},
+            json={"model_inputs": [model_input(PROMPT)], field: True},
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+    assert segments(sample(session)) == [(0, 0)]  # nothing else changed
+    session.stop()
+
+
+def test_a_killed_vllm_server_fails_its_sample_and_the_next_is_served(vllm_server, lora_resource):
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 10})
+    train(session, steps=1)
+    session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    (pid,) = vllm_servers(vllm_server.process.pid)
+    running = start_long_sample(vllm_server.base_url, session)
+    wait_decoding(vllm_server.base_url, session, running, pid, sequences=1)
+    os.kill(pid, signal.SIGKILL)
+    done = finished(vllm_server.base_url, session, running)
+    assert done.status == "TRAINING_OPERATION_STATUS_FAILED"
+    assert done.error.code == "TRAINING_OPERATION_ERROR_CODE_INTERNAL_ERROR"
+    assert "generator replica 0 of model resource" in done.error.message
+    assert f"pid {pid})" in done.error.message
+    assert vllm_server.process.poll() is None  # the API server lives on
+    after = sample(session)  # a new vLLM server, serving the synced weights
+    assert segments(after) == [(0, 1)]
+    assert mismatch(session, after) <= 1e-4
+    (restarted,) = vllm_servers(vllm_server.process.pid)
+    assert restarted != pid
+    session.stop()
+
+
+def test_a_full_weight_session_trains_syncs_and_samples_through_vllm(vllm_server):
+    resources = ModelResourcesClient.create(
+        base_url=vllm_server.base_url,
+        api_key=API_KEY,
+        base_model=BASE_MODEL,
+        lora_enabled=False,
+        interval=0.2,
+    )
+    session = resources.create_session(interval=0.2)
+    before = sample(session)
+    assert segments(before) == [(0, 0)] and mismatch(session, before) <= 1e-4
+    train(session)
+    session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    after = sample(session)
+    assert segments(after) == [(0, 2)]
+    assert mismatch(session, after) <= 1e-4  # vLLM reloaded the trained weights
+    assert [s.tokens for s in after.sequences] != [s.tokens for s in before.sequences]
+    session.stop()
+    resources.stop()

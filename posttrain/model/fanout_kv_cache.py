@@ -10,7 +10,8 @@ Two parts:
 A forward pass appends to the own part (`begin` / `update` / `commit`, the KVCache protocol
 with absolute position ids) and attends through SharedPrefixAttention (model/attention.py),
 which `attention_masks` returns per layer type. `keep` frees finished rows like KVCache.keep and
-also frees the prefixes no live row reads any more, so attention never reads a dead prompt.
+also frees the prefixes no live row reads any more, so attention never reads a dead prompt;
+`join` appends the prefixes and rows of requests joining a running decode batch.
 
 Prefix groups are named by the caller's ids (`group_ids_B`); `prefix_row` maps them to rows of
 the prefix cache, which move when dead prefixes are freed.
@@ -208,6 +209,24 @@ class FanoutKVCache:
             sources = [self.prefix_row[g] for g in order]
             self.prefix.keep(torch.tensor(sources, dtype=torch.int64, device=self.own.kv.device))
             self.prefix_row = {g: row for row, g in enumerate(order)}
+        self._reset_layout()
+
+    def join(
+        self, prefix: KVCache, prefix_rows: list[int], prefix_ids: list[int], group_ids_B: list[int]
+    ) -> None:
+        """Rows joining at a decode block boundary: rows prefix_rows of `prefix` (a prefill of
+        the joining prompts) become the prefixes named prefix_ids, and len(group_ids_B) empty
+        own rows continuing them are appended after the running rows (KVCache.add_rows)."""
+        assert not set(prefix_ids) & set(self.prefix_row), "joining prefixes are new"
+        device = self.own.kv.device
+        start = self.prefix.num_rows
+        self.prefix.add_rows(
+            len(prefix_rows), prefix, torch.tensor(prefix_rows, dtype=torch.int64, device=device)
+        )
+        for offset, gid in enumerate(prefix_ids):
+            self.prefix_row[gid] = start + offset
+        self.own.add_rows(len(group_ids_B))
+        self.group_ids_B += group_ids_B
         self._reset_layout()
 
     def replace_prefix(self, group_id: int, source: KVCache, source_row: int) -> None:

@@ -52,14 +52,14 @@ Q = new positions per row in a pass, V = vocab, H = hidden size.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
-from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.decode_rows import LiveRows
 from posttrain.engine.generate.draws import draw, record_steps
+from posttrain.engine.generate.joins import Generation, GenerationRequest, start_rows
 from posttrain.engine.generate.prefill import (
     GeneratorModel,
     PromptGroup,
@@ -69,7 +69,6 @@ from posttrain.engine.generate.prefill import (
     new_cache,
     prefill,
 )
-from posttrain.engine.generate.sampling_math import row_seed
 from posttrain.engine.state import WeightsVersion
 from posttrain.engine.train.expert_routes import to_routes
 from posttrain.model import attention
@@ -79,7 +78,6 @@ from posttrain.types import (
     PolicySegment,
     SampledSequence,
     SampleResult,
-    SamplingParams,
     TopkPromptLogprobs,
 )
 
@@ -111,19 +109,6 @@ def default_block_steps(device: torch.device) -> int:
     return CPU_BLOCK_STEPS if device.type == "cpu" else DECODE_BLOCK_STEPS
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt of one sample operation: num_samples sequences sharing one prefill."""
-
-    prompt: tuple[int, ...]
-    num_samples: int
-    params: SamplingParams
-    adapter_key: str
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    return_routed_experts: bool = False  # ignored by a dense model (api.md 1.4.6)
-
-
 # ---------------------------------------------------------------- the decode loop
 
 
@@ -134,49 +119,18 @@ def generate(
     versions: Mapping[str, WeightsVersion],
     between_tokens: Callable[[], None] | None = None,
     block_steps: int | None = None,
+    admit: Callable[[], list[GenerationRequest]] | None = None,
 ) -> list[SampleResult]:
-    """Sample every request; results align with `requests`.
+    """Sample every request; results align with `requests`, then the admitted ones in order.
 
     `versions` maps each adapter key to what it serves now and is read again after every
     `between_tokens()` call, which may publish new weights (PIPELINE weights-sync).
-    `block_steps`: decode passes per host read (None: default_block_steps of the device)."""
+    `block_steps`: decode passes per host read (None: default_block_steps of the device).
+    `admit`: called at every block boundary (after `between_tokens`); the requests it returns
+    are prefilled and their rows join the running decode batch (joins.py)."""
     attention.install(gm.model)
     with torch.no_grad():
-        return _generate(gm, requests, versions, between_tokens, block_steps)
-
-
-def _plan(
-    gm: GeneratorModel,
-    requests: list[GenerationRequest],
-    versions: Mapping[str, WeightsVersion],
-) -> tuple[list[PromptGroup], list[int], list[SampledRow]]:
-    """Groups (distinct adapter + prompt), the group of each request, and the rows."""
-    wants_routes = [q.return_routed_experts and gm.moe is not None for q in requests]
-    groups: list[PromptGroup] = []
-    group_of_request: list[int] = []
-    index: dict[tuple[str, tuple[int, ...]], int] = {}
-    rows: list[SampledRow] = []
-    for r, request in enumerate(requests):
-        key = (request.adapter_key, request.prompt)
-        if key not in index:
-            index[key] = len(groups)
-            generation = versions[request.adapter_key].generation
-            groups.append(PromptGroup(request.adapter_key, request.prompt, generation))
-        group_of_request.append(index[key])
-        group = groups[index[key]]
-        group.topk = max(group.topk, request.topk_prompt_logprobs)
-        group.wants_prompt_logprobs |= request.prompt_logprobs or request.topk_prompt_logprobs > 0
-        group.wants_routes |= wants_routes[r]
-        params = request.params
-        for j in range(request.num_samples):
-            generator = None
-            if params.temperature > 0:
-                generator = torch.Generator().manual_seed(row_seed(params.seed, j))
-            routes: list[Tensor] | None = [] if wants_routes[r] else None
-            rows.append(
-                SampledRow(r, index[key], request.adapter_key, params, generator, routes=routes)
-            )
-    return groups, group_of_request, rows
+        return _generate(gm, requests, versions, between_tokens, block_steps, admit)
 
 
 def _generate(
@@ -185,31 +139,25 @@ def _generate(
     versions: Mapping[str, WeightsVersion],
     between_tokens: Callable[[], None] | None,
     block_steps: int | None,
+    admit: Callable[[], list[GenerationRequest]] | None,
 ) -> list[SampleResult]:
     device = gm.model.get_input_embeddings().weight.device
-    groups, group_of_request, rows = _plan(gm, requests, versions)
-    segments = [[PolicySegment(0, versions[q.adapter_key].version)] for q in requests]
-    prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
-    assert first_logits_GV is not None
-    vocab = first_logits_GV.shape[-1]
-    batch = LiveRows(rows, list(range(len(rows))), device, vocab)
-    group_of_row_R = torch.tensor([row.group for row in rows], device=device)
-    first_B = draw(batch, first_logits_GV[group_of_row_R])
-    tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
-    batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
+    generation = Generation()
+    group_ids, row_ids = generation.add(gm, requests, versions)
+    prefill_cache, batch = start_rows(gm, generation, group_ids, row_ids)
+    rows = generation.rows
     if not batch.live:
-        return _results(requests, groups, group_of_request, rows, segments)
+        return _results(generation)
     longest_completion = max(rows[r].max_tokens for r in batch.live)
     own = new_cache(gm, len(batch.live), min(longest_completion, DECODE_POSITIONS_PER_GROWTH))
-    cache = FanoutKVCache(
-        prefill_cache, list(range(len(groups))), own, [rows[r].group for r in batch.live]
-    )
+    cache = FanoutKVCache(prefill_cache, group_ids, own, [rows[r].group for r in batch.live])
     # Frees the prompts whose every sample already ended on its first token.
     cache.keep(torch.arange(len(batch.live), device=device))
-    # Own positions every live row holds: all rows start decoding together and each pass adds
-    # one to every row of the batch (a weights update recomputes them to the same count), so
-    # the host knows when the cache is full without asking the device.
-    own_positions = 0
+    # Own positions of every batch position, known on the host: each pass adds one to every
+    # row (a weights update recomputes them to the same count), a joining row starts at 0.
+    # While all are equal (no join, or the joined rows caught up by the others leaving), the
+    # passes take the `uniform` fast path and nothing is read back from the device.
+    own_lengths = [0] * len(batch.live)
     steps_per_block = block_steps if block_steps is not None else default_block_steps(device)
     static = use_static_passes(gm, device)
     step: DecodeStep | None = None  # the static pass of the current layout
@@ -220,32 +168,35 @@ def _generate(
         if between_tokens is not None:
             served = {key: v.generation for key, v in versions.items()}
             between_tokens()
-            if _apply_new_weights(gm, batch, cache, groups, requests, versions, segments):
+            if _apply_new_weights(gm, batch, cache, generation, versions):
                 step = None
             elif served != {key: v.generation for key, v in versions.items()}:
                 # New weights of rows that no longer run: a captured pass may hold the
                 # addresses of the weights they replaced, so it is made again.
                 step = None
+        if admit is not None and (joining := admit()):
+            joined = _join(gm, generation, joining, versions, batch, cache)
+            own_lengths += [0] * joined
+            running += range(len(batch.live) - joined, len(batch.live))
+            step = None if joined else step
         # No row runs past the longest max_tokens still wanted: the last block is shortened.
         steps = min(
             steps_per_block,
             max(rows[batch.live[i]].max_tokens - len(rows[batch.live[i]].tokens) for i in running),
         )
-        if own_positions + steps > cache.capacity:
-            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))
+        if max(own_lengths) + steps > cache.capacity:
+            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, max(own_lengths) + steps))
             step = None
+        uniform = own_lengths[0] if len(set(own_lengths)) == 1 else None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
-        if static:
+        if static and uniform is not None:
             if step is None:
-                step = DecodeStep(
-                    gm, StaticDecodeCache(cache, own_positions), batch, _use_graphs(device)
-                )
+                step = DecodeStep(gm, StaticDecodeCache(cache, uniform), batch, _use_graphs(device))
             tokens_KB, logprobs_KB = _static_block(step, batch, steps)
         else:
-            tokens_KB, logprobs_KB = _dynamic_block(
-                gm, batch, cache, steps, own_positions, routes_K
-            )
-        own_positions += steps
+            step = None  # rows of different lengths: dynamic passes (static ones assume one)
+            tokens_KB, logprobs_KB = _dynamic_block(gm, batch, cache, steps, uniform, routes_K)
+        own_lengths = [length + steps for length in own_lengths]
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = record_steps(gm, batch, tokens, logprobs, routes_K)
         if running and not (static and _keeps_layout(len(running), len(batch.live))):
@@ -253,9 +204,37 @@ def _generate(
                 order = _fill_holes(running)
                 cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
                 batch.keep(order)
+                own_lengths = [own_lengths[i] for i in order]
                 running = list(range(len(order)))
                 step = None
-    return _results(requests, groups, group_of_request, rows, segments)
+    return _results(generation)
+
+
+def _join(
+    gm: GeneratorModel,
+    generation: Generation,
+    joining: list[GenerationRequest],
+    versions: Mapping[str, WeightsVersion],
+    batch: LiveRows,
+    cache: FanoutKVCache,
+) -> int:
+    """Requests joining at a block boundary: prefilled, first token drawn (joins.start), their
+    live rows appended to the batch and the cache. Returns how many rows joined."""
+    group_ids, row_ids = generation.add(gm, joining, versions)
+    prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
+    if not fresh.live:
+        return 0
+    rows = generation.rows
+    live_groups = sorted({rows[r].group for r in fresh.live})
+    cache_row = {g: i for i, g in enumerate(group_ids)}
+    cache.join(
+        prefill_cache,
+        [cache_row[g] for g in live_groups],
+        live_groups,
+        [rows[r].group for r in fresh.live],
+    )
+    batch.join(fresh)
+    return len(fresh.live)
 
 
 def _dynamic_block(
@@ -263,11 +242,12 @@ def _dynamic_block(
     batch: LiveRows,
     cache: FanoutKVCache,
     steps: int,
-    own_positions: int,
+    own_positions: int | None,
     routes_K: list[Tensor] | None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """`steps` passes of every row of the batch, shapes following the rows' lengths; each
-    step's tokens and logprobs [B] stay on the device (routes appended to routes_K)."""
+    step's tokens and logprobs [B] stay on the device (routes appended to routes_K).
+    `own_positions`: what every row holds, or None when they differ (rows that joined)."""
     tokens_KB: list[Tensor] = []
     logprobs_KB: list[Tensor] = []
     for k in range(steps):
@@ -280,7 +260,7 @@ def _dynamic_block(
             batch.ones_B,
             batch.keys,
             routes_out,
-            uniform=(1, own_positions + k + 1),
+            uniform=None if own_positions is None else (1, own_positions + k + 1),
         )
         if routes_K is not None:
             assert routes_out is not None
@@ -336,16 +316,14 @@ def _apply_new_weights(
     gm: GeneratorModel,
     batch: LiveRows,
     cache: FanoutKVCache,
-    groups: list[PromptGroup],
-    requests: list[GenerationRequest],
+    generation: Generation,
     versions: Mapping[str, WeightsVersion],
-    segments: list[list[PolicySegment]],
 ) -> bool:
     """After a publish: recompute the KV of the running rows whose adapter changed with the new
     weights (their prompt once, then each row's tokens so far but the last, which the next pass
     feeds), and open a policy segment at their next token. Finished rows kept as padding
     (static passes) are left alone. Returns whether anything changed."""
-    rows = batch.rows
+    rows, groups, segments = batch.rows, generation.groups, generation.segments
     changed = {
         g
         for g in {rows[r].group for r in batch.live if rows[r].stop_reason is None}
@@ -383,19 +361,15 @@ def _apply_new_weights(
     for row in affected:
         switched[row.request] = len(row.tokens)
     for r, start in switched.items():
-        version = versions[requests[r].adapter_key].version
+        version = versions[generation.requests[r].adapter_key].version
         if segments[r][-1].version != version:
             segments[r].append(PolicySegment(start, version))
     return True
 
 
-def _results(
-    requests: list[GenerationRequest],
-    groups: list[PromptGroup],
-    group_of_request: list[int],
-    rows: list[SampledRow],
-    segments: list[list[PolicySegment]],
-) -> list[SampleResult]:
+def _results(generation: Generation) -> list[SampleResult]:
+    requests, groups, rows = generation.requests, generation.groups, generation.rows
+    group_of_request, segments = generation.group_of_request, generation.segments
     sequences: list[list[SampledSequence]] = [[] for _ in requests]
     for row in rows:
         assert row.stop_reason is not None, "every row ends with a stop reason"

@@ -1,0 +1,112 @@
+"""The requests, prompts and rows of one generate call (sampler.py), and how rows start: the
+first batch's and those of requests that join the running decode batch at a block boundary.
+
+A Generation grows as requests join: `add` plans requests into prompt groups (one per distinct
+adapter + prompt among them) and rows (one per sampled sequence), appended to what the call
+already has, so a row's `request` and `group` stay indices into one list each. `start_rows`
+prefills the new groups and draws each new row's first token, exactly as the first batch's
+rows start; the rows still live after it are what joins the decode batch (LiveRows.join,
+FanoutKVCache.join). A joined row's random stream is its own torch.Generator, seeded from
+(seed, sample index) as alone, so its tokens do not depend on when it joined.
+
+Legend: G = prefill groups (distinct prompts), R = rows (sequences), V = vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.draws import draw, record_steps
+from posttrain.engine.generate.prefill import GeneratorModel, PromptGroup, prefill
+from posttrain.engine.generate.sampling_math import row_seed
+from posttrain.engine.state import WeightsVersion
+from posttrain.model.kv_cache import KVCache
+from posttrain.types import PolicySegment, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt of one sample operation: num_samples sequences sharing one prefill."""
+
+    prompt: tuple[int, ...]
+    num_samples: int
+    params: SamplingParams
+    adapter_key: str
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    return_routed_experts: bool = False  # ignored by a dense model (api.md 1.4.6)
+
+
+@dataclass
+class Generation:
+    """Everything one generate call has been asked for so far, in arrival order."""
+
+    requests: list[GenerationRequest] = field(default_factory=list)
+    groups: list[PromptGroup] = field(default_factory=list)
+    group_of_request: list[int] = field(default_factory=list)
+    rows: list[SampledRow] = field(default_factory=list)
+    segments: list[list[PolicySegment]] = field(default_factory=list)
+
+    def add(
+        self,
+        gm: GeneratorModel,
+        requests: list[GenerationRequest],
+        versions: Mapping[str, WeightsVersion],
+    ) -> tuple[list[int], list[int]]:
+        """Plan `requests`; returns the ids of their (new) prompt groups and of their rows.
+        Prompts are shared within one `add` only: a joining request never reads the prefix
+        of a running group (its weights may have been published since)."""
+        first_group, first_row = len(self.groups), len(self.rows)
+        index: dict[tuple[str, tuple[int, ...]], int] = {}
+        for request in requests:
+            r = len(self.requests)
+            self.requests.append(request)
+            self.segments.append([PolicySegment(0, versions[request.adapter_key].version)])
+            wants_routes = request.return_routed_experts and gm.moe is not None
+            key = (request.adapter_key, request.prompt)
+            if key not in index:
+                index[key] = len(self.groups)
+                generation = versions[request.adapter_key].generation
+                self.groups.append(PromptGroup(request.adapter_key, request.prompt, generation))
+            g = index[key]
+            self.group_of_request.append(g)
+            group = self.groups[g]
+            group.topk = max(group.topk, request.topk_prompt_logprobs)
+            group.wants_prompt_logprobs |= (
+                request.prompt_logprobs or request.topk_prompt_logprobs > 0
+            )
+            group.wants_routes |= wants_routes
+            params = request.params
+            for j in range(request.num_samples):
+                generator = None
+                if params.temperature > 0:
+                    generator = torch.Generator().manual_seed(row_seed(params.seed, j))
+                routes: list[Tensor] | None = [] if wants_routes else None
+                self.rows.append(
+                    SampledRow(r, g, request.adapter_key, params, generator, routes=routes)
+                )
+        return list(range(first_group, len(self.groups))), list(range(first_row, len(self.rows)))
+
+
+def start_rows(
+    gm: GeneratorModel, generation: Generation, group_ids: list[int], row_ids: list[int]
+) -> tuple[KVCache, LiveRows]:
+    """Prefill groups `group_ids` (row i of the returned cache is group group_ids[i]) and draw
+    the first token of rows `row_ids` (rows of those groups); returns the prefill and the
+    rows still live after their first token, as a batch of their own."""
+    device = gm.model.get_input_embeddings().weight.device
+    groups = [generation.groups[g] for g in group_ids]
+    prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
+    assert first_logits_GV is not None
+    batch = LiveRows(generation.rows, list(row_ids), device, first_logits_GV.shape[-1])
+    cache_row = {g: i for i, g in enumerate(group_ids)}
+    rows_of_R = torch.tensor([cache_row[generation.rows[r].group] for r in row_ids], device=device)
+    first_B = draw(batch, first_logits_GV[rows_of_R])
+    tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
+    batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
+    return prefill_cache, batch

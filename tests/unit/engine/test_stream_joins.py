@@ -1,0 +1,165 @@
+"""Requests joining a running generation at decode block boundaries (sampler.generate's
+`admit`, engine/generate/joins.py) get what they get alone: the same tokens, stop reasons and
+policy segments, logprobs within 1e-5 (a matrix product's rows depend in their last bits on
+how many rows it has); and the running rows are not disturbed by them. On the built-in model,
+CPU, for per-token and block decoding, dynamic and static passes, several adapters, greedy,
+plain and shaped sampling, several samples of a prompt, stop strings and max_tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
+from posttrain.engine.generate import generator, sampler
+from posttrain.engine.generate.sampler import GenerationRequest
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.model.kv_cache import KVCache
+from posttrain.types import LoraConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> LocalEngine:
+    # No prefix cache: a cached prompt runs a shorter prefill, whose logits may differ in the
+    # last bits, and a request alone after the joined run would hit what that run cached.
+    engine = LocalEngine(
+        EngineConfig(device="cpu", logprob_chunk_tokens=5, prefix_cache_mib=0),
+        {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR},
+    )
+    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
+    engine.create_session("r", "t", LoraConfig(rank=4, alpha=8, seed=2))
+    return engine
+
+
+def run(engine: LocalEngine, requests, *, joins=None):
+    """sampler.generate on the resource's model; `joins` maps a block boundary (counted from
+    1) to the requests admitted there."""
+    resource = engine._resource("r")
+    for session in ("s", "t"):
+        generator.served(resource, engine._session("r", session)[1])
+    gm = generator.generator_model(engine.config, resource, resource.loaded.model)
+    calls = []
+
+    def admit() -> list[GenerationRequest]:
+        calls.append(1)
+        return list((joins or {}).get(len(calls), []))
+
+    return sampler.generate(gm, requests, versions=resource.served, admit=admit)
+
+
+def request(text_tokens, samples, params, session="s") -> GenerationRequest:
+    return GenerationRequest(tuple(text_tokens), samples, params, f"{session}@generator")
+
+
+def running_request() -> GenerationRequest:
+    return request((5, 6, 7, 8, 9, 10), 2, SamplingParams(max_tokens=30, temperature=0.9, seed=5))
+
+
+def joining_requests() -> dict[int, list[GenerationRequest]]:
+    """Per boundary, the requests that join there: rows of both adapters, several kinds of
+    sampling, prompts of other lengths than the running one's, ending at many steps."""
+    return {
+        3: [
+            request(
+                (11, 12, 13),
+                3,
+                SamplingParams(max_tokens=12, temperature=0.7, top_k=20, top_p=0.9, seed=3),
+            )
+        ],
+        6: [
+            request(
+                (21, 22, 23, 24, 25, 26, 27, 28, 29),
+                1,
+                SamplingParams(max_tokens=9, temperature=0.0),
+            ),
+            request(
+                (31, 32),
+                2,
+                SamplingParams(max_tokens=15, temperature=1.3, top_p=0.5, seed=9),
+                session="t",
+            ),
+        ],
+        7: [request((41, 42, 43, 44), 2, SamplingParams(max_tokens=40, seed=11))],
+    }
+
+
+def assert_same(ours, alone) -> None:
+    assert ours.policy_segments == alone.policy_segments
+    assert len(ours.sequences) == len(alone.sequences)
+    for x, y in zip(ours.sequences, alone.sequences, strict=True):
+        assert x.tokens == y.tokens
+        assert x.stop_reason == y.stop_reason
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("steps", "static"), [(1, False), (4, False), (1, True), (3, True)])
+def test_a_request_joining_a_running_generation_gets_what_it_gets_alone(
+    engine, monkeypatch, steps, static
+):
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", steps)
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", static)
+    first = running_request()
+    joins = joining_requests()
+    results = run(engine, [first], joins=joins)
+    admitted = [q for boundary in sorted(joins) for q in joins[boundary]]
+    assert len(results) == 1 + len(admitted)
+    # The running request is not disturbed by the rows that joined it.
+    (alone_first,) = run(engine, [first])
+    assert_same(results[0], alone_first)
+    # Every row of it was still running when the first requests joined, and every join found
+    # rows running (else the generation would have ended before admitting it: len above).
+    assert min(len(s.tokens) for s in results[0].sequences) > 1 + (min(joins) - 1) * steps
+    for ours, joined in zip(results[1:], admitted, strict=True):
+        (alone,) = run(engine, [joined])
+        assert_same(ours, alone)
+    lengths = {len(s.tokens) for r in results for s in r.sequences}
+    assert len(lengths) >= 4, lengths  # rows really ended at different steps
+
+
+def test_a_request_joining_once_every_running_row_left_the_first_ones_behind(engine):
+    """Rows of different own lengths side by side run non-uniform passes; once the shorter
+    running rows leave, the rest continue exactly."""
+    short = request((5, 6), 3, SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    late = request((7, 8, 9), 2, SamplingParams(max_tokens=10, temperature=0.8, seed=2))
+    results = run(engine, [short], joins={2: [late]})
+    for ours, q in zip(results, [short, late], strict=True):
+        (alone,) = run(engine, [q])
+        assert_same(ours, alone)
+
+
+def test_kv_cache_rows_added_after_live_rows_keep_every_row_intact():
+    cache = KVCache(
+        num_layers=2,
+        num_rows=3,
+        capacity=4,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    cache.kv.normal_()
+    cache.lengths_B[:] = torch.tensor([4, 2, 3])
+    before = [cache.span(b, 0, int(cache.lengths_B[b])).clone() for b in range(3)]
+    cache.keep(torch.tensor([0, 2]))  # row 1 freed: its slot is reused first
+    source = KVCache(
+        num_layers=2,
+        num_rows=2,
+        capacity=6,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    source.kv.normal_()
+    source.lengths_B[:] = torch.tensor([6, 1])
+    cache.add_rows(2, source, torch.tensor([1, 0]))  # past the freed slot, longer than capacity
+    assert cache.num_rows == 4 and cache.capacity == 6 and cache.kv.shape[2] >= 4
+    assert cache.lengths_B[:4].tolist() == [4, 3, 1, 6]
+    torch.testing.assert_close(cache.span(0, 0, 4), before[0], atol=0, rtol=0)
+    torch.testing.assert_close(cache.span(1, 0, 3), before[2], atol=0, rtol=0)
+    torch.testing.assert_close(cache.span(2, 0, 1), source.span(1, 0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(cache.span(3, 0, 6), source.span(0, 0, 6), atol=0, rtol=0)
+    cache.add_rows(1)
+    assert cache.num_rows == 5 and int(cache.lengths_B[4]) == 0
+    torch.testing.assert_close(cache.span(3, 0, 6), source.span(0, 0, 6), atol=0, rtol=0)

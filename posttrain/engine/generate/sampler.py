@@ -31,6 +31,13 @@ operations and sessions can share passes) and runs:
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy
    segment starting at the next generated token, so every token after the switch is exactly what
    the new weights give.
+5. Joins: between blocks (after `between_tokens`) `admit` may return new requests. They are
+   planned, prefilled and drawn their first token like the first batch's (joins.py), and their
+   live rows are appended to the batch and the cache (FanoutKVCache.join); their results follow
+   the first requests'. A joined row's own part starts empty while the others' do not, so
+   while rows of different own lengths share the batch the passes are non-uniform (dynamic
+   passes with per-row masks, reading the lengths back); once they are equal again (the
+   longer rows left) the uniform and static paths resume.
 
 Sampling (sampling_math.py): temperature, top-k, top-p, then one inverse-CDF draw per row from
 its own torch.Generator. Sample j of a prompt seeds its generator from (seed, j), so the same

@@ -7,6 +7,9 @@ plain and shaped sampling, several samples of a prompt, stop strings and max_tok
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,22 +20,28 @@ from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.model.kv_cache import KVCache
 from posttrain.types import LoraConfig, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+import families  # noqa: E402
 
-@pytest.fixture(scope="module")
-def engine() -> LocalEngine:
+
+def engine_for(models: dict[str, Path], model_id: str) -> LocalEngine:
     # No prefix cache: a cached prompt runs a shorter prefill, whose logits may differ in the
     # last bits, and a request alone after the joined run would hit what that run cached.
     engine = LocalEngine(
-        EngineConfig(device="cpu", logprob_chunk_tokens=5, prefix_cache_mib=0),
-        {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR},
+        EngineConfig(device="cpu", logprob_chunk_tokens=5, prefix_cache_mib=0), models
     )
-    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    engine.load_resource("r", model_id, muon_scaling=None)
     engine.create_session("r", "s", LoraConfig(rank=4, alpha=8, seed=1))
     engine.create_session("r", "t", LoraConfig(rank=4, alpha=8, seed=2))
     return engine
 
 
-def run(engine: LocalEngine, requests, *, joins=None):
+@pytest.fixture(scope="module")
+def engine() -> LocalEngine:
+    return engine_for({BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}, BUILTIN_MODEL_ID)
+
+
+def run(engine: LocalEngine, requests, *, joins=None, between_tokens=None):
     """sampler.generate on the resource's model; `joins` maps a block boundary (counted from
     1) to the requests admitted there."""
     resource = engine._resource("r")
@@ -45,11 +54,13 @@ def run(engine: LocalEngine, requests, *, joins=None):
         calls.append(1)
         return list((joins or {}).get(len(calls), []))
 
-    return sampler.generate(gm, requests, versions=resource.served, admit=admit)
+    return sampler.generate(
+        gm, requests, versions=resource.served, admit=admit, between_tokens=between_tokens
+    )
 
 
-def request(text_tokens, samples, params, session="s") -> GenerationRequest:
-    return GenerationRequest(tuple(text_tokens), samples, params, f"{session}@generator")
+def request(tokens, samples, params, session="s", **options) -> GenerationRequest:
+    return GenerationRequest(tuple(tokens), samples, params, f"{session}@generator", **options)
 
 
 def running_request() -> GenerationRequest:
@@ -80,16 +91,34 @@ def joining_requests() -> dict[int, list[GenerationRequest]]:
                 session="t",
             ),
         ],
-        7: [request((41, 42, 43, 44), 2, SamplingParams(max_tokens=40, seed=11))],
+        7: [
+            request((41, 42, 43, 44), 2, SamplingParams(max_tokens=40, seed=11)),
+            request(
+                (51, 52, 53, 54, 55),
+                1,
+                SamplingParams(max_tokens=6, temperature=0.5, seed=12),
+                prompt_logprobs=True,
+                topk_prompt_logprobs=3,
+            ),
+        ],
     }
 
 
 def assert_same(ours, alone) -> None:
     assert ours.policy_segments == alone.policy_segments
+    if alone.prompt_logprobs is None:
+        assert ours.prompt_logprobs is None
+    else:
+        torch.testing.assert_close(ours.prompt_logprobs, alone.prompt_logprobs, atol=1e-5, rtol=0)
+    assert (ours.topk_prompt_logprobs is None) == (alone.topk_prompt_logprobs is None)
+    for a, b in zip(ours.topk_prompt_logprobs or [], alone.topk_prompt_logprobs or [], strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     assert len(ours.sequences) == len(alone.sequences)
     for x, y in zip(ours.sequences, alone.sequences, strict=True):
         assert x.tokens == y.tokens
         assert x.stop_reason == y.stop_reason
+        assert x.routed_experts == y.routed_experts
         torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
 
 
@@ -126,6 +155,65 @@ def test_a_request_joining_once_every_running_row_left_the_first_ones_behind(eng
     for ours, q in zip(results, [short, late], strict=True):
         (alone,) = run(engine, [q])
         assert_same(ours, alone)
+
+
+@pytest.mark.parametrize("family", ["mistral", "olmoe"])
+def test_joins_on_sliding_windows_and_moe_routes_get_what_they_get_alone(
+    tmp_path, monkeypatch, family
+):
+    """Sliding-window masks over rows of different own lengths (Mistral), expert routes of
+    joined rows (OLMoE: the prompt's from the joined prefill, then one per token)."""
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 2)
+    engine = engine_for({"m": families.build(family, tmp_path / family)}, "m")
+    first = request((1, 40, 41, 42, 50, 60), 2, SamplingParams(max_tokens=14, seed=1))
+    joined = request(
+        (1, 33, 34, 35),
+        3,
+        SamplingParams(max_tokens=9, temperature=0.6, top_k=7, seed=2),
+        session="t",
+        return_routed_experts=True,
+    )
+    results = run(engine, [first], joins={3: [joined]})
+    for ours, q in zip(results, [first, joined], strict=True):
+        (alone,) = run(engine, [q])
+        assert_same(ours, alone)
+    if family == "olmoe":
+        assert all(s.routed_experts is not None for s in results[1].sequences)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_publish_while_joined_rows_run_recomputes_each_row_at_its_own_length(
+    engine, monkeypatch, static
+):
+    """A PIPELINE publish of the same weights at a boundary after a join: every running row's
+    KV is recomputed (rows of different own lengths), a policy segment opens at each one's
+    next token, and the tokens are those of no publish."""
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 2)
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", static)
+    first = running_request()
+    joined = request((11, 12, 13), 2, SamplingParams(max_tokens=12, temperature=0.7, seed=3))
+    calls = []
+    version = 20 + static  # the engine is the module's: each case publishes a new version
+
+    def publish_on_the_fifth_boundary() -> None:
+        calls.append(1)
+        if len(calls) == 5:
+            engine.publish("r", "s", version=version)
+
+    results = run(
+        engine, [first], joins={3: [joined]}, between_tokens=publish_on_the_fifth_boundary
+    )
+    # Boundary b comes after 1 + 2 (b - 1) tokens of the first request; the joined one's
+    # first token came at boundary 3, so at boundary 5 it has 1 + 2 * 2 tokens.
+    assert results[0].policy_segments[-1].start_token == 9
+    assert results[1].policy_segments[-1].start_token == 5
+    for ours, q in zip(results, [first, joined], strict=True):
+        assert ours.policy_segments[-1].version == version
+        (alone,) = run(engine, [q])
+        assert len(ours.sequences) == len(alone.sequences)
+        for x, y in zip(ours.sequences, alone.sequences, strict=True):
+            assert x.tokens == y.tokens
+            torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
 
 
 def test_kv_cache_rows_added_after_live_rows_keep_every_row_intact():

@@ -14,7 +14,7 @@ Legend: G = prefill groups (distinct prompts), R = rows (sequences), V = vocab.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +51,10 @@ class Generation:
     group_of_request: list[int] = field(default_factory=list)
     rows: list[SampledRow] = field(default_factory=list)
     segments: list[list[PolicySegment]] = field(default_factory=list)
+    # Per request, its rows not ended yet; and the rows counted as ended (see `settle`).
+    _open: dict[int, int] = field(default_factory=dict)
+    _ended: set[int] = field(default_factory=set)
+    _first_row: list[int] = field(default_factory=list)  # per request, its first row's id
 
     def add(
         self,
@@ -66,6 +70,8 @@ class Generation:
         for request in requests:
             r = len(self.requests)
             self.requests.append(request)
+            self._open[r] = request.num_samples
+            self._first_row.append(len(self.rows))
             self.segments.append([PolicySegment(0, versions[request.adapter_key].version)])
             wants_routes = request.return_routed_experts and gm.moe is not None
             key = (request.adapter_key, request.prompt)
@@ -91,6 +97,26 @@ class Generation:
                     SampledRow(r, g, request.adapter_key, params, generator, routes=routes)
                 )
         return list(range(first_group, len(self.groups))), list(range(first_row, len(self.rows)))
+
+    def rows_of(self, r: int) -> list[SampledRow]:
+        """Request r's rows, in sample order (a request's rows are planned together)."""
+        first = self._first_row[r]
+        return self.rows[first : first + self.requests[r].num_samples]
+
+    def settle(self, row_ids: Iterable[int]) -> list[int]:
+        """The requests whose last open row is among `row_ids` and has ended: each request is
+        returned once, when its result is complete (rows may be looked at again, e.g. the
+        finished rows a static batch keeps as padding)."""
+        done = []
+        for row_id in row_ids:
+            row = self.rows[row_id]
+            if row.stop_reason is None or row_id in self._ended:
+                continue
+            self._ended.add(row_id)
+            self._open[row.request] -= 1
+            if self._open[row.request] == 0:
+                done.append(row.request)
+        return done
 
 
 def start_rows(

@@ -127,6 +127,7 @@ def generate(
     between_tokens: Callable[[], None] | None = None,
     block_steps: int | None = None,
     admit: Callable[[], list[GenerationRequest]] | None = None,
+    finished: Callable[[int, SampleResult], None] | None = None,
 ) -> list[SampleResult]:
     """Sample every request; results align with `requests`, then the admitted ones in order.
 
@@ -134,10 +135,12 @@ def generate(
     `between_tokens()` call, which may publish new weights (PIPELINE weights-sync).
     `block_steps`: decode passes per host read (None: default_block_steps of the device).
     `admit`: called at every block boundary (after `between_tokens`); the requests it returns
-    are prefilled and their rows join the running decode batch (joins.py)."""
+    are prefilled and their rows join the running decode batch (joins.py).
+    `finished(index, result)`: called at the block end where a request's last row ended (index
+    into the returned list), so its operation can complete while the generation runs on."""
     attention.install(gm.model)
     with torch.no_grad():
-        return _generate(gm, requests, versions, between_tokens, block_steps, admit)
+        return _generate(gm, requests, versions, between_tokens, block_steps, admit, finished)
 
 
 def _generate(
@@ -147,11 +150,19 @@ def _generate(
     between_tokens: Callable[[], None] | None,
     block_steps: int | None,
     admit: Callable[[], list[GenerationRequest]] | None,
+    finished: Callable[[int, SampleResult], None] | None,
 ) -> list[SampleResult]:
     device = gm.model.get_input_embeddings().weight.device
     generation = Generation()
+
+    def settle(row_ids: list[int]) -> None:
+        for r in generation.settle(row_ids):
+            if finished is not None:
+                finished(r, _result(generation, r))
+
     group_ids, row_ids = generation.add(gm, requests, versions)
     prefill_cache, batch = start_rows(gm, generation, group_ids, row_ids)
+    settle(row_ids)
     rows = generation.rows
     if not batch.live:
         return _results(generation)
@@ -182,7 +193,7 @@ def _generate(
                 # addresses of the weights they replaced, so it is made again.
                 step = None
         if admit is not None and (joining := admit()):
-            joined = _join(gm, generation, joining, versions, batch, cache)
+            joined = _join(gm, generation, joining, versions, batch, cache, settle)
             own_lengths += [0] * joined
             running += range(len(batch.live) - joined, len(batch.live))
             step = None if joined else step
@@ -206,6 +217,7 @@ def _generate(
         own_lengths = [length + steps for length in own_lengths]
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = record_steps(gm, batch, tokens, logprobs, routes_K)
+        settle(batch.live)
         if running and not (static and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
                 order = _fill_holes(running)
@@ -224,11 +236,14 @@ def _join(
     versions: Mapping[str, WeightsVersion],
     batch: LiveRows,
     cache: FanoutKVCache,
+    settle: Callable[[list[int]], None],
 ) -> int:
-    """Requests joining at a block boundary: prefilled, first token drawn (joins.start), their
-    live rows appended to the batch and the cache. Returns how many rows joined."""
+    """Requests joining at a block boundary: prefilled, first token drawn (joins.start_rows),
+    their live rows appended to the batch and the cache (`settle` sees the rows that ended on
+    their first token). Returns how many rows joined."""
     group_ids, row_ids = generation.add(gm, joining, versions)
     prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
+    settle(row_ids)
     if not fresh.live:
         return 0
     rows = generation.rows
@@ -375,31 +390,30 @@ def _apply_new_weights(
 
 
 def _results(generation: Generation) -> list[SampleResult]:
-    requests, groups, rows = generation.requests, generation.groups, generation.rows
-    group_of_request, segments = generation.group_of_request, generation.segments
-    sequences: list[list[SampledSequence]] = [[] for _ in requests]
-    for row in rows:
+    return [_result(generation, r) for r in range(len(generation.requests))]
+
+
+def _result(generation: Generation, r: int) -> SampleResult:
+    """Request r's result; every row of it has ended."""
+    request = generation.requests[r]
+    group = generation.groups[generation.group_of_request[r]]
+    sequences: list[SampledSequence] = []
+    for row in generation.rows_of(r):
         assert row.stop_reason is not None, "every row ends with a stop reason"
-        group = groups[row.group]
         routes = None
         if row.routes is not None:
             # Every position that ran: the prompt's and each generated token but the last.
-            routes = to_routes(torch.cat([*group.routes, *(r[None] for r in row.routes)]))
-        sequences[row.request].append(
+            routes = to_routes(torch.cat([*group.routes, *(t[None] for t in row.routes)]))
+        sequences.append(
             SampledSequence(
                 row.tokens, row.logprobs, row.stop_reason, group.cache_hit_tokens, routes
             )
         )
-    results = []
-    for r, request in enumerate(requests):
-        group = groups[group_of_request[r]]
-        prompt_logprobs = [0.0, *group.prompt_logprobs] if request.prompt_logprobs else None
-        topk = None
-        if request.topk_prompt_logprobs:
-            k = request.topk_prompt_logprobs
-            topk = [TopkPromptLogprobs([], [])] + [
-                TopkPromptLogprobs(t.token_ids[:k], t.logprobs[:k])
-                for t in group.topk_prompt_logprobs
-            ]
-        results.append(SampleResult(sequences[r], segments[r], prompt_logprobs, topk))
-    return results
+    prompt_logprobs = [0.0, *group.prompt_logprobs] if request.prompt_logprobs else None
+    topk = None
+    if request.topk_prompt_logprobs:
+        k = request.topk_prompt_logprobs
+        topk = [TopkPromptLogprobs([], [])] + [
+            TopkPromptLogprobs(t.token_ids[:k], t.logprobs[:k]) for t in group.topk_prompt_logprobs
+        ]
+    return SampleResult(sequences, generation.segments[r], prompt_logprobs, topk)

@@ -41,7 +41,7 @@ def engine() -> LocalEngine:
     return engine_for({BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}, BUILTIN_MODEL_ID)
 
 
-def run(engine: LocalEngine, requests, *, joins=None, between_tokens=None):
+def run(engine: LocalEngine, requests, *, joins=None, between_tokens=None, finished=None):
     """sampler.generate on the resource's model; `joins` maps a block boundary (counted from
     1) to the requests admitted there."""
     resource = engine._resource("r")
@@ -55,7 +55,12 @@ def run(engine: LocalEngine, requests, *, joins=None, between_tokens=None):
         return list((joins or {}).get(len(calls), []))
 
     return sampler.generate(
-        gm, requests, versions=resource.served, admit=admit, between_tokens=between_tokens
+        gm,
+        requests,
+        versions=resource.served,
+        admit=admit,
+        between_tokens=between_tokens,
+        finished=finished,
     )
 
 
@@ -214,6 +219,29 @@ def test_a_publish_while_joined_rows_run_recomputes_each_row_at_its_own_length(
         for x, y in zip(ours.sequences, alone.sequences, strict=True):
             assert x.tokens == y.tokens
             torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
+def test_each_request_is_reported_finished_once_at_the_block_where_its_last_row_ended(engine):
+    """`finished` hands over a request's result as soon as its rows have all ended, while the
+    generation runs on: the operation can complete then (a request whose every row ended on
+    its first token included)."""
+    joins = joining_requests()
+    joins[4] = [request((61, 62), 2, SamplingParams(max_tokens=1, seed=4))]
+    order: list[int] = []
+    reported = {}
+
+    def finished(index, result) -> None:
+        order.append(index)
+        reported[index] = result
+
+    results = run(engine, [running_request()], joins=joins, finished=finished)
+    assert sorted(order) == list(range(len(results)))  # each request once
+    for index, result in reported.items():
+        assert result == results[index]
+    # The max_tokens=1 request (admitted 2nd: index 2) is reported when it joins, before the
+    # running request that was there first, and before the requests that join after it.
+    assert len(results[2].sequences[0].tokens) == 1
+    assert order.index(2) < min(order.index(0), order.index(3), order.index(4))
 
 
 def test_kv_cache_rows_added_after_live_rows_keep_every_row_intact():

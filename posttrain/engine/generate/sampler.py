@@ -218,7 +218,9 @@ def _generate(
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = record_steps(gm, batch, tokens, logprobs, routes_K)
         settle(batch.live)
-        if running and not (static and _keeps_layout(len(running), len(batch.live))):
+        # Finished rows stay as padding only in static passes (ragged batches run dynamic ones).
+        static_ran = static and uniform is not None
+        if running and not (static_ran and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
                 order = _fill_holes(running)
                 cache.keep(torch.tensor(order, dtype=torch.int64, device=device))

@@ -1,13 +1,16 @@
-"""The requests, prompts and rows of one generate call (sampler.py), and how rows start: the
-first batch's and those of requests that join the running decode batch at a block boundary.
+"""The requests, prompts and rows of one generation (sampler.py's Decoding) and what changes
+them: rows starting (the first requests' and those joining the running decode batch at a block
+boundary), weights switching under running rows (PIPELINE), results as requests complete.
 
 A Generation grows as requests join: `add` plans requests into prompt groups (one per distinct
 adapter + prompt among them) and rows (one per sampled sequence), appended to what the call
 already has, so a row's `request` and `group` stay indices into one list each. `start_rows`
-prefills the new groups and draws each new row's first token, exactly as the first batch's
-rows start; the rows still live after it are what joins the decode batch (LiveRows.join,
-FanoutKVCache.join). A joined row's random stream is its own torch.Generator, seeded from
-(seed, sample index) as alone, so its tokens do not depend on when it joined.
+prefills the new groups and draws each new row's first token, the same way for the first
+requests and for joining ones; the rows still live after it are what joins the decode batch
+(LiveRows.join, FanoutKVCache.join). A joined row's random stream is its own torch.Generator,
+seeded from (seed, sample index) as alone, so its tokens do not depend on when it joined.
+`settle` says which requests just completed, `result` builds one request's result.
+`switch_weights` recomputes the KV of running rows whose weights were published meanwhile.
 
 Legend: G = prefill groups (distinct prompts), R = rows (sequences), V = vocab.
 """
@@ -22,11 +25,25 @@ from torch import Tensor
 
 from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
 from posttrain.engine.generate.draws import draw, record_steps
-from posttrain.engine.generate.prefill import GeneratorModel, PromptGroup, prefill
+from posttrain.engine.generate.prefill import (
+    GeneratorModel,
+    PromptGroup,
+    extend_rows,
+    new_cache,
+    prefill,
+)
 from posttrain.engine.generate.sampling_math import row_seed
 from posttrain.engine.state import WeightsVersion
+from posttrain.engine.train.expert_routes import to_routes
+from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache
-from posttrain.types import PolicySegment, SamplingParams
+from posttrain.types import (
+    PolicySegment,
+    SampledSequence,
+    SampleResult,
+    SamplingParams,
+    TopkPromptLogprobs,
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +115,35 @@ class Generation:
                 )
         return list(range(first_group, len(self.groups))), list(range(first_row, len(self.rows)))
 
+    def results(self) -> list[SampleResult]:
+        return [self.result(r) for r in range(len(self.requests))]
+
+    def result(self, r: int) -> SampleResult:
+        """Request r's result; every row of it has ended."""
+        request = self.requests[r]
+        group = self.groups[self.group_of_request[r]]
+        sequences: list[SampledSequence] = []
+        for row in self.rows_of(r):
+            assert row.stop_reason is not None, "every row ends with a stop reason"
+            routes = None
+            if row.routes is not None:
+                # Every position that ran: the prompt's and each generated token but the last.
+                routes = to_routes(torch.cat([*group.routes, *(t[None] for t in row.routes)]))
+            sequences.append(
+                SampledSequence(
+                    row.tokens, row.logprobs, row.stop_reason, group.cache_hit_tokens, routes
+                )
+            )
+        prompt_logprobs = [0.0, *group.prompt_logprobs] if request.prompt_logprobs else None
+        topk = None
+        if request.topk_prompt_logprobs:
+            k = request.topk_prompt_logprobs
+            topk = [TopkPromptLogprobs([], [])] + [
+                TopkPromptLogprobs(t.token_ids[:k], t.logprobs[:k])
+                for t in group.topk_prompt_logprobs
+            ]
+        return SampleResult(sequences, self.segments[r], prompt_logprobs, topk)
+
     def rows_of(self, r: int) -> list[SampledRow]:
         """Request r's rows, in sample order (a request's rows are planned together)."""
         first = self._first_row[r]
@@ -136,3 +182,58 @@ def start_rows(
     tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
     batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
     return prefill_cache, batch
+
+
+def switch_weights(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    cache: FanoutKVCache,
+    generation: Generation,
+    versions: Mapping[str, WeightsVersion],
+) -> bool:
+    """After a publish: recompute the KV of the running rows whose adapter changed with the new
+    weights (their prompt once, then each row's tokens so far but the last, which the next pass
+    feeds), and open a policy segment at their next token. Finished rows kept as padding
+    (static passes) are left alone. Returns whether anything changed."""
+    rows, groups, segments = batch.rows, generation.groups, generation.segments
+    changed = {
+        g
+        for g in {rows[r].group for r in batch.live if rows[r].stop_reason is None}
+        if versions[groups[g].adapter_key].generation != groups[g].generation
+    }
+    if not changed:
+        return False
+    fresh: list[PromptGroup] = []
+    for g in sorted(changed):
+        current = versions[groups[g].adapter_key]
+        groups[g].generation = current.generation
+        fresh.append(PromptGroup(groups[g].adapter_key, groups[g].prompt, current.generation))
+    group_cache, _ = prefill(gm, fresh, with_logits=False)
+    for fresh_row, g in enumerate(sorted(changed)):
+        cache.replace_prefix(g, group_cache, fresh_row)
+    positions = [
+        i
+        for i, r in enumerate(batch.live)
+        if rows[r].group in changed and rows[r].stop_reason is None
+    ]
+    affected = [rows[batch.live[i]] for i in positions]
+    suffixes = [row.tokens[:-1] for row in affected]
+    own = new_cache(gm, len(affected), max(map(len, suffixes)) or 1)
+    row_cache = cache.subset(own, [row.group for row in affected])
+    keys = [groups[row.group].adapter_key for row in affected]
+    for _ in extend_rows(gm, row_cache, suffixes, keys):
+        pass
+    device = cache.own.kv.device
+    cache.own.copy_rows(
+        row_cache.own,
+        torch.arange(len(affected), device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+    )
+    switched: dict[int, int] = {}  # request -> generated tokens before the switch
+    for row in affected:
+        switched[row.request] = len(row.tokens)
+    for r, start in switched.items():
+        version = versions[generation.requests[r].adapter_key].version
+        if segments[r][-1].version != version:
+            segments[r].append(PolicySegment(start, version))
+    return True

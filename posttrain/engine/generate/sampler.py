@@ -37,7 +37,10 @@ operations and sessions can share passes) and runs:
    the first requests'. A joined row's own part starts empty while the others' do not, so
    while rows of different own lengths share the batch the passes are non-uniform (dynamic
    passes with per-row masks, reading the lengths back); once they are equal again (the
-   longer rows left) the uniform and static paths resume.
+   longer rows left) the uniform and static paths resume. A request completed at a block end
+   is reported then (`finished`), not at the generation's end. The loop itself is a Decoding,
+   run one block at a time; `generate` drives it with callbacks, a scheduler may drive it
+   directly and do other work between blocks.
 
 Sampling (sampling_math.py): temperature, top-k, top-p, then one inverse-CDF draw per row from
 its own torch.Generator. Sample j of a prompt seeds its generator from (seed, j), so the same
@@ -66,26 +69,24 @@ from torch import Tensor
 from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
 from posttrain.engine.generate.decode_rows import LiveRows
 from posttrain.engine.generate.draws import draw, record_steps
-from posttrain.engine.generate.joins import Generation, GenerationRequest, start_rows
+from posttrain.engine.generate.joins import (
+    Generation,
+    GenerationRequest,
+    start_rows,
+    switch_weights,
+)
 from posttrain.engine.generate.prefill import (
     GeneratorModel,
-    PromptGroup,
-    extend_rows,
     forward_rows,
     head_logits,
     new_cache,
-    prefill,
 )
 from posttrain.engine.state import WeightsVersion
-from posttrain.engine.train.expert_routes import to_routes
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.static_decode_cache import StaticDecodeCache
 from posttrain.types import (
-    PolicySegment,
-    SampledSequence,
     SampleResult,
-    TopkPromptLogprobs,
 )
 
 # Decode positions allocated at a time: memory follows the longest live row instead of being
@@ -138,127 +139,174 @@ def generate(
     are prefilled and their rows join the running decode batch (joins.py).
     `finished(index, result)`: called at the block end where a request's last row ended (index
     into the returned list), so its operation can complete while the generation runs on."""
-    attention.install(gm.model)
-    with torch.no_grad():
-        return _generate(gm, requests, versions, between_tokens, block_steps, admit, finished)
 
-
-def _generate(
-    gm: GeneratorModel,
-    requests: list[GenerationRequest],
-    versions: Mapping[str, WeightsVersion],
-    between_tokens: Callable[[], None] | None,
-    block_steps: int | None,
-    admit: Callable[[], list[GenerationRequest]] | None,
-    finished: Callable[[int, SampleResult], None] | None,
-) -> list[SampleResult]:
-    device = gm.model.get_input_embeddings().weight.device
-    generation = Generation()
-
-    def settle(row_ids: list[int]) -> None:
-        for r in generation.settle(row_ids):
+    def report() -> None:
+        for index, result in decoding.take_finished():
             if finished is not None:
-                finished(r, _result(generation, r))
+                finished(index, result)
 
-    group_ids, row_ids = generation.add(gm, requests, versions)
-    prefill_cache, batch = start_rows(gm, generation, group_ids, row_ids)
-    settle(row_ids)
-    rows = generation.rows
-    if not batch.live:
-        return _results(generation)
-    longest_completion = max(rows[r].max_tokens for r in batch.live)
-    own = new_cache(gm, len(batch.live), min(longest_completion, DECODE_POSITIONS_PER_GROWTH))
-    cache = FanoutKVCache(prefill_cache, group_ids, own, [rows[r].group for r in batch.live])
-    # Frees the prompts whose every sample already ended on its first token.
-    cache.keep(torch.arange(len(batch.live), device=device))
-    # Own positions of every batch position, known on the host: each pass adds one to every
-    # row (a weights update recomputes them to the same count), a joining row starts at 0.
-    # While all are equal (no join, or the joined rows caught up by the others leaving), the
-    # passes take the `uniform` fast path and nothing is read back from the device.
-    own_lengths = [0] * len(batch.live)
-    steps_per_block = block_steps if block_steps is not None else default_block_steps(device)
-    static = use_static_passes(gm, device)
-    step: DecodeStep | None = None  # the static pass of the current layout
-    # Batch positions of the rows still running; with static passes, finished rows may stay
-    # in the batch as padding (see _keeps_layout).
-    running = list(range(len(batch.live)))
-    while running:
-        if between_tokens is not None:
-            served = {key: v.generation for key, v in versions.items()}
-            between_tokens()
-            if _apply_new_weights(gm, batch, cache, generation, versions):
-                step = None
-            elif served != {key: v.generation for key, v in versions.items()}:
-                # New weights of rows that no longer run: a captured pass may hold the
-                # addresses of the weights they replaced, so it is made again.
-                step = None
-        if admit is not None and (joining := admit()):
-            joined = _join(gm, generation, joining, versions, batch, cache, settle)
-            own_lengths += [0] * joined
-            running += range(len(batch.live) - joined, len(batch.live))
-            step = None if joined else step
+    with torch.no_grad():
+        decoding = Decoding(gm, requests, versions, block_steps)
+        report()
+        while decoding.running:
+            if between_tokens is not None:
+                served = {key: v.generation for key, v in versions.items()}
+                between_tokens()
+                changed = served != {key: v.generation for key, v in versions.items()}
+                decoding.weights_published(changed)
+            if admit is not None and (joining := admit()):
+                decoding.admit(joining)
+                report()
+            decoding.block()
+            report()
+        return decoding.results()
+
+
+class Decoding:
+    """A generation one decode block at a time: started with requests, `admit` adds requests
+    between blocks (their rows join the running batch), `block` runs one block, and
+    `take_finished` hands over the requests completed since it was last asked. `generate`
+    drives it with callbacks; a caller that interleaves other work between blocks (another
+    session's training step, a process host answering step by step) drives it directly.
+    Every method runs under torch.no_grad with the generator's attention installed."""
+
+    def __init__(
+        self,
+        gm: GeneratorModel,
+        requests: list[GenerationRequest],
+        versions: Mapping[str, WeightsVersion],
+        block_steps: int | None = None,
+    ) -> None:
+        attention.install(gm.model)
+        self.gm = gm
+        self.versions = versions
+        self.device = gm.model.get_input_embeddings().weight.device
+        self.generation = Generation()
+        self.steps_per_block = (
+            block_steps if block_steps is not None else default_block_steps(self.device)
+        )
+        self.static = use_static_passes(gm, self.device)
+        self._finished: list[tuple[int, SampleResult]] = []
+        self.batch: LiveRows | None = None
+        self.cache: FanoutKVCache | None = None
+        # Own positions of every batch position, known on the host: each pass adds one to
+        # every row (a weights update recomputes them to the same count), a joining row starts
+        # at 0. While all are equal (no join, or the joined rows caught up by the others
+        # leaving), passes take the `uniform` fast path and nothing is read back.
+        self.own_lengths: list[int] = []
+        # Batch positions of the rows still running; with static passes, finished rows may
+        # stay in the batch as padding (see _keeps_layout).
+        self.running: list[int] = []
+        self.step: DecodeStep | None = None  # the static pass of the current layout
+        self.admit(requests)
+
+    def take_finished(self) -> list[tuple[int, SampleResult]]:
+        """(index, result) of the requests completed since the last call."""
+        done, self._finished = self._finished, []
+        return done
+
+    def results(self) -> list[SampleResult]:
+        """Every request's result, in arrival order (all must have finished)."""
+        return self.generation.results()
+
+    def _settle(self, row_ids: list[int]) -> None:
+        for r in self.generation.settle(row_ids):
+            self._finished.append((r, self.generation.result(r)))
+
+    def admit(self, requests: list[GenerationRequest]) -> None:
+        """Requests joining between blocks: planned, prefilled and drawn their first token
+        (joins.start_rows); their live rows join the batch and the cache (a new batch when
+        none runs)."""
+        if not requests:
+            return
+        with torch.no_grad():
+            gm, generation = self.gm, self.generation
+            group_ids, row_ids = generation.add(gm, requests, self.versions)
+            prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
+            self._settle(row_ids)
+            if not fresh.live:
+                return
+            rows = generation.rows
+            if not self.running:
+                longest = max(rows[r].max_tokens for r in fresh.live)
+                own = new_cache(gm, len(fresh.live), min(longest, DECODE_POSITIONS_PER_GROWTH))
+                groups_B = [rows[r].group for r in fresh.live]
+                self.cache = FanoutKVCache(prefill_cache, group_ids, own, groups_B)
+                # Frees the prompts whose every sample already ended on its first token.
+                self.cache.keep(torch.arange(len(fresh.live), device=self.device))
+                self.batch, self.own_lengths = fresh, [0] * len(fresh.live)
+                self.running = list(range(len(fresh.live)))
+                self.step = None
+                return
+            assert self.batch is not None and self.cache is not None
+            live_groups = sorted({rows[r].group for r in fresh.live})
+            cache_row = {g: i for i, g in enumerate(group_ids)}
+            self.cache.join(
+                prefill_cache,
+                [cache_row[g] for g in live_groups],
+                live_groups,
+                [rows[r].group for r in fresh.live],
+            )
+            start = len(self.batch.live)
+            self.batch.join(fresh)
+            self.own_lengths += [0] * len(fresh.live)
+            self.running += range(start, len(self.batch.live))
+            self.step = None
+
+    def weights_published(self, served_changed: bool) -> None:
+        """After a possible publish (PIPELINE weights-sync): running rows whose adapter's
+        weights changed continue on the new ones (joins.switch_weights). `served_changed`:
+        whether any adapter's weights changed, even of rows no longer running: a captured
+        pass may hold the addresses of the weights they replaced, so it is made again."""
+        assert self.batch is not None and self.cache is not None
+        with torch.no_grad():
+            gm, batch, cache = self.gm, self.batch, self.cache
+            if switch_weights(gm, batch, cache, self.generation, self.versions) or served_changed:
+                self.step = None
+
+    def block(self) -> None:
+        """One decode block of every running row; requests completed by it go to
+        take_finished."""
+        assert self.running and self.batch is not None and self.cache is not None
+        with torch.no_grad():
+            self._block(self.gm, self.batch, self.cache)
+
+    def _block(self, gm: GeneratorModel, batch: LiveRows, cache: FanoutKVCache) -> None:
+        rows, running = self.generation.rows, self.running
         # No row runs past the longest max_tokens still wanted: the last block is shortened.
         steps = min(
-            steps_per_block,
+            self.steps_per_block,
             max(rows[batch.live[i]].max_tokens - len(rows[batch.live[i]].tokens) for i in running),
         )
-        if max(own_lengths) + steps > cache.capacity:
-            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, max(own_lengths) + steps))
-            step = None
-        uniform = own_lengths[0] if len(set(own_lengths)) == 1 else None
+        longest = max(self.own_lengths)
+        if longest + steps > cache.capacity:
+            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, longest + steps))
+            self.step = None
+        uniform = self.own_lengths[0] if len(set(self.own_lengths)) == 1 else None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
-        if static and uniform is not None:
-            if step is None:
-                step = DecodeStep(gm, StaticDecodeCache(cache, uniform), batch, _use_graphs(device))
-            tokens_KB, logprobs_KB = _static_block(step, batch, steps)
+        static = self.static and uniform is not None
+        if static:
+            if self.step is None:
+                graphs = _use_graphs(self.device)
+                self.step = DecodeStep(gm, StaticDecodeCache(cache, longest), batch, graphs)
+            tokens_KB, logprobs_KB = _static_block(self.step, batch, steps)
         else:
-            step = None  # rows of different lengths: dynamic passes (static ones assume one)
+            self.step = None  # rows of different lengths: dynamic passes (static assume one)
             tokens_KB, logprobs_KB = _dynamic_block(gm, batch, cache, steps, uniform, routes_K)
-        own_lengths = [length + steps for length in own_lengths]
+        self.own_lengths = [length + steps for length in self.own_lengths]
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = record_steps(gm, batch, tokens, logprobs, routes_K)
-        settle(batch.live)
-        # Finished rows stay as padding only in static passes (ragged batches run dynamic ones).
-        static_ran = static and uniform is not None
-        if running and not (static_ran and _keeps_layout(len(running), len(batch.live))):
+        self._settle(batch.live)
+        # Finished rows stay as padding only after static passes.
+        if running and not (static and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
                 order = _fill_holes(running)
-                cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
+                cache.keep(torch.tensor(order, dtype=torch.int64, device=self.device))
                 batch.keep(order)
-                own_lengths = [own_lengths[i] for i in order]
+                self.own_lengths = [self.own_lengths[i] for i in order]
                 running = list(range(len(order)))
-                step = None
-    return _results(generation)
-
-
-def _join(
-    gm: GeneratorModel,
-    generation: Generation,
-    joining: list[GenerationRequest],
-    versions: Mapping[str, WeightsVersion],
-    batch: LiveRows,
-    cache: FanoutKVCache,
-    settle: Callable[[list[int]], None],
-) -> int:
-    """Requests joining at a block boundary: prefilled, first token drawn (joins.start_rows),
-    their live rows appended to the batch and the cache (`settle` sees the rows that ended on
-    their first token). Returns how many rows joined."""
-    group_ids, row_ids = generation.add(gm, joining, versions)
-    prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
-    settle(row_ids)
-    if not fresh.live:
-        return 0
-    rows = generation.rows
-    live_groups = sorted({rows[r].group for r in fresh.live})
-    cache_row = {g: i for i, g in enumerate(group_ids)}
-    cache.join(
-        prefill_cache,
-        [cache_row[g] for g in live_groups],
-        live_groups,
-        [rows[r].group for r in fresh.live],
-    )
-    batch.join(fresh)
-    return len(fresh.live)
+                self.step = None
+        self.running = running
 
 
 def _dynamic_block(
@@ -334,88 +382,3 @@ def _fill_holes(keep: list[int]) -> list[int]:
     staying = {i for i in keep if i < count}
     movers = iter(i for i in keep if i >= count)
     return [i if i in staying else next(movers) for i in range(count)]
-
-
-def _apply_new_weights(
-    gm: GeneratorModel,
-    batch: LiveRows,
-    cache: FanoutKVCache,
-    generation: Generation,
-    versions: Mapping[str, WeightsVersion],
-) -> bool:
-    """After a publish: recompute the KV of the running rows whose adapter changed with the new
-    weights (their prompt once, then each row's tokens so far but the last, which the next pass
-    feeds), and open a policy segment at their next token. Finished rows kept as padding
-    (static passes) are left alone. Returns whether anything changed."""
-    rows, groups, segments = batch.rows, generation.groups, generation.segments
-    changed = {
-        g
-        for g in {rows[r].group for r in batch.live if rows[r].stop_reason is None}
-        if versions[groups[g].adapter_key].generation != groups[g].generation
-    }
-    if not changed:
-        return False
-    fresh: list[PromptGroup] = []
-    for g in sorted(changed):
-        current = versions[groups[g].adapter_key]
-        groups[g].generation = current.generation
-        fresh.append(PromptGroup(groups[g].adapter_key, groups[g].prompt, current.generation))
-    group_cache, _ = prefill(gm, fresh, with_logits=False)
-    for fresh_row, g in enumerate(sorted(changed)):
-        cache.replace_prefix(g, group_cache, fresh_row)
-    positions = [
-        i
-        for i, r in enumerate(batch.live)
-        if rows[r].group in changed and rows[r].stop_reason is None
-    ]
-    affected = [rows[batch.live[i]] for i in positions]
-    suffixes = [row.tokens[:-1] for row in affected]
-    own = new_cache(gm, len(affected), max(map(len, suffixes)) or 1)
-    row_cache = cache.subset(own, [row.group for row in affected])
-    keys = [groups[row.group].adapter_key for row in affected]
-    for _ in extend_rows(gm, row_cache, suffixes, keys):
-        pass
-    device = cache.own.kv.device
-    cache.own.copy_rows(
-        row_cache.own,
-        torch.arange(len(affected), device=device),
-        torch.tensor(positions, dtype=torch.int64, device=device),
-    )
-    switched: dict[int, int] = {}  # request -> generated tokens before the switch
-    for row in affected:
-        switched[row.request] = len(row.tokens)
-    for r, start in switched.items():
-        version = versions[generation.requests[r].adapter_key].version
-        if segments[r][-1].version != version:
-            segments[r].append(PolicySegment(start, version))
-    return True
-
-
-def _results(generation: Generation) -> list[SampleResult]:
-    return [_result(generation, r) for r in range(len(generation.requests))]
-
-
-def _result(generation: Generation, r: int) -> SampleResult:
-    """Request r's result; every row of it has ended."""
-    request = generation.requests[r]
-    group = generation.groups[generation.group_of_request[r]]
-    sequences: list[SampledSequence] = []
-    for row in generation.rows_of(r):
-        assert row.stop_reason is not None, "every row ends with a stop reason"
-        routes = None
-        if row.routes is not None:
-            # Every position that ran: the prompt's and each generated token but the last.
-            routes = to_routes(torch.cat([*group.routes, *(t[None] for t in row.routes)]))
-        sequences.append(
-            SampledSequence(
-                row.tokens, row.logprobs, row.stop_reason, group.cache_hit_tokens, routes
-            )
-        )
-    prompt_logprobs = [0.0, *group.prompt_logprobs] if request.prompt_logprobs else None
-    topk = None
-    if request.topk_prompt_logprobs:
-        k = request.topk_prompt_logprobs
-        topk = [TopkPromptLogprobs([], [])] + [
-            TopkPromptLogprobs(t.token_ids[:k], t.logprobs[:k]) for t in group.topk_prompt_logprobs
-        ]
-    return SampleResult(sequences, generation.segments[r], prompt_logprobs, topk)

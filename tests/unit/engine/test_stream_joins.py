@@ -41,13 +41,18 @@ def engine() -> LocalEngine:
     return engine_for({BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}, BUILTIN_MODEL_ID)
 
 
-def run(engine: LocalEngine, requests, *, joins=None, between_tokens=None, finished=None):
-    """sampler.generate on the resource's model; `joins` maps a block boundary (counted from
-    1) to the requests admitted there."""
+def generator_of(engine: LocalEngine):
+    """The resource and its GeneratorModel, sessions s and t served."""
     resource = engine._resource("r")
     for session in ("s", "t"):
         generator.served(resource, engine._session("r", session)[1])
-    gm = generator.generator_model(engine.config, resource, resource.loaded.model)
+    return resource, generator.generator_model(engine.config, resource, resource.loaded.model)
+
+
+def run(engine: LocalEngine, requests, *, joins=None, between_tokens=None, finished=None):
+    """sampler.generate on the resource's model; `joins` maps a block boundary (counted from
+    1) to the requests admitted there."""
+    resource, gm = generator_of(engine)
     calls = []
 
     def admit() -> list[GenerationRequest]:
@@ -242,6 +247,38 @@ def test_each_request_is_reported_finished_once_at_the_block_where_its_last_row_
     # running request that was there first, and before the requests that join after it.
     assert len(results[2].sequences[0].tokens) == 1
     assert order.index(2) < min(order.index(0), order.index(3), order.index(4))
+
+
+def test_a_decoding_driven_block_by_block_takes_requests_while_idle_and_running(engine):
+    """The step API a scheduler drives (sampler.Decoding): started empty, a request admitted,
+    blocks run one at a time with another request admitted in between, and a third admitted
+    after every row ended (a new batch in the same Decoding): each result is what it is
+    alone, reported once by take_finished."""
+    resource, gm = generator_of(engine)
+    a = running_request()
+    b = request((11, 12, 13), 3, SamplingParams(max_tokens=12, temperature=0.7, seed=3))
+    c = request((31, 32), 2, SamplingParams(max_tokens=7, temperature=1.3, seed=9), session="t")
+    decoding = sampler.Decoding(gm, [], resource.served, block_steps=2)
+    assert not decoding.running and decoding.take_finished() == []
+    decoding.admit([a])
+    reported = {}
+    blocks = 0
+    while decoding.running:
+        decoding.block()
+        blocks += 1
+        if blocks == 2:
+            decoding.admit([b])
+        reported.update(decoding.take_finished())
+    decoding.admit([c])
+    while decoding.running:
+        decoding.block()
+        reported.update(decoding.take_finished())
+    results = decoding.results()
+    assert sorted(reported) == [0, 1, 2]
+    for index, q in enumerate([a, b, c]):
+        assert reported[index] == results[index]
+        (alone,) = run(engine, [q])
+        assert_same(results[index], alone)
 
 
 def test_kv_cache_rows_added_after_live_rows_keep_every_row_intact():

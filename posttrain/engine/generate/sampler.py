@@ -292,7 +292,10 @@ class Decoding:
             tokens_KB, logprobs_KB = _static_block(self.step, batch, steps)
         else:
             self.step = None  # rows of different lengths: dynamic passes (static assume one)
-            tokens_KB, logprobs_KB = _dynamic_block(gm, batch, cache, steps, uniform, routes_K)
+            ragged = uniform is None
+            tokens_KB, logprobs_KB = _dynamic_block(
+                gm, batch, cache, steps, longest, ragged, routes_K
+            )
         self.own_lengths = [length + steps for length in self.own_lengths]
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = record_steps(gm, batch, tokens, logprobs, routes_K)
@@ -314,12 +317,13 @@ def _dynamic_block(
     batch: LiveRows,
     cache: FanoutKVCache,
     steps: int,
-    own_positions: int | None,
+    own_positions: int,
+    ragged: bool,
     routes_K: list[Tensor] | None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """`steps` passes of every row of the batch, shapes following the rows' lengths; each
     step's tokens and logprobs [B] stay on the device (routes appended to routes_K).
-    `own_positions`: what every row holds, or None when they differ (rows that joined)."""
+    `own_positions`: what every row holds, or with `ragged` (rows that joined) the longest."""
     tokens_KB: list[Tensor] = []
     logprobs_KB: list[Tensor] = []
     for k in range(steps):
@@ -332,7 +336,8 @@ def _dynamic_block(
             batch.ones_B,
             batch.keys,
             routes_out,
-            uniform=None if own_positions is None else (1, own_positions + k + 1),
+            uniform=(1, own_positions + k + 1),
+            ragged=ragged,
         )
         if routes_K is not None:
             assert routes_out is not None

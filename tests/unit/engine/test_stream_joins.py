@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.generate import generator, sampler
@@ -279,6 +280,49 @@ def test_a_decoding_driven_block_by_block_takes_requests_while_idle_and_running(
         assert reported[index] == results[index]
         (alone,) = run(engine, [q])
         assert_same(results[index], alone)
+
+
+class _Reads(TorchDispatchMode):
+    """Whether the operations dispatched read a tensor's value back to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.read |= "_local_scalar_dense" in str(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_passes_over_rows_of_different_lengths_read_nothing_back(engine, monkeypatch):
+    """Rows that joined hold shorter own parts than the running ones: the host knows every
+    row's length, so a pass over them reads nothing back from the device (on a GPU, no sync
+    per pass); only the first pass of a new layout reads the layout's prefix lengths once."""
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 4)
+    passes: list[tuple[int, bool, bool]] = []  # (block, ragged, read back)
+    blocks = []
+    forward, block = sampler.forward_rows, sampler.Decoding.block
+
+    def traced_forward(*args, **kwargs):
+        with _Reads() as reads:
+            hidden = forward(*args, **kwargs)
+        passes.append((len(blocks), kwargs.get("ragged", False), reads.read))
+        return hidden
+
+    def counted_block(decoding) -> None:
+        blocks.append(1)
+        block(decoding)
+
+    monkeypatch.setattr(sampler, "forward_rows", traced_forward)
+    monkeypatch.setattr(sampler.Decoding, "block", counted_block)
+    results = run(engine, [running_request()], joins=joining_requests())
+    ragged = [(b, read) for b, is_ragged, read in passes if is_ragged]
+    assert len(ragged) >= 8
+    first_of_block = {b: min(i for i, (c, _) in enumerate(ragged) if c == b) for b, _ in ragged}
+    later = [read for i, (b, read) in enumerate(ragged) if i != first_of_block[b]]
+    assert later and not any(later)
+    (alone,) = run(engine, [running_request()])
+    assert_same(results[0], alone)
 
 
 def test_kv_cache_rows_added_after_live_rows_keep_every_row_intact():

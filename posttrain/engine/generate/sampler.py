@@ -34,10 +34,10 @@ operations and sessions can share passes) and runs:
 5. Joins: between blocks (after `between_tokens`) `admit` may return new requests. They are
    planned, prefilled and drawn their first token like the first batch's (joins.py), and their
    live rows are appended to the batch and the cache (FanoutKVCache.join); their results follow
-   the first requests'. A joined row's own part starts empty while the others' do not, so
-   while rows of different own lengths share the batch the passes are non-uniform (dynamic
-   passes with per-row masks, reading the lengths back); once they are equal again (the
-   longer rows left) the uniform and static paths resume. A request completed at a block end
+   the first requests'. A joined row's own part starts empty while the others' do not: the
+   host keeps every row's own length, so dynamic passes build per-row own masks without
+   reading anything back (the `uniform` fast path while all are equal), and static passes
+   keep one own length per row (a join is a new layout). A request completed at a block end
    is reported then (`finished`), not at the generation's end. The loop itself is a Decoding,
    run one block at a time; `generate` drives it with callbacks, a scheduler may drive it
    directly and do other work between blocks.
@@ -282,17 +282,15 @@ class Decoding:
         if longest + steps > cache.capacity:
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, longest + steps))
             self.step = None
-        uniform = self.own_lengths[0] if len(set(self.own_lengths)) == 1 else None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
-        static = self.static and uniform is not None
-        if static:
+        if self.static:
             if self.step is None:
                 graphs = _use_graphs(self.device)
-                self.step = DecodeStep(gm, StaticDecodeCache(cache, longest), batch, graphs)
+                static_cache = StaticDecodeCache(cache, self.own_lengths)
+                self.step = DecodeStep(gm, static_cache, batch, graphs)
             tokens_KB, logprobs_KB = _static_block(self.step, batch, steps)
         else:
-            self.step = None  # rows of different lengths: dynamic passes (static assume one)
-            ragged = uniform is None
+            ragged = len(set(self.own_lengths)) > 1  # rows joined: per-row own masks
             tokens_KB, logprobs_KB = _dynamic_block(
                 gm, batch, cache, steps, longest, ragged, routes_K
             )
@@ -300,8 +298,7 @@ class Decoding:
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = record_steps(gm, batch, tokens, logprobs, routes_K)
         self._settle(batch.live)
-        # Finished rows stay as padding only after static passes.
-        if running and not (static and _keeps_layout(len(running), len(batch.live))):
+        if running and not (self.static and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
                 order = _fill_holes(running)
                 cache.keep(torch.tensor(order, dtype=torch.int64, device=self.device))

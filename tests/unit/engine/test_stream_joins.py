@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.generate import generator, sampler
+from posttrain.engine.generate.decode_graph import DecodeStep
 from posttrain.engine.generate.sampler import GenerationRequest
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.model.kv_cache import KVCache
@@ -323,6 +324,48 @@ def test_passes_over_rows_of_different_lengths_read_nothing_back(engine, monkeyp
     assert later and not any(later)
     (alone,) = run(engine, [running_request()])
     assert_same(results[0], alone)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_static_passes_over_rows_of_different_lengths_keep_one_graph_per_layout(
+    engine, monkeypatch
+):
+    """What a CUDA graph needs of a batch rows joined, checked on the CPU: a layout whose rows
+    hold different own lengths runs the same operations on the same shapes every pass, and
+    reads nothing back."""
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 4)
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", True)
+    traces: dict[int, list[list[tuple]]] = {}
+    ragged_layouts = set()
+    steps: list[DecodeStep] = []  # kept alive, so no two layouts share an id
+    run_pass = DecodeStep._pass
+
+    def traced(step) -> None:
+        if id(step) not in traces:
+            steps.append(step)
+            if len(set(step.cache.own_length_B.tolist())) > 1:
+                ragged_layouts.add(id(step))
+        with _Ops() as trace:
+            run_pass(step)
+        traces.setdefault(id(step), []).append(trace.ops)
+
+    monkeypatch.setattr(DecodeStep, "_pass", traced)
+    run(engine, [running_request()], joins=joining_requests())
+    assert ragged_layouts
+    assert max(len(traces[i]) for i in ragged_layouts) >= 4  # a whole block of passes
+    for passes in traces.values():
+        assert all(ops == passes[0] for ops in passes)
+        assert not any("_local_scalar_dense" in name for name, _ in passes[0])
 
 
 def test_kv_cache_rows_added_after_live_rows_keep_every_row_intact():

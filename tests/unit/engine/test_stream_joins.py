@@ -368,6 +368,44 @@ def test_static_passes_over_rows_of_different_lengths_keep_one_graph_per_layout(
         assert not any("_local_scalar_dense" in name for name, _ in passes[0])
 
 
+@pytest.mark.parametrize(("steps", "static"), [(1, False), (3, True)])
+def test_many_requests_joining_at_random_boundaries_each_get_what_they_get_alone(
+    engine, monkeypatch, steps, static
+):
+    """A seeded random stream: 12 requests of random prompts, sample counts, settings and
+    lengths (some ending on their first token) joining at random boundaries, several at once,
+    while others leave."""
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", steps)
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", static)
+    rng = torch.Generator().manual_seed(7)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (), generator=rng))
+
+    def random_request(i: int) -> GenerationRequest:
+        prompt = tuple(draw(3, 99) for _ in range(draw(1, 12)))
+        kind = draw(0, 3)
+        params = SamplingParams(
+            max_tokens=draw(1, 20),
+            temperature=0.0 if kind == 0 else 0.5 + draw(0, 10) / 10,
+            top_k=draw(0, 30) if kind == 2 else 0,
+            top_p=0.8 if kind == 2 else 1.0,
+            seed=100 + i,
+        )
+        return request(prompt, draw(1, 4), params, session="st"[draw(0, 2)])
+
+    first = request((5, 6, 7), 2, SamplingParams(max_tokens=24, temperature=1.0, seed=1))
+    joins: dict[int, list[GenerationRequest]] = {}
+    for i in range(12):
+        joins.setdefault(draw(1, 10), []).append(random_request(i))
+    results = run(engine, [first], joins=joins)
+    admitted = [q for boundary in sorted(joins) for q in joins[boundary]]
+    assert len(results) == 1 + len(admitted)  # every boundary came: rows were still running
+    for ours, q in zip(results, [first, *admitted], strict=True):
+        (alone,) = run(engine, [q])
+        assert_same(ours, alone)
+
+
 def test_kv_cache_rows_added_after_live_rows_keep_every_row_intact():
     cache = KVCache(
         num_layers=2,

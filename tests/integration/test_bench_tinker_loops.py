@@ -35,7 +35,12 @@ def test_tinker_loops_quick_run_times_both_clients_on_both_loops(tinker_python):
     for match in lines.values():
         tinker, together = float(match["tinker"]), float(match["together"])
         assert tinker > 0 and together > 0
-        assert float(match["ratio"]) == pytest.approx(tinker / together, abs=0.011)
+        # The ratio is of the unrounded medians, printed to 2 places; the medians are printed to
+        # 3, so a fast step (0.045 s) moves the recomputed ratio by more than 1%: bound it by
+        # the rounding of all three numbers.
+        low = (tinker - 5e-4) / (together + 5e-4) - 5e-3
+        high = (tinker + 5e-4) / (together - 5e-4) + 5e-3
+        assert low <= float(match["ratio"]) <= high, match.group(0)
         assert 0 < int(match["busy"]) <= 100
     # The same work on both sides: sl samples nothing; rl samples 2 prompts x 2 samples x up to
     # 4 tokens on each (fewer where a sample ends at EOS).

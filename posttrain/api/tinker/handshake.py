@@ -20,6 +20,8 @@ Imports: api.deps.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi import Request
 
 from posttrain.api.deps import authenticate
@@ -58,7 +60,7 @@ async def tinker_user(request: Request) -> str:
     return authenticate(config, authorization_of(request.headers))
 
 
-def authorization_of(headers) -> str:  # noqa: ANN001 - any str -> str mapping
+def authorization_of(headers: Mapping[str, str]) -> str:
     """The caller's credentials as an Authorization value: the Tinker SDK sends its key as
     `X-API-Key`, the Together SDK as a bearer key."""
     key = headers.get("x-api-key")

@@ -210,8 +210,6 @@ async def forward_backward(
 
     def submit() -> dict[str, Any]:
         decoded = decode_forward_backward(raw, content_encoding)
-        if earlier := svc.tinker.registry.seq_future(decoded.model_id, decoded.seq_id):
-            return {"request_id": earlier, "model_id": decoded.model_id}
         domain, shapes = forward_backward_request(decoded)
         with in_tinker_terms():
             future = svc.tinker.runs.submit(

@@ -21,7 +21,7 @@ import hashlib
 import time
 from typing import Any
 
-from posttrain.errors import InvalidRequest, NotFound, posttrainError
+from posttrain.errors import InvalidRequest, posttrainError
 from posttrain.records import ResourceRecord, SessionRecord
 from posttrain.service.ids import new_id
 from posttrain.service.operations import OperationService
@@ -123,7 +123,7 @@ class TinkerRuns:
         if self.registry.claim_seq(model_id, 0, user, future.id) != future.id:
             return self.registry.get(FutureRecord, self.registry.seq_future(model_id, 0), user)
         try:
-            session = self._new_session(
+            session = self.new_session(
                 user, base_model, lora, model_id, resume_from, load_optimizer, shared
             )
         except posttrainError as exc:
@@ -151,9 +151,6 @@ class TinkerRuns:
 
     def run(self, user: str, model_id: str) -> RunRecord:
         return self.registry.get(RunRecord, model_id, user)
-
-    def session(self, run: RunRecord) -> SessionRecord:
-        return self.sessions.get(run.user, run.session_id)
 
     def submit(
         self,
@@ -212,7 +209,7 @@ class TinkerRuns:
 
     # ------------------------------------------------------------ provisioning
 
-    def _new_session(
+    def new_session(
         self,
         user: str,
         base_model: str,
@@ -291,7 +288,3 @@ class TinkerRuns:
             if s.status in (SessionStatus.CREATING, SessionStatus.RUNNING, SessionStatus.STOPPING)
         ]
         return self.resources.session_capacity(record) - len(held)
-
-
-def not_found_run(model_id: str) -> NotFound:
-    return NotFound(f"model {model_id} not found", param="model_id")

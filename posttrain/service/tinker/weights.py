@@ -29,12 +29,10 @@ import time
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.records import OperationRecord
 from posttrain.service.checkpoints import CheckpointService
-from posttrain.service.ids import new_id
 from posttrain.service.tinker.records import (
     ClientRecord,
     FutureRecord,
     NameRecord,
-    RunRecord,
     SamplerRecord,
 )
 from posttrain.service.tinker.registry import Registry
@@ -294,11 +292,11 @@ class TinkerWeights:
         caller resolved it: the user's own, or one its owner published)."""
         self._make_room(user, base_model)
         if checkpoint_id is None:
-            session = self.runs._new_session(user, base_model, BASE_ADAPTER, sampler_id, None, None)
+            session = self.runs.new_session(user, base_model, BASE_ADAPTER, sampler_id, None, None)
             return session.id
         checkpoint = self.runs.repo.get_checkpoint(checkpoint_id)
         shared = checkpoint is not None and checkpoint.created_by != user
-        session = self.runs._new_session(
+        session = self.runs.new_session(
             user, base_model, None, sampler_id, checkpoint_id, False, shared
         )
         return session.id
@@ -353,6 +351,3 @@ class TinkerWeights:
             request,
             extra={"num_samples": request.num_samples},
         )
-
-
-__all__ = ["TinkerWeights", "parse_path", "RunRecord", "new_id"]

@@ -106,10 +106,13 @@ def test_two_lanes_generate_at_the_same_time(tmp_path):
     try:
         rid = wired.resource()
         a, b = wired.session(rid), wired.session(rid)
-        both, go = threading.Barrier(2), threading.Event()
+        both, go, started = threading.Barrier(2), threading.Event(), threading.Event()
         # Each pass waits until the other is generating too: it passes only with two lanes.
-        wired.engine.mid_sample = lambda: (both.wait(60), go.wait(60))
+        wired.engine.mid_sample = lambda: (started.set(), both.wait(60), go.wait(60))
         first = wired.submit(a, SAMPLE, sample(), "a")
+        # The second arrives once the first is generating, so the first lane cannot take both
+        # into one pass (submitted together, one lane may batch them before the other wakes).
+        assert started.wait(60)
         second = wired.submit(b, SAMPLE, sample(), "b")
         go.set()
         finished(wired, first, second)

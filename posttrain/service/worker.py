@@ -42,6 +42,11 @@ class Job:
     run: Callable[[], Any]
     # Records the failure where the caller looks for it; None: the future carries it instead.
     on_failure: OnFailure | None = None
+    # Given the sessions whose rows decode in a running sample stream, whether the job may run
+    # at a decode block boundary (`between_blocks`); None: never, it is a barrier there too.
+    # `session_id`: the session whose order it keeps there.
+    between_blocks: Callable[[set[str]], bool] | None = None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,9 @@ class ResourceWorker:
         self._fence = fence
         self._samples: deque[_Item | None] = deque()
         self._lanes: list[threading.Thread] = []
+        # The groups running on this thread, innermost last: a sample stream's group, and a
+        # group run between its decode blocks (`between_blocks`).
+        self._running: list[list[_Item]] = []
         self._name = name
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -251,6 +259,74 @@ class ResourceWorker:
                 item.operation = dataclasses.replace(item.operation, lane=lane)
             self._run(group)
 
+    def between_blocks(
+        self, decoding: set[str], may_join: Callable[[QueuedOperation], bool]
+    ) -> list[QueuedOperation]:
+        """At a decode block boundary of the sample stream this thread runs (its group is the
+        innermost running one): go through the queue in FIFO order once, run what may run
+        between blocks, and take the samples that join the stream, which become members of the
+        stream's group (their futures finish with it). Returns those samples, in order.
+
+        - A sample joins while `may_join` says it fits (same model, rows, memory); the first
+          that does not stops every later sample from joining (FIFO among samples: a large
+          operation is not overtaken by a stream of small ones; it joins once there is room,
+          or starts the next generation).
+        - A kind marked `between_blocks` of a session with no row decoding runs now with its
+          batch mates, as it would at its queue place (another session's training waits one
+          block, not a generation).
+        - An operation that may not run now blocks its session (nothing of it is taken after
+          it), and one that runs alone (a barrier) or a job that may not run ends the pass:
+          nothing overtakes a barrier.
+        `decoding`: sessions with rows in the stream; a joining sample's session is added."""
+        group = self._running[-1]
+        joined: list[QueuedOperation] = []
+        blocked: set[str] = set()
+        joining = True
+        with self._ready:
+            queued = list(self._items)
+        for item in queued:
+            with self._ready:
+                if item is None:
+                    break
+                if not any(i is item for i in self._items):
+                    continue  # taken as a batch mate meanwhile
+                job, op = item.job, item.operation
+                if job is not None:
+                    if job.between_blocks is None or job.session_id in blocked:
+                        break
+                    if not job.between_blocks(decoding):
+                        break
+                    self._items.remove(item)
+                    unit = [item]
+                else:
+                    assert op is not None
+                    rules = KINDS[op.kind]
+                    if rules.on_generator:
+                        if op.session_id in blocked:
+                            continue
+                        if joining and may_join(op):
+                            self._items.remove(item)
+                            group.append(item)
+                            joined.append(op)
+                            decoding.add(op.session_id)
+                        else:
+                            joining = False
+                            blocked.add(op.session_id)
+                        continue
+                    if (
+                        op.session_id in blocked
+                        or op.session_id in decoding
+                        or not rules.between_blocks
+                    ):
+                        if rules.sharing == Sharing.ALONE:
+                            break
+                        blocked.add(op.session_id)
+                        continue
+                    self._items.remove(item)
+                    unit = [item, *self._take_batch_mates(op)]
+            self._run(unit)
+        return joined
+
     def _await_arrivals(self) -> None:
         """Caller holds the lock. While sample submissions are arriving, wait (up to gather_s)
         until none has been for ARRIVAL_LULL_S: a burst's POSTs reach the server over several
@@ -274,12 +350,14 @@ class ResourceWorker:
         job = group[0].job
         operations = [item.operation for item in group if item.operation is not None]
         result = None
+        self._running.append(group)  # a sample stream's joins are appended to it
         try:
             if job is not None:
                 result = job.run()
             else:
                 self._run_group(operations)
         except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
+            operations = [item.operation for item in group if item.operation is not None]
             try:
                 self._record_failure(group[0], job, operations, exc)
             except Exception as lost:  # noqa: BLE001 - recording failed too (the store?):
@@ -289,10 +367,12 @@ class ResourceWorker:
                     if not item.future.done():
                         item.future.set_exception(lost)
         finally:
+            self._running.pop()
             # After the outcome is recorded: a deferred weights-sync waiting for one of these
             # operations may complete now (service/publishing.py).
-            for operation in operations:
-                operation.done()
+            for item in group:
+                if item.operation is not None:
+                    item.operation.done()
         for item in group:  # finished: recorded, or (a job without a recorder) raised
             if not item.future.done():
                 item.future.set_result(result)

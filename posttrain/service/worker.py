@@ -163,15 +163,18 @@ class ResourceWorker:
         rows = head.rows + sum(item.operation.rows for item in mates if item.operation)
         return rows + candidate.rows <= self._max_sample_rows
 
-    def _take_batch_mates(self, head: QueuedOperation) -> list[_Item]:
-        """Caller holds the lock. Removes and returns the head's batch mates from the queue."""
+    def _take_batch_mates(
+        self, head: QueuedOperation, held: frozenset[str] = frozenset()
+    ) -> list[_Item]:
+        """Caller holds the lock. Removes and returns the head's batch mates from the queue;
+        none of the sessions `held`."""
         sharing = KINDS[head.kind].sharing
         if sharing == Sharing.ALONE:
             return []
         mates: list[_Item] = []
         # A session is blocked once one of its operations stays queued: nothing of it may
         # overtake that one. Forward-backwards of the head's own session stay behind it.
-        blocked = set() if sharing == Sharing.ANY else {head.session_id}
+        blocked = set(held) if sharing == Sharing.ANY else {head.session_id, *held}
         for item in list(self._items):
             if item is None or item.operation is None:
                 break
@@ -323,7 +326,7 @@ class ResourceWorker:
                         blocked.add(op.session_id)
                         continue
                     self._items.remove(item)
-                    unit = [item, *self._take_batch_mates(op)]
+                    unit = [item, *self._take_batch_mates(op, frozenset(decoding | blocked))]
             self._run(unit)
         return joined
 

@@ -12,7 +12,9 @@ numbers are the baseline of continuous batching (operations joining a running ge
   --new-tokens new tokens, temperature 1, seed = its index), arriving at a fixed rate
   (`steady`) or in bursts of --burst at once at the same mean rate (`burst`). Rates are
   --loads x the one-at-a-time rate (1 / the median latency of one such operation alone), so
-  they mean the same on any machine; the ops/s offered is printed too. Per load and pattern:
+  they mean the same on any machine (--base-rate fixes the rate of 1x instead, so two runs,
+  e.g. today's sampler and the joining one, get the same arrivals); the ops/s offered is
+  printed too. Per load and pattern:
   completed operations/s (ops / (last result - first submit)), latency submit -> result
   (median and p90 over all operations of all repetitions), and the ratio of completed ops/s to
   `ideal` (ops / (last arrival + one op's solo latency): a server that answers every operation
@@ -237,6 +239,7 @@ def stream_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
         batched.append(driver.sample(prompts, 1, args.new_tokens, rep).latency)
     batched_rate = args.ops / statistics.median(batched)
     serial_rate = 1 / solo_short
+    base_rate = args.base_rate or serial_rate
     print(
         f"one-sample op alone {solo_short * 1e3:.0f} ms ({serial_rate:.2f} ops/s one at a time);"
         f" all {args.ops} prompts as one op {statistics.median(batched):.2f} s"
@@ -246,7 +249,7 @@ def stream_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
     rows = []
     for pattern in args.patterns:
         for load in args.loads:
-            rate = load * serial_rate
+            rate = load * base_rate
             runs = [
                 run_stream(driver, args, rate, pattern, 1000 * rep + int(load * 100))
                 for rep in range(args.reps)
@@ -404,6 +407,13 @@ def main() -> None:
         "--patterns", nargs="+", choices=["steady", "burst"], default=["steady", "burst"]
     )
     parser.add_argument("--burst", type=int, default=8, help="operations per burst")
+    parser.add_argument(
+        "--base-rate",
+        type=float,
+        default=None,
+        help="ops/s of load 1x (default: 1 / one operation's solo latency, measured): fix it to"
+        " offer the same arrivals to two servers run at different times",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--long-samples", type=int, default=256)

@@ -17,6 +17,8 @@ group runs here instead of one `sample_batch` call. Before every decode block:
 3. Operations of the group that memory admission split off (plan_passes) join before any queued
    sample, once they fit, or when the stream is idle.
 4. Joined operations are marked RUNNING, prefilled and drawn their first token; then one block.
+   A stream takes at most STREAM_MAX_OPERATIONS operations, then runs down (fairness: joins
+   do not extend one generation without end).
 After every step, each operation whose every sequence ended is recorded COMPLETED at once
 (service/recording.py), while the others decode on. The pass ends when no row runs.
 
@@ -31,8 +33,9 @@ from typing import Protocol
 
 from posttrain.config import SchedulerConfig
 from posttrain.engine.interface import DecodeStream, Engine
+from posttrain.records import OperationRecord
 from posttrain.service.durability import changed_parts
-from posttrain.service.kinds import InFlight, Ready
+from posttrain.service.kinds import InFlight, Outcome, Ready
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.recording import OperationRecorder
 from posttrain.service.routed_experts import RoutedExpertsStore
@@ -40,6 +43,12 @@ from posttrain.service.worker import QueuedOperation, ResourceWorker
 from posttrain.types import OperationKind, SampleOutput, SampleRequest
 
 log = logging.getLogger("posttrain.scheduler")
+
+# Operations one stream takes at most: past them it admits no more joins and runs down, and
+# the queued samples start the next stream. It bounds how long joins extend one generation
+# (each stream keeps the bookkeeping of every request it served until it ends) at the cost of
+# one run-down per that many operations.
+STREAM_MAX_OPERATIONS = 1024
 
 
 def _rows(request: object) -> int:
@@ -119,10 +128,13 @@ class StreamPass:
             self._admit(self._waiting.pop(0))
         rows, peak = self.stream.running_rows(), self.stream.join_reserve_bytes()
         engine, limit = self.scheduler.engine, self.scheduler.limits.max_sample_rows
+        taken = self.operations
 
         def may_join(op: QueuedOperation) -> bool:
-            nonlocal rows, peak
-            if self._waiting or not self.stream.can_join(op.session_id):
+            nonlocal rows, peak, taken
+            if self._waiting or taken >= STREAM_MAX_OPERATIONS:
+                return False
+            if not self.stream.can_join(op.session_id):
                 return False
             if rows + op.rows > limit:
                 return False
@@ -130,7 +142,7 @@ class StreamPass:
             need = peak + engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, item)
             if need > engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes:
                 return False
-            rows, peak = rows + op.rows, need
+            rows, peak, taken = rows + op.rows, need, taken + 1
             return True
 
         joined = self.worker.between_blocks(self._sessions(), may_join)
@@ -162,9 +174,14 @@ class StreamPass:
     def _finish_done(self) -> None:
         """Record each operation whose every sequence ended, now."""
         scheduler = self.scheduler
+        outcomes: list[tuple[OperationRecord, Outcome]] = []
+        changed: dict[str, tuple[str, ...]] = {}
         for stream_id, results in self.stream.take_finished():
             op, session, request = self._live.pop(stream_id)
             output = SampleOutput(scheduler.routed_experts.keyed(session.id, results))
             scheduler.metrics.count_tokens(op.kind, request, output)
-            scheduler.recorder.finish([(op, output)], {op.id: changed_parts(op.kind, request)})
+            outcomes.append((op, output))
+            changed[op.id] = changed_parts(op.kind, request)
+        scheduler.recorder.finish(outcomes, changed)  # one store transaction
+        for op, _ in outcomes:
             self._queued[op.id].done()

@@ -130,6 +130,7 @@ class SampleStream:
                 results = self._results[item]
                 assert all(r is not None for r in results)
                 done.append((item, [r for r in results if r is not None]))
+                self._results[item] = []  # handed over: the stream keeps no copy
         return done
 
 

@@ -19,7 +19,7 @@ from inprocess import USER, open_session, ready_resource
 
 from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
 from posttrain.records import OperationRecord
-from posttrain.service import Services, build_services
+from posttrain.service import Services, build_services, sample_streams
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     ForwardBackwardRequest,
@@ -274,3 +274,18 @@ def test_a_pipeline_weights_sync_switches_the_running_rows_at_a_block_boundary(s
         assert 0 < switched.start_token < 120 and switched.version == 1
     # The other session's rows kept their weights.
     assert_same(queue.output(short_id), queue.alone(t, SHORT))
+
+
+def test_a_stream_takes_a_bounded_number_of_operations_then_runs_down(services, monkeypatch):
+    monkeypatch.setattr(sample_streams, "STREAM_MAX_OPERATIONS", 2)
+    queue = Queue(services, 3)
+    s, t, u = queue.sessions
+    release = queue.hold()
+    long_id = queue.submit(s, SAMPLE, LONG)
+    queue.submit(u, STEP, OptimStepRequest())
+    joined = queue.submit(t, SAMPLE, SHORT)
+    later = queue.submit(u, SAMPLE, SHORT)  # the stream holds two operations: waits for its end
+    release.set()
+    queue.drain()
+    assert queue.finished_at(joined) < queue.finished_at(long_id) < queue.finished_at(later)
+    assert_same(queue.output(later), queue.output(joined))  # same request and seed, alone

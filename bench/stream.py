@@ -392,10 +392,8 @@ def bench_model(name: str, args: argparse.Namespace, extra: tuple[str, ...]) -> 
                 for i in range(max(3, args.reps))
             )
             print(f"\n{name}:", flush=True)
-            return {
-                "stream": stream_section(driver, args, solo),
-                "long": long_section(driver, args, solo),
-            }
+            sections = {"stream": stream_section, "long": long_section}
+            return {key: sections[key](driver, args, solo) for key in args.sections}
 
 
 def main() -> None:
@@ -413,6 +411,9 @@ def main() -> None:
         default=None,
         help="ops/s of load 1x (default: 1 / one operation's solo latency, measured): fix it to"
         " offer the same arrivals to two servers run at different times",
+    )
+    parser.add_argument(
+        "--sections", nargs="+", choices=["stream", "long"], default=["stream", "long"]
     )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)

@@ -121,9 +121,9 @@ class ResourceWorker:
         self._fence = fence
         self._samples: deque[_Item | None] = deque()
         self._lanes: list[threading.Thread] = []
-        # The groups running on this thread, innermost last: a sample stream's group, and a
-        # group run between its decode blocks (`between_blocks`).
-        self._running: list[list[_Item]] = []
+        # Per thread (the trainer's lane and each generator lane), the groups it runs,
+        # innermost last: a sample stream's group, and a group run between its decode blocks.
+        self._local = threading.local()
         self._name = name
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -262,6 +262,12 @@ class ResourceWorker:
                 item.operation = dataclasses.replace(item.operation, lane=lane)
             self._run(group)
 
+    def _running(self) -> list[list[_Item]]:
+        """This thread's running groups, innermost last."""
+        if not hasattr(self._local, "groups"):
+            self._local.groups = []
+        return self._local.groups
+
     def between_blocks(
         self, decoding: set[str], may_join: Callable[[QueuedOperation], bool]
     ) -> list[QueuedOperation]:
@@ -281,7 +287,7 @@ class ResourceWorker:
           it), and one that runs alone (a barrier) or a job that may not run ends the pass:
           nothing overtakes a barrier.
         `decoding`: sessions with rows in the stream; a joining sample's session is added."""
-        group = self._running[-1]
+        group = self._running()[-1]
         joined: list[QueuedOperation] = []
         blocked: set[str] = set()
         joining = True
@@ -353,7 +359,8 @@ class ResourceWorker:
         job = group[0].job
         operations = [item.operation for item in group if item.operation is not None]
         result = None
-        self._running.append(group)  # a sample stream's joins are appended to it
+        running = self._running()
+        running.append(group)  # a sample stream's joins are appended to it
         try:
             if job is not None:
                 result = job.run()
@@ -370,7 +377,7 @@ class ResourceWorker:
                     if not item.future.done():
                         item.future.set_exception(lost)
         finally:
-            self._running.pop()
+            running.pop()
             # After the outcome is recorded: a deferred weights-sync waiting for one of these
             # operations may complete now (service/publishing.py).
             for item in group:

@@ -22,7 +22,7 @@ group runs here instead of one `sample_batch` call. Before every decode block:
 After every step, each operation whose every sequence ended is recorded COMPLETED at once
 (service/recording.py), while the others decode on. The pass ends when no row runs.
 
-Imports: config, engine.interface, types.
+Imports: config, records, engine.interface, types.
 """
 
 from __future__ import annotations

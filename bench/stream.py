@@ -12,7 +12,9 @@ numbers are the baseline of continuous batching (operations joining a running ge
   --new-tokens new tokens, temperature 1, seed = its index), arriving at a fixed rate
   (`steady`) or in bursts of --burst at once at the same mean rate (`burst`). Rates are
   --loads x the one-at-a-time rate (1 / the median latency of one such operation alone), so
-  they mean the same on any machine; the ops/s offered is printed too. Per load and pattern:
+  they mean the same on any machine (--base-rate fixes the rate of 1x instead, so two runs,
+  e.g. today's sampler and the joining one, get the same arrivals); the ops/s offered is
+  printed too. Per load and pattern:
   completed operations/s (ops / (last result - first submit)), latency submit -> result
   (median and p90 over all operations of all repetitions), and the ratio of completed ops/s to
   `ideal` (ops / (last arrival + one op's solo latency): a server that answers every operation
@@ -151,6 +153,16 @@ class Driver:
             )
         return batch
 
+    def time_to_join(self, submitted: float, submitter: threading.Thread) -> float | None:
+        """Seconds from `submitted` until the server reports two sample operations running (the
+        late one joined the running generation: its first token is drawn as it joins), or None
+        if `submitter`, the thread waiting for the late one, got its result first."""
+        while submitter.is_alive():
+            if metrics(self.base_url).get(RUNNING, 0.0) >= 2:
+                return time.perf_counter() - submitted
+            time.sleep(0.002)
+        return None
+
     def wait_running(self, submitter: threading.Thread) -> None:
         """Until the server reports a sample operation running (its generation has started),
         or `submitter`, the thread waiting for that operation, has its result."""
@@ -188,10 +200,16 @@ def run_stream(
 
 
 def during_long(
-    driver: Driver, args: argparse.Namespace, long_solo: float, seed: int, late: Callable[[], Op]
+    driver: Driver,
+    args: argparse.Namespace,
+    long_solo: float,
+    seed: int,
+    late: Callable[[], Op],
+    joins: list[float | None] | None = None,
 ) -> tuple[Op, Op]:
     """The long operation, and `late()` submitted --late-after of its solo time after it was
-    seen running: (long Op, late Op)."""
+    seen running: (long Op, late Op). With `joins`, the late operation's time to join the
+    running generation (Driver.time_to_join) is appended to it."""
     rng = random.Random(seed)
     prompt = [driver.prompt(rng, args.prompt_tokens)]
     result: dict[str, Op] = {}
@@ -203,9 +221,14 @@ def during_long(
     thread.start()
     driver.wait_running(thread)
     time.sleep(args.late_after * long_solo)
-    late_op = late()
+    late_thread = threading.Thread(target=lambda: result.setdefault("late", late()))
+    submitted = time.perf_counter()
+    late_thread.start()
+    if joins is not None:
+        joins.append(driver.time_to_join(submitted, late_thread))
+    late_thread.join()
     thread.join()
-    return result["long"], late_op
+    return result["long"], result["late"]
 
 
 def stream_section(driver: Driver, args: argparse.Namespace, solo_short: float) -> dict:
@@ -216,6 +239,7 @@ def stream_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
         batched.append(driver.sample(prompts, 1, args.new_tokens, rep).latency)
     batched_rate = args.ops / statistics.median(batched)
     serial_rate = 1 / solo_short
+    base_rate = args.base_rate or serial_rate
     print(
         f"one-sample op alone {solo_short * 1e3:.0f} ms ({serial_rate:.2f} ops/s one at a time);"
         f" all {args.ops} prompts as one op {statistics.median(batched):.2f} s"
@@ -225,7 +249,7 @@ def stream_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
     rows = []
     for pattern in args.patterns:
         for load in args.loads:
-            rate = load * serial_rate
+            rate = load * base_rate
             runs = [
                 run_stream(driver, args, rate, pattern, 1000 * rep + int(load * 100))
                 for rep in range(args.reps)
@@ -285,6 +309,7 @@ def long_section(driver: Driver, args: argparse.Namespace, solo_short: float) ->
     rng = random.Random(11)
     batch = driver.training_batch(rng, args.fb_batch, args.fb_tokens)
     long_solo, fb_solo, late, remaining, fb_during, step = [], [], [], [], [], []
+    joins: list[float | None] = []
     for rep in range(args.reps):
         prompt = [driver.prompt(rng, args.prompt_tokens)]
         long_op = driver.sample(prompt, args.long_samples, args.long_tokens, rep)
@@ -300,6 +325,7 @@ def long_section(driver: Driver, args: argparse.Namespace, solo_short: float) ->
             long_s,
             100 + rep,
             lambda p=short_prompt, rep=rep: driver.sample(p, 1, args.new_tokens, rep),
+            joins,
         )
         late.append(short.latency)
         remaining.append(long_op.finished - short.submitted)
@@ -317,6 +343,8 @@ def long_section(driver: Driver, args: argparse.Namespace, solo_short: float) ->
         "fb_solo_s": statistics.median(fb_solo),
         "fb_during_s": statistics.median(fb_during),
         "late_while_running": sum(r > 0 for r in remaining),  # of --reps
+        # Seconds until it joined the running generation (None: it never did, it ran after).
+        "late_join_s": sorted(joins, key=lambda j: float("inf") if j is None else j),
     }
     print(
         f"large op alone ({args.long_samples} x {args.long_tokens} tokens): {long_s:.2f} s;"
@@ -329,6 +357,16 @@ def long_section(driver: Driver, args: argparse.Namespace, solo_short: float) ->
         f" {out['late_latency_s'] / solo_short:.1f}x alone; submitted while it ran in"
         f" {out['late_while_running']} of {args.reps})"
     )
+    joined = [j for j in joins if j is not None]
+    if joined:
+        worst = max(joined)
+        print(
+            f"late op joined the running generation in {len(joined)} of {args.reps}, after"
+            f" {statistics.median(joined) * 1e3:.0f} ms median, {worst * 1e3:.0f} ms at most"
+            f" ({worst / block:.1f} blocks; its first token is drawn as it joins)"
+        )
+    else:
+        print("late op never joined the running generation: it ran after it")
     target = 2 * out["fb_solo_s"] + block
     print(
         f"forward-backward of another session: {out['fb_during_s']:.2f} s during the long op,"
@@ -354,10 +392,8 @@ def bench_model(name: str, args: argparse.Namespace, extra: tuple[str, ...]) -> 
                 for i in range(max(3, args.reps))
             )
             print(f"\n{name}:", flush=True)
-            return {
-                "stream": stream_section(driver, args, solo),
-                "long": long_section(driver, args, solo),
-            }
+            sections = {"stream": stream_section, "long": long_section}
+            return {key: sections[key](driver, args, solo) for key in args.sections}
 
 
 def main() -> None:
@@ -369,6 +405,16 @@ def main() -> None:
         "--patterns", nargs="+", choices=["steady", "burst"], default=["steady", "burst"]
     )
     parser.add_argument("--burst", type=int, default=8, help="operations per burst")
+    parser.add_argument(
+        "--base-rate",
+        type=float,
+        default=None,
+        help="ops/s of load 1x (default: 1 / one operation's solo latency, measured): fix it to"
+        " offer the same arrivals to two servers run at different times",
+    )
+    parser.add_argument(
+        "--sections", nargs="+", choices=["stream", "long"], default=["stream", "long"]
+    )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--long-samples", type=int, default=256)

@@ -59,6 +59,34 @@ class Headroom:
     bound: str  # which limit it is, for a refusal's message
 
 
+class DecodeStream(Protocol):
+    """Sample operations of one resource decoding block by block on the trainer's lane
+    (generate/sample_stream.py): operations join a running generation at a block boundary and
+    each is handed back as soon as its every sequence ended, so the caller may run other work
+    (another session's training) between two blocks. A weights change published between blocks
+    (PIPELINE) reaches the running rows at the next `admit` or `block`."""
+
+    # Whether the session samples the model this stream decodes (one model per generation).
+    def can_join(self, session_id: str) -> bool: ...
+
+    # Operations joining at this block boundary: prefilled (prefix cache first) and drawn their
+    # first token; returns their ids in this stream, as take_finished names them.
+    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]: ...
+
+    # One decode block of every running sequence.
+    def block(self) -> None: ...
+
+    # (id, one result per prompt) of the operations completed since the last call.
+    def take_finished(self) -> list[tuple[int, list[SampleResult]]]: ...
+
+    # Sequences still decoding (0: the stream is idle).
+    def running_rows(self) -> int: ...
+
+    # Bytes a join may allocate beyond its own estimate: the running rows' KV reallocated
+    # (copied) while the old allocation still exists.
+    def join_reserve_bytes(self) -> int: ...
+
+
 class Engine(Protocol):
     # The resolved device, never the `auto` of the config: `cpu`, or a CUDA product name.
     def device_name(self) -> str: ...
@@ -133,6 +161,12 @@ class Engine(Protocol):
         *,
         between_tokens: Callable[[], None] | None = None,
     ) -> list[list[SampleResult]]: ...
+
+    # The step-wise form of sample_batch on the trainer's lane, for operations of sessions
+    # sampling what `session_id` samples; None where the engine cannot hand one out (its
+    # generators run in other processes or apart from the trainer): the scheduler then runs
+    # sample_batch over whole batches.
+    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None: ...
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
 

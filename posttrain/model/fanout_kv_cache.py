@@ -10,7 +10,8 @@ Two parts:
 A forward pass appends to the own part (`begin` / `update` / `commit`, the KVCache protocol
 with absolute position ids) and attends through SharedPrefixAttention (model/attention.py),
 which `attention_masks` returns per layer type. `keep` frees finished rows like KVCache.keep and
-also frees the prefixes no live row reads any more, so attention never reads a dead prompt.
+also frees the prefixes no live row reads any more, so attention never reads a dead prompt;
+`join` appends the prefixes and rows of requests joining a running decode batch.
 
 Prefix groups are named by the caller's ids (`group_ids_B`); `prefix_row` maps them to rows of
 the prefix cache, which move when dead prefixes are freed.
@@ -28,9 +29,10 @@ from posttrain.model.attention import SharedPrefixAttention
 from posttrain.model.kv_cache import KVCache
 
 
-def _bias(visible_BQK: Tensor, width: int) -> Tensor | None:
-    """Additive bias [B, Q, K] (0 = attend, -inf = not), or None when every column is visible."""
-    if bool(visible_BQK.all()):
+def _bias(visible_BQK: Tensor, width: int, *, check: bool = True) -> Tensor | None:
+    """Additive bias [B, Q, K] (0 = attend, -inf = not), or None when every column is visible
+    (`check` off: the caller knows some column is hidden, nothing is read back)."""
+    if check and bool(visible_BQK.all()):
         return None
     visible_BQK = visible_BQK.expand(-1, width, -1)
     return torch.zeros(visible_BQK.shape, device=visible_BQK.device).masked_fill_(
@@ -56,6 +58,7 @@ class FanoutKVCache:
         self._prefix_columns: int | None = None
         self._full_prefix_bias: dict[int, Tensor | None] = {}
         self._uniform = False  # this pass: every row holds the same own length (see begin)
+        self._ragged = False  # this pass: own lengths differ, the longest known (see begin)
 
     # ------------------------------------------------------------ sizes
 
@@ -92,14 +95,19 @@ class FanoutKVCache:
             self._layout = (slot_B, m, prefix_lengths_B)
         return self._layout
 
-    def begin(self, num_new_B: Tensor, uniform: tuple[int, int] | None = None) -> Tensor:
+    def begin(
+        self, num_new_B: Tensor, uniform: tuple[int, int] | None = None, ragged: bool = False
+    ) -> Tensor:
         """Append num_new_B[b] positions to row b; returns their absolute position ids [B, Q].
         `uniform` = (width, longest) as in KVCache.begin, and more: the caller knows every
         row's own part then holds `longest` positions (the sampler's decode passes: all rows
         start together and each pass adds one to every row), so every own column is visible
-        to every query and the masks need nothing read back from the device."""
+        to every query and the masks need nothing read back from the device. `ragged`: the
+        rows' own parts differ (rows that joined a running batch) and `longest` is the
+        longest's; the own masks are per row, still built without reading back."""
         own_positions_BQ = self.own.begin(num_new_B, uniform)
-        self._uniform = uniform is not None
+        self._uniform = uniform is not None and not ragged
+        self._ragged = uniform is not None and ragged
         return own_positions_BQ + self._group_layout()[2][:, None]
 
     def _longest_prefix(self) -> int:
@@ -129,8 +137,9 @@ class FanoutKVCache:
 
     def placeholder_columns(self, positions_BQ: Tensor) -> int:
         """Columns of the placeholder mask a pass hands the model: its last position + 1."""
-        if self._uniform:
-            # Rows hold the same own length, so the last position is the longest prefix's.
+        if self._uniform or self._ragged:
+            # The last position is at most the longest prefix's plus the longest own part (the
+            # placeholder only needs to be wide enough: attention reads the pass layout).
             return self._longest_prefix() + self.own.visible_columns()
         return int(positions_BQ.max()) + 1
 
@@ -170,7 +179,7 @@ class FanoutKVCache:
                 slot_B,
                 m,
                 prefix_bias,
-                None if uniform_own else _bias(own_visible, width),
+                None if uniform_own else _bias(own_visible, width, check=not self._ragged),
                 # The fused kernels (CPU flash, CUDA memory-efficient) are not trusted with a
                 # query that sees no column (the CPU one gives it a log-sum-exp of 0, not
                 # -inf); only a window can hide a whole prefix.
@@ -208,6 +217,24 @@ class FanoutKVCache:
             sources = [self.prefix_row[g] for g in order]
             self.prefix.keep(torch.tensor(sources, dtype=torch.int64, device=self.own.kv.device))
             self.prefix_row = {g: row for row, g in enumerate(order)}
+        self._reset_layout()
+
+    def join(
+        self, prefix: KVCache, prefix_rows: list[int], prefix_ids: list[int], group_ids_B: list[int]
+    ) -> None:
+        """Rows joining at a decode block boundary: rows prefix_rows of `prefix` (a prefill of
+        the joining prompts) become the prefixes named prefix_ids, and len(group_ids_B) empty
+        own rows continuing them are appended after the running rows (KVCache.add_rows)."""
+        assert not set(prefix_ids) & set(self.prefix_row), "joining prefixes are new"
+        device = self.own.kv.device
+        start = self.prefix.num_rows
+        self.prefix.add_rows(
+            len(prefix_rows), prefix, torch.tensor(prefix_rows, dtype=torch.int64, device=device)
+        )
+        for offset, gid in enumerate(prefix_ids):
+            self.prefix_row[gid] = start + offset
+        self.own.add_rows(len(group_ids_B))
+        self.group_ids_B += group_ids_B
         self._reset_layout()
 
     def replace_prefix(self, group_id: int, source: KVCache, source_row: int) -> None:

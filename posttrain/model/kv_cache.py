@@ -17,10 +17,11 @@ type, which the attention function reads from the pass layout (model/attention.p
 
 Rows come and go without reallocation: `keep` moves the live rows to the front (finished rows
 free their slot). `grow` makes room for more positions as rows get long (a new tensor, live
-rows only). `copy_rows` fills rows from another cache (KV recomputed after a weights update);
-`write_span` / `span` move a row's positions in and out (the prefix cache). A KVCache also
-serves as either part of a FanoutKVCache (fanout_kv_cache.py): one row per prompt, and
-one row per sampled sequence holding only what it generated.
+rows only); `add_rows` appends rows (requests joining a running decode batch). `copy_rows`
+fills rows from another cache (KV recomputed after a weights update); `write_span` / `span`
+move a row's positions in and out (the prefix cache). A KVCache also serves as either part of
+a FanoutKVCache (fanout_kv_cache.py): one row per prompt, and one row per sampled sequence
+holding only what it generated.
 
 Legend: N = layers, B = rows, H = KV heads, T = capacity, D = head dim, Q = new positions per
 row in one pass, K = visible columns, P = positions of a span.
@@ -210,6 +211,39 @@ class KVCache:
             kv[:, :, :, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
         self.kv = kv
         self.lengths_B = self.lengths_B[: self.num_rows].clone()
+
+    def add_rows(
+        self, count: int, source: KVCache | None = None, source_rows_R: Tensor | None = None
+    ) -> None:
+        """Append `count` rows after the live ones: empty (length 0), or copies of `source`'s
+        rows source_rows_R (rows joining a running batch). Rows freed by `keep` are reused;
+        past them a new tensor holds twice the rows (and, for longer source rows, more
+        positions), so a stream of joins copies the live rows a logarithmic number of times,
+        not at every join."""
+        needed = self.num_rows + count
+        allocated = self.kv.shape[2]
+        columns = self.capacity
+        if source is not None:
+            assert source_rows_R is not None and len(source_rows_R) == count
+            if count:
+                columns = max(columns, int(source.lengths_B[source_rows_R].max()))
+        if needed > allocated or columns > self.capacity:
+            rows = max(needed, 2 * allocated) if needed > allocated else allocated
+            num_layers, _, _, heads, _, head_dim = self.kv.shape
+            kv = self.kv.new_zeros(num_layers, 2, rows, heads, columns, head_dim)
+            lengths_B = self.lengths_B.new_zeros(rows)
+            if self.num_rows:
+                used = int(self.lengths_B[: self.num_rows].max())
+                kv[:, :, : self.num_rows, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
+                lengths_B[: self.num_rows] = self.lengths_B[: self.num_rows]
+            self.kv, self.lengths_B = kv, lengths_B
+        # A reused row keeps stale values past its length 0: finite, and hidden by every mask.
+        self.lengths_B[self.num_rows : needed] = 0
+        targets_R = torch.arange(self.num_rows, needed, device=self.kv.device)
+        self.num_rows = needed
+        if source is not None:
+            assert source_rows_R is not None
+            self.copy_rows(source, source_rows_R, targets_R)
 
     def copy_rows(self, source: KVCache, source_rows_R: Tensor, target_rows_R: Tensor) -> None:
         """Row target_rows_R[i] becomes a copy of source row source_rows_R[i]."""

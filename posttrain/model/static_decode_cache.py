@@ -6,12 +6,14 @@ builds its write indices and masks from Python ints that change every pass. Here
 is fixed for the life of the batch's layout and everything a pass reads that changes lives
 in a persistent tensor, advanced in place by the pass itself:
 
-- `own_length`, a 0-d device tensor: the own positions every row holds (all rows of a decode
-  batch hold the same count, engine/generate/sampler.py). A pass writes its keys and values at that
-  column (index_copy_, no host index) and then adds one;
-- attention reads the own part's full capacity, hiding the columns past `own_length` with an
-  additive bias built in the pass from it; the prefix part and its bias are the layout's;
-- position ids are the prefix lengths plus `own_length`.
+- `own_length_B`, a device tensor: the own positions each row holds (the same for all rows
+  unless rows joined a running batch, engine/generate/sampler.py). A pass writes each row's
+  keys and values at its column (an index_put_ with device indices, no host index) and then adds
+  one to every row;
+- attention reads the own part's full capacity, hiding each row's columns past its
+  `own_length_B` with an additive bias built in the pass from it; the prefix part and its
+  bias are the layout's;
+- position ids are the prefix lengths plus `own_length_B`.
 
 The capacity and rows are the FanoutKVCache's at construction: a grow, a compaction or a new
 prefix makes a new StaticDecodeCache. Full-attention layers only (a sliding window would need
@@ -38,14 +40,16 @@ class StaticDecodeCache:
     """The KVCache protocol of forward passes (begin / attention_masks / update / commit) for
     one-token decode passes whose every shape is fixed."""
 
-    def __init__(self, fanout: FanoutKVCache, own_length: int) -> None:
+    def __init__(self, fanout: FanoutKVCache, own_lengths: list[int]) -> None:
         own = fanout.own
         device = own.kv.device
         self.fanout = fanout
         self.rows = own.num_rows
         self.capacity = own.capacity
-        assert own_length < self.capacity, "no room for the next own position"
-        self.own_length = torch.tensor(own_length, device=device)
+        assert len(own_lengths) == self.rows, "one own length per row"
+        assert max(own_lengths) < self.capacity, "no room for the next own position"
+        self.own_length_B = torch.tensor(own_lengths, dtype=torch.int64, device=device)
+        self._rows_B = torch.arange(self.rows, device=device)
         self._columns_S = torch.arange(self.capacity, device=device)
         (self._prefix_kv, self._slot_B, self._per_group, self._prefix_lengths_B, bias) = (
             fanout.prefix_layout()
@@ -55,7 +59,7 @@ class StaticDecodeCache:
 
     def begin(self, num_new_B: Tensor | None = None, uniform: object = None) -> Tensor:
         """Position ids [B, 1] of this pass's token of every row."""
-        return (self._prefix_lengths_B + self.own_length)[:, None]
+        return (self._prefix_lengths_B + self.own_length_B)[:, None]
 
     def placeholder_columns(self, positions_BQ: Tensor) -> int:
         return self._prefix_columns + self.capacity
@@ -64,8 +68,9 @@ class StaticDecodeCache:
         self, positions_BQ: Tensor, layer_types: list[str], sliding_window: int | None
     ) -> dict[str, SharedPrefixAttention]:
         assert static_decode_supported(layer_types), "static passes serve full attention only"
-        own_bias_S = torch.zeros(self.capacity, device=positions_BQ.device).masked_fill_(
-            self._columns_S > self.own_length, float("-inf")
+        own_bias_B1S = torch.zeros(self.rows, 1, self.capacity, device=positions_BQ.device)
+        own_bias_B1S.masked_fill_(
+            self._columns_S[None, None, :] > self.own_length_B[:, None, None], float("-inf")
         )
         device_type = positions_BQ.device.type
         return {
@@ -74,7 +79,7 @@ class StaticDecodeCache:
                 self._slot_B,
                 self._per_group,
                 self._prefix_bias_BQP,
-                own_bias_S.expand(self.rows, 1, self.capacity),
+                own_bias_B1S,
                 fused=device_type in ("cpu", "cuda"),
             )
         }
@@ -82,16 +87,15 @@ class StaticDecodeCache:
     def update(
         self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[Tensor, Tensor]:
-        """Store this pass's keys and values at column own_length; return the own part's
-        full capacity [B, H, S, D] (the bias hides what is past own_length)."""
+        """Store this pass's keys and values of row b at its column own_length_B[b]; return
+        the own part's full capacity [B, H, S, D] (the bias hides what is past each row's)."""
         kv = self.fanout.own.kv
-        column_1 = self.own_length.view(1)
         for slot, new_BHQD in ((0, key_BHQD), (1, value_BHQD)):
-            kv[layer_idx, slot, : self.rows].index_copy_(2, column_1, new_BHQD.to(kv.dtype))
+            kv[layer_idx, slot][self._rows_B, :, self.own_length_B] = new_BHQD[:, :, 0].to(kv.dtype)
         return kv[layer_idx, 0, : self.rows], kv[layer_idx, 1, : self.rows]
 
     def commit(self) -> None:
-        self.own_length.add_(1)
+        self.own_length_B.add_(1)
         self.fanout.own.lengths_B[: self.rows].add_(1)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

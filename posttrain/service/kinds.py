@@ -12,6 +12,11 @@ about a kind reads it here instead of branching on the kind:
 - `on_generator`: it runs on the generator and leaves the trainer alone, so it may move to a
   generator lane (service/worker.py) and a deferred weights-sync never waits for it
   (service/publishing.py).
+- `between_blocks`: it may run at a decode block boundary of a sample stream on the trainer's
+  lane (service/sample_streams.py), ahead of the stream's end, when no row of its session
+  decodes: the training, weights-sync and checkpoint kinds (another session's training waits a
+  block, not a generation; a session's own operations keep their order, so a weights-sync
+  keeps its SYNCHRONOUS meaning for the samples before it). A sample joins the stream instead.
 - `changes`: the parts of a session's durable state it changes (service/durability.py).
 - `transition`: what it does to the session's step and policy versions: applied when it runs
   (`run`), and again when a full-weight session's journal is folded after a restart
@@ -112,6 +117,7 @@ class KindRules:
     run: Run
     sharing: Sharing = Sharing.ALONE
     on_generator: bool = False
+    between_blocks: bool = False
     # None: a request the caller does not hold (a deferred weights-sync's completion).
     changes: Callable[[OperationRequest | None], tuple[str, ...]] = lambda _: ()
     transition: Transition | None = None
@@ -224,18 +230,21 @@ KINDS: dict[OperationKind, KindRules] = {
         _TYPES[OperationKind.FORWARD_BACKWARD],
         _run_forward_backward,
         sharing=Sharing.ACROSS_SESSIONS,
+        between_blocks=True,
         changes=_trains,
         replay=_replay_forward_backward,
     ),
     OperationKind.CUSTOM_FORWARD_BACKWARD: KindRules(
         _TYPES[OperationKind.CUSTOM_FORWARD_BACKWARD],
         _alone(lambda _: CustomForwardBackwardOutput()),
+        between_blocks=True,
         changes=lambda _: ("gradients",),
         replay=_replay_custom_forward_backward,
     ),
     OperationKind.OPTIM_STEP: KindRules(
         _TYPES[OperationKind.OPTIM_STEP],
         _alone(lambda session: OptimStepOutput(step=session.step)),
+        between_blocks=True,
         changes=lambda _: ("trainer", "optimizer", "gradients"),
         transition=policy.stepped,
         replay=_replay_optim_step,
@@ -248,6 +257,7 @@ KINDS: dict[OperationKind, KindRules] = {
                 weights_version=session.policy_state.applied_weights_version
             )
         ),
+        between_blocks=True,
         changes=lambda _: ("generator",),
         transition=policy.synced,
         replay=_replay_weights_sync,
@@ -256,9 +266,11 @@ KINDS: dict[OperationKind, KindRules] = {
         _TYPES[OperationKind.SAMPLE], _run_sample, sharing=Sharing.ANY, on_generator=True
     ),
     OperationKind.TRAINING_CHECKPOINT: KindRules(
-        _TYPES[OperationKind.TRAINING_CHECKPOINT], _run_checkpoint
+        _TYPES[OperationKind.TRAINING_CHECKPOINT], _run_checkpoint, between_blocks=True
     ),
     OperationKind.INFERENCE_CHECKPOINT: KindRules(
-        _TYPES[OperationKind.INFERENCE_CHECKPOINT], _run_checkpoint
+        _TYPES[OperationKind.INFERENCE_CHECKPOINT],
+        _run_checkpoint,
+        between_blocks=True,
     ),
 }

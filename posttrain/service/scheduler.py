@@ -4,7 +4,9 @@ An operation is queued on its resource's worker (service/worker.py), which runs 
 of one or more: the kind's `sharing` (service/kinds.py) says which operations may share one
 engine pass. A group runs through `_run_group`: the pending/running preamble, memory admission
 (service/admission.py: what does not fit fails RESOURCE_EXHAUSTED before it runs), the engine
-pass or passes (each the kind's `run`, service/kinds.py), the finish (service/recording.py).
+pass or passes (each the kind's `run`, service/kinds.py; a sample group on the trainer's lane of
+an engine that offers a decode stream runs as a stream instead, service/sample_streams.py, which
+queued samples join and queued training interleaves), the finish (service/recording.py).
 What a group raises as a whole is caught by the worker's one job boundary, which fails its
 unfinished operations through the same finish path. Deferred weights-syncs complete through the
 publish mailbox (service/publishing.py), which finishes them through that path too.
@@ -34,10 +36,11 @@ from posttrain.service.metrics import OperationMetrics
 from posttrain.service.publishing import PublishMailbox, is_deferred
 from posttrain.service.recording import OperationRecorder
 from posttrain.service.routed_experts import RoutedExpertsStore
+from posttrain.service.sample_streams import StreamPass
 from posttrain.service.worker import Job, OnFailure, QueuedOperation, ResourceWorker
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
-from posttrain.types import OperationKind, OperationRequest, WeightsSyncRequest
+from posttrain.types import OperationKind, OperationRequest, WeightsSyncRequest, WeightSyncType
 
 log = logging.getLogger("posttrain.scheduler")
 
@@ -127,10 +130,16 @@ class Scheduler:
             if is_deferred(op.kind, request):
                 assert isinstance(request, WeightsSyncRequest)
                 self.mailbox.post(resource_id, op, request.weight_sync_type)
+                # Between the decode blocks of a sample stream, a PIPELINE publish may switch
+                # running rows; a BACKGROUND one waits until no row of its session decodes.
+                pipeline = request.weight_sync_type == WeightSyncType.PIPELINE
+                session_id = op.session_id
                 worker.submit(
                     Job(
                         lambda: self.mailbox.publish_at_place(resource_id, operation_id),
                         lambda exc: self.mailbox.fail(resource_id, operation_id, exc),
+                        lambda decoding: pipeline or session_id not in decoding,
+                        session_id,
                     )
                 )
                 return
@@ -156,7 +165,7 @@ class Scheduler:
         """Operations of one kind in one engine pass (a group of one for most kinds), or in
         consecutive passes where memory admission splits it; each completes or fails on its
         own, and each pass is recorded before the next runs."""
-        ready = self._start(group)
+        ready = self.start(group)
         if not ready:
             return
         kind = group[0].kind
@@ -171,6 +180,13 @@ class Scheduler:
         self.recorder.finish([(ready[i][0], error) for i, error in refused.items()])
         # A generator lane's group: one fence, one lane (service/worker.py).
         index = group[0].lane
+        if kind == OperationKind.SAMPLE and index is None and passes:
+            # The trainer's lane: a stream where the engine offers one (service/sample_streams.py).
+            stream = self.engine.sample_stream(resource_id, passes[0][0][1].id)
+            if stream is not None:
+                worker = self.worker(resource_id)
+                StreamPass(self, resource_id, stream, worker, group).run(passes)
+                return
         lane = None if index is None else Lane(index, max(item.fence for item in group))
         for members in passes:
             self._run_pass(resource_id, kind, members, lane)
@@ -195,7 +211,7 @@ class Scheduler:
             {op.id: changed_parts(op.kind, request) for op, _, request in ready},
         )
 
-    def _start(self, group: list[QueuedOperation]) -> list[Ready]:
+    def start(self, group: list[QueuedOperation]) -> list[Ready]:
         """The preamble: skip what is no longer PENDING, fail what belongs to a session that
         is not RUNNING, and mark the rest RUNNING in one store transaction."""
         ready: list[Ready] = []

@@ -42,6 +42,11 @@ class Job:
     run: Callable[[], Any]
     # Records the failure where the caller looks for it; None: the future carries it instead.
     on_failure: OnFailure | None = None
+    # Given the sessions whose rows decode in a running sample stream, whether the job may run
+    # at a decode block boundary (`between_blocks`); None: never, it is a barrier there too.
+    # `session_id`: the session whose order it keeps there.
+    between_blocks: Callable[[set[str]], bool] | None = None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,9 @@ class ResourceWorker:
         self._fence = fence
         self._samples: deque[_Item | None] = deque()
         self._lanes: list[threading.Thread] = []
+        # Per thread (the trainer's lane and each generator lane), the groups it runs,
+        # innermost last: a sample stream's group, and a group run between its decode blocks.
+        self._local = threading.local()
         self._name = name
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -155,15 +163,18 @@ class ResourceWorker:
         rows = head.rows + sum(item.operation.rows for item in mates if item.operation)
         return rows + candidate.rows <= self._max_sample_rows
 
-    def _take_batch_mates(self, head: QueuedOperation) -> list[_Item]:
-        """Caller holds the lock. Removes and returns the head's batch mates from the queue."""
+    def _take_batch_mates(
+        self, head: QueuedOperation, held: frozenset[str] = frozenset()
+    ) -> list[_Item]:
+        """Caller holds the lock. Removes and returns the head's batch mates from the queue;
+        none of the sessions `held`."""
         sharing = KINDS[head.kind].sharing
         if sharing == Sharing.ALONE:
             return []
         mates: list[_Item] = []
         # A session is blocked once one of its operations stays queued: nothing of it may
         # overtake that one. Forward-backwards of the head's own session stay behind it.
-        blocked = set() if sharing == Sharing.ANY else {head.session_id}
+        blocked = set(held) if sharing == Sharing.ANY else {head.session_id, *held}
         for item in list(self._items):
             if item is None or item.operation is None:
                 break
@@ -251,6 +262,80 @@ class ResourceWorker:
                 item.operation = dataclasses.replace(item.operation, lane=lane)
             self._run(group)
 
+    def _running(self) -> list[list[_Item]]:
+        """This thread's running groups, innermost last."""
+        if not hasattr(self._local, "groups"):
+            self._local.groups = []
+        return self._local.groups
+
+    def between_blocks(
+        self, decoding: set[str], may_join: Callable[[QueuedOperation], bool]
+    ) -> list[QueuedOperation]:
+        """At a decode block boundary of the sample stream this thread runs (its group is the
+        innermost running one): go through the queue in FIFO order once, run what may run
+        between blocks, and take the samples that join the stream, which become members of the
+        stream's group (their futures finish with it). Returns those samples, in order.
+
+        - A sample joins while `may_join` says it fits (same model, rows, memory); the first
+          that does not stops every later sample from joining (FIFO among samples: a large
+          operation is not overtaken by a stream of small ones; it joins once there is room,
+          or starts the next generation).
+        - A kind marked `between_blocks` of a session with no row decoding runs now with its
+          batch mates, as it would at its queue place (another session's training waits one
+          block, not a generation).
+        - An operation that may not run now blocks its session (nothing of it is taken after
+          it), and one that runs alone (a barrier) or a job that may not run ends the pass:
+          nothing overtakes a barrier.
+        `decoding`: sessions with rows in the stream; a joining sample's session is added."""
+        group = self._running()[-1]
+        joined: list[QueuedOperation] = []
+        blocked: set[str] = set()
+        joining = True
+        with self._ready:
+            queued = list(self._items)
+        for item in queued:
+            with self._ready:
+                if item is None:
+                    break
+                if not any(i is item for i in self._items):
+                    continue  # taken as a batch mate meanwhile
+                job, op = item.job, item.operation
+                if job is not None:
+                    if job.between_blocks is None or job.session_id in blocked:
+                        break
+                    if not job.between_blocks(decoding):
+                        break
+                    self._items.remove(item)
+                    unit = [item]
+                else:
+                    assert op is not None
+                    rules = KINDS[op.kind]
+                    if rules.on_generator:
+                        if op.session_id in blocked:
+                            continue
+                        if joining and may_join(op):
+                            self._items.remove(item)
+                            group.append(item)
+                            joined.append(op)
+                            decoding.add(op.session_id)
+                        else:
+                            joining = False
+                            blocked.add(op.session_id)
+                        continue
+                    if (
+                        op.session_id in blocked
+                        or op.session_id in decoding
+                        or not rules.between_blocks
+                    ):
+                        if rules.sharing == Sharing.ALONE:
+                            break
+                        blocked.add(op.session_id)
+                        continue
+                    self._items.remove(item)
+                    unit = [item, *self._take_batch_mates(op, frozenset(decoding | blocked))]
+            self._run(unit)
+        return joined
+
     def _await_arrivals(self) -> None:
         """Caller holds the lock. While sample submissions are arriving, wait (up to gather_s)
         until none has been for ARRIVAL_LULL_S: a burst's POSTs reach the server over several
@@ -274,12 +359,15 @@ class ResourceWorker:
         job = group[0].job
         operations = [item.operation for item in group if item.operation is not None]
         result = None
+        running = self._running()
+        running.append(group)  # a sample stream's joins are appended to it
         try:
             if job is not None:
                 result = job.run()
             else:
                 self._run_group(operations)
         except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
+            operations = [item.operation for item in group if item.operation is not None]
             try:
                 self._record_failure(group[0], job, operations, exc)
             except Exception as lost:  # noqa: BLE001 - recording failed too (the store?):
@@ -289,10 +377,12 @@ class ResourceWorker:
                     if not item.future.done():
                         item.future.set_exception(lost)
         finally:
+            running.pop()
             # After the outcome is recorded: a deferred weights-sync waiting for one of these
             # operations may complete now (service/publishing.py).
-            for operation in operations:
-                operation.done()
+            for item in group:
+                if item.operation is not None:
+                    item.operation.done()
         for item in group:  # finished: recorded, or (a job without a recorder) raised
             if not item.future.done():
                 item.future.set_result(result)

@@ -304,6 +304,40 @@ def test_pipeline_and_background_publish_on_an_idle_generator_land_before_the_ne
     resources.stop()
 
 
+# ---------------------------------------------------------------- operations joining a generation
+
+
+def test_a_sample_submitted_while_another_generates_joins_it_and_equals_alone(shared_server):
+    """The in-process engine decodes sample operations as a stream: one submitted while a long
+    generation runs joins it at a block boundary, finishes while the long one goes on, and gets
+    exactly what it gets alone; another session's forward-backward runs between blocks."""
+    url = shared_server.base_url
+    resources, session = open_session(url, lora_config={"rank": 4, "seed": 21})
+    other = resources.create_session(interval=0.2, lora_config={"rank": 4, "seed": 22})
+    ops = low_level(url).post_training.operations
+    params = {"max_tokens": 8, "temperature": 0.9, "top_k": 40, "seed": 5}
+    short = model_input(encode("<|im_start|>1 2 3"))
+
+    running = start_long_greedy_sample(url, session.session_id, encode(LONG_PROMPT))
+    joined = other.generator.sample(short, num_samples=2, sampling_params=params, interval=FAST)
+    still = ops.retrieve_sample(running.id, session_id=session.session_id).status
+    assert still == "TRAINING_OPERATION_STATUS_RUNNING"
+    other.trainer.forward_backward(
+        samples=[sft_sample(encode("1 2 3 4 5"), 1)], loss=CE, interval=FAST
+    )
+    still = ops.retrieve_sample(running.id, session_id=session.session_id).status
+    assert still == "TRAINING_OPERATION_STATUS_RUNNING"
+    wait_for_sample(url, session.session_id, running.id)
+
+    alone = other.generator.sample(short, num_samples=2, sampling_params=params, interval=FAST)
+    assert [s.tokens for s in joined.sequences] == [s.tokens for s in alone.sequences]
+    for ours, theirs in zip(joined.sequences, alone.sequences, strict=True):
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+    other.stop()
+    session.stop()
+    resources.stop()
+
+
 # ---------------------------------------------------------------- requests the generator refuses
 
 

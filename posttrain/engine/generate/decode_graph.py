@@ -109,7 +109,7 @@ class DecodeStep:
         """Warm up on a side stream (lazy kernel and workspace set-up must not happen inside
         a capture), undo what that pass advanced, then capture one pass."""
         own_lengths_B = self.cache.fanout.own.lengths_B
-        saved = [t.clone() for t in (self.tokens_B, self.cache.own_length, own_lengths_B)]
+        saved = [t.clone() for t in (self.tokens_B, self.cache.own_length_B, own_lengths_B)]
         side = torch.cuda.Stream(self.tokens_B.device)
         side.wait_stream(torch.cuda.current_stream(self.tokens_B.device))
         with torch.cuda.stream(side):
@@ -117,7 +117,7 @@ class DecodeStep:
         torch.cuda.current_stream(self.tokens_B.device).wait_stream(side)
         # The warm-up's KV write sits at the column the first real pass overwrites.
         for target, value in zip(
-            (self.tokens_B, self.cache.own_length, own_lengths_B), saved, strict=True
+            (self.tokens_B, self.cache.own_length_B, own_lengths_B), saved, strict=True
         ):
             target.copy_(value)
         graph = torch.cuda.CUDAGraph()

@@ -92,6 +92,35 @@ class LiveRows:
             self.last_tokens_B = self.last_tokens_B.index_select(0, index)
         self._refresh()
 
+    def join(self, other: LiveRows) -> None:
+        """Append the live rows of `other` (rows of the same call that started apart: a
+        request joining at a block boundary) after this batch's. Each row keeps its own
+        stream: the uniforms it drew ahead and has not used come first, then, to give every
+        row as many columns as the widest, further draws of its own generator, which is
+        exactly what it would have drawn next alone."""
+        assert other.rows is self.rows, "rows of one call"
+        leftovers = [*self._leftovers(), *other._leftovers()]
+        width = max((len(left) for left in leftovers), default=0)
+        self.live = self.live + other.live
+        ahead_BC = torch.zeros(len(self.live), width)
+        for i, (r, left) in enumerate(zip(self.live, leftovers, strict=True)):
+            ahead_BC[i, : len(left)] = left
+            generator = self.rows[r].generator
+            if generator is not None and len(left) < width:
+                torch.rand(width - len(left), generator=generator, out=ahead_BC[i, len(left) :])
+        self._ahead_BC = ahead_BC.to(self.device) if width else None
+        self._column = 0
+        assert self.last_tokens_B is not None and other.last_tokens_B is not None
+        self.last_tokens_B = torch.cat([self.last_tokens_B, other.last_tokens_B])
+        self._refresh()
+
+    def _leftovers(self) -> list[Tensor]:
+        """The uniforms each live row drew ahead and has not used yet (on the CPU)."""
+        if self._ahead_BC is None or self.kind == GREEDY:
+            # A greedy batch draws nothing: its rows have no generator.
+            return [torch.zeros(0) for _ in self.live]
+        return list(self._ahead_BC[:, self._column :].cpu())
+
     def uniforms(self) -> Tensor:
         """This step's uniform of every live row [B] (0 for greedy rows, unused)."""
         if self.kind == GREEDY:

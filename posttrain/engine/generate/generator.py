@@ -115,18 +115,7 @@ def sample_batch(
     results (one per prompt) per item."""
     models = {id(m): m for m in (sampling_model(resource, s) for s, _ in items)}
     assert len(models) == 1, "one generation runs on one model"
-    loaded = resource.loaded
-    model = GeneratorModel(
-        model=next(iter(models.values())),
-        lora=resource.lora,
-        tokenizer=loaded.tokenizer,
-        eos_token_ids=loaded.eos_token_ids,
-        prefix_cache=resource.prefix_cache,
-        logprob_chunk_tokens=config.logprob_chunk_tokens,
-        kv=loaded.kv,
-        moe=loaded.moe,
-        cuda_graphs=config.cuda_graphs,
-    )
+    model = generator_model(config, resource, next(iter(models.values())))
     requests = []
     for session, request in items:
         served(resource, session)
@@ -148,3 +137,21 @@ def sample_batch(
         split.append(results[: len(request.prompts)])
         results = results[len(request.prompts) :]
     return split
+
+
+def generator_model(
+    config: EngineConfig, resource: ResourceState, model: nn.Module
+) -> GeneratorModel:
+    """What the decode loop needs of the resource to sample `model` (sampling_model)."""
+    loaded = resource.loaded
+    return GeneratorModel(
+        model=model,
+        lora=resource.lora,
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=loaded.eos_token_ids,
+        prefix_cache=resource.prefix_cache,
+        logprob_chunk_tokens=config.logprob_chunk_tokens,
+        kv=loaded.kv,
+        moe=loaded.moe,
+        cuda_graphs=config.cuda_graphs,
+    )

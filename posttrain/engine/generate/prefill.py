@@ -110,14 +110,20 @@ def forward_rows(
     routes_out: list[Tensor] | None = None,
     uniform: tuple[int, int] | None = None,
     adapter_routing: list[tuple[str, Tensor | None]] | None = None,
+    ragged: bool = False,
 ) -> Tensor:
     """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H].
     With `routes_out`, also append the experts every position used, [B, Q, L, K].
     `uniform`: what the caller knows of the rows' lengths (KVCache.begin). `adapter_routing`: the
     rows' adapter routing made once (routing_of(keys_B)), for passes a CUDA graph captures
-    (no index tensor may be made from the host inside one)."""
+    (no index tensor may be made from the host inside one). `ragged`: a FanoutKVCache's rows
+    hold different own lengths, `uniform`'s longest the longest (FanoutKVCache.begin)."""
     config = gm.model.config
-    positions_BQ = cache.begin(num_new_B, uniform)
+    if ragged:
+        assert isinstance(cache, FanoutKVCache) and uniform is not None
+        positions_BQ = cache.begin(num_new_B, uniform, ragged=True)
+    else:
+        positions_BQ = cache.begin(num_new_B, uniform)
     kinds = layer_types(config)
     masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
     # The model gets a placeholder 4-D mask, which every family's mask creation passes on
@@ -150,6 +156,7 @@ def head_logits(
     hidden_BH: Tensor,
     keys_B: list[str],
     adapter_routing: list[tuple[str, Tensor | None]] | None = None,
+    ragged: bool = False,
 ) -> Tensor:
     with gm.lora.route(adapter_routing or routing_of(keys_B, hidden_BH.device)):
         return output_head(gm.model)(hidden_BH)

@@ -31,6 +31,16 @@ operations and sessions can share passes) and runs:
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy
    segment starting at the next generated token, so every token after the switch is exactly what
    the new weights give.
+5. Joins: between blocks (after `between_tokens`) `admit` may return new requests. They are
+   planned, prefilled and drawn their first token like the first batch's (joins.py), and their
+   live rows are appended to the batch and the cache (FanoutKVCache.join); their results follow
+   the first requests'. A joined row's own part starts empty while the others' do not: the
+   host keeps every row's own length, so dynamic passes build per-row own masks without
+   reading anything back (the `uniform` fast path while all are equal), and static passes
+   keep one own length per row (a join is a new layout). A request completed at a block end
+   is reported then (`finished`), not at the generation's end. The loop itself is a Decoding,
+   run one block at a time; `generate` drives it with callbacks, a scheduler may drive it
+   directly and do other work between blocks.
 
 Sampling (sampling_math.py): temperature, top-k, top-p, then one inverse-CDF draw per row from
 its own torch.Generator. Sample j of a prompt seeds its generator from (seed, j), so the same
@@ -52,35 +62,31 @@ Q = new positions per row in a pass, V = vocab, H = hidden size.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
-from posttrain.engine.generate.decode_rows import LiveRows, SampledRow
+from posttrain.engine.generate.decode_rows import LiveRows
 from posttrain.engine.generate.draws import draw, record_steps
+from posttrain.engine.generate.joins import (
+    Generation,
+    GenerationRequest,
+    start_rows,
+    switch_weights,
+)
 from posttrain.engine.generate.prefill import (
     GeneratorModel,
-    PromptGroup,
-    extend_rows,
     forward_rows,
     head_logits,
     new_cache,
-    prefill,
 )
-from posttrain.engine.generate.sampling_math import row_seed
 from posttrain.engine.state import WeightsVersion
-from posttrain.engine.train.expert_routes import to_routes
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.static_decode_cache import StaticDecodeCache
 from posttrain.types import (
-    PolicySegment,
-    SampledSequence,
     SampleResult,
-    SamplingParams,
-    TopkPromptLogprobs,
 )
 
 # Decode positions allocated at a time: memory follows the longest live row instead of being
@@ -111,19 +117,6 @@ def default_block_steps(device: torch.device) -> int:
     return CPU_BLOCK_STEPS if device.type == "cpu" else DECODE_BLOCK_STEPS
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt of one sample operation: num_samples sequences sharing one prefill."""
-
-    prompt: tuple[int, ...]
-    num_samples: int
-    params: SamplingParams
-    adapter_key: str
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    return_routed_experts: bool = False  # ignored by a dense model (api.md 1.4.6)
-
-
 # ---------------------------------------------------------------- the decode loop
 
 
@@ -134,128 +127,186 @@ def generate(
     versions: Mapping[str, WeightsVersion],
     between_tokens: Callable[[], None] | None = None,
     block_steps: int | None = None,
+    admit: Callable[[], list[GenerationRequest]] | None = None,
+    finished: Callable[[int, SampleResult], None] | None = None,
 ) -> list[SampleResult]:
-    """Sample every request; results align with `requests`.
+    """Sample every request; results align with `requests`, then the admitted ones in order.
 
     `versions` maps each adapter key to what it serves now and is read again after every
     `between_tokens()` call, which may publish new weights (PIPELINE weights-sync).
-    `block_steps`: decode passes per host read (None: default_block_steps of the device)."""
-    attention.install(gm.model)
+    `block_steps`: decode passes per host read (None: default_block_steps of the device).
+    `admit`: called at every block boundary (after `between_tokens`); the requests it returns
+    are prefilled and their rows join the running decode batch (joins.py).
+    `finished(index, result)`: called at the block end where a request's last row ended (index
+    into the returned list), so its operation can complete while the generation runs on."""
+
+    def report() -> None:
+        for index, result in decoding.take_finished():
+            if finished is not None:
+                finished(index, result)
+
     with torch.no_grad():
-        return _generate(gm, requests, versions, between_tokens, block_steps)
+        decoding = Decoding(gm, requests, versions, block_steps)
+        report()
+        while decoding.running:
+            if between_tokens is not None:
+                served = {key: v.generation for key, v in versions.items()}
+                between_tokens()
+                changed = served != {key: v.generation for key, v in versions.items()}
+                decoding.weights_published(changed)
+            if admit is not None and (joining := admit()):
+                decoding.admit(joining)
+                report()
+            decoding.block()
+            report()
+        return decoding.results()
 
 
-def _plan(
-    gm: GeneratorModel,
-    requests: list[GenerationRequest],
-    versions: Mapping[str, WeightsVersion],
-) -> tuple[list[PromptGroup], list[int], list[SampledRow]]:
-    """Groups (distinct adapter + prompt), the group of each request, and the rows."""
-    wants_routes = [q.return_routed_experts and gm.moe is not None for q in requests]
-    groups: list[PromptGroup] = []
-    group_of_request: list[int] = []
-    index: dict[tuple[str, tuple[int, ...]], int] = {}
-    rows: list[SampledRow] = []
-    for r, request in enumerate(requests):
-        key = (request.adapter_key, request.prompt)
-        if key not in index:
-            index[key] = len(groups)
-            generation = versions[request.adapter_key].generation
-            groups.append(PromptGroup(request.adapter_key, request.prompt, generation))
-        group_of_request.append(index[key])
-        group = groups[index[key]]
-        group.topk = max(group.topk, request.topk_prompt_logprobs)
-        group.wants_prompt_logprobs |= request.prompt_logprobs or request.topk_prompt_logprobs > 0
-        group.wants_routes |= wants_routes[r]
-        params = request.params
-        for j in range(request.num_samples):
-            generator = None
-            if params.temperature > 0:
-                generator = torch.Generator().manual_seed(row_seed(params.seed, j))
-            routes: list[Tensor] | None = [] if wants_routes[r] else None
-            rows.append(
-                SampledRow(r, index[key], request.adapter_key, params, generator, routes=routes)
+class Decoding:
+    """A generation one decode block at a time: started with requests, `admit` adds requests
+    between blocks (their rows join the running batch), `block` runs one block, and
+    `take_finished` hands over the requests completed since it was last asked. `generate`
+    drives it with callbacks; a caller that interleaves other work between blocks (another
+    session's training step, a process host answering step by step) drives it directly.
+    Every method runs under torch.no_grad with the generator's attention installed."""
+
+    def __init__(
+        self,
+        gm: GeneratorModel,
+        requests: list[GenerationRequest],
+        versions: Mapping[str, WeightsVersion],
+        block_steps: int | None = None,
+    ) -> None:
+        attention.install(gm.model)
+        self.gm = gm
+        self.versions = versions
+        self.device = gm.model.get_input_embeddings().weight.device
+        self.generation = Generation()
+        self.steps_per_block = (
+            block_steps if block_steps is not None else default_block_steps(self.device)
+        )
+        self.static = use_static_passes(gm, self.device)
+        self._finished: list[tuple[int, SampleResult]] = []
+        self.batch: LiveRows | None = None
+        self.cache: FanoutKVCache | None = None
+        # Own positions of every batch position, known on the host: each pass adds one to
+        # every row (a weights update recomputes them to the same count), a joining row starts
+        # at 0. While all are equal (no join, or the joined rows caught up by the others
+        # leaving), passes take the `uniform` fast path and nothing is read back.
+        self.own_lengths: list[int] = []
+        # Batch positions of the rows still running; with static passes, finished rows may
+        # stay in the batch as padding (see _keeps_layout).
+        self.running: list[int] = []
+        self.step: DecodeStep | None = None  # the static pass of the current layout
+        self.admit(requests)
+
+    def take_finished(self) -> list[tuple[int, SampleResult]]:
+        """(index, result) of the requests completed since the last call."""
+        done, self._finished = self._finished, []
+        return done
+
+    def results(self) -> list[SampleResult]:
+        """Every request's result, in arrival order (all must have finished)."""
+        return self.generation.results()
+
+    def _settle(self, row_ids: list[int]) -> None:
+        for r in self.generation.settle(row_ids):
+            self._finished.append((r, self.generation.result(r)))
+
+    def admit(self, requests: list[GenerationRequest]) -> None:
+        """Requests joining between blocks: planned, prefilled and drawn their first token
+        (joins.start_rows); their live rows join the batch and the cache (a new batch when
+        none runs)."""
+        if not requests:
+            return
+        with torch.no_grad():
+            gm, generation = self.gm, self.generation
+            group_ids, row_ids = generation.add(gm, requests, self.versions)
+            prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
+            self._settle(row_ids)
+            if not fresh.live:
+                return
+            rows = generation.rows
+            if not self.running:
+                longest = max(rows[r].max_tokens for r in fresh.live)
+                own = new_cache(gm, len(fresh.live), min(longest, DECODE_POSITIONS_PER_GROWTH))
+                groups_B = [rows[r].group for r in fresh.live]
+                self.cache = FanoutKVCache(prefill_cache, group_ids, own, groups_B)
+                # Frees the prompts whose every sample already ended on its first token.
+                self.cache.keep(torch.arange(len(fresh.live), device=self.device))
+                self.batch, self.own_lengths = fresh, [0] * len(fresh.live)
+                self.running = list(range(len(fresh.live)))
+                self.step = None
+                return
+            assert self.batch is not None and self.cache is not None
+            live_groups = sorted({rows[r].group for r in fresh.live})
+            cache_row = {g: i for i, g in enumerate(group_ids)}
+            self.cache.join(
+                prefill_cache,
+                [cache_row[g] for g in live_groups],
+                live_groups,
+                [rows[r].group for r in fresh.live],
             )
-    return groups, group_of_request, rows
+            start = len(self.batch.live)
+            self.batch.join(fresh)
+            self.own_lengths += [0] * len(fresh.live)
+            self.running += range(start, len(self.batch.live))
+            self.step = None
 
+    def weights_published(self, served_changed: bool) -> None:
+        """After a possible publish (PIPELINE weights-sync): running rows whose adapter's
+        weights changed continue on the new ones (joins.switch_weights). `served_changed`:
+        whether any adapter's weights changed, even of rows no longer running: a captured
+        pass may hold the addresses of the weights they replaced, so it is made again."""
+        assert self.batch is not None and self.cache is not None
+        with torch.no_grad():
+            gm, batch, cache = self.gm, self.batch, self.cache
+            if switch_weights(gm, batch, cache, self.generation, self.versions) or served_changed:
+                self.step = None
 
-def _generate(
-    gm: GeneratorModel,
-    requests: list[GenerationRequest],
-    versions: Mapping[str, WeightsVersion],
-    between_tokens: Callable[[], None] | None,
-    block_steps: int | None,
-) -> list[SampleResult]:
-    device = gm.model.get_input_embeddings().weight.device
-    groups, group_of_request, rows = _plan(gm, requests, versions)
-    segments = [[PolicySegment(0, versions[q.adapter_key].version)] for q in requests]
-    prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
-    assert first_logits_GV is not None
-    vocab = first_logits_GV.shape[-1]
-    batch = LiveRows(rows, list(range(len(rows))), device, vocab)
-    group_of_row_R = torch.tensor([row.group for row in rows], device=device)
-    first_B = draw(batch, first_logits_GV[group_of_row_R])
-    tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
-    batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
-    if not batch.live:
-        return _results(requests, groups, group_of_request, rows, segments)
-    longest_completion = max(rows[r].max_tokens for r in batch.live)
-    own = new_cache(gm, len(batch.live), min(longest_completion, DECODE_POSITIONS_PER_GROWTH))
-    cache = FanoutKVCache(
-        prefill_cache, list(range(len(groups))), own, [rows[r].group for r in batch.live]
-    )
-    # Frees the prompts whose every sample already ended on its first token.
-    cache.keep(torch.arange(len(batch.live), device=device))
-    # Own positions every live row holds: all rows start decoding together and each pass adds
-    # one to every row of the batch (a weights update recomputes them to the same count), so
-    # the host knows when the cache is full without asking the device.
-    own_positions = 0
-    steps_per_block = block_steps if block_steps is not None else default_block_steps(device)
-    static = use_static_passes(gm, device)
-    step: DecodeStep | None = None  # the static pass of the current layout
-    # Batch positions of the rows still running; with static passes, finished rows may stay
-    # in the batch as padding (see _keeps_layout).
-    running = list(range(len(batch.live)))
-    while running:
-        if between_tokens is not None:
-            served = {key: v.generation for key, v in versions.items()}
-            between_tokens()
-            if _apply_new_weights(gm, batch, cache, groups, requests, versions, segments):
-                step = None
-            elif served != {key: v.generation for key, v in versions.items()}:
-                # New weights of rows that no longer run: a captured pass may hold the
-                # addresses of the weights they replaced, so it is made again.
-                step = None
+    def block(self) -> None:
+        """One decode block of every running row; requests completed by it go to
+        take_finished."""
+        assert self.running and self.batch is not None and self.cache is not None
+        with torch.no_grad():
+            self._block(self.gm, self.batch, self.cache)
+
+    def _block(self, gm: GeneratorModel, batch: LiveRows, cache: FanoutKVCache) -> None:
+        rows, running = self.generation.rows, self.running
         # No row runs past the longest max_tokens still wanted: the last block is shortened.
         steps = min(
-            steps_per_block,
+            self.steps_per_block,
             max(rows[batch.live[i]].max_tokens - len(rows[batch.live[i]].tokens) for i in running),
         )
-        if own_positions + steps > cache.capacity:
-            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, own_positions + steps))
-            step = None
+        longest = max(self.own_lengths)
+        if longest + steps > cache.capacity:
+            cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, longest + steps))
+            self.step = None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
-        if static:
-            if step is None:
-                step = DecodeStep(
-                    gm, StaticDecodeCache(cache, own_positions), batch, _use_graphs(device)
-                )
-            tokens_KB, logprobs_KB = _static_block(step, batch, steps)
+        if self.static:
+            if self.step is None:
+                graphs = _use_graphs(self.device)
+                static_cache = StaticDecodeCache(cache, self.own_lengths)
+                self.step = DecodeStep(gm, static_cache, batch, graphs)
+            tokens_KB, logprobs_KB = _static_block(self.step, batch, steps)
         else:
+            ragged = len(set(self.own_lengths)) > 1  # rows joined: per-row own masks
             tokens_KB, logprobs_KB = _dynamic_block(
-                gm, batch, cache, steps, own_positions, routes_K
+                gm, batch, cache, steps, longest, ragged, routes_K
             )
-        own_positions += steps
+        self.own_lengths = [length + steps for length in self.own_lengths]
         tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
         running = record_steps(gm, batch, tokens, logprobs, routes_K)
-        if running and not (static and _keeps_layout(len(running), len(batch.live))):
+        self._settle(batch.live)
+        if running and not (self.static and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
                 order = _fill_holes(running)
-                cache.keep(torch.tensor(order, dtype=torch.int64, device=device))
+                cache.keep(torch.tensor(order, dtype=torch.int64, device=self.device))
                 batch.keep(order)
+                self.own_lengths = [self.own_lengths[i] for i in order]
                 running = list(range(len(order)))
-                step = None
-    return _results(requests, groups, group_of_request, rows, segments)
+                self.step = None
+        self.running = running
 
 
 def _dynamic_block(
@@ -264,10 +315,12 @@ def _dynamic_block(
     cache: FanoutKVCache,
     steps: int,
     own_positions: int,
+    ragged: bool,
     routes_K: list[Tensor] | None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """`steps` passes of every row of the batch, shapes following the rows' lengths; each
-    step's tokens and logprobs [B] stay on the device (routes appended to routes_K)."""
+    step's tokens and logprobs [B] stay on the device (routes appended to routes_K).
+    `own_positions`: what every row holds, or with `ragged` (rows that joined) the longest."""
     tokens_KB: list[Tensor] = []
     logprobs_KB: list[Tensor] = []
     for k in range(steps):
@@ -281,6 +334,7 @@ def _dynamic_block(
             batch.keys,
             routes_out,
             uniform=(1, own_positions + k + 1),
+            ragged=ragged,
         )
         if routes_K is not None:
             assert routes_out is not None
@@ -330,95 +384,3 @@ def _fill_holes(keep: list[int]) -> list[int]:
     staying = {i for i in keep if i < count}
     movers = iter(i for i in keep if i >= count)
     return [i if i in staying else next(movers) for i in range(count)]
-
-
-def _apply_new_weights(
-    gm: GeneratorModel,
-    batch: LiveRows,
-    cache: FanoutKVCache,
-    groups: list[PromptGroup],
-    requests: list[GenerationRequest],
-    versions: Mapping[str, WeightsVersion],
-    segments: list[list[PolicySegment]],
-) -> bool:
-    """After a publish: recompute the KV of the running rows whose adapter changed with the new
-    weights (their prompt once, then each row's tokens so far but the last, which the next pass
-    feeds), and open a policy segment at their next token. Finished rows kept as padding
-    (static passes) are left alone. Returns whether anything changed."""
-    rows = batch.rows
-    changed = {
-        g
-        for g in {rows[r].group for r in batch.live if rows[r].stop_reason is None}
-        if versions[groups[g].adapter_key].generation != groups[g].generation
-    }
-    if not changed:
-        return False
-    fresh: list[PromptGroup] = []
-    for g in sorted(changed):
-        current = versions[groups[g].adapter_key]
-        groups[g].generation = current.generation
-        fresh.append(PromptGroup(groups[g].adapter_key, groups[g].prompt, current.generation))
-    group_cache, _ = prefill(gm, fresh, with_logits=False)
-    for fresh_row, g in enumerate(sorted(changed)):
-        cache.replace_prefix(g, group_cache, fresh_row)
-    positions = [
-        i
-        for i, r in enumerate(batch.live)
-        if rows[r].group in changed and rows[r].stop_reason is None
-    ]
-    affected = [rows[batch.live[i]] for i in positions]
-    suffixes = [row.tokens[:-1] for row in affected]
-    own = new_cache(gm, len(affected), max(map(len, suffixes)) or 1)
-    row_cache = cache.subset(own, [row.group for row in affected])
-    keys = [groups[row.group].adapter_key for row in affected]
-    for _ in extend_rows(gm, row_cache, suffixes, keys):
-        pass
-    device = cache.own.kv.device
-    cache.own.copy_rows(
-        row_cache.own,
-        torch.arange(len(affected), device=device),
-        torch.tensor(positions, dtype=torch.int64, device=device),
-    )
-    switched: dict[int, int] = {}  # request -> generated tokens before the switch
-    for row in affected:
-        switched[row.request] = len(row.tokens)
-    for r, start in switched.items():
-        version = versions[requests[r].adapter_key].version
-        if segments[r][-1].version != version:
-            segments[r].append(PolicySegment(start, version))
-    return True
-
-
-def _results(
-    requests: list[GenerationRequest],
-    groups: list[PromptGroup],
-    group_of_request: list[int],
-    rows: list[SampledRow],
-    segments: list[list[PolicySegment]],
-) -> list[SampleResult]:
-    sequences: list[list[SampledSequence]] = [[] for _ in requests]
-    for row in rows:
-        assert row.stop_reason is not None, "every row ends with a stop reason"
-        group = groups[row.group]
-        routes = None
-        if row.routes is not None:
-            # Every position that ran: the prompt's and each generated token but the last.
-            routes = to_routes(torch.cat([*group.routes, *(r[None] for r in row.routes)]))
-        sequences[row.request].append(
-            SampledSequence(
-                row.tokens, row.logprobs, row.stop_reason, group.cache_hit_tokens, routes
-            )
-        )
-    results = []
-    for r, request in enumerate(requests):
-        group = groups[group_of_request[r]]
-        prompt_logprobs = [0.0, *group.prompt_logprobs] if request.prompt_logprobs else None
-        topk = None
-        if request.topk_prompt_logprobs:
-            k = request.topk_prompt_logprobs
-            topk = [TopkPromptLogprobs([], [])] + [
-                TopkPromptLogprobs(t.token_ids[:k], t.logprobs[:k])
-                for t in group.topk_prompt_logprobs
-            ]
-        results.append(SampleResult(sequences[r], segments[r], prompt_logprobs, topk))
-    return results

@@ -25,6 +25,7 @@ from posttrain.engine.checkpoint import durable, formats
 from posttrain.engine.checkpoint.session_tensors import copy_into_trainer, trainer_tensors
 from posttrain.engine.generate import generator
 from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.generate.sample_stream import SessionSampleStream, open_stream
 from posttrain.engine.hosts.threads import use_intra_op_threads
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.memory.footprint import (
@@ -121,8 +122,8 @@ class LocalEngine:
         with self._lock:
             self._resources.pop(resource_id, None)
 
-    def close(self) -> None:
-        """Nothing to stop: the resources live and die with this process."""
+    def close(self) -> None:  # nothing to stop: the resources live and die with this process
+        pass
 
     def is_loaded(self, resource_id: str) -> bool:
         with self._lock:
@@ -234,8 +235,7 @@ class LocalEngine:
         trainer.optim_step(self._session(resource_id, session_id)[1], request)
 
     def discard_gradients(self, resource_id: str, session_id: str) -> None:
-        """Drop the session's accumulated gradients without a step (a benchmark repeating
-        forward-backwards on unchanged weights)."""
+        """Drop the session's gradients without a step (benchmarks repeating a pass)."""
         self._session(resource_id, session_id)[1].optimizer.zero_grad()
 
     @contextmanager
@@ -251,10 +251,9 @@ class LocalEngine:
     def publish(
         self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
     ) -> None:
-        """weights-sync: the generator serves a copy of the trainer's weights, which are policy
-        version `version`. Safe between decode passes (PIPELINE); `mid_generation` matters to
-        generators that run apart (hosts/replicas.py), not to this one, which the decode
-        loop's `between_tokens` publishes into directly."""
+        """weights-sync: the generator serves a copy of the trainer's weights (policy version
+        `version`). Safe between decode blocks (PIPELINE); `mid_generation` concerns only
+        generators apart (hosts/replicas.py)."""
         generator.publish(*self._session(resource_id, session_id), version=version)
 
     def generator_lanes(self, resource_id: str) -> int:
@@ -267,15 +266,13 @@ class LocalEngine:
         return 0
 
     def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
-        """What the session's generator serves (its tensors, detached) and their policy
-        version: what a generator replica installs (hosts/replicas.py)."""
+        """The session's generator tensors (detached) and policy version (hosts/replicas.py)."""
         return generator.state(*self._session(resource_id, session_id))
 
     def install_generator(
         self, resource_id: str, session_id: str, tensors: dict[str, Tensor], *, version: int
     ) -> None:
-        """The session's generator serves these tensors (a trainer's generator_state), as
-        policy version `version`. Safe between decode passes."""
+        """The generator serves a trainer's generator_state as `version`; safe between blocks."""
         generator.install(*self._session(resource_id, session_id), tensors, version=version)
 
     def sample_batch(
@@ -287,14 +284,20 @@ class LocalEngine:
     ) -> list[list[SampleResult]]:
         """Several sample operations of one resource (any sessions) in one generation.
 
-        `between_tokens` runs between decode passes and may call `publish` (PIPELINE
-        weights-sync); rows of a session whose generator changed continue on the new weights
-        and their results record the switch in policy_segments. Returns one list of results
-        (one per prompt) per item. The generator shares the trainer's lane here, so there is
-        no lane or fence to take (hosts/replicas.py runs generators apart)."""
+        `between_tokens` runs between decode passes and may `publish` (PIPELINE): rows whose
+        generator changed continue on the new weights, recorded in policy_segments. One list
+        of results (one per prompt) per item. No lane or fence here (hosts/replicas.py)."""
         resource = self._resource(resource_id)
         found = [(self._session(resource_id, sid)[1], request) for sid, request in items]
         return generator.sample_batch(self.config, resource, found, between_tokens=between_tokens)
+
+    def sample_stream(self, resource_id: str, session_id: str) -> SessionSampleStream:
+        """sample_batch block by block (generate/sample_stream.py): operations join and leave
+        between blocks, and the caller may run other work there."""
+        resource, session = self._session(resource_id, session_id)
+        return open_stream(
+            self.config, resource, session, lambda s: self._session(resource_id, s)[1]
+        )
 
     # ------------------------------------------------------------ sizes (memory/footprint.py)
 

@@ -32,7 +32,7 @@ from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.local_placement import LocalPlacement
 from posttrain.engine.hosts.messages import FORGETTING, Call, Command
 from posttrain.engine.hosts.placement import TRAINER, Placement, WorkerHandle
-from posttrain.engine.interface import Headroom, ModelInfo
+from posttrain.engine.interface import DecodeStream, Headroom, ModelInfo
 from posttrain.engine.memory.footprint import ResourceFootprint, SessionFootprint
 from posttrain.errors import NotFound
 from posttrain.types import (
@@ -208,6 +208,12 @@ class RemoteEngine(Generic[H]):
         between_tokens: Callable[[], None] | None = None,
     ) -> list[list[SampleResult]]:
         return self._send(Command.SAMPLE_BATCH, resource_id, items, between_tokens=between_tokens)
+
+    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
+        """None: a decode stream's objects do not cross the process boundary (it would need
+        step-wise commands: open, admit, block, close), so samples run as whole batches in the
+        host, and training waits for them."""
+        return None
 
     # ------------------------------------------------------------ memory and sizes
 

@@ -49,7 +49,7 @@ from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.placement import Placement
 from posttrain.engine.hosts.replica_channel import Channel, GeneratorReplica, in_buckets
 from posttrain.engine.hosts.weights_broadcast import Delivery, Root, pack
-from posttrain.engine.interface import Engine, Headroom, ModelInfo
+from posttrain.engine.interface import DecodeStream, Engine, Headroom, ModelInfo
 from posttrain.engine.memory import estimate
 from posttrain.engine.memory.headroom import headroom
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
@@ -278,6 +278,11 @@ class ReplicatedEngine:
         state.channel.put(state.replicas, (state.fence, what, args), buffer)
 
     # ------------------------------------------------------------ sampling
+
+    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
+        """None: samples run on generator lanes, whole batches per replica process (training
+        goes on beside them on the trainer's lane)."""
+        return None
 
     def sample_batch(
         self,

@@ -175,6 +175,10 @@ class FakeEngine:
     def generator_fence(self, resource_id: str) -> int:
         return self.fence
 
+    def sample_stream(self, resource_id: str, session_id: str) -> None:
+        """No decode stream: samples run as whole batches through sample_batch."""
+        return None
+
     def sample_batch(
         self,
         resource_id: str,

@@ -1,0 +1,175 @@
+"""Sample operations decoded as a stream on one resource: operations join a running generation
+between decode blocks and leave it, each as soon as its every sequence ended.
+
+A SampleStream is a sampler.Decoding in terms of sample operations ((session, SampleRequest)
+items, as generator.sample_batch takes them): `admit` turns an operation's prompts into
+GenerationRequests routed to its session's generator, `block` runs one decode block, and
+`take_finished` hands over the operations completed since (one result per prompt, as
+sample_batch gives). Its caller (the scheduler's sample pass, service/sample_streams.py, through
+SessionSampleStream: the engine's DecodeStream) decides what joins when, and may run other work
+between blocks. A weights change published between blocks (a PIPELINE publish, or another
+session's weights-sync) is picked up at the next `admit` or `block`: running rows whose weights
+changed continue on the new ones (sampler.Decoding.weights_published), as generate does after
+its `between_tokens`.
+
+One generation runs on one model: a full-weight session samples its own model copy, so only
+operations whose sessions sample the stream's model may join (`can_join`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from posttrain.config import EngineConfig
+from posttrain.engine.generate.generator import generator_model, sampling_model, served
+from posttrain.engine.generate.sampler import Decoding, GenerationRequest
+from posttrain.engine.state import ResourceState, SessionState
+from posttrain.types import SampleRequest, SampleResult
+
+
+class SampleStream:
+    """Sample operations of one resource sharing decode passes as they come and go."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        resource: ResourceState,
+        model: nn.Module,
+        *,
+        block_steps: int | None = None,
+    ) -> None:
+        """An idle stream sampling `model` (generator.sampling_model of its sessions)."""
+        self.resource = resource
+        self.model = model
+        self.decoding = Decoding(
+            generator_model(config, resource, model), [], resource.served, block_steps
+        )
+        self._item_of_request: list[int] = []
+        self._results: list[list[SampleResult | None]] = []  # per item, per prompt
+        self._open: list[int] = []  # per item, prompts not finished
+        self._first_request: list[int] = []  # per item, its first request's index
+        self._served = self._generations()  # what the running rows were decoded with
+
+    def _generations(self) -> dict[str, int]:
+        return {key: version.generation for key, version in self.resource.served.items()}
+
+    def _catch_up(self) -> None:
+        """Running rows continue on weights published since the last block (PIPELINE)."""
+        served = self._generations()
+        if served != self._served and self.running:
+            self.decoding.weights_published(True)
+        self._served = served
+
+    def running_rows(self) -> int:
+        return len(self.decoding.running)
+
+    def kv_bytes(self) -> int:
+        """Bytes the decode cache holds now (prompts' and generated KV)."""
+        cache = self.decoding.cache
+        if cache is None or not self.running:
+            return 0
+        return cache.own.kv.nbytes + cache.prefix.kv.nbytes
+
+    @property
+    def running(self) -> bool:
+        return bool(self.decoding.running)
+
+    def can_join(self, session: SessionState) -> bool:
+        return sampling_model(self.resource, session) is self.model
+
+    def admit(self, items: list[tuple[SessionState, SampleRequest]]) -> list[int]:
+        """Operations joining at this block boundary; returns their ids in this stream (in
+        order from 0, as take_finished names them)."""
+        self._catch_up()
+        ids, requests = [], []
+        for session, request in items:
+            assert self.can_join(session), "one generation runs on one model"
+            served(self.resource, session)
+            item = len(self._results)
+            ids.append(item)
+            self._results.append([None] * len(request.prompts))
+            self._open.append(len(request.prompts))
+            self._first_request.append(len(self._item_of_request))
+            for prompt in request.prompts:
+                self._item_of_request.append(item)
+                requests.append(
+                    GenerationRequest(
+                        prompt,
+                        request.num_samples,
+                        request.sampling_params,
+                        session.generator_key,
+                        prompt_logprobs=request.prompt_logprobs,
+                        topk_prompt_logprobs=request.topk_prompt_logprobs,
+                        return_routed_experts=request.return_routed_experts,
+                    )
+                )
+        self.decoding.admit(requests)
+        return ids
+
+    def weights_published(self, served_changed: bool) -> None:
+        """After a PIPELINE weights-sync between blocks (sampler.Decoding.weights_published)."""
+        if self.running:
+            self.decoding.weights_published(served_changed)
+        self._served = self._generations()
+
+    def block(self) -> None:
+        """One decode block of every running sequence."""
+        self._catch_up()
+        self.decoding.block()
+
+    def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
+        """(id, one result per prompt) of the operations completed since the last call."""
+        done = []
+        for index, result in self.decoding.take_finished():
+            item = self._item_of_request[index]
+            self._results[item][index - self._first_request[item]] = result
+            self._open[item] -= 1
+            if self._open[item] == 0:
+                results = self._results[item]
+                assert all(r is not None for r in results)
+                done.append((item, [r for r in results if r is not None]))
+                self._results[item] = []  # handed over: the stream keeps no copy
+        return done
+
+
+class SessionSampleStream:
+    """A SampleStream by session id: the DecodeStream (engine/interface.py) an in-process
+    engine hands out; `session` finds a session's state on the stream's resource."""
+
+    def __init__(self, stream: SampleStream, session: Callable[[str], SessionState]) -> None:
+        self.stream = stream
+        self._session = session
+
+    def can_join(self, session_id: str) -> bool:
+        return self.stream.can_join(self._session(session_id))
+
+    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
+        return self.stream.admit([(self._session(sid), request) for sid, request in items])
+
+    def block(self) -> None:
+        self.stream.block()
+
+    def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
+        return self.stream.take_finished()
+
+    def running_rows(self) -> int:
+        return self.stream.running_rows()
+
+    def join_reserve_bytes(self) -> int:
+        """A join past the rows allocated makes a cache of twice the rows beside the old one
+        (KVCache.add_rows): up to twice what the cache holds now, transiently."""
+        return 2 * self.stream.kv_bytes()
+
+
+def open_stream(
+    config: EngineConfig,
+    resource: ResourceState,
+    session: SessionState,
+    lookup: Callable[[str], SessionState],
+) -> SessionSampleStream:
+    """An idle stream on the model `session` samples; `lookup` finds sessions by id."""
+    return SessionSampleStream(
+        SampleStream(config, resource, sampling_model(resource, session)), lookup
+    )

@@ -1,0 +1,187 @@
+"""A sample pass on the trainer's lane as a stream: operations join the running generation at
+decode block boundaries and finish as soon as their last sequence ended, and queued training
+runs between blocks.
+
+Where the engine hands out a DecodeStream (engine/interface.py: the in-process engine; process
+workers, Ray and generator lanes answer None and keep whole-batch passes), the scheduler's sample
+group runs here instead of one `sample_batch` call. Before every decode block:
+
+1. PIPELINE weights-syncs ready meanwhile publish (the mailbox's in-flight hook, as between the
+   tokens of a whole-batch pass); the stream switches the running rows of their sessions.
+2. The worker goes through its queue once (ResourceWorker.between_blocks): it runs what may run
+   between blocks (other sessions' forward-backwards, optim-steps, weights-syncs of sessions with
+   no row decoding, checkpoints, PIPELINE publishes), each recorded through the usual path, and
+   hands over the queued samples that may join: same model, the rows of the stream within
+   max_sample_rows, and memory admission (service/admission.py's rule, the join counted: its
+   estimated peak plus what growing the running cache may copy, within what is free now).
+3. Operations of the group that memory admission split off (plan_passes) join before any queued
+   sample, once they fit, or when the stream is idle.
+4. Joined operations are marked RUNNING, prefilled and drawn their first token; then one block.
+   A stream takes at most STREAM_MAX_OPERATIONS operations, then runs down (fairness: joins
+   do not extend one generation without end).
+After every step, each operation whose every sequence ended is recorded COMPLETED at once
+(service/recording.py), while the others decode on. The pass ends when no row runs.
+
+Imports: config, records, engine.interface, types.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from posttrain.config import SchedulerConfig
+from posttrain.engine.interface import DecodeStream, Engine
+from posttrain.records import OperationRecord
+from posttrain.service.durability import changed_parts
+from posttrain.service.kinds import InFlight, Outcome, Ready
+from posttrain.service.metrics import OperationMetrics
+from posttrain.service.recording import OperationRecorder
+from posttrain.service.routed_experts import RoutedExpertsStore
+from posttrain.service.worker import QueuedOperation, ResourceWorker
+from posttrain.types import OperationKind, SampleOutput, SampleRequest
+
+log = logging.getLogger("posttrain.scheduler")
+
+# Operations one stream takes at most: past them it admits no more joins and runs down, and
+# the queued samples start the next stream. It bounds how long joins extend one generation
+# (each stream keeps the bookkeeping of every request it served until it ends) at the cost of
+# one run-down per that many operations.
+STREAM_MAX_OPERATIONS = 1024
+
+
+def _rows(request: object) -> int:
+    assert isinstance(request, SampleRequest), type(request).__name__
+    return len(request.prompts) * request.num_samples
+
+
+class Scheduler(Protocol):
+    """What a stream runs with: the scheduler's parts (service/scheduler.py)."""
+
+    engine: Engine
+    limits: SchedulerConfig
+    mailbox: InFlight
+    metrics: OperationMetrics
+    recorder: OperationRecorder
+    routed_experts: RoutedExpertsStore
+
+    # The preamble of queued operations: RUNNING, or finished if their session stopped.
+    def start(self, group: list[QueuedOperation]) -> list[Ready]: ...
+
+
+class StreamPass:
+    """One sample stream on a resource's worker thread, from its first operations until no
+    sequence decodes."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        resource_id: str,
+        stream: DecodeStream,
+        worker: ResourceWorker,
+        queued: list[QueuedOperation],
+    ) -> None:
+        self.scheduler = scheduler
+        self.resource_id = resource_id
+        self.stream = stream
+        self.worker = worker
+        self._queued = {item.operation_id: item for item in queued}
+        self._live: dict[int, Ready] = {}  # stream id -> admitted member
+        self._waiting: list[list[Ready]] = []  # passes memory admission split off
+        self.operations = 0
+        self.blocks = 0
+
+    def run(self, passes: list[list[Ready]]) -> None:
+        """The group's passes (plan_passes), the first admitted now; until no row runs."""
+        started = time.monotonic()
+        first, *self._waiting = passes
+        self._admit(first)
+        while True:
+            if not self.stream.running_rows():
+                if not self._waiting:
+                    break
+                self._admit(self._waiting.pop(0))  # each fits alone (plan_passes)
+                continue
+            self.scheduler.mailbox.publish_in_flight(self.resource_id)
+            self._boundary()
+            if self.stream.running_rows():
+                self.stream.block()
+                self.blocks += 1
+                self._finish_done()
+        if self.operations > 1:
+            self.scheduler.metrics.shared_pass(self.operations)
+        log.info(
+            "%d sample operations in one stream, %d blocks, %.3fs",
+            self.operations,
+            self.blocks,
+            time.monotonic() - started,
+        )
+
+    def _sessions(self) -> set[str]:
+        """Sessions with an operation in the stream (decoding or waiting to)."""
+        members = [*self._live.values(), *(m for p in self._waiting for m in p)]
+        return {session.id for _, session, _ in members}
+
+    def _boundary(self) -> None:
+        if self._waiting and self._fits(self._waiting[0]):
+            self._admit(self._waiting.pop(0))
+        rows, peak = self.stream.running_rows(), self.stream.join_reserve_bytes()
+        engine, limit = self.scheduler.engine, self.scheduler.limits.max_sample_rows
+        taken = self.operations
+
+        def may_join(op: QueuedOperation) -> bool:
+            nonlocal rows, peak, taken
+            if self._waiting or taken >= STREAM_MAX_OPERATIONS:
+                return False
+            if not self.stream.can_join(op.session_id):
+                return False
+            if rows + op.rows > limit:
+                return False
+            item = [(op.session_id, op.request)]
+            need = peak + engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, item)
+            if need > engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes:
+                return False
+            rows, peak, taken = rows + op.rows, need, taken + 1
+            return True
+
+        joined = self.worker.between_blocks(self._sessions(), may_join)
+        if joined:
+            self._queued.update((item.operation_id, item) for item in joined)
+            self._admit(self.scheduler.start(joined))
+
+    def _fits(self, members: list[Ready]) -> bool:
+        """Whether operations split off by memory admission fit beside the running rows."""
+        engine = self.scheduler.engine
+        items = [(session.id, request) for _, session, request in members]
+        need = self.stream.join_reserve_bytes() + engine.peak_bytes(
+            self.resource_id, OperationKind.SAMPLE, items
+        )
+        rows = sum(_rows(request) for _, _, request in members)
+        return (
+            self.stream.running_rows() + rows <= self.scheduler.limits.max_sample_rows
+            and need <= engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
+        )
+
+    def _admit(self, members: list[Ready]) -> None:
+        if not members:
+            return
+        ids = self.stream.admit([(session.id, request) for _, session, request in members])
+        self._live.update(zip(ids, members, strict=True))
+        self.operations += len(members)
+        self._finish_done()  # every sequence may have ended on its first token
+
+    def _finish_done(self) -> None:
+        """Record each operation whose every sequence ended, now."""
+        scheduler = self.scheduler
+        outcomes: list[tuple[OperationRecord, Outcome]] = []
+        changed: dict[str, tuple[str, ...]] = {}
+        for stream_id, results in self.stream.take_finished():
+            op, session, request = self._live.pop(stream_id)
+            output = SampleOutput(scheduler.routed_experts.keyed(session.id, results))
+            scheduler.metrics.count_tokens(op.kind, request, output)
+            outcomes.append((op, output))
+            changed[op.id] = changed_parts(op.kind, request)
+        scheduler.recorder.finish(outcomes, changed)  # one store transaction
+        for op, _ in outcomes:
+            self._queued[op.id].done()

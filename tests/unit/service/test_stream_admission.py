@@ -1,0 +1,114 @@
+"""Memory admission of joins (service/sample_streams.py): a sample joins a running stream only
+when its estimated peak plus what growing the running cache may copy fits in what is free;
+otherwise it waits for a boundary with room (here: the stream's end) and runs then, not refused.
+
+The scheduler, worker and store are real; the engine is the fake one of fake_engine.py (a
+sample's peak is its sequence count, free_bytes what is free) with a decode stream of its own:
+an operation's rows run max_tokens blocks, and `reserve` is its join_reserve_bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fake_engine import FakeEngine, wire
+
+from posttrain.statuses import OperationStatus
+from posttrain.types import (
+    OperationKind,
+    OptimStepRequest,
+    PolicySegment,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    StopReason,
+)
+
+
+@dataclass
+class CountingStream:
+    """Rows that end after their max_tokens blocks; results say nothing but their count."""
+
+    reserve: int
+    left: dict[int, int] = field(default_factory=dict)  # stream id -> blocks to go
+    rows: dict[int, int] = field(default_factory=dict)
+    requests: dict[int, SampleRequest] = field(default_factory=dict)
+    done: list[int] = field(default_factory=list)
+
+    def can_join(self, session_id: str) -> bool:
+        return True
+
+    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
+        ids = []
+        for _, request in items:
+            stream_id = len(self.requests)
+            self.requests[stream_id] = request
+            self.left[stream_id] = request.sampling_params.max_tokens or 1
+            self.rows[stream_id] = len(request.prompts) * request.num_samples
+            ids.append(stream_id)
+        return ids
+
+    def block(self) -> None:
+        for stream_id in list(self.left):
+            self.left[stream_id] -= 1
+            if self.left[stream_id] == 0:
+                del self.left[stream_id]
+                self.done.append(stream_id)
+
+    def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
+        finished, self.done = self.done, []
+        out = []
+        for stream_id in finished:
+            request = self.requests[stream_id]
+            sequence = SampledSequence([1], [-0.5], StopReason.LENGTH)
+            result = SampleResult([sequence] * request.num_samples, [PolicySegment(0, 0)])
+            out.append((stream_id, [result for _ in request.prompts]))
+        return out
+
+    def running_rows(self) -> int:
+        return sum(self.rows[i] for i in self.left)
+
+    def join_reserve_bytes(self) -> int:
+        return self.reserve
+
+
+@dataclass
+class StreamingEngine(FakeEngine):
+    reserve: int = 0
+
+    def sample_stream(self, resource_id: str, session_id: str) -> CountingStream:  # type: ignore[override]
+        return CountingStream(self.reserve)
+
+
+def request(rows: int, blocks: int) -> SampleRequest:
+    return SampleRequest(((1, 2),), rows, SamplingParams(max_tokens=blocks))
+
+
+def run(tmp_path, reserve: int) -> tuple[float, float, float]:
+    """A 4-row operation of 20 blocks, then (behind a barrier) a 4-row one of 2 blocks, with 10
+    bytes free; returns when the long one, the barrier and the short one finished."""
+    wired = wire(tmp_path, StreamingEngine(free_bytes=10, reserve=reserve))
+    try:
+        rid = wired.resource()
+        s, u, t = wired.session(rid), wired.session(rid), wired.session(rid)
+        release = wired.hold(rid)
+        long_id = wired.submit(s, OperationKind.SAMPLE, request(4, 20), "long")
+        step = wired.submit(u, OperationKind.OPTIM_STEP, OptimStepRequest(), "step")
+        short_id = wired.submit(t, OperationKind.SAMPLE, request(4, 2), "short")
+        release.set()
+        wired.drain(rid)
+        records = [wired.op(i) for i in (long_id, step, short_id)]
+        assert all(r.status == OperationStatus.COMPLETED for r in records), records
+        return tuple(r.updated_at for r in records)  # type: ignore[return-value]
+    finally:
+        wired.scheduler.close()
+
+
+def test_a_join_that_fits_beside_the_running_rows_joins(tmp_path):
+    long_done, step_done, short_done = run(tmp_path, reserve=6)  # 6 + 4 <= 10
+    assert step_done < short_done < long_done
+
+
+def test_a_join_that_does_not_fit_waits_for_room_and_is_not_refused(tmp_path):
+    long_done, step_done, short_done = run(tmp_path, reserve=7)  # 7 + 4 > 10: waits
+    assert step_done < long_done < short_done

@@ -174,6 +174,17 @@ class EngineConfig(BaseModel):
         " holds 1/N of the weights; off: ZeRO-2, weights replicated)",
         json_schema_extra=flag("scale-out"),
     )
+    # FSDP2 (engine/parallel/fsdp.py): a full-weight session's model sharded with PyTorch's
+    # fully_shard (even 1/N slices of every parameter, gradient and optimizer moment; per
+    # decoder layer, then the root) instead of posttrain's own owner-per-parameter ZeRO.
+    full_weight_sharding: Literal["zero", "fsdp2"] = Field(
+        "zero",
+        description="with --trainer-ranks N > 1, how a full-weight session is sharded: zero"
+        " (each parameter whole on one owner rank; --shard-parameters says whether weights"
+        " too) or fsdp2 (PyTorch's fully_shard: 1/N of every parameter, gradient and"
+        " optimizer state on each rank)",
+        json_schema_extra=flag("scale-out"),
+    )
     max_generator_replicas: int = Field(
         8,
         ge=1,

@@ -12,6 +12,7 @@ of its resource) trains the model itself and samples from its own copy of it
 from __future__ import annotations
 
 import itertools
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch import nn
 from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.fsdp import FsdpShards
 from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.model.loader import LoadedModel
 from posttrain.model.lora import LoraModel
@@ -74,6 +76,16 @@ class ResourceState:
     # This process's rank in the resource's trainer group (hosts/trainer_group.py); None: the
     # resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None
-    # A full-weight session's parameters sharded over the group (parallel/zero3.py, ZeRO-3);
-    # None: every rank holds every parameter.
-    param_shards: ParamShards | None = None
+    # A full-weight session's parameters sharded over the group (parallel/zero3.py, ZeRO-3, or
+    # parallel/fsdp.py, FSDP2); None: every rank holds every parameter.
+    param_shards: ParamShards | FsdpShards | None = None
+
+    def sharded_operation(self) -> AbstractContextManager[None]:
+        """One operation of a resource whose parameters are sharded (zero3: its root gathered
+        on entry, freed on exit; fsdp: every unit resharded on exit); nothing otherwise."""
+        return self.param_shards.operation() if self.param_shards else nullcontext()
+
+    def reduced_in_backward(self) -> frozenset[int]:
+        """Ids of the parameters whose gradients the backward itself sums over the ranks."""
+        shards = self.param_shards
+        return frozenset() if shards is None else shards.reduced_in_backward

@@ -1,6 +1,7 @@
 """A session's trainable tensors by name, as checkpoints and live state hold them, and back:
-with a full-weight session's parameters sharded over a trainer group (parallel/zero3.py),
-gathered in full onto rank 0 (the one that writes) and copied back each rank its own.
+with a full-weight session's parameters sharded over a trainer group (parallel/zero3.py,
+parallel/fsdp.py), gathered in full onto rank 0 (the one that writes) and copied back each
+rank its own.
 
 Not here: the file formats (formats.py, durable.py) and which session is which
 (hosts/in_process.py).
@@ -11,6 +12,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from posttrain.engine.checkpoint import formats
+from posttrain.engine.parallel.fsdp import FsdpShards
 from posttrain.engine.state import ResourceState, SessionState
 
 
@@ -20,7 +22,11 @@ def trainer_tensors(resource: ResourceState, session: SessionState) -> dict[str,
     shards = resource.param_shards
     if shards is None or not session.is_full_weight:
         return {name: p.detach() for name, p in session.optimizer.named_params}
-    keep = shards.sharding.group.rank == 0
+    keep = (
+        shards.group.rank == 0
+        if isinstance(shards, FsdpShards)
+        else shards.sharding.group.rank == 0
+    )
     return {name: full for name, full in shards.full_tensors() if keep}
 
 
@@ -35,5 +41,8 @@ def copy_into_trainer(
         formats.copy_into(named, saved)
         return
     formats.check_names(named, saved)
+    if isinstance(shards, FsdpShards):  # each rank its slice of every parameter
+        shards.copy_into(saved)
+        return
     owned = shards.owned()
     formats.copy_into(owned, {name: saved[name] for name, _ in owned})

@@ -27,6 +27,8 @@ from posttrain.engine.optim.muon import (
     num_row_blocks,
 )
 from posttrain.engine.optim.step_settings import StepSettings, resolve_step_settings
+from posttrain.engine.parallel import muon_shards
+from posttrain.engine.parallel.fsdp import FsdpShards, local
 from posttrain.engine.parallel.zero2 import Sharding
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
@@ -64,7 +66,7 @@ def clip_grads_(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> Non
     """Scale every gradient in place by min(1, max_norm / (G + 1e-6)) (losses.md 12.1)."""
     coef = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.device))
+        local(g).mul_(coef.to(g.device))
 
 
 class SessionOptimizer:
@@ -80,7 +82,9 @@ class SessionOptimizer:
 
     With a `sharding` (parallel/zero2.py) this rank holds only its own parameters' gradients,
     so it holds only their state and steps only them; a step is then a collective (every rank
-    of the group calls it), as is full_state_dict.
+    of the group calls it), as is full_state_dict. With FSDP2 shards (parallel/fsdp.py) the
+    parameters, gradients and state are DTensors, of which a rank holds a slice of each; AdamW
+    steps them slice by slice, Muon orthogonalises whole matrices (parallel/muon_shards.py).
     """
 
     def __init__(
@@ -88,14 +92,14 @@ class SessionOptimizer:
         named_params: list[tuple[str, nn.Parameter]],
         *,
         muon_scaling: MuonScaling | None = None,
-        sharding: Sharding | None = None,
+        sharding: Sharding | FsdpShards | None = None,
     ) -> None:
         self.named_params = named_params
         self.muon_scaling = muon_scaling
         self.sharding = sharding
         # Parameters sharded too (parallel/zero3.py): a rank holds only its own, so the
         # owners keep their stepped weights instead of broadcasting them.
-        self.params_sharded = False
+        self.params_sharded = isinstance(sharding, FsdpShards)
         is_muon = [
             muon_scaling is not None and is_muon_param(name, p.ndim) for name, p in named_params
         ]
@@ -247,16 +251,16 @@ class SessionOptimizer:
         """The bounds from the tensors themselves: at the first step, after a state load, and
         after a copy-backed step (one pass over weights and moments)."""
         weights = [
-            p.detach().abs().max()
+            local(p).detach().abs().max()
             for _, p in self.named_params
-            if p.numel() and p.untyped_storage().nbytes()  # not another rank's (param_shards)
+            if local(p).numel() and local(p).untyped_storage().nbytes()  # not another rank's
         ]
         self._weight_bound = float(torch.stack(weights).max()) if weights else 0.0
         if self.params_sharded:  # each rank holds its own weights
             assert self.sharding is not None
             device = self.named_params[0][1].device
             self._weight_bound = self.sharding.max(self._weight_bound, device)
-        moments = [t for t in self._moment_tensors() if t.numel()]
+        moments = [local(t) for t in self._moment_tensors() if local(t).numel()]
         self._grad_bound = (
             float(torch.stack([t.abs().max() for t in moments]).max()) if moments else 0.0
         )
@@ -287,7 +291,7 @@ class SessionOptimizer:
         tensors = list(params) + list(self._momentum_buffers.values())
         if self._adamw is not None:
             tensors += [t for entry in self._adamw.state.values() for t in entry.values()]
-        sums = [t.sum() for t in tensors if t.is_floating_point() and t.numel()]
+        sums = [local(t).sum() for t in tensors if t.is_floating_point() and local(t).numel()]
         return not sums or bool(torch.stack(sums).isfinite().all())
 
     def _restore_state(self, state: OptimizerState) -> None:
@@ -299,6 +303,11 @@ class SessionOptimizer:
 
     def _muon_step(self, muon: MuonParams) -> None:
         assert self.muon_scaling is not None, "Muon step on an AdamW optimizer"
+        if isinstance(self.sharding, FsdpShards):
+            stepped = [(n, p) for n, p in self._muon_named if p.grad is not None]
+            group = self.sharding.group
+            muon_shards.step_(stepped, self._momentum_buffers, muon, self.muon_scaling, group)
+            return
         for name, p in self._muon_named:
             if p.grad is None:
                 continue
@@ -387,14 +396,31 @@ class SessionOptimizer:
                     continue
                 p = adam_params[name]
                 self._adamw.state[p] = {
-                    k: v.to("cpu", copy=True) if k == "step" else v.to(p.device, copy=True)
+                    k: v.to("cpu", copy=True) if k == "step" else self._placed(v, p)
                     for k, v in entry.items()
                 }
         self._momentum_buffers = {
-            name: entry["momentum_buffer"].to(muon_params[name].device, copy=True)
+            name: self._placed(entry["momentum_buffer"], muon_params[name])
             for name, entry in state[MUON_STATE].items()
             if self.owns(name)
         }
+
+    def _placed(self, value: Tensor, p: nn.Parameter) -> Tensor:
+        """A copy of a saved state tensor laid out as parameter `p`: on its device, and with
+        FSDP2 shards (parallel/fsdp.py) this rank's slice of it."""
+        if isinstance(self.sharding, FsdpShards):
+            return self.sharding.shard_of(value.to(p.device, copy=True), p)
+        return value.to(p.device, copy=True)
+
+    def load_gradients(self, saved: dict[str, Tensor]) -> None:
+        """Accumulated gradients from full tensors by name (persisted live state): each
+        parameter takes its own (its slice, with FSDP2 shards); one missing from `saved` has
+        none."""
+        for name, p in self.named_params:
+            if name not in saved or not self.owns(name):
+                p.grad = None
+                continue
+            p.grad = self._placed(saved[name].to(dtype=p.dtype), p)
 
 
 def _check_state(

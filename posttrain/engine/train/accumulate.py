@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.fsdp import local
 from posttrain.engine.state import SessionState
 from posttrain.errors import NonFiniteLoss
 
@@ -59,7 +60,7 @@ def accumulate_many(
                 p.grad = g
         raise
     finite = [
-        all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+        all(p.grad is None or bool(torch.isfinite(local(p.grad)).all()) for p in params)
         for params, _ in stashed
     ]
     if group is not None:  # a sharded session's ranks each checked only their own gradients

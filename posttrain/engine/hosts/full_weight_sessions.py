@@ -1,0 +1,68 @@
+"""Where a full-weight session (train/full_weight.py) starts and ends on a resource: one
+process, a trainer group's ranks with posttrain's own ZeRO (parallel/zero2.py, zero3.py), or
+with FSDP2 (parallel/fsdp.py, `--full-weight-sharding fsdp2`). The registry
+(hosts/in_process.py) calls these with the resource it found.
+"""
+
+from __future__ import annotations
+
+from posttrain.config import EngineConfig
+from posttrain.engine.generate import generator
+from posttrain.engine.optim.optimizer import SessionOptimizer
+from posttrain.engine.parallel import zero2
+from posttrain.engine.parallel.fsdp import FsdpShards
+from posttrain.engine.parallel.zero3 import ParamShards
+from posttrain.engine.state import ResourceState, SessionState
+from posttrain.engine.train import full_weight
+from posttrain.model.lora import LoraModel
+
+
+def create(config: EngineConfig, resource: ResourceState, session_id: str) -> None:
+    """The resource's one full-weight session, its model trainable, its generator's copy
+    taken while the model is frozen (so it never holds gradients)."""
+    assert not resource.sessions, "a full-weight session shares its resource with no one"
+    named = full_weight.trainable_parameters(resource.lora)
+    group = resource.group
+    model = resource.loaded.model
+    if config.full_weight_sharding == "fsdp2" and group is not None and group.world > 1:
+        # Sharded in place; the optimizer holds the sharded parameters (same names), the
+        # generator's copy lives on rank 0 alone, which samples (trainer_group.RANK_ZERO).
+        generator_model = full_weight.generator_copy(model) if group.rank == 0 else None
+        shards = FsdpShards(group, model, named, resource.loaded.device)
+        resource.param_shards = shards
+        optimizer = SessionOptimizer(
+            shards.named, muon_scaling=resource.muon_scaling, sharding=shards
+        )
+    else:
+        sharding = zero2.Sharding.over(group, named)  # None: fewer than 2 ranks
+        zero3 = sharding is not None and config.shard_parameters
+        # ZeRO-3: the generator's copy on rank 0 alone, as above.
+        generator_model = None
+        if not zero3 or sharding.group.rank == 0:
+            generator_model = full_weight.generator_copy(model)
+        optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=sharding)
+        if zero3:
+            resource.param_shards = ParamShards(sharding, model, named)
+            optimizer.params_sharded = True
+    resource.sessions[session_id] = SessionState(
+        session_id,
+        generator.generator_key(session_id),
+        optimizer,
+        generator_model=generator_model,
+        full_weight=True,
+    )
+
+
+def end(resource: ResourceState) -> None:
+    """The session has gone: the resource's model is its base model again, on every rank."""
+    assert resource.model_path is not None, "full-weight resource without a model path"
+    if isinstance(resource.param_shards, FsdpShards):
+        # No way back to plain parameters: the sharded model goes, the base reloads from disk.
+        resource.param_shards = None
+        resource.loaded = full_weight.reload(resource.model_path, resource.loaded)
+        resource.lora = LoraModel(resource.loaded.model)
+        return
+    if resource.param_shards is not None:  # every rank holds the whole model again
+        resource.param_shards.unshard()
+        resource.param_shards = None
+    full_weight.restore_base(resource.lora, resource.model_path, resource.loaded.device)

@@ -1,0 +1,223 @@
+"""A full-weight session's model sharded over its resource's trainer group with PyTorch's FSDP2
+(`fully_shard`; `posttrain serve --trainer-ranks N --full-weight-sharding fsdp2`).
+
+Units: each decoder layer, then the root (a wrapper around the whole model: embeddings, final
+norm, head; tied weights once). Every parameter becomes a DTensor sharded on dim 0 (even
+1/N slices, padded), so each rank holds 1/N of every matrix, of its gradient and of its
+AdamW moments and Muon momentum. A layer is all-gathered before its forward and again for its
+backward, and its gradients are reduce-scattered (summed: the divide factor is 1, as the
+losses' own normalisers already are batch-global) as the backward leaves it; the root stays
+gathered from its first forward of an operation to the end of the operation's backward
+(FSDP2's root rule), and `operation` reshards everything when the operation ends.
+
+The trainer never calls the model's own forward: it runs the decoder and then the chunked head
+itself (train/trainer.py). So the root wrapper's forward takes the bucket's computation as a
+function and calls it: FSDP2's root hooks then run around exactly what one bucket does, and
+its pre-backward hook sits on the bucket's logprobs. Every rank runs the same number of bucket
+forwards (trainer.aligned_forwards pads the rest), so they meet in the same collectives.
+
+On CUDA a MixedPrecisionPolicy computes in bfloat16 and reduces gradients in float32; the
+logprob and loss math are float32 in the trainer whatever the weights' dtype.
+
+The parameters' names do not change (FSDP2 registers its DTensors under the same names), but
+the Parameter objects do: the optimizer is built on `named` after sharding. There is no way
+back to plain parameters, so the session's end discards the sharded model and the resource
+reloads its base weights from the model directory (hosts/in_process.py).
+
+Checkpoints, exports, persisted state and weights-sync stream full tensors one at a time
+(`full_tensors`: one all-gather per parameter, kept by rank 0 alone), so files keep the
+one-process formats and a checkpoint from any N resumes on any other (`shard_of` cuts each
+rank's slice out of a full tensor every rank read).
+
+Imports: torch (torch.distributed, fsdp, tensor); engine.parallel.data_parallel, model.lora.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from posttrain.engine.parallel.data_parallel import DataParallel
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's part of a (possibly sharded) tensor: a DTensor's local shard, else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _Operation(nn.Module):
+    """The FSDP2 root: its forward runs the function it is given (one bucket's forward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, run: Callable[[], Tensor]) -> Tensor:
+        return run()
+
+
+class FsdpShards:
+    """One full-weight session's FSDP2-sharded model on this rank, and its collectives."""
+
+    def __init__(
+        self,
+        group: DataParallel,
+        model: nn.Module,
+        named: Sequence[tuple[str, nn.Parameter]],
+        device: torch.device,
+    ) -> None:
+        """Shard `model` in place; `named`: its trainable parameters by Hugging Face name
+        (train/full_weight.trainable_parameters), in that order. Afterwards `self.named`
+        holds the sharded parameters under the same names."""
+        self.group = group
+        self.device = device
+        self.mesh = init_device_mesh(device.type, (group.world,))
+        policy = MixedPrecisionPolicy()
+        if device.type == "cuda":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        old_names = {id(p): name for name, p in named}
+        module_names = {name: old_names[id(p)] for name, p in model.named_parameters()}
+        layers = list(model.base_model.layers)
+        self._layer_names: list[list[str]] = []
+        for layer in layers:
+            self._layer_names.append([old_names[id(p)] for p in layer.parameters()])
+        self.root = _Operation(model)
+        old = [p for _, p in named]
+        self.units: list[FSDPModule] = []
+        for layer in layers:
+            self.units.append(fully_shard(layer, mesh=self.mesh, mp_policy=policy))
+        self.units.append(fully_shard(self.root, mesh=self.mesh, mp_policy=policy))
+        for unit in self.units:
+            # A plain sum, as one process's backward is: divide by 1, with SUM collectives
+            # (the default picks NCCL's PREMUL_SUM for a factor, which gloo lacks).
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        by_name = dict(model.named_parameters())
+        sharded = {hf: by_name[name] for name, hf in module_names.items()}
+        self.named: list[tuple[str, nn.Parameter]] = [(name, sharded[name]) for name, _ in named]
+        with torch.no_grad():  # the replaced full tensors may still be referenced elsewhere
+            for p in old:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        in_layers = {name for names in self._layer_names for name in names}
+        self._root_names = [name for name, _ in self.named if name not in in_layers]
+        # No owner rank: each gradient is reduce-scattered by the backward itself
+        # (data_parallel.all_reduce_gradients is never asked to sum them).
+        self.owners: dict[str, int | None] = dict.fromkeys(sharded)
+        self.reduced_in_backward = frozenset(id(p) for _, p in self.named)
+
+    # ------------------------------------------------------------ operations
+
+    def forward(self, run: Callable[[], Tensor]) -> Tensor:
+        """`run()` (one bucket's forward) inside the FSDP2 root's forward."""
+        return self.root(run)
+
+    @contextmanager
+    def operation(self) -> Iterator[None]:
+        """A forward(-backward): every unit sharded again when it ends (also when it fails)."""
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.reshard()
+
+    def operation_bytes(self) -> int:
+        """What a forward-backward adds on this rank beyond its own shards and their
+        gradients: the root in full from its first forward to the end of the backward, with
+        its full gradients until reduce-scattered, and the largest layer gathered with its
+        full gradients of one forward."""
+        full = {name: p.numel() * p.element_size() for name, p in self.named}
+        root = sum(full[name] for name in self._root_names)
+        layer = max((sum(full[n] for n in names) for names in self._layer_names), default=0)
+        return 2 * root + 2 * layer
+
+    # ------------------------------------------------------------ collectives over the group
+
+    def owns(self, name: str) -> bool:
+        """Every rank holds a slice of every parameter, its gradient and its state."""
+        return True
+
+    def max(self, value: float, device: torch.device | None = None) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group.group)
+        return float(tensor)
+
+    def grad_norm(self, named: Sequence[tuple[str, nn.Parameter]]) -> tuple[Tensor, list[bool]]:
+        """G of losses.md 12.1 over the sharded gradients: each parameter's norm from the sum
+        of its shards' squares, then the 2-norm of those norms as optim.global_grad_norm takes
+        it; and which parameters have a gradient (alike on every rank)."""
+        squares = torch.zeros(len(named), dtype=torch.float64, device=self.device)
+        present = torch.zeros(len(named), dtype=torch.float64, device=self.device)
+        for index, (_, p) in enumerate(named):
+            if p.grad is not None:
+                g = local(p.grad).to(torch.float64)
+                squares[index] = (g * g).sum()
+                present[index] = 1.0
+        both = torch.stack([squares, present])
+        dist.all_reduce(both, group=self.group.group)
+        has = [v > 0 for v in both[1].tolist()]
+        norms = both[0].sqrt().to(torch.float32)[torch.tensor(has, device=self.device)]
+        return torch.linalg.vector_norm(norms), has
+
+    @torch.no_grad()
+    def full(self, tensor: Tensor) -> Tensor:
+        """A sharded tensor in full on every rank (a collective); a plain one as it is."""
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+    @torch.no_grad()
+    def shard_of(self, full: Tensor, like: Tensor) -> Tensor:
+        """This rank's DTensor slice of `full` (every rank holds it whole), laid out as
+        `like` (a sharded parameter); no communication."""
+        if not isinstance(like, DTensor):
+            return full.to(like.device)
+        return distribute_tensor(
+            full.to(device=self.device, dtype=full.dtype),
+            like.device_mesh,
+            like.placements,
+            src_data_rank=None,
+        )
+
+    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Every parameter in full, one at a time, on every rank (a collective): a caller that
+        keeps only some (a checkpoint on rank 0) never holds the others."""
+        for name, p in self.named:
+            yield name, self.full(p)
+
+    def gather_to_rank_zero(self, tensors: dict[str, Any]) -> dict[str, Any] | None:
+        """A nest of sharded tensors in full on the CPU of rank 0, one tensor at a time (None
+        elsewhere). A collective: every rank's nest has the same keys in the same order."""
+        keep = self.group.rank == 0
+
+        def walk(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {key: walk(v) for key, v in value.items()}
+            if isinstance(value, Tensor):
+                full = self.full(value)
+                return full.to("cpu") if keep else None
+            return value
+
+        merged = walk(tensors)
+        return merged if keep else None
+
+    @torch.no_grad()
+    def copy_into(self, saved: dict[str, Tensor]) -> None:
+        """Every parameter takes its slice of the full tensor `saved[name]`."""
+        for name, p in self.named:
+            local(p).copy_(local(self.shard_of(saved[name].to(p.dtype), p)))
+
+    @torch.no_grad()
+    def publish(self, trainer: nn.Module, generator: nn.Module | None) -> None:
+        """weights-sync into rank 0's generator copy (`generator`; None on the other ranks):
+        each parameter all-gathered and copied, one at a time. A collective."""
+        targets = dict(generator.named_parameters()) if generator is not None else {}
+        for name, source in trainer.named_parameters():
+            full = self.full(source)
+            if generator is not None:
+                targets[name].copy_(full)

@@ -131,12 +131,13 @@ class FsdpShards:
     def operation_bytes(self) -> int:
         """What a forward-backward adds on this rank beyond its own shards and their
         gradients: the root in full from its first forward to the end of the backward, with
-        its full gradients until reduce-scattered, and the largest layer gathered with its
-        full gradients of one forward."""
+        its full gradients until reduce-scattered, and in the backward the largest layer
+        gathered with its full gradients of one forward, plus the next layer FSDP2 prefetches
+        (its all-gather overlaps the current layer's backward)."""
         full = {name: p.numel() * p.element_size() for name, p in self.named}
         root = sum(full[name] for name in self._root_names)
         layer = max((sum(full[n] for n in names) for names in self._layer_names), default=0)
-        return 2 * root + 2 * layer
+        return 2 * root + 3 * layer
 
     # ------------------------------------------------------------ collectives over the group
 

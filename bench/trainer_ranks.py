@@ -15,8 +15,14 @@
 4. With --zero3: only (1)'s full-weight step and bytes, for one process, N ranks with the
    parameters replicated (ZeRO-2) and N ranks with them sharded (ZeRO-3,
    engine/parallel/zero3.py), the three alternated.
+5. With --fsdp2: (1)'s full-weight step, bytes and peak memory, for one process, N ZeRO-3
+   ranks and N FSDP2 ranks (engine/parallel/fsdp.py), alternated. Peak memory is each
+   process's VmHWM (peak resident set) less its resident set before the session was created:
+   what the session and its steps added at their peak. The one process runs as a group of
+   one rank for this (its own process, measured as the ranks are); its step time is
+   LocalEngine's.
 
-    python bench/trainer_ranks.py [--ranks 2] [--reps 5] [--zero3]
+    python bench/trainer_ranks.py [--ranks 2] [--reps 5] [--zero3 | --fsdp2]
 """
 
 from __future__ import annotations
@@ -172,9 +178,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--op-reps", type=int, default=20)
     parser.add_argument("--zero3", action="store_true", help="ZeRO-2 against ZeRO-3 only")
+    parser.add_argument("--fsdp2", action="store_true", help="ZeRO-3 against FSDP2 only")
     args = parser.parse_args()
     if args.zero3:
         zero3(args)
+        return
+    if args.fsdp2:
+        fsdp2(args)
         return
     torch.set_num_threads(1)  # one thread per rank, and one for the single process
     one = EngineConfig(device="cpu")
@@ -317,6 +327,95 @@ def zero3(args: argparse.Namespace) -> None:
     for name, (resident, peak) in admission.items():
         print(
             f"    {name}: {resident / mib:.0f} + {peak / mib:.0f} = {(resident + peak) / mib:.0f}"
+        )
+
+
+def _proc_kib(pid: int, field: str) -> int:
+    """A field of /proc/<pid>/status in KiB (VmRSS: resident now, VmHWM: its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def fsdp2(args: argparse.Namespace) -> None:
+    """Full-weight steps, bytes and peak memory per process: one process, ZeRO-3, FSDP2."""
+    torch.set_num_threads(1)
+    group_configs = {
+        "one": EngineConfig(device="cpu", trainer_ranks=1),
+        "zero3": EngineConfig(device="cpu", trainer_ranks=args.ranks),
+        "fsdp2": EngineConfig(device="cpu", trainer_ranks=args.ranks, full_weight_sharding="fsdp2"),
+    }
+    print(f"cores={os.cpu_count()} ranks={args.ranks} torch threads per process=1")
+    with tempfile.TemporaryDirectory() as directory:
+        write_model(Path(directory))
+        models = {MODEL_ID: Path(directory)}
+        samples = make_samples([args.tokens] * args.rows, seed=1)
+        groups = {name: TrainerGroupEngine(c, models) for name, c in group_configs.items()}
+        local = LocalEngine(EngineConfig(device="cpu"), models)
+        try:
+            local.load_resource("r", MODEL_ID, muon_scaling=None)
+            for engine in groups.values():
+                engine.load_resource("r", MODEL_ID, muon_scaling=None)
+            pids = {name: engine.rank_pids("r") for name, engine in groups.items()}
+            base = {name: [_proc_kib(p, "VmRSS") for p in ps] for name, ps in pids.items()}
+            timed_engines = {"one": local, "zero3": groups["zero3"], "fsdp2": groups["fsdp2"]}
+            full = training_steps(timed_engines, samples, args.reps, None)
+            groups["one"].create_session("r", "f", None)
+            request = ForwardBackwardRequest(samples, CE)
+            for _ in range(2):  # the one-rank group's steps, for its peak alone
+                (outcome,) = groups["one"].forward_backward_batch("r", [("f", request)])
+                assert not isinstance(outcome, Exception), outcome
+                groups["one"].optim_step("r", "f", STEP)
+            peak = {
+                name: [_proc_kib(p, "VmHWM") - b for p, b in zip(ps, base[name], strict=True)]
+                for name, ps in pids.items()
+            }
+            held = {
+                name: held_bytes(engine, 1 if name == "one" else args.ranks)
+                for name, engine in (
+                    ("one", local),
+                    ("zero3", groups["zero3"]),
+                    ("fsdp2", groups["fsdp2"]),
+                )
+            }
+            admission = {
+                name: (
+                    engine.resource_footprint("r").total_bytes,
+                    engine.peak_bytes("r", OperationKind.FORWARD_BACKWARD, [("f", request)]),
+                )
+                for name, engine in (
+                    ("one", local),
+                    ("zero3", groups["zero3"]),
+                    ("fsdp2", groups["fsdp2"]),
+                )
+            }
+        finally:
+            for engine in groups.values():
+                engine.close()
+    mib = 1 << 20
+    print(f"\n38M full-weight step ({args.rows} x {args.tokens} tokens, CE, then AdamW)")
+    for name, times in full.items():
+        listed = ", ".join(f"{t:.3f}" for t in times)
+        print(f"  {name:6} median {statistics.median(times):.3f} s  ({listed})")
+    z3, f2 = statistics.median(full["zero3"]), statistics.median(full["fsdp2"])
+    print(f"  fsdp2 / zero3 step time: {f2 / z3:.2f}")
+    print("  peak MiB a process added (VmHWM less its resident set before the session):")
+    one_peak = peak["one"][0]
+    for name, ranks in peak.items():
+        listed = ", ".join(f"{kib / 1024:.0f} ({kib / one_peak:.2f}x one)" for kib in ranks)
+        print(f"    {name}: {listed}")
+    print("  MiB held (resource total; session weights, optimizer state, gradients):")
+    for name, rows in held.items():
+        for rank, (total, weights, optimizer, gradients) in enumerate(rows):
+            print(
+                f"    {name} rank {rank}: {total / mib:.0f}; {weights / mib:.0f},"
+                f" {optimizer / mib:.1f}, {gradients / mib:.1f}"
+            )
+    print("  admission, rank 0 (MiB resident + estimated forward-backward peak = need):")
+    for name, (resident, need) in admission.items():
+        print(
+            f"    {name}: {resident / mib:.0f} + {need / mib:.0f} = {(resident + need) / mib:.0f}"
         )
 
 

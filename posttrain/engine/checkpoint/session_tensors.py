@@ -22,11 +22,9 @@ def trainer_tensors(resource: ResourceState, session: SessionState) -> dict[str,
     shards = resource.param_shards
     if shards is None or not session.is_full_weight:
         return {name: p.detach() for name, p in session.optimizer.named_params}
-    keep = (
-        shards.group.rank == 0
-        if isinstance(shards, FsdpShards)
-        else shards.sharding.group.rank == 0
-    )
+    if isinstance(shards, FsdpShards):  # gathered onto rank 0 alone
+        return {name: full for name, full in shards.full_tensors() if full is not None}
+    keep = shards.sharding.group.rank == 0
     return {name: full for name, full in shards.full_tensors() if keep}
 
 

@@ -24,9 +24,10 @@ def create(config: EngineConfig, resource: ResourceState, session_id: str) -> No
     named = full_weight.trainable_parameters(resource.lora)
     group = resource.group
     model = resource.loaded.model
-    if config.full_weight_sharding == "fsdp2" and group is not None and group.world > 1:
-        # Sharded in place; the optimizer holds the sharded parameters (same names), the
-        # generator's copy lives on rank 0 alone, which samples (trainer_group.RANK_ZERO).
+    if config.full_weight_sharding == "fsdp2" and group is not None:
+        # Sharded in place (a group of one rank too: a world of one, as on one GPU); the
+        # optimizer holds the sharded parameters (same names), the generator's copy lives on
+        # rank 0 alone, which samples (trainer_group.RANK_ZERO).
         generator_model = full_weight.generator_copy(model) if group.rank == 0 else None
         shards = FsdpShards(group, model, named, resource.loaded.device)
         resource.param_shards = shards

@@ -158,8 +158,8 @@ class FsdpShards:
         present = torch.zeros(len(named), dtype=torch.float64, device=self.device)
         for index, (_, p) in enumerate(named):
             if p.grad is not None:
-                g = local(p.grad).to(torch.float64)
-                squares[index] = (g * g).sum()
+                norm = torch.linalg.vector_norm(local(p.grad), dtype=torch.float32)
+                squares[index] = norm.to(torch.float64) ** 2
                 present[index] = 1.0
         both = torch.stack([squares, present])
         dist.all_reduce(both, group=self.group.group)
@@ -186,10 +186,30 @@ class FsdpShards:
         )
 
     def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter in full, one at a time, on every rank (a collective): a caller that
-        keeps only some (a checkpoint on rank 0) never holds the others."""
+        """Every parameter in full on rank 0, one at a time (None on the other ranks; a
+        collective): rank 0, which writes, never holds more than one in full."""
         for name, p in self.named:
-            yield name, self.full(p)
+            yield name, self.on_rank_zero(p)
+
+    @torch.no_grad()
+    def on_rank_zero(self, tensor: Tensor) -> Tensor | None:
+        """A sharded tensor in full on rank 0, its slices gathered there (each crosses the
+        network once; full_tensor() would all-gather it onto every rank); None elsewhere. A
+        plain tensor as it is."""
+        if not isinstance(tensor, DTensor):
+            return tensor.detach()
+        rows = tensor.shape[0]
+        counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
+        counts += [0] * (self.group.world - len(counts))
+        piece = tensor.to_local()
+        padded = piece.new_zeros((counts[0], *tensor.shape[1:]))
+        padded[: piece.shape[0]] = piece
+        keep = self.group.rank == 0
+        pieces = [torch.empty_like(padded) for _ in counts] if keep else None
+        dist.gather(padded, pieces, dst=0, group=self.group.group)
+        if pieces is None:
+            return None
+        return torch.cat([p[:c] for p, c in zip(pieces, counts, strict=True)])
 
     def gather_to_rank_zero(self, tensors: dict[str, Any]) -> dict[str, Any] | None:
         """A nest of sharded tensors in full on the CPU of rank 0, one tensor at a time (None
@@ -200,7 +220,7 @@ class FsdpShards:
             if isinstance(value, dict):
                 return {key: walk(v) for key, v in value.items()}
             if isinstance(value, Tensor):
-                full = self.full(value)
+                full = self.on_rank_zero(value)
                 return full.to("cpu") if keep else None
             return value
 
@@ -216,9 +236,9 @@ class FsdpShards:
     @torch.no_grad()
     def publish(self, trainer: nn.Module, generator: nn.Module | None) -> None:
         """weights-sync into rank 0's generator copy (`generator`; None on the other ranks):
-        each parameter all-gathered and copied, one at a time. A collective."""
+        each parameter gathered there and copied, one at a time. A collective."""
         targets = dict(generator.named_parameters()) if generator is not None else {}
         for name, source in trainer.named_parameters():
-            full = self.full(source)
+            full = self.on_rank_zero(source)
             if generator is not None:
                 targets[name].copy_(full)

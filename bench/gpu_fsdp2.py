@@ -1,5 +1,5 @@
 """GPU line of FSDP2 full-weight training (engine/parallel/fsdp.py,
-`--trainer-ranks N --full-weight-sharding fsdp2`): `fsdp2_check` is what bench/gpu_check.py
+`--trainer-ranks N` with a full-weight session): `fsdp2_check` is what bench/gpu_check.py
 calls on the GPU machine; run alone it prints its report.
 
 Ranks = the CUDA devices present (NCCL; one device is a world of one, which still runs
@@ -68,7 +68,7 @@ def fsdp2_check(
     if ranks < 1:
         raise RuntimeError("no CUDA device")
     one_config = EngineConfig(device=device)
-    group_config = EngineConfig(device=device, trainer_ranks=ranks, full_weight_sharding="fsdp2")
+    group_config = EngineConfig(device=device, trainer_ranks=ranks)
     samples = make_samples([tokens] * rows, seed=1)
     request = ForwardBackwardRequest(samples, CE)
     losses: dict[str, list[float]] = {"one": [], "fsdp2": []}

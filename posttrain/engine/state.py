@@ -22,7 +22,6 @@ from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.parallel.fsdp import FsdpShards
-from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.model.loader import LoadedModel
 from posttrain.model.lora import LoraModel
 from posttrain.types import MuonScaling
@@ -46,8 +45,8 @@ class SessionState:
     # (train/full_weight.py). LoRA sessions sample through their generator adapter on the
     # shared model instead.
     generator_model: nn.Module | None = None
-    # A full-weight session; on a rank of a ZeRO-3 group other than 0 it has no generator copy
-    # (parallel/zero3.py: sampling runs on rank 0 alone).
+    # A full-weight session; on a rank of a trainer group other than 0 it has no generator copy
+    # (parallel/fsdp.py: sampling runs on rank 0 alone).
     full_weight: bool = False
 
     @property
@@ -76,13 +75,13 @@ class ResourceState:
     # This process's rank in the resource's trainer group (hosts/trainer_group.py); None: the
     # resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None
-    # A full-weight session's parameters sharded over the group (parallel/zero3.py, ZeRO-3, or
-    # parallel/fsdp.py, FSDP2); None: every rank holds every parameter.
-    param_shards: ParamShards | FsdpShards | None = None
+    # A full-weight session's model sharded over the group with FSDP2 (parallel/fsdp.py);
+    # None: no full-weight session, or no group.
+    param_shards: FsdpShards | None = None
 
     def sharded_operation(self) -> AbstractContextManager[None]:
-        """One operation of a resource whose parameters are sharded (zero3: its root gathered
-        on entry, freed on exit; fsdp: every unit resharded on exit); nothing otherwise."""
+        """One operation of a resource whose parameters are sharded (parallel/fsdp.py: every
+        unit resharded when it ends); nothing otherwise."""
         return self.param_shards.operation() if self.param_shards else nullcontext()
 
     def reduced_in_backward(self) -> frozenset[int]:

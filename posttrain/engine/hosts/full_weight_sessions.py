@@ -1,6 +1,5 @@
-"""Where a full-weight session (train/full_weight.py) starts and ends on a resource: one
-process, a trainer group's ranks with posttrain's own ZeRO (parallel/zero2.py, zero3.py), or
-with FSDP2 (parallel/fsdp.py, `--full-weight-sharding fsdp2`). The registry
+"""Where a full-weight session (train/full_weight.py) starts and ends on a resource: in one
+process, or on a trainer group's ranks sharded with FSDP2 (parallel/fsdp.py). The registry
 (hosts/in_process.py) calls these with the resource it found.
 """
 
@@ -9,9 +8,7 @@ from __future__ import annotations
 from posttrain.config import EngineConfig
 from posttrain.engine.generate import generator
 from posttrain.engine.optim.optimizer import SessionOptimizer
-from posttrain.engine.parallel import zero2
 from posttrain.engine.parallel.fsdp import FsdpShards
-from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train import full_weight
 from posttrain.model.lora import LoraModel
@@ -24,31 +21,27 @@ def create(config: EngineConfig, resource: ResourceState, session_id: str) -> No
     named = full_weight.trainable_parameters(resource.lora)
     group = resource.group
     model = resource.loaded.model
-    if config.full_weight_sharding == "fsdp2" and group is not None:
+    shards = None
+    if group is None:
+        generator_model = full_weight.generator_copy(model)
+    else:
         # Sharded in place (a group of one rank too: a world of one, as on one GPU); the
         # optimizer holds the sharded parameters (same names), the generator's copy lives on
         # rank 0 alone, which samples (trainer_group.RANK_ZERO).
         generator_model = full_weight.generator_copy(model) if group.rank == 0 else None
-        shards = FsdpShards(group, model, named, resource.loaded.device)
-        resource.param_shards = shards
-        optimizer = SessionOptimizer(
-            shards.named, muon_scaling=resource.muon_scaling, sharding=shards
+        shards = FsdpShards(
+            group,
+            model,
+            named,
+            resource.loaded.device,
+            reshard_after_forward=config.shard_parameters,
         )
-    else:
-        sharding = zero2.Sharding.over(group, named)  # None: fewer than 2 ranks
-        zero3 = sharding is not None and config.shard_parameters
-        # ZeRO-3: the generator's copy on rank 0 alone, as above.
-        generator_model = None
-        if not zero3 or sharding.group.rank == 0:
-            generator_model = full_weight.generator_copy(model)
-        optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=sharding)
-        if zero3:
-            resource.param_shards = ParamShards(sharding, model, named)
-            optimizer.params_sharded = True
+        resource.param_shards = shards
+        named = shards.named
     resource.sessions[session_id] = SessionState(
         session_id,
         generator.generator_key(session_id),
-        optimizer,
+        SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=shards),
         generator_model=generator_model,
         full_weight=True,
     )
@@ -57,13 +50,10 @@ def create(config: EngineConfig, resource: ResourceState, session_id: str) -> No
 def end(resource: ResourceState) -> None:
     """The session has gone: the resource's model is its base model again, on every rank."""
     assert resource.model_path is not None, "full-weight resource without a model path"
-    if isinstance(resource.param_shards, FsdpShards):
+    if resource.param_shards is not None:
         # No way back to plain parameters: the sharded model goes, the base reloads from disk.
         resource.param_shards = None
         resource.loaded = full_weight.reload(resource.model_path, resource.loaded)
         resource.lora = LoraModel(resource.loaded.model)
         return
-    if resource.param_shards is not None:  # every rank holds the whole model again
-        resource.param_shards.unshard()
-        resource.param_shards = None
     full_weight.restore_base(resource.lora, resource.model_path, resource.loaded.device)

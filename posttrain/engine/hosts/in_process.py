@@ -287,7 +287,7 @@ class LocalEngine:
         """Estimated peak bytes that running `items` of `kind` as one pass adds to what the
         resource holds now (a session without state here counts no trainable tensors). On a
         rank of a trainer group: a training pass's largest share of rows, and what sharded
-        parameters gather (parallel/zero3.py); the group is admitted on rank 0's numbers,
+        parameters gather (parallel/fsdp.py); the group is admitted on rank 0's numbers,
         and its ranks hold about the same."""
         resource = self._resource(resource_id)
         requests = [request for _, request in items]

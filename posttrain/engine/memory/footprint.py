@@ -37,8 +37,8 @@ class ResourceFootprint:
 
 
 def nbytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes the tensors hold; none for a parameter another rank holds (parallel/zero3.py
-    frees its storage and keeps its shape)."""
+    """Bytes the tensors hold: of a DTensor (parallel/fsdp.py) this rank's slice; none for a
+    tensor whose storage is freed (an FSDP2 layer's gathered weights between forwards)."""
     held = (local(t) for t in tensors)  # a DTensor: this rank's slice (parallel/fsdp.py)
     return sum(t.numel() * t.element_size() for t in held if t.untyped_storage().nbytes())
 

@@ -1,5 +1,5 @@
 """A full-weight session's model sharded over its resource's trainer group with PyTorch's FSDP2
-(`fully_shard`; `posttrain serve --trainer-ranks N --full-weight-sharding fsdp2`).
+(`fully_shard`; `posttrain serve --trainer-ranks N`).
 
 Units: each decoder layer, then the root (a wrapper around the whole model: embeddings, final
 norm, head; tied weights once). Every parameter becomes a DTensor sharded on dim 0 (even
@@ -8,7 +8,10 @@ AdamW moments and Muon momentum. A layer is all-gathered before its forward and 
 backward, and its gradients are reduce-scattered (summed: the divide factor is 1, as the
 losses' own normalisers already are batch-global) as the backward leaves it; the root stays
 gathered from its first forward of an operation to the end of the operation's backward
-(FSDP2's root rule), and `operation` reshards everything when the operation ends.
+(FSDP2's root rule), and `operation` reshards everything when the operation ends. With
+`--shard-parameters off` the layers keep their weights gathered from forward to backward
+(reshard_after_forward False). The head stays in the root: it runs once per logprob chunk, and
+the ranks' chunk counts differ, so a unit of its own would meet in unequal collectives.
 
 The trainer never calls the model's own forward: it runs the decoder and then the chunked head
 itself (train/trainer.py). So the root wrapper's forward takes the bucket's computation as a
@@ -22,14 +25,19 @@ logprob and loss math are float32 in the trainer whatever the weights' dtype.
 The parameters' names do not change (FSDP2 registers its DTensors under the same names), but
 the Parameter objects do: the optimizer is built on `named` after sharding. There is no way
 back to plain parameters, so the session's end discards the sharded model and the resource
-reloads its base weights from the model directory (hosts/in_process.py).
+reloads its base weights from the model directory (hosts/full_weight_sessions.py). The model is
+sharded in place rather than built on the meta device and filled from rank 0
+(set_model_state_dict's broadcast_from_rank0): every rank already holds the resource's
+loaded base model, which LoRA sessions share, so a fresh copy would only add a peak.
 
 Checkpoints, exports, persisted state and weights-sync stream full tensors one at a time
-(`full_tensors`: one all-gather per parameter, kept by rank 0 alone), so files keep the
+(`full_tensors`: each parameter's slices gathered onto rank 0, which writes), so files keep the
 one-process formats and a checkpoint from any N resumes on any other (`shard_of` cuts each
-rank's slice out of a full tensor every rank read).
+rank's slice out of a full tensor every rank read). Gathered per tensor rather than with
+get_model_state_dict / get_optimizer_state_dict (full_state_dict, cpu_offload), which hold the
+whole state on rank 0's CPU at once: the same values, a smaller peak.
 
-Imports: torch (torch.distributed, fsdp, tensor); engine.parallel.data_parallel, model.lora.
+Imports: torch (torch.distributed, fsdp, tensor); engine.parallel.data_parallel.
 """
 
 from __future__ import annotations
@@ -73,10 +81,15 @@ class FsdpShards:
         model: nn.Module,
         named: Sequence[tuple[str, nn.Parameter]],
         device: torch.device,
+        *,
+        reshard_after_forward: bool = True,
     ) -> None:
         """Shard `model` in place; `named`: its trainable parameters by Hugging Face name
         (train/full_weight.trainable_parameters), in that order. Afterwards `self.named`
-        holds the sharded parameters under the same names."""
+        holds the sharded parameters under the same names. `reshard_after_forward` False
+        (`--shard-parameters off`): each layer stays gathered from its forward to its
+        backward, one all-gather per layer and bucket fewer for every layer's weights at the
+        peak."""
         self.group = group
         self.device = device
         self.mesh = init_device_mesh(device.type, (group.world,))
@@ -93,7 +106,14 @@ class FsdpShards:
         old = [p for _, p in named]
         self.units: list[FSDPModule] = []
         for layer in layers:
-            self.units.append(fully_shard(layer, mesh=self.mesh, mp_policy=policy))
+            self.units.append(
+                fully_shard(
+                    layer,
+                    mesh=self.mesh,
+                    mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward,
+                )
+            )
         self.units.append(fully_shard(self.root, mesh=self.mesh, mp_policy=policy))
         for unit in self.units:
             # A plain sum, as one process's backward is: divide by 1, with SUM collectives
@@ -108,9 +128,8 @@ class FsdpShards:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         in_layers = {name for names in self._layer_names for name in names}
         self._root_names = [name for name, _ in self.named if name not in in_layers]
-        # No owner rank: each gradient is reduce-scattered by the backward itself
+        # Each gradient is reduce-scattered by the backward itself
         # (data_parallel.all_reduce_gradients is never asked to sum them).
-        self.owners: dict[str, int | None] = dict.fromkeys(sharded)
         self.reduced_in_backward = frozenset(id(p) for _, p in self.named)
 
     # ------------------------------------------------------------ operations
@@ -140,10 +159,6 @@ class FsdpShards:
         return 2 * root + 3 * layer
 
     # ------------------------------------------------------------ collectives over the group
-
-    def owns(self, name: str) -> bool:
-        """Every rank holds a slice of every parameter, its gradient and its state."""
-        return True
 
     def max(self, value: float, device: torch.device | None = None) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)

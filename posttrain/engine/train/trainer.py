@@ -10,7 +10,7 @@ loss or gradient fails its item and leaves that session's accumulated gradients 
 On a rank of a trainer group (ResourceState.group) the same code runs data parallel: the rank
 forwards only its share of the rows, the others' logprobs are gathered from them, every member
 is scored on the whole batch, and the gradients are summed over the ranks before their check
-(parallel/data_parallel.py). With sharded parameters (parallel/zero3.py) every rank runs the
+(parallel/data_parallel.py). With sharded parameters (parallel/fsdp.py) every rank runs the
 same number of bucket forwards (aligned_forwards), so the ranks meet in the per-layer gathers.
 
 Not here: the session table (hosts/in_process.py), generators (generate/), losses.py, optim/.
@@ -307,7 +307,7 @@ def forward_logprobs(
 def aligned_forwards(
     config: EngineConfig, resource: ResourceState, lengths_S: Sequence[int]
 ) -> int | None:
-    """On a trainer group whose parameters are sharded (parallel/zero3.py), the number of
+    """On a trainer group whose parameters are sharded (parallel/fsdp.py), the number of
     model forwards every rank runs: the most buckets of any rank's share, so the ranks meet in
     the same per-layer collectives, a rank with fewer buckets (or no rows) padding the rest.
     None (each rank its own buckets) otherwise."""

@@ -1,12 +1,12 @@
-"""A full-weight session on two gloo ranks sharded with FSDP2 (engine/parallel/fsdp.py,
-`--full-weight-sharding fsdp2`) computes what one LocalEngine does: losses, metrics and first
-gradients within 1e-5 relative, weights after three AdamW and three Muon steps on uneven
-batches within the tolerance test_sharded_full_weight.py explains; the MoE model and a client's
-custom forward-backward likewise. Each rank holds about half of every parameter, gradient and
-optimizer moment (within 1.1x of an even share, embedding included). Checkpoints and persisted
-state are the one-process formats: from two ranks they resume on one and back, and continue as
-one process continues. A session's end leaves every rank the base model; a rank that dies fails
-the operation naming it, and the group loads again."""
+"""A full-weight session on two gloo ranks sharded with FSDP2 (engine/parallel/fsdp.py, what
+`--trainer-ranks N` does with a full-weight session) computes what one LocalEngine does:
+losses, metrics and first gradients within 1e-5 relative, weights after three AdamW and three
+Muon steps on uneven batches within the tolerance test_sharded_full_weight.py explains; the
+MoE model and a client's custom forward-backward likewise. Each rank holds about half of every
+parameter, gradient and optimizer moment (within 1.1x of an even share, embedding included).
+Checkpoints and persisted state are the one-process formats: from two ranks they resume on one
+and back, and continue as one process continues. A session's end leaves every rank the base
+model; a rank that dies fails the operation naming it, and the group loads again."""
 
 from __future__ import annotations
 
@@ -52,9 +52,7 @@ from posttrain.types import MuonScaling, OperationKind
 # Bucket overhead 0, as test_sharded_full_weight's ZeRO-3 tests: the ranks' shares of a batch
 # take different numbers of buckets (and ONE leaves rank 1 without rows), so the padded,
 # aligned bucket schedule is what keeps the FSDP2 collectives in step.
-FSDP2 = EngineConfig(
-    device="cpu", trainer_ranks=2, full_weight_sharding="fsdp2", bucket_overhead_tokens=0
-)
+FSDP2 = EngineConfig(device="cpu", trainer_ranks=2, bucket_overhead_tokens=0)
 helpers = sys.modules["test_sharded_full_weight"]
 
 

@@ -1,15 +1,15 @@
 """A full-weight session's model sharded over its resource's trainer group with PyTorch's FSDP2
 (`fully_shard`; `posttrain serve --trainer-ranks N`).
 
-Units: each decoder layer, then the root (a wrapper around the whole model: embeddings, final
-norm, head; tied weights once). Every parameter becomes a DTensor sharded on dim 0 (even
-1/N slices, padded), so each rank holds 1/N of every matrix, of its gradient and of its
-AdamW moments and Muon momentum. A layer is all-gathered before its forward and again for its
-backward, and its gradients are reduce-scattered (summed: the divide factor is 1, as the
-losses' own normalisers already are batch-global) as the backward leaves it; the root stays
-gathered from its first forward of an operation to the end of the operation's backward
-(FSDP2's root rule), and `operation` reshards everything when the operation ends. With
-`--shard-parameters off` the layers keep their weights gathered from forward to backward
+Units: each decoder layer, an untied input embedding, then the root (a wrapper around the
+whole model: the head, final norm and a tied embedding). Every parameter becomes a DTensor
+sharded on dim 0 (even 1/N slices, padded), so each rank holds 1/N of every matrix, of its
+gradient and of its AdamW moments and Muon momentum. A unit is all-gathered before its forward
+and again for its backward, and its gradients are reduce-scattered (summed: the divide factor
+is 1, as the losses' own normalisers already are batch-global) as the backward leaves it; the
+root stays gathered from its first forward of an operation to the end of the operation's
+backward (FSDP2's root rule), and `operation` reshards everything when the operation ends.
+With `--shard-parameters off` the layers keep their weights gathered from forward to backward
 (reshard_after_forward False). The head stays in the root: it runs once per logprob chunk, and
 the ranks' chunk counts differ, so a unit of its own would meet in unequal collectives.
 
@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from posttrain.engine.parallel.data_parallel import DataParallel
@@ -98,7 +99,13 @@ class FsdpShards:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         old_names = {id(p): name for name, p in named}
         module_names = {name: old_names[id(p)] for name, p in model.named_parameters()}
-        layers = list(model.base_model.layers)
+        layers: list[nn.Module] = list(model.base_model.layers)
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        head_params = {id(p) for p in head.parameters()} if head is not None else set()
+        if id(embedding.weight) not in head_params:  # the head may be a LoRA wrapper
+            # An untied input embedding is a unit of its own: it runs once per bucket forward
+            # (alike on every rank), and the root then holds only the head and final norm.
+            layers.append(embedding)
         self._layer_names: list[list[str]] = []
         for layer in layers:
             self._layer_names.append([old_names[id(p)] for p in layer.parameters()])
@@ -120,6 +127,9 @@ class FsdpShards:
             # (the default picks NCCL's PREMUL_SUM for a factor, which gloo lacks).
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+            if device.type == "cpu":  # gloo
+                unit.set_custom_all_gather(_AllReduceAllGather())
+                unit.set_custom_reduce_scatter(_AllReduceReduceScatter())
         by_name = dict(model.named_parameters())
         sharded = {hf: by_name[name] for name, hf in module_names.items()}
         self.named: list[tuple[str, nn.Parameter]] = [(name, sharded[name]) for name, _ in named]
@@ -257,3 +267,51 @@ class FsdpShards:
             full = self.on_rank_zero(source)
             if generator is not None:
                 targets[name].copy_(full)
+
+
+# gloo's all_gather_into_tensor and reduce_scatter_tensor took 0.13 and 0.15 s for 50 MB over
+# 2 ranks on the 2-core machine, its all_reduce 0.035 s (bench: docs/benchmarks.md, "FSDP2"),
+# so on gloo FSDP2's two collectives run as all-reduces of the same buffers (FSDP2's
+# set_custom_all_gather / set_custom_reduce_scatter).
+
+
+class _AllReduceAllGather(AllGather):
+    """An all-gather as one all-reduce of the output's bits (as integers): each rank's slice
+    in its place, zeros elsewhere, so every word has one non-zero contributor and the sum is
+    that word exactly."""
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        rank, size = dist.get_rank(group), input_tensor.numel()
+        out = output_tensor.view(-1)
+        own = out.narrow(0, rank * size, size)
+        if own.data_ptr() != input_tensor.data_ptr():  # FSDP2 usually copies it in place
+            own.copy_(input_tensor.view(-1))
+        out[: rank * size].zero_()
+        out[(rank + 1) * size :].zero_()
+        words = out.view(torch.int32) if out.nbytes % 4 == 0 else out.view(torch.uint8)
+        return dist.all_reduce(words, group=group, async_op=async_op)
+
+
+class _AllReduceReduceScatter(ReduceScatter):
+    """A reduce-scatter as an all-reduce of the (temporary) input, then this rank's slice."""
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        dist.all_reduce(input_tensor, op=op, group=group)
+        size = output_tensor.numel()
+        start = dist.get_rank(group) * size
+        output_tensor.view(-1).copy_(input_tensor.view(-1).narrow(0, start, size))

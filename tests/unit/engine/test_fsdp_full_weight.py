@@ -10,7 +10,9 @@ model; a rank that dies fails the operation naming it, and the group loads again
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import sys
 from dataclasses import replace
@@ -18,6 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 from engine_calls import forward_backward
+from safetensors.torch import load_file, save_file
 from test_sharded_full_weight import (
     BATCHES,
     HUGE,
@@ -39,7 +42,7 @@ from test_sharded_full_weight import (
     train,
 )
 
-from posttrain.config import EngineConfig
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import formats as weights
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import Command
@@ -49,7 +52,7 @@ from posttrain.errors import INTERNAL_ERROR, NonFiniteLoss, WorkerDied
 from posttrain.service.admission import plan_passes
 from posttrain.types import MuonScaling, OperationKind
 
-# Bucket overhead 0, as test_sharded_full_weight's ZeRO-3 tests: the ranks' shares of a batch
+# Bucket overhead 0 (test_sharded_full_weight's PER_LENGTH): the ranks' shares of a batch
 # take different numbers of buckets (and ONE leaves rank 1 without rows), so the padded,
 # aligned bucket schedule is what keeps the FSDP2 collectives in step.
 FSDP2 = EngineConfig(device="cpu", trainer_ranks=2, bucket_overhead_tokens=0)
@@ -283,3 +286,31 @@ def test_a_memory_limit_that_refuses_a_full_weight_step_on_one_process_admits_it
             )
             assert (passes == [["f"]]) is admitted and (0 in refused) is not admitted, kind
     fsdp.unload_resource("admit")
+
+
+def test_a_tied_embedding_shards_in_the_root_and_trains_as_one_process_does(tmp_path, uneven):
+    """A model whose head is its input embedding (Qwen3-0.6B's layout): the one tensor stays
+    in the root unit, shards like any other, and trains and checkpoints as one process."""
+    tied = tmp_path / "tied"
+    shutil.copytree(BUILTIN_MODEL_DIR, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(tied / "model.safetensors")
+    del weights["lm_head.weight"]  # the head is the embedding now
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    models = {BUILTIN_MODEL_ID: tied}
+    local = LocalEngine(PER_LENGTH, models)
+    group = TrainerGroupEngine(FSDP2, models)
+    try:
+        fresh(local, "r", MuonScaling.MATCH_ADAM)
+        fresh(group, "r", MuonScaling.MATCH_ADAM)
+        expected = train(local, "r", tmp_path / "local", MuonScaling.MATCH_ADAM, steps=2)
+        actual = train(group, "r", tmp_path / "group", MuonScaling.MATCH_ADAM, steps=2)
+        assert_runs_equal(actual, expected)
+        assert not any("lm_head" in name for name in expected[0][2])  # one tensor, one name
+        one = local.session_footprint("r", "f")
+        ranks = group.on_every_rank("r", Command.SESSION_FOOTPRINT, "f")
+        assert sum(r.weights_bytes for r in ranks) == one.weights_bytes
+        assert all(r.weights_bytes <= 1.1 * one.weights_bytes / 2 for r in ranks)
+    finally:
+        group.close()

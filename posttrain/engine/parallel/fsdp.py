@@ -193,11 +193,6 @@ class FsdpShards:
         return torch.linalg.vector_norm(norms), has
 
     @torch.no_grad()
-    def full(self, tensor: Tensor) -> Tensor:
-        """A sharded tensor in full on every rank (a collective); a plain one as it is."""
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-
-    @torch.no_grad()
     def shard_of(self, full: Tensor, like: Tensor) -> Tensor:
         """This rank's DTensor slice of `full` (every rank holds it whole), laid out as
         `like` (a sharded parameter); no communication."""

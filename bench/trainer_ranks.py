@@ -4,19 +4,24 @@
    AdamW optim-step) on the random 38M-parameter Qwen3 of bench/forward_backward.py: one
    process on one thread (LocalEngine) against N ranks of one thread each, their steps
    alternated. Medians of --reps steps after one warm-up, and their ratio; the same for a LoRA
-   session. The tensor bytes each rank holds: a full-weight session's gradients and AdamW
-   moments are sharded (engine/parallel/zero2.py), its weights and generator copy replicated.
+   session. The tensor bytes each rank holds: a full-weight session's weights, gradients and
+   AdamW moments are sharded (FSDP2, engine/parallel/fsdp.py), the generator's copy is rank
+   0's alone.
 2. LoRA: what sharding the frozen base would cost, against a LoRA step: the time of one gloo
    all-gather of the base's bytes over the N ranks (a sharded base needs one per forward, and
    again for the backward), medians of 3 in a group of its own.
 3. The per-operation overhead of the group against LocalEngine on the built-in tiny model:
    small operations, alternated, medians over --op-reps.
 
-4. With --zero3: only (1)'s full-weight step and bytes, for one process, N ranks with the
-   parameters replicated (ZeRO-2) and N ranks with them sharded (ZeRO-3,
-   engine/parallel/zero3.py), the three alternated.
+4. With --fsdp2: only (1)'s full-weight step, bytes and peak memory, for one process and N
+   ranks (the session sharded with FSDP2, engine/parallel/fsdp.py), alternated. Peak memory
+   is each process's VmHWM (peak resident set) less its resident set before the session was
+   created: what the session and its steps added at their peak. The one process runs in a
+   worker process for this (ProcessEngine, measured as the ranks are); its step time is
+   LocalEngine's. (docs/benchmarks.md has this against posttrain's own ZeRO-3, which FSDP2
+   replaced, measured alternated before it went.)
 
-    python bench/trainer_ranks.py [--ranks 2] [--reps 5] [--zero3]
+    python bench/trainer_ranks.py [--ranks 2] [--reps 5] [--fsdp2]
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.messages import Command
+from posttrain.engine.hosts.messages import Command  # noqa: E402
+from posttrain.engine.hosts.remote import ProcessEngine  # noqa: E402
 from posttrain.engine.hosts.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
@@ -171,10 +177,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--op-reps", type=int, default=20)
-    parser.add_argument("--zero3", action="store_true", help="ZeRO-2 against ZeRO-3 only")
+    parser.add_argument("--fsdp2", action="store_true", help="the full-weight step only")
     args = parser.parse_args()
-    if args.zero3:
-        zero3(args)
+    if args.fsdp2:
+        fsdp2(args)
         return
     torch.set_num_threads(1)  # one thread per rank, and one for the single process
     one = EngineConfig(device="cpu")
@@ -259,35 +265,46 @@ def per_operation(reps: int, one: EngineConfig, group_config: EngineConfig) -> N
         )
 
 
-def zero3(args: argparse.Namespace) -> None:
-    """Full-weight steps and bytes held per rank: one process, ZeRO-2 and ZeRO-3 ranks."""
+def _proc_kib(pid: int, field: str) -> int:
+    """A field of /proc/<pid>/status in KiB (VmRSS: resident now, VmHWM: its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def fsdp2(args: argparse.Namespace) -> None:
+    """Full-weight steps, bytes and peak memory per process: one process and FSDP2 ranks."""
     torch.set_num_threads(1)
-    configs = {
-        "one": EngineConfig(device="cpu"),
-        "zero2": EngineConfig(device="cpu", trainer_ranks=args.ranks, shard_parameters=False),
-        "zero3": EngineConfig(device="cpu", trainer_ranks=args.ranks, shard_parameters=True),
-    }
     print(f"cores={os.cpu_count()} ranks={args.ranks} torch threads per process=1")
     with tempfile.TemporaryDirectory() as directory:
         write_model(Path(directory))
         models = {MODEL_ID: Path(directory)}
         samples = make_samples([args.tokens] * args.rows, seed=1)
-        engines = {
-            name: LocalEngine(config, models)
-            if name == "one"
-            else TrainerGroupEngine(config, models)
-            for name, config in configs.items()
-        }
+        request = ForwardBackwardRequest(samples, CE)
+        local = LocalEngine(EngineConfig(device="cpu"), models)
+        worker = ProcessEngine(EngineConfig(device="cpu", workers="process"), models)
+        group = TrainerGroupEngine(EngineConfig(device="cpu", trainer_ranks=args.ranks), models)
+        engines = {"one": local, "fsdp2": group}
         try:
-            for engine in engines.values():
+            for engine in (local, worker, group):
                 engine.load_resource("r", MODEL_ID, muon_scaling=None)
+            pids = {"one": [worker.worker_pid("r")], "fsdp2": group.rank_pids("r")}
+            base = {name: [_proc_kib(p, "VmRSS") for p in ps] for name, ps in pids.items()}
             full = training_steps(engines, samples, args.reps, None)
+            worker.create_session("r", "f", None)
+            for _ in range(2):  # the worker's steps, for its peak alone
+                (outcome,) = worker.forward_backward_batch("r", [("f", request)])
+                assert not isinstance(outcome, Exception), outcome
+                worker.optim_step("r", "f", STEP)
+            peak = {
+                name: [_proc_kib(p, "VmHWM") - b for p, b in zip(ps, base[name], strict=True)]
+                for name, ps in pids.items()
+            }
             held = {
                 name: held_bytes(engine, 1 if name == "one" else args.ranks)
                 for name, engine in engines.items()
             }
-            # The memory admission's numbers (rank 0's for a group): resident + estimated peak.
-            request = ForwardBackwardRequest(samples, CE)
             admission = {
                 name: (
                     engine.resource_footprint("r").total_bytes,
@@ -296,16 +313,20 @@ def zero3(args: argparse.Namespace) -> None:
                 for name, engine in engines.items()
             }
         finally:
-            for name, engine in engines.items():
-                if name != "one":
-                    engine.close()
+            worker.close()
+            group.close()
     mib = 1 << 20
     print(f"\n38M full-weight step ({args.rows} x {args.tokens} tokens, CE, then AdamW)")
     for name, times in full.items():
         listed = ", ".join(f"{t:.3f}" for t in times)
         print(f"  {name:6} median {statistics.median(times):.3f} s  ({listed})")
-    z2, z3 = statistics.median(full["zero2"]), statistics.median(full["zero3"])
-    print(f"  zero3 / zero2 step time: {z3 / z2:.2f}")
+    one, ranks = statistics.median(full["one"]), statistics.median(full["fsdp2"])
+    print(f"  fsdp2 / one step time: {ranks / one:.2f}")
+    print("  peak MiB a process added (VmHWM less its resident set before the session):")
+    one_peak = peak["one"][0]
+    for name, kibs in peak.items():
+        listed = ", ".join(f"{kib / 1024:.0f} ({kib / one_peak:.2f}x one)" for kib in kibs)
+        print(f"    {name}: {listed}")
     print("  MiB held (resource total; session weights, optimizer state, gradients):")
     for name, rows in held.items():
         for rank, (total, weights, optimizer, gradients) in enumerate(rows):
@@ -314,9 +335,9 @@ def zero3(args: argparse.Namespace) -> None:
                 f" {optimizer / mib:.1f}, {gradients / mib:.1f}"
             )
     print("  admission, rank 0 (MiB resident + estimated forward-backward peak = need):")
-    for name, (resident, peak) in admission.items():
+    for name, (resident, need) in admission.items():
         print(
-            f"    {name}: {resident / mib:.0f} + {peak / mib:.0f} = {(resident + peak) / mib:.0f}"
+            f"    {name}: {resident / mib:.0f} + {need / mib:.0f} = {(resident + need) / mib:.0f}"
         )
 
 

@@ -158,11 +158,11 @@ class EngineConfig(BaseModel):
         " cluster's nodes: PACK (as few nodes as possible) or SPREAD (across nodes)",
         json_schema_extra=flag("scale-out"),
     )
-    # Data parallel (engine/hosts/trainer_group.py): each rank holds the whole model and
-    # forwards its share of a batch's rows; a full-weight session's gradients and optimizer
-    # state are sharded over the ranks (engine/parallel/zero2.py). Measured (bench/trainer_ranks.py,
-    # docs/benchmarks.md): on the 2-core CPU two ranks are slower than one (a 38M full-weight
-    # step, 10-15 ms more per small command), so one process is the default.
+    # Data parallel (engine/hosts/trainer_group.py): each rank forwards its share of a batch's
+    # rows; a LoRA resource's frozen base is replicated, a full-weight session is sharded with
+    # FSDP2 (engine/parallel/fsdp.py). Measured (bench/trainer_ranks.py, docs/benchmarks.md):
+    # on the 2-core CPU two ranks are slower than one (10-15 ms more per small command), so
+    # one process is the default.
     trainer_ranks: int = Field(
         1,
         ge=1,
@@ -172,18 +172,18 @@ class EngineConfig(BaseModel):
         " CUDA devices)",
         json_schema_extra=flag("scale-out", metavar="N"),
     )
-    # ZeRO-3 (engine/parallel/zero3.py): on trainer_ranks > 1 a full-weight session's
-    # parameters are sharded too, each rank holding only the parameters it owns between
-    # operations and gathering a layer's just before its forward and backward, and rank 0
-    # alone the generator's copy. The default: on the 2-core CPU its step time equals
-    # ZeRO-2's (0.89-1.04x), and a 38M session's ranks hold 439 and 293 MiB against ZeRO-2's
-    # 512 each (docs/benchmarks.md, "ZeRO-3"), so a model whose weights and AdamW state do not
-    # fit one device trains on N. Off: ZeRO-2, parameters replicated.
+    # FSDP2's reshard_after_forward for the decoder layers of a full-weight session on
+    # trainer_ranks > 1 (engine/parallel/fsdp.py). Between operations every rank holds 1/N of
+    # every parameter, gradient and optimizer moment either way; on (the default) a layer is
+    # gathered for its forward and again for its backward, off keeps it gathered in between
+    # (one all-gather per layer and bucket fewer, every layer's weights held at the peak).
     shard_parameters: bool = Field(
         True,
-        description="with --trainer-ranks N > 1, shard a full-weight session's parameters"
-        " over the ranks as well as its gradients and optimizer state (on: ZeRO-3, each rank"
-        " holds 1/N of the weights; off: ZeRO-2, weights replicated)",
+        description="with --trainer-ranks N > 1, free a full-weight session's gathered layer"
+        " weights after each forward and gather them again for the backward (on: the least"
+        " memory; off: one all-gather fewer per layer, every layer's weights at the peak);"
+        " between operations each rank holds 1/N of the weights and optimizer state either"
+        " way",
         json_schema_extra=flag("scale-out"),
     )
     max_generator_replicas: int = Field(

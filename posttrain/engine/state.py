@@ -12,6 +12,7 @@ of its resource) trains the model itself and samples from its own copy of it
 from __future__ import annotations
 
 import itertools
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from torch import nn
 from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.parallel.data_parallel import DataParallel
-from posttrain.engine.parallel.zero3 import ParamShards
+from posttrain.engine.parallel.fsdp import FsdpShards
 from posttrain.model.loader import LoadedModel
 from posttrain.model.lora import LoraModel
 from posttrain.types import MuonScaling
@@ -44,8 +45,8 @@ class SessionState:
     # (train/full_weight.py). LoRA sessions sample through their generator adapter on the
     # shared model instead.
     generator_model: nn.Module | None = None
-    # A full-weight session; on a rank of a ZeRO-3 group other than 0 it has no generator copy
-    # (parallel/zero3.py: sampling runs on rank 0 alone).
+    # A full-weight session; on a rank of a trainer group other than 0 it has no generator copy
+    # (parallel/fsdp.py: sampling runs on rank 0 alone).
     full_weight: bool = False
 
     @property
@@ -74,6 +75,16 @@ class ResourceState:
     # This process's rank in the resource's trainer group (hosts/trainer_group.py); None: the
     # resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None
-    # A full-weight session's parameters sharded over the group (parallel/zero3.py, ZeRO-3);
-    # None: every rank holds every parameter.
-    param_shards: ParamShards | None = None
+    # A full-weight session's model sharded over the group with FSDP2 (parallel/fsdp.py);
+    # None: no full-weight session, or no group.
+    param_shards: FsdpShards | None = None
+
+    def sharded_operation(self) -> AbstractContextManager[None]:
+        """One operation of a resource whose parameters are sharded (parallel/fsdp.py: every
+        unit resharded when it ends); nothing otherwise."""
+        return self.param_shards.operation() if self.param_shards else nullcontext()
+
+    def reduced_in_backward(self) -> frozenset[int]:
+        """Ids of the parameters whose gradients the backward itself sums over the ranks."""
+        shards = self.param_shards
+        return frozenset() if shards is None else shards.reduced_in_backward

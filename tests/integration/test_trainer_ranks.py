@@ -3,8 +3,9 @@ rank processes (engine/hosts/trainer_group.py). Through the SDK against a real s
 (sample, score with a batch-global loss, step, weights-sync, sample again) gets what a server
 with the in-thread engine gets: losses and metrics within 1e-5 relative, the same tokens for
 the same seeds; its two ranks are stopped at shutdown. A --trainer-ranks beyond the cores is a
-start-up error naming the flag. With ZeRO-3 (--shard-parameters on, the default) a full-weight
-session does the same, and checkpoints, ends and resumes."""
+start-up error naming the flag. A full-weight session, sharded with FSDP2, does the same, and
+checkpoints, ends and resumes, with its layers freed after each forward (--shard-parameters on,
+the default) and kept gathered until the backward (off)."""
 
 from __future__ import annotations
 
@@ -127,14 +128,23 @@ def full_weight_session(base_url: str) -> tuple[ModelResourcesClient, SessionCli
     return resources, resources.create_session(interval=0.2)
 
 
-def test_a_full_weight_rl_loop_on_two_zero3_ranks_equals_the_in_thread_engine(tmp_path):
-    """`--shard-parameters on` (ZeRO-3, the default): the same loop on a full-weight session,
+def test_a_full_weight_rl_loop_on_two_fsdp2_ranks_equals_the_in_thread_engine(tmp_path):
+    """`--shard-parameters on` (the default): the same loop on a full-weight session (FSDP2),
     sampling from rank 0's generator copy that weights-sync fills from every rank's shard;
     then checkpoints (a MERGED export and a training state gathered from the shards), the
     session's end, and a resume on the same ranks."""
+    full_weight_loop_on_ranks_equals_the_in_thread_engine(tmp_path, "--shard-parameters", "on")
+
+
+def test_a_full_weight_rl_loop_on_fsdp2_ranks_keeping_layers_gathered_equals_one(tmp_path):
+    """`--shard-parameters off`: each layer stays gathered from its forward to its backward."""
+    full_weight_loop_on_ranks_equals_the_in_thread_engine(tmp_path, "--shard-parameters", "off")
+
+
+def full_weight_loop_on_ranks_equals_the_in_thread_engine(tmp_path, *sharding: str) -> None:
     (tmp_path / "ranks").mkdir()
     (tmp_path / "thread").mkdir()
-    flags = ("--poll-hold-seconds", "0", "--trainer-ranks", "2", "--shard-parameters", "on")
+    flags = ("--poll-hold-seconds", "0", "--trainer-ranks", "2", *sharding)
     ranks = ServerProcess.started(tmp_path / "ranks", *flags)
     try:
         resources, session = full_weight_session(ranks.base_url)

@@ -1,6 +1,6 @@
 """A session's trainable tensors by name, as checkpoints and live state hold them, and back:
-with a full-weight session's parameters sharded over a trainer group (parallel/zero3.py),
-gathered in full onto rank 0 (the one that writes) and copied back each rank its own.
+with a full-weight session sharded over a trainer group (parallel/fsdp.py), gathered in full
+onto rank 0 (the one that writes) and copied back each rank its slices.
 
 Not here: the file formats (formats.py, durable.py) and which session is which
 (hosts/in_process.py).
@@ -15,25 +15,23 @@ from posttrain.engine.state import ResourceState, SessionState
 
 
 def trainer_tensors(resource: ResourceState, session: SessionState) -> dict[str, Tensor]:
-    """The session's trainable tensors by name; sharded parameters (parallel/zero3.py)
-    gathered in full, kept on rank 0 alone (the one that writes; {} elsewhere)."""
+    """The session's trainable tensors by name; sharded parameters gathered in full one at a
+    time onto rank 0 (the one that writes; {} elsewhere)."""
     shards = resource.param_shards
     if shards is None or not session.is_full_weight:
         return {name: p.detach() for name, p in session.optimizer.named_params}
-    keep = shards.sharding.group.rank == 0
-    return {name: full for name, full in shards.full_tensors() if keep}
+    return {name: full for name, full in shards.full_tensors() if full is not None}
 
 
 def copy_into_trainer(
     resource: ResourceState, session: SessionState, saved: dict[str, Tensor]
 ) -> None:
-    """formats.copy_into the session's parameters; sharded, each rank its own (the names are
-    checked against every parameter first)."""
+    """formats.copy_into the session's parameters; sharded, each rank its slices (the names
+    are checked against every parameter first)."""
     named = session.optimizer.named_params
     shards = resource.param_shards
     if shards is None or not session.is_full_weight:
         formats.copy_into(named, saved)
         return
     formats.check_names(named, saved)
-    owned = shards.owned()
-    formats.copy_into(owned, {name: saved[name] for name, _ in owned})
+    shards.copy_into(saved)

@@ -44,7 +44,7 @@ def served(resource: ResourceState, session: SessionState) -> WeightsVersion:
 def refresh(resource: ResourceState, session: SessionState) -> None:
     """The generator serves a copy of the trainer's current weights (same policy version)."""
     if session.is_full_weight and resource.param_shards is not None:
-        # From each parameter's owner into rank 0's copy (parallel/zero3.py).
+        # Each parameter's slices gathered into rank 0's copy (parallel/fsdp.py).
         resource.param_shards.publish(resource.loaded.model, session.generator_model)
     elif session.generator_model is not None:
         full_weight.publish(resource.loaded.model, session.generator_model)
@@ -73,7 +73,7 @@ def parameters(resource: ResourceState, session: SessionState) -> list[tuple[str
     """What the session's generator serves: its adapter, or a full-weight session's model."""
     if session.generator_model is not None:
         return list(session.generator_model.named_parameters())
-    if session.has_no_generator:  # a ZeRO-3 rank other than 0: the copy is rank 0's
+    if session.has_no_generator:  # a sharded session's rank other than 0: rank 0 has the copy
         return []
     return list(resource.lora.adapter_parameters(session.generator_key))
 

@@ -26,6 +26,7 @@ from posttrain.engine.checkpoint.session_tensors import copy_into_trainer, train
 from posttrain.engine.generate import generator
 from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.generate.sample_stream import SessionSampleStream, open_stream
+from posttrain.engine.hosts import full_weight_sessions
 from posttrain.engine.hosts.threads import use_intra_op_threads
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.memory.footprint import (
@@ -37,10 +38,8 @@ from posttrain.engine.memory.footprint import (
 from posttrain.engine.memory.headroom import headroom
 from posttrain.engine.memory.operation_peak import operation_peak_bytes
 from posttrain.engine.optim.optimizer import SessionOptimizer
-from posttrain.engine.parallel import zero2
-from posttrain.engine.parallel.zero3 import ParamShards
 from posttrain.engine.state import ResourceState, SessionState
-from posttrain.engine.train import full_weight, trainer
+from posttrain.engine.train import trainer
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
@@ -160,7 +159,7 @@ class LocalEngine:
             f"resource {resource_id} already hosts a full-weight session"
         )
         if lora is None:
-            self._create_full_weight_session(resource, session_id)
+            full_weight_sessions.create(self.config, resource, session_id)
             return
         spec = AdapterSpec(lora.rank, lora.alpha, lora.dropout, lora.seed, lora.train_unembed)
         named = resource.lora.add_adapter(session_id, spec)
@@ -177,36 +176,10 @@ class LocalEngine:
         session = resource.sessions.pop(session_id)
         generator.forget(resource, session)
         if session.is_full_weight:
-            assert resource.model_path is not None, "full-weight resource without a model path"
-            if resource.param_shards is not None:  # every rank holds the whole model again
-                resource.param_shards.unshard()
-                resource.param_shards = None
-            full_weight.restore_base(resource.lora, resource.model_path, resource.loaded.device)
+            full_weight_sessions.end(resource)
             return
         resource.lora.remove_adapter(session.trainer_key)
         resource.lora.remove_adapter(session.generator_key)
-
-    def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
-        assert not resource.sessions, "a full-weight session shares its resource with no one"
-        named = full_weight.trainable_parameters(resource.lora)
-        shards = zero2.Sharding.over(resource.group, named)  # None: fewer than 2 ranks
-        zero3 = shards is not None and self.config.shard_parameters
-        # The copy is taken while the model is frozen, so it never holds gradients. ZeRO-3:
-        # on rank 0 alone, which samples (trainer_group.RANK_ZERO).
-        generator_model = None
-        if not zero3 or shards.group.rank == 0:
-            generator_model = full_weight.generator_copy(resource.loaded.model)
-        optimizer = SessionOptimizer(named, muon_scaling=resource.muon_scaling, sharding=shards)
-        if zero3:
-            resource.param_shards = ParamShards(shards, resource.loaded.model, named)
-            optimizer.params_sharded = True
-        resource.sessions[session_id] = SessionState(
-            session_id,
-            generator.generator_key(session_id),
-            optimizer,
-            generator_model=generator_model,
-            full_weight=True,
-        )
 
     # ------------------------------------------------------------ training (train/trainer.py)
 
@@ -317,7 +290,7 @@ class LocalEngine:
         """Estimated peak bytes that running `items` of `kind` as one pass adds to what the
         resource holds now (a session without state here counts no trainable tensors). On a
         rank of a trainer group: a training pass's largest share of rows, and what sharded
-        parameters gather (parallel/zero3.py); the group is admitted on rank 0's numbers,
+        parameters gather (parallel/fsdp.py); the group is admitted on rank 0's numbers,
         and its ranks hold about the same."""
         resource = self._resource(resource_id)
         requests = [request for _, request in items]
@@ -367,13 +340,10 @@ class LocalEngine:
         serving policy version `version`); returns the record written with it."""
         resource, session = self._session(resource_id, session_id)
         parts, record = durable.read(directory)
-        named = session.optimizer.named_params
         copy_into_trainer(resource, session, parts["trainer"])
         session.optimizer.load_state_dict(parts["optimizer"]["optimizer"])
         formats.restore_rng(parts["optimizer"]["rng"])
-        saved = {n: g for n, g in parts.get("gradients", {}).items() if session.optimizer.owns(n)}
-        for name, p in named:
-            p.grad = saved[name].to(device=p.device, dtype=p.dtype) if name in saved else None
+        session.optimizer.load_gradients(parts.get("gradients", {}))
         self.install_generator(resource_id, session_id, parts["generator"], version=version)
         return record
 

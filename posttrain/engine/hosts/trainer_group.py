@@ -23,11 +23,9 @@ numbers; a training checkpoint's RNG state is rank 0's).
 Every rank holds a full replica of the base model and the LoRA adapters with their optimizer
 state (replicated data parallel: each rank forwards about 1/N of a batch's tokens and runs
 the whole optimizer step; measured in bench/trainer_ranks.py, where replicating the frozen
-base is the choice for LoRA). A full-weight session's gradients and AdamW/Muon state are
-sharded over the ranks (parallel/zero2.py): each rank steps only the parameters it owns. By
-default its parameters are sharded too (ZeRO-3, parallel/zero3.py): each rank holds only
-its own, and rank 0 alone the generator's copy; with `--shard-parameters off` (ZeRO-2) they
-stay replicated and each owner broadcasts what it stepped.
+base is the choice for LoRA). A full-weight session shards the model itself with FSDP2
+(parallel/fsdp.py): each rank holds 1/N of every parameter, gradient and AdamW/Muon moment,
+and rank 0 alone the generator's copy.
 
 A rank that dies fails the call in flight with WorkerDied naming the rank; its group is stopped
 (the others would wait for it in the next collective), `is_loaded` answers False, and
@@ -66,9 +64,9 @@ from posttrain.types import MuonScaling
 
 # Served by rank 0 alone: they read a rank's state (or write files from it) and change nothing
 # the next training command depends on. Not persist_session, save_training_state and
-# save_full_model: a sharded session's optimizer state and gradients (parallel/zero2.py) and
-# sharded parameters (parallel/zero3.py) are gathered from every rank, so every rank takes
-# part, and only rank 0 writes (RankEngine.writes_files).
+# save_full_model: a sharded session's parameters, optimizer state and gradients
+# (parallel/fsdp.py) are gathered from every rank, so every rank takes part, and only rank 0
+# writes (RankEngine.writes_files).
 RANK_ZERO = frozenset(
     {
         Command.SAMPLE_BATCH,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from posttrain.engine.parallel.fsdp import local
 from posttrain.engine.state import ResourceState, SessionState
 
 
@@ -36,9 +37,10 @@ class ResourceFootprint:
 
 
 def nbytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes the tensors hold; none for a parameter another rank holds (parallel/zero3.py
-    frees its storage and keeps its shape)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().nbytes())
+    """Bytes the tensors hold: of a DTensor (parallel/fsdp.py) this rank's slice; none for a
+    tensor whose storage is freed (an FSDP2 layer's gathered weights between forwards)."""
+    held = (local(t) for t in tensors)  # a DTensor: this rank's slice (parallel/fsdp.py)
+    return sum(t.numel() * t.element_size() for t in held if t.untyped_storage().nbytes())
 
 
 def state_tensors(state: object) -> list[Tensor]:
@@ -80,7 +82,8 @@ def resource_footprint(resource: ResourceState) -> ResourceFootprint:
         tensors += [p.grad for _, p in session.optimizer.named_params if p.grad is not None]
         if session.generator_model is not None:
             tensors += list(session.generator_model.parameters())
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    held = [local(t) for t in tensors]  # a DTensor: this rank's slice (parallel/fsdp.py)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
     return ResourceFootprint(
         base_parameters=sum(p.numel() for p in base),
         base_bytes=nbytes(base),

@@ -2,7 +2,7 @@
 engine's answer to memory admission (service/admission.py). The formulas per pass are
 estimate.py's; this module picks the pass and its inputs: the sessions' trainable bytes, on a
 trainer group's rank the largest share of rows (parallel/data_parallel.py) and what sharded
-parameters gather (parallel/zero3.py).
+parameters gather (parallel/fsdp.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def operation_peak_bytes(
         if isinstance(s, SessionState) and id(s) not in own_bytes:
             own_bytes[id(s)] = nbytes(p for _, p in s.optimizer.named_params)
     trainable = [own_bytes.get(id(s), 0) for s in sessions]
-    # Sharded parameters (parallel/zero3.py): `trainable` counts this rank's own alone; a
+    # Sharded parameters (parallel/fsdp.py): `trainable` counts this rank's slices alone; a
     # pass also gathers others' for a while.
     shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
     if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):

@@ -120,12 +120,48 @@ def muon_update_(
     more than two dims is a batch of R x C matrices (stacked MoE experts), each with its own scale;
     `num_blocks` (num_row_blocks) splits each matrix's rows into that many matrices first.
     """
+    update = nesterov_(grad, momentum_buffer, momentum)
+    ortho = orthogonalised(update, num_blocks, num_ns_steps)
+    apply_update_(
+        param,
+        ortho,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        scaling=scaling,
+        num_blocks=num_blocks,
+    )
+
+
+def nesterov_(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> Tensor:
+    """The EMA momentum step, in place on `momentum_buffer`, and the nesterov update. Entry by
+    entry, so a shard of each (parallel/fsdp.py) gives the shard of the whole's result."""
     momentum_buffer.lerp_(grad, 1 - momentum)
-    nesterov_update = grad.lerp(momentum_buffer, momentum)
-    num_rows, num_cols = param.shape[-2:]
+    return grad.lerp(momentum_buffer, momentum)
+
+
+def orthogonalised(update: Tensor, num_blocks: int, num_ns_steps: int) -> Tensor:
+    """NS of each trailing R x C matrix of a whole `update` (rows split into `num_blocks`
+    matrices first), float32, in `update`'s shape."""
+    num_rows, num_cols = update.shape[-2:]
     assert num_rows % num_blocks == 0, f"{num_rows} rows do not split into {num_blocks} blocks"
-    num_rows //= num_blocks
-    ortho_BRC = newton_schulz(nesterov_update.reshape(-1, num_rows, num_cols), num_ns_steps)
+    ortho_BRC = newton_schulz(update.reshape(-1, num_rows // num_blocks, num_cols), num_ns_steps)
+    return ortho_BRC.reshape(update.shape)
+
+
+@torch.no_grad()
+def apply_update_(
+    param: Tensor,
+    ortho: Tensor,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    scaling: MuonScaling,
+    num_blocks: int,
+    shape: tuple[int, ...] | None = None,
+) -> None:
+    """Decay, then W - lr s(R, C) O, in place; `shape`: the whole parameter's when `param` and
+    `ortho` are one rank's shards of it (parallel/fsdp.py), else `param`'s own."""
+    num_rows, num_cols = (shape or tuple(param.shape))[-2:]
     param.mul_(1 - learning_rate * weight_decay)
-    step_size = learning_rate * lr_scale(num_rows, num_cols, scaling)
-    param.add_(ortho_BRC.reshape(param.shape).to(param.dtype), alpha=-step_size)
+    step_size = learning_rate * lr_scale(num_rows // num_blocks, num_cols, scaling)
+    param.add_(ortho.to(param.dtype), alpha=-step_size)

@@ -27,7 +27,8 @@ from posttrain.engine.optim.muon import (
     num_row_blocks,
 )
 from posttrain.engine.optim.step_settings import StepSettings, resolve_step_settings
-from posttrain.engine.parallel.zero2 import Sharding
+from posttrain.engine.parallel import muon_shards
+from posttrain.engine.parallel.fsdp import FsdpShards, local
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
 
@@ -64,7 +65,7 @@ def clip_grads_(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> Non
     """Scale every gradient in place by min(1, max_norm / (G + 1e-6)) (losses.md 12.1)."""
     coef = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.device))
+        local(g).mul_(coef.to(g.device))
 
 
 class SessionOptimizer:
@@ -78,9 +79,11 @@ class SessionOptimizer:
     Under AdamW, tensors with ndim >= 2 are decayed and 1-D ones are not (12.2). Parameters
     whose `.grad` is None at a step are untouched: no decay, no moment or momentum update.
 
-    With a `sharding` (parallel/zero2.py) this rank holds only its own parameters' gradients,
-    so it holds only their state and steps only them; a step is then a collective (every rank
-    of the group calls it), as is full_state_dict.
+    With a `sharding` (FSDP2, parallel/fsdp.py) the parameters, gradients and state are
+    DTensors of which this rank holds a slice each: AdamW steps them slice by slice, Muon
+    orthogonalises whole matrices spread over the ranks (parallel/muon_shards.py), clipping
+    takes the exact global norm; a step is then a collective (every rank of the group calls
+    it), as are full_state_dict and full_gradients.
     """
 
     def __init__(
@@ -88,14 +91,11 @@ class SessionOptimizer:
         named_params: list[tuple[str, nn.Parameter]],
         *,
         muon_scaling: MuonScaling | None = None,
-        sharding: Sharding | None = None,
+        sharding: FsdpShards | None = None,
     ) -> None:
         self.named_params = named_params
         self.muon_scaling = muon_scaling
         self.sharding = sharding
-        # Parameters sharded too (parallel/zero3.py): a rank holds only its own, so the
-        # owners keep their stepped weights instead of broadcasting them.
-        self.params_sharded = False
         is_muon = [
             muon_scaling is not None and is_muon_param(name, p.ndim) for name, p in named_params
         ]
@@ -122,19 +122,8 @@ class SessionOptimizer:
         """Names of the parameters Muon updates (empty under AdamW)."""
         return [name for name, _ in self._muon_named]
 
-    def owns(self, name: str) -> bool:
-        """Whether this rank holds the gradient and optimizer state of parameter `name`."""
-        return self.sharding is None or self.sharding.owns(name)
-
-    def owner_ranks(self) -> list[int | None]:
-        """Each parameter's owner rank; None: every rank (data_parallel.all_reduce_gradients)."""
-        if self.sharding is None:
-            return [None] * len(self.named_params)
-        return [self.sharding.owners[name] for name, _ in self.named_params]
-
     def has_gradients(self) -> bool:
-        """True if any parameter has an accumulated gradient since the last step (sharded:
-        any of this rank's own parameters)."""
+        """True if any parameter has an accumulated gradient since the last step."""
         return any(p.grad is not None for _, p in self.named_params)
 
     def step(self, request: OptimStepRequest) -> None:
@@ -151,12 +140,10 @@ class SessionOptimizer:
         """
         settings = resolve_step_settings(request, self.muon_scaling)
         grads = [p.grad for _, p in self.named_params if p.grad is not None]
-        stepped_names = [name for name, p in self.named_params if p.grad is not None]
         if self.sharding is not None:  # every rank sees the same norm and takes the same path
             total_norm, has = self.sharding.grad_norm(self.named_params)
             if not any(has):
                 return
-            stepped_names = [n for (n, _), h in zip(self.named_params, has, strict=True) if h]
         elif not grads:
             return
         else:
@@ -176,7 +163,6 @@ class SessionOptimizer:
             self._weight_bound = weight_bound
             self._grad_bound = max(self._grad_bound, norm)
             self.zero_grad()
-            self._share_stepped(stepped_names)
             return
         stepped = [(p, p.detach().clone(), p.grad.clone()) for p in grads_of(self.named_params)]
         before = self.state_dict()
@@ -200,13 +186,6 @@ class SessionOptimizer:
             )
         self._measure_bounds()
         self.zero_grad()
-        self._share_stepped(stepped_names)
-
-    def _share_stepped(self, names: list[str]) -> None:
-        """Sharded: every rank takes the stepped parameters from their owners."""
-        if self.sharding is not None and not self.params_sharded:
-            named = dict(self.named_params)
-            self.sharding.broadcast([(name, named[name]) for name in names])
 
     def _update(self, settings: StepSettings) -> None:
         if settings.muon is not None:
@@ -247,16 +226,15 @@ class SessionOptimizer:
         """The bounds from the tensors themselves: at the first step, after a state load, and
         after a copy-backed step (one pass over weights and moments)."""
         weights = [
-            p.detach().abs().max()
+            local(p).detach().abs().max()
             for _, p in self.named_params
-            if p.numel() and p.untyped_storage().nbytes()  # not another rank's (param_shards)
+            if local(p).numel()  # a rank may hold no rows of a small tensor
         ]
         self._weight_bound = float(torch.stack(weights).max()) if weights else 0.0
-        if self.params_sharded:  # each rank holds its own weights
-            assert self.sharding is not None
+        if self.sharding is not None:  # each rank holds its own slices
             device = self.named_params[0][1].device
             self._weight_bound = self.sharding.max(self._weight_bound, device)
-        moments = [t for t in self._moment_tensors() if t.numel()]
+        moments = [local(t) for t in self._moment_tensors() if local(t).numel()]
         self._grad_bound = (
             float(torch.stack([t.abs().max() for t in moments]).max()) if moments else 0.0
         )
@@ -287,7 +265,7 @@ class SessionOptimizer:
         tensors = list(params) + list(self._momentum_buffers.values())
         if self._adamw is not None:
             tensors += [t for entry in self._adamw.state.values() for t in entry.values()]
-        sums = [t.sum() for t in tensors if t.is_floating_point() and t.numel()]
+        sums = [local(t).sum() for t in tensors if t.is_floating_point() and local(t).numel()]
         return not sums or bool(torch.stack(sums).isfinite().all())
 
     def _restore_state(self, state: OptimizerState) -> None:
@@ -299,6 +277,11 @@ class SessionOptimizer:
 
     def _muon_step(self, muon: MuonParams) -> None:
         assert self.muon_scaling is not None, "Muon step on an AdamW optimizer"
+        if self.sharding is not None:
+            stepped = [(n, p) for n, p in self._muon_named if p.grad is not None]
+            group = self.sharding.group
+            muon_shards.step_(stepped, self._momentum_buffers, muon, self.muon_scaling, group)
+            return
         for name, p in self._muon_named:
             if p.grad is None:
                 continue
@@ -351,8 +334,8 @@ class SessionOptimizer:
 
     def state_dict(self) -> OptimizerState:
         """A copy of the optimizer state, keyed by parameter name (layout: ADAM_STATE,
-        MUON_STATE). Parameters that never had a gradient have no entry; sharded, only this
-        rank's own parameters have one."""
+        MUON_STATE). Parameters that never had a gradient have no entry; sharded, the tensors
+        are this rank's DTensor slices."""
         adam_state: dict[str, dict[str, Tensor]] = {}
         if self._adamw is not None:
             for name, p in self._adam_named:
@@ -365,8 +348,9 @@ class SessionOptimizer:
         return {ADAM_STATE: adam_state, MUON_STATE: muon_state}
 
     def load_state_dict(self, state: OptimizerState) -> None:
-        """Replace the optimizer state with a copy of `state` (from state_dict()); sharded,
-        of the parameters this rank owns (so a checkpoint from any number of ranks loads).
+        """Replace the optimizer state with a copy of `state` (full tensors, as state_dict() of
+        one process); sharded, each rank keeps its slices (so a checkpoint from any number of
+        ranks loads).
 
         Tensors keep their saved dtype so a resumed session continues bit-exactly; they move to
         their parameter's device, except AdamW's `step`, which torch keeps on the CPU.
@@ -383,18 +367,32 @@ class SessionOptimizer:
         if self._adamw is not None:
             self._adamw.state = defaultdict(dict)
             for name, entry in state[ADAM_STATE].items():
-                if not self.owns(name):
-                    continue
                 p = adam_params[name]
                 self._adamw.state[p] = {
-                    k: v.to("cpu", copy=True) if k == "step" else v.to(p.device, copy=True)
+                    k: v.to("cpu", copy=True) if k == "step" else self._placed(v, p)
                     for k, v in entry.items()
                 }
         self._momentum_buffers = {
-            name: entry["momentum_buffer"].to(muon_params[name].device, copy=True)
+            name: self._placed(entry["momentum_buffer"], muon_params[name])
             for name, entry in state[MUON_STATE].items()
-            if self.owns(name)
         }
+
+    def _placed(self, value: Tensor, p: nn.Parameter) -> Tensor:
+        """A copy of a saved state tensor laid out as parameter `p`: on its device, and with
+        FSDP2 shards (parallel/fsdp.py) this rank's slice of it."""
+        if self.sharding is not None:
+            return self.sharding.shard_of(value.to(p.device, copy=True), p)
+        return value.to(p.device, copy=True)
+
+    def load_gradients(self, saved: dict[str, Tensor]) -> None:
+        """Accumulated gradients from full tensors by name (persisted live state): each
+        parameter takes its own (its slice, with FSDP2 shards); one missing from `saved` has
+        none."""
+        for name, p in self.named_params:
+            if name not in saved:
+                p.grad = None
+                continue
+            p.grad = self._placed(saved[name].to(dtype=p.dtype), p)
 
 
 def _check_state(

@@ -1,3 +1,4 @@
-"""Parallelism over a trainer group's ranks: data-parallel reductions, ZeRO-2 (optimizer state
-and gradients sharded, zero2.py) and ZeRO-3 (parameters sharded too, zero3.py).
+"""Parallelism over a trainer group's ranks: data-parallel rows and reductions
+(data_parallel.py), a full-weight session sharded with FSDP2 (fsdp.py) and Muon's Newton-Schulz
+over its shards (muon_shards.py).
 """

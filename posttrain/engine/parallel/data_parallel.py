@@ -83,43 +83,26 @@ class DataParallel:
         dist.all_reduce(values, group=self.group)
         return [value == 0 for value in values.tolist()]
 
-    def all_reduce_gradients(
-        self, params: Sequence[nn.Parameter], owners: Sequence[int | None] | None = None
-    ) -> None:
-        """Sum every parameter's .grad over the ranks, in place, in one flat buffer per dtype
-        (and owner).
+    def all_reduce_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        """Sum every parameter's .grad over the ranks, in place, in one flat buffer per dtype.
 
         A parameter none of whose ranks has a gradient keeps .grad None, as in one process; one
-        that some rank has (its rows reached it) gets zeros on the others before the sum. With
-        `owners` (parallel/zero2.py), a parameter whose owner is a rank is summed onto that
-        rank alone and its .grad dropped on the others; one whose owner is None on every rank."""
+        that some rank has (its rows reached it) gets zeros on the others before the sum."""
         if not params:
             return
-        owners = owners if owners is not None else [None] * len(params)
         device = params[0].device
         has_grad = torch.tensor([p.grad is not None for p in params], device=device)
         counts = has_grad.to(torch.float32)
         dist.all_reduce(counts, group=self.group)
-        reached = [
-            (p, owner)
-            for p, owner, count in zip(params, owners, counts.tolist(), strict=True)
-            if count > 0
-        ]
-        buckets: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
-        for p, owner in reached:
+        reached = [p for p, count in zip(params, counts.tolist(), strict=True) if count > 0]
+        buckets: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in reached:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            buckets.setdefault((-1 if owner is None else owner, p.grad.dtype), []).append(p)
-        for (owner, _), group in sorted(buckets.items(), key=lambda b: (b[0][0], str(b[0][1]))):
+            buckets.setdefault(p.grad.dtype, []).append(p)
+        for _, group in sorted(buckets.items(), key=lambda b: str(b[0])):
             flat = torch.cat([p.grad.reshape(-1) for p in group])
-            if owner < 0:
-                dist.all_reduce(flat, group=self.group)
-            else:
-                dist.reduce(flat, dst=owner, group=self.group)
-                if owner != self.rank:
-                    for p in group:
-                        p.grad = None
-                    continue
+            dist.all_reduce(flat, group=self.group)
             offset = 0
             for p in group:
                 size = p.grad.numel()

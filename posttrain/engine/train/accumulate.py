@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.fsdp import local
 from posttrain.engine.state import SessionState
 from posttrain.errors import NonFiniteLoss
 
@@ -32,9 +33,9 @@ def accumulate_many(
     Only when a session's new gradients are all finite are its earlier accumulated
     gradients added back; otherwise they are restored exactly and its item fails. In a
     trainer `group` the new gradients are first summed over its ranks (parallel/data_parallel.py),
-    onto their owners alone for a sharded session (parallel/zero2.py), and the ranks AND
-    their finiteness, so every rank decides the same. `reduced`: ids of parameters whose gradients
-    the backward itself already summed onto their owners (parallel/zero3.py)."""
+    and the ranks AND their finiteness, so every rank decides the same. `reduced`: ids of
+    parameters whose gradients the backward itself already reduce-scattered (a session sharded
+    with FSDP2, parallel/fsdp.py: each rank checks its slices)."""
     stashed = []
     for session, _ in items:
         params = [p for _, p in session.optimizer.named_params]
@@ -48,10 +49,8 @@ def accumulate_many(
         else:
             if total.requires_grad:  # else none of the rank's rows is a trainable member's
                 total.backward()
-            owners = [rank for session, _ in items for rank in session.optimizer.owner_ranks()]
             params = [p for params, _ in stashed for p in params]
-            rest = [(p, o) for p, o in zip(params, owners, strict=True) if id(p) not in reduced]
-            group.all_reduce_gradients([p for p, _ in rest], [o for _, o in rest])
+            group.all_reduce_gradients([p for p in params if id(p) not in reduced])
     except BaseException:
         # Out of memory mid-backward, say: the items fail, their earlier gradients stay.
         for params, earlier in stashed:
@@ -59,10 +58,10 @@ def accumulate_many(
                 p.grad = g
         raise
     finite = [
-        all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+        all(p.grad is None or bool(torch.isfinite(local(p.grad)).all()) for p in params)
         for params, _ in stashed
     ]
-    if group is not None:  # a sharded session's ranks each checked only their own gradients
+    if group is not None:  # a sharded session's ranks each checked only their own slices
         finite = group.all_true(finite, stashed[0][0][0].device)
     errors: list[NonFiniteLoss | None] = []
     for (params, earlier), ok in zip(stashed, finite, strict=True):

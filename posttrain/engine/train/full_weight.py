@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from posttrain.model.loader import load_model
+from posttrain.model.loader import LoadedModel, load_model
 from posttrain.model.lora import LoraModel
 
 # model/lora.py wraps each target nn.Linear as `<layer>.base` (its layer key `<layer>`), and
@@ -70,6 +70,13 @@ def publish(trainer: nn.Module, generator: nn.Module) -> None:
     for (name, source), (copy_name, target) in pairs:
         assert name == copy_name, f"generator copy has {copy_name} where the trainer has {name}"
         target.copy_(source)
+
+
+def reload(model_path: Path, loaded: LoadedModel) -> LoadedModel:
+    """The base model loaded afresh from `model_path`, as `loaded` was (same device and
+    dtype), frozen: what a resource serves after a session sharded with FSDP2, whose
+    parameters cannot become plain ones again (parallel/fsdp.py)."""
+    return load_model(model_path, loaded.device, loaded.model.dtype)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ loss or gradient fails its item and leaves that session's accumulated gradients 
 On a rank of a trainer group (ResourceState.group) the same code runs data parallel: the rank
 forwards only its share of the rows, the others' logprobs are gathered from them, every member
 is scored on the whole batch, and the gradients are summed over the ranks before their check
-(parallel/data_parallel.py). With sharded parameters (parallel/zero3.py) every rank runs the
+(parallel/data_parallel.py). With sharded parameters (parallel/fsdp.py) every rank runs the
 same number of bucket forwards (aligned_forwards), so the ranks meet in the per-layer gathers.
 
 Not here: the session table (hosts/in_process.py), generators (generate/), losses.py, optim/.
@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from posttrain.config import EngineConfig
+from posttrain.engine.parallel.fsdp import FsdpShards
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train.accumulate import accumulate_many, frozen
 from posttrain.engine.train.batching import (
@@ -136,9 +137,9 @@ def _shared_pass(
         loss_batch = member_loss_batch(merged, lone.rows, lone.request.samples)
         gradient = token_gradient(lone.request.loss, loss_batch)
     with (
-        _sharded_operation(resource),
+        resource.sharded_operation(),
         torch.set_grad_enabled(train),
-        frozen([p for s in scoring_only for _, p in s.optimizer.named_params]),
+        frozen([p for s in scoring_only for _, p in s.optimizer.named_params] if train else []),
     ):
         logprobs_ST = _batch_logprobs(config, resource, merged, routing, gradient, needed_ST)
         trainable: list[tuple[_Member, Tensor]] = []
@@ -165,7 +166,7 @@ def _shared_pass(
             failed = accumulate_many(
                 [(m.session, loss) for m, loss in trainable],
                 group=resource.group,
-                reduced=_reduced_in_backward(resource),
+                reduced=resource.reduced_in_backward(),
             )
             for (member, _), error in zip(trainable, failed, strict=True):
                 if error is not None:
@@ -198,7 +199,7 @@ def custom_forward_backward(
         gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
     routing: Routing = [(session.trainer_key, None)]
     valid_ST = packed.loss_batch.valid_ST
-    with _sharded_operation(resource):
+    with resource.sharded_operation():
         if resource.group is None:
             gradient = given_gradient(gradients_ST, valid_ST)
             logprobs_ST = forward_logprobs(config, resource, packed, routing, gradient=gradient)
@@ -211,7 +212,7 @@ def custom_forward_backward(
             gradients_ST, valid_ST = gradients_ST[rows], valid_ST[rows]
         surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
         (error,) = accumulate_many(
-            [(session, surrogate)], group=resource.group, reduced=_reduced_in_backward(resource)
+            [(session, surrogate)], group=resource.group, reduced=resource.reduced_in_backward()
         )
     if error is not None:
         raise error
@@ -306,7 +307,7 @@ def forward_logprobs(
 def aligned_forwards(
     config: EngineConfig, resource: ResourceState, lengths_S: Sequence[int]
 ) -> int | None:
-    """On a trainer group whose parameters are sharded (parallel/zero3.py), the number of
+    """On a trainer group whose parameters are sharded (parallel/fsdp.py), the number of
     model forwards every rank runs: the most buckets of any rank's share, so the ranks meet in
     the same per-layer collectives, a rank with fewer buckets (or no rows) padding the rest.
     None (each rank its own buckets) otherwise."""
@@ -354,10 +355,17 @@ def _bucket_logprobs(
     routing: list[tuple[str, list[int] | None]],
     gradient: TokenGradient | None = None,
     needed_ST: Tensor | None = None,
+    *,
+    in_root: bool = False,
 ) -> Tensor:
     """float32 [B, L] logprobs of one bucket's rows, L its longest row on the loss axis;
     `routing` in bucket positions; `gradient` in batch rows. Positions outside `needed_ST` get
-    0, and the head runs only at the needed ones."""
+    0, and the head runs only at the needed ones. A model sharded with FSDP2 runs it inside
+    its root's forward (parallel/fsdp.py)."""
+    shards = resource.param_shards
+    if isinstance(shards, FsdpShards) and not in_root:
+        args = (config, resource, packed, rows, routing, gradient, needed_ST)
+        return shards.forward(lambda: _bucket_logprobs(*args, in_root=True))
     device = resource.loaded.device
     index_B = torch.tensor(rows, device=device)
     width = max(packed.lengths_S[row] for row in rows)
@@ -435,14 +443,3 @@ def _needed(merged: PackedBatch, members: list[_Member]) -> Tensor:
         needed = needed | batch.valid_ST if m.request.report_all_logprobs else needed
         needed_ST[m.first_row : m.rows.stop, :width] = needed
     return needed_ST
-
-
-def _sharded_operation(resource: ResourceState):
-    """One operation of a resource whose parameters are sharded (parallel/zero3.py: its
-    root gathered on entry, freed on exit); nothing otherwise."""
-    return resource.param_shards.operation() if resource.param_shards else nullcontext()
-
-
-def _reduced_in_backward(resource: ResourceState) -> frozenset[int]:
-    shards = resource.param_shards
-    return frozenset() if shards is None else shards.reduced_in_backward

@@ -35,8 +35,9 @@ Section (estimate on an H200): what it prints.
 - generate_static (child process, <= 150 s): transformers `generate` with
   `cache_implementation="static"`, compiled on CUDA (its default), on the RL shape;
 - fsdp2, vllm (child processes, what is left): bench/gpu_fsdp2.py and bench/gpu_vllm.py
-  `run(device, small)` where present (FSDP2: else its `fsdp2_check(device)`; vLLM only where
-  installed), their dicts as they return them, else `skipped: <reason>`.
+  `run(device, small)` where present (FSDP2: else its `fsdp2_check(device)`; vLLM from the
+  interpreter in POSTTRAIN_VLLM_PYTHON or .venv-vllm), their dicts as they return them, else
+  `skipped: <reason>`.
 
 Estimates from FLOPs and bytes: a LoRA forward-backward of 8,192 tokens is 4 x 596M (frozen
 base: forward and input gradients) + 6 x 25M (adapter) per token + causal attention 2.9 TFLOP =
@@ -341,7 +342,8 @@ def main() -> None:
     fsdp2_calls.append(("fsdp2_check", [args.device], fsdp2_small))
     run.child("fsdp2", lambda t: optional_section("gpu_fsdp2", fsdp2_calls, t))
     vllm_calls = [("run", [args.device, args.small], {})]
-    run.child("vllm", lambda t: optional_section("gpu_vllm", vllm_calls, t, "vllm"))
+    # vLLM runs from its own interpreter (gpu_vllm.run finds it), not from this one
+    run.child("vllm", lambda t: optional_section("gpu_vllm", vllm_calls, t))
     report.update(sample.bound_fractions(report))
     run.write()
     print(summary(report))

@@ -1,8 +1,9 @@
 """The vLLM line of the GPU check: posttrain's trainer with its generator on a vLLM server
 (`--generators vllm`, engine/hosts/vllm_engine.py) on one model, against the built-in sampler.
 
-`vllm_line` is what bench/gpu_check.py can call once a vLLM build is importable on the device
-machine; it reports, for a LoRA rank 32 session:
+`run(device, small)` is what bench/gpu_check.py calls (`vllm_line` on its model, with the
+interpreter in POSTTRAIN_VLLM_PYTHON or .venv-vllm) where a vLLM build is on the device machine;
+it reports, for a LoRA rank 32 session:
 
 1. mismatch: |vLLM's sampled-token logprob - the trainer's forward_only logprob| on the same
    tokens, max and mean (float32 on the CPU: within 1e-4; bfloat16 on a GPU: bfloat16's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -142,6 +144,31 @@ def vllm_line(
         engine.close()
         builtin.close()
     return report
+
+
+def vllm_python_given() -> Path | None:
+    """The vLLM interpreter the server would use: POSTTRAIN_VLLM_PYTHON, else the repo's
+    .venv-vllm (scripts/build_vllm_env.sh's default), else None."""
+    given = os.environ.get("POSTTRAIN_VLLM_PYTHON")
+    if given:
+        return Path(given).absolute()
+    default = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return default if default.exists() else None
+
+
+def run(device: str, small: bool) -> dict:
+    """bench/gpu_check.py's optional vLLM section: the line on gpu_check's model shape (its
+    SMALL one when `small`), with the vLLM interpreter from vllm_python_given()."""
+    python = vllm_python_given()
+    if python is None:  # gpu_check reports it as "skipped: RuntimeError: ..."
+        raise RuntimeError("no vLLM interpreter: set POSTTRAIN_VLLM_PYTHON or build .venv-vllm")
+    from gpu_check import QWEN3_0_6B, SMALL, build_model  # bench/gpu_check.py's model
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    directory = Path(tempfile.mkdtemp(prefix="gpu-vllm-"))
+    build_model(directory, SMALL if small else QWEN3_0_6B, torch.device(device), dtype)
+    shape = {"prompts": 2, "samples": 2, "new_tokens": 16} if small else {}
+    return vllm_line(directory, python, device=device, **shape)
 
 
 def main() -> None:

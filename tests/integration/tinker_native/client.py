@@ -222,7 +222,9 @@ def inflight(url: str) -> dict:
         for _ in range(2):
             training.forward_backward(data, "cross_entropy").result()
             training.optim_step(adam(5e-2)).result()
-        training.save_weights_and_get_sampling_client(kind="inflight")  # publishes W2
+        # Publishes W2. Awaited: the SDK sends requests from its own loop, so an unawaited
+        # save can reach the server after the follower's next sample (seen: "after" == "before").
+        training.save_weights_and_get_sampling_client(kind="inflight").result()
         after = follower.compute_logprobs(prompt).result()
         params = types.SamplingParams(max_tokens=1)
         topk = follower.sample(

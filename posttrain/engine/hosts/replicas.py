@@ -36,7 +36,7 @@ hosts: local_placement, messages, placement, replica_channel, weights_broadcast)
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +48,18 @@ from posttrain.engine.hosts.local_placement import LocalPlacement
 from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.placement import Placement
 from posttrain.engine.hosts.replica_channel import Channel, GeneratorReplica, in_buckets
+from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
 from posttrain.engine.hosts.weights_broadcast import Delivery, Root, pack
-from posttrain.engine.interface import DecodeStream, Engine, Headroom, ModelInfo
+from posttrain.engine.interface import DecodeStream, Engine, Headroom
 from posttrain.engine.memory import estimate
 from posttrain.engine.memory.headroom import headroom
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
 from posttrain.model.loader import path_kv_shape, resolve_device, resolve_dtype
 from posttrain.types import (
-    CustomForwardBackwardRequest,
-    ForwardBackwardRequest,
-    ForwardBackwardResult,
     LoraConfig,
     MuonScaling,
     OperationKind,
     OperationRequest,
-    OptimStepRequest,
     SampleRequest,
     SampleResult,
 )
@@ -87,7 +84,7 @@ class _Replicas:
         self.lock = threading.RLock()
 
 
-class ReplicatedEngine:
+class ReplicatedEngine(TrainerForwarding):
     """A LanedEngine: the trainer engine for everything but sampling, replicas for that."""
 
     def __init__(
@@ -217,35 +214,6 @@ class ReplicatedEngine:
             mid_generation=mid_generation,
         )
 
-    def restore_session(
-        self, resource_id: str, session_id: str, directory: Path, *, version: int
-    ) -> dict[str, Any]:
-        return self._changing(
-            resource_id,
-            session_id,
-            lambda: self.trainer.restore_session(
-                resource_id, session_id, directory, version=version
-            ),
-        )
-
-    def load_training_state(
-        self, resource_id: str, session_id: str, directory: Path, *, load_optimizer: bool
-    ) -> None:
-        self._changing(
-            resource_id,
-            session_id,
-            lambda: self.trainer.load_training_state(
-                resource_id, session_id, directory, load_optimizer=load_optimizer
-            ),
-        )
-
-    def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
-        self._changing(
-            resource_id,
-            session_id,
-            lambda: self.trainer.load_adapter(resource_id, session_id, directory),
-        )
-
     def _changing(
         self,
         resource_id: str,
@@ -349,69 +317,7 @@ class ReplicatedEngine:
             return self.trainer.headroom(resource_id, kind)
         return headroom(resolve_device(self.config.device), self.config.memory_limit)
 
-    # ------------------------------------------------------------ the rest: the trainer's
-
-    def device_name(self) -> str:
-        return self.trainer.device_name()
-
-    def model_info(self, base_model: str) -> ModelInfo:
-        return self.trainer.model_info(base_model)
-
-    def is_loaded(self, resource_id: str) -> bool:
-        return self.trainer.is_loaded(resource_id)
-
-    def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None:
-        self.trainer.check_tokens(base_model, tokens, param)
-
-    def forward_backward_batch(
-        self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
-    ) -> list[ForwardBackwardResult | Exception]:
-        return self.trainer.forward_backward_batch(resource_id, items)
-
-    def custom_forward_backward(
-        self, resource_id: str, session_id: str, request: CustomForwardBackwardRequest
-    ) -> None:
-        self.trainer.custom_forward_backward(resource_id, session_id, request)
-
-    def optim_step(self, resource_id: str, session_id: str, request: OptimStepRequest) -> None:
-        self.trainer.optim_step(resource_id, session_id, request)
-
-    def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
-        return self.trainer.generator_state(resource_id, session_id)
-
-    def persist_session(
-        self,
-        resource_id: str,
-        session_id: str,
-        directory: Path,
-        parts: Collection[str],
-        record: dict[str, Any],
-    ) -> None:
-        self.trainer.persist_session(resource_id, session_id, directory, parts, record)
-
-    def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
-        self.trainer.save_training_state(resource_id, session_id, directory)
-
-    def save_adapter(
-        self,
-        resource_id: str,
-        session_id: str,
-        directory: Path,
-        *,
-        lora: LoraConfig,
-        base_model: str,
-    ) -> None:
-        self.trainer.save_adapter(
-            resource_id, session_id, directory, lora=lora, base_model=base_model
-        )
-
-    def save_full_model(
-        self, resource_id: str, session_id: str, directory: Path, *, base_model: str
-    ) -> None:
-        self.trainer.save_full_model(resource_id, session_id, directory, base_model=base_model)
-
-    def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None:
-        self.trainer.export_merged(base_model, adapter_dir, output_dir)
+    # The rest (training, checkpoints, limits, persistence) is the trainer's: TrainerForwarding.
 
     def _state(self, resource_id: str) -> _Replicas | None:
         with self._lock:

@@ -1,19 +1,19 @@
-"""The Engine calls a host of generators apart (hosts/vllm_engine.py) leaves to its trainer
-engine unchanged: training, checkpoints, limits and persistence. A subclass owns resources,
-sessions, publishing and sampling.
+"""The Engine calls a host of generators apart (hosts/replicas.py, hosts/vllm_engine.py) leaves
+to its trainer engine unchanged: model facts, training, checkpoints, limits and persistence. A
+subclass owns resources, sessions, publishing and sampling (and may refine model_info).
 
 Imports: engine.interface, types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from posttrain.engine.interface import Engine
+from posttrain.engine.interface import Engine, ModelInfo
 from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
@@ -23,12 +23,49 @@ from posttrain.types import (
 
 
 class TrainerForwarding:
-    """Everything but generators, answered by `self.trainer`."""
+    """Everything but generators, answered by `self.trainer`; the trainer calls that change
+    what a session's generator serves go through the subclass's `_changing`, which stages the
+    new weights for its generators."""
 
     trainer: Engine
 
+    def _changing(self, resource_id: str, session_id: str, change: Callable[[], Any]) -> Any:
+        raise NotImplementedError
+
+    def restore_session(
+        self, resource_id: str, session_id: str, directory: Path, *, version: int
+    ) -> dict[str, Any]:
+        return self._changing(
+            resource_id,
+            session_id,
+            lambda: self.trainer.restore_session(
+                resource_id, session_id, directory, version=version
+            ),
+        )
+
+    def load_training_state(
+        self, resource_id: str, session_id: str, directory: Path, *, load_optimizer: bool
+    ) -> None:
+        self._changing(
+            resource_id,
+            session_id,
+            lambda: self.trainer.load_training_state(
+                resource_id, session_id, directory, load_optimizer=load_optimizer
+            ),
+        )
+
+    def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
+        self._changing(
+            resource_id,
+            session_id,
+            lambda: self.trainer.load_adapter(resource_id, session_id, directory),
+        )
+
     def device_name(self) -> str:
         return self.trainer.device_name()
+
+    def model_info(self, base_model: str) -> ModelInfo:
+        return self.trainer.model_info(base_model)
 
     def is_loaded(self, resource_id: str) -> bool:
         return self.trainer.is_loaded(resource_id)

@@ -223,35 +223,6 @@ class VllmEngine(TrainerForwarding):
             for replica in replicas:
                 self._apply_mid_generation(state, replica)
 
-    def restore_session(
-        self, resource_id: str, session_id: str, directory: Path, *, version: int
-    ) -> dict[str, Any]:
-        return self._changing(
-            resource_id,
-            session_id,
-            lambda: self.trainer.restore_session(
-                resource_id, session_id, directory, version=version
-            ),
-        )
-
-    def load_training_state(
-        self, resource_id: str, session_id: str, directory: Path, *, load_optimizer: bool
-    ) -> None:
-        self._changing(
-            resource_id,
-            session_id,
-            lambda: self.trainer.load_training_state(
-                resource_id, session_id, directory, load_optimizer=load_optimizer
-            ),
-        )
-
-    def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
-        self._changing(
-            resource_id,
-            session_id,
-            lambda: self.trainer.load_adapter(resource_id, session_id, directory),
-        )
-
     def _changing(self, resource_id: str, session_id: str, change: Callable[[], Any]) -> Any:
         state = self._required(resource_id)
         with state.lock:

@@ -24,6 +24,7 @@ from posttrain.types import LoraConfig, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
+from test_decode_blocks import _Trace as Trace  # noqa: E402  (the dispatch trace of a pass)
 
 
 def engine_for(models: dict[str, Path], model_id: str) -> LocalEngine:
@@ -326,17 +327,6 @@ def test_passes_over_rows_of_different_lengths_read_nothing_back(engine, monkeyp
     assert_same(results[0], alone)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-        self.ops.append((str(func), shapes))
-        return func(*args, **(kwargs or {}))
-
-
 def test_static_passes_over_rows_of_different_lengths_keep_one_graph_per_layout(
     engine, monkeypatch
 ):
@@ -355,7 +345,7 @@ def test_static_passes_over_rows_of_different_lengths_keep_one_graph_per_layout(
             steps.append(step)
             if len(set(step.cache.own_length_B.tolist())) > 1:
                 ragged_layouts.add(id(step))
-        with _Ops() as trace:
+        with Trace() as trace:
             run_pass(step)
         traces.setdefault(id(step), []).append(trace.ops)
 

@@ -1,17 +1,20 @@
 """A full-weight session's model sharded over its resource's trainer group with PyTorch's FSDP2
 (`fully_shard`; `posttrain serve --trainer-ranks N`).
 
-Units: each decoder layer, an untied input embedding, then the root (a wrapper around the
-whole model: the head, final norm and a tied embedding). Every parameter becomes a DTensor
-sharded on dim 0 (even 1/N slices, padded), so each rank holds 1/N of every matrix, of its
-gradient and of its AdamW moments and Muon momentum. A unit is all-gathered before its forward
-and again for its backward, and its gradients are reduce-scattered (summed: the divide factor
-is 1, as the losses' own normalisers already are batch-global) as the backward leaves it; the
-root stays gathered from its first forward of an operation to the end of the operation's
-backward (FSDP2's root rule), and `operation` reshards everything when the operation ends.
-With `--shard-parameters off` the layers keep their weights gathered from forward to backward
-(reshard_after_forward False). The head stays in the root: it runs once per logprob chunk, and
-the ranks' chunk counts differ, so a unit of its own would meet in unequal collectives.
+Units: each decoder layer, an untied input embedding, an untied head, then the root (a wrapper
+around the whole model: the final norm, and a tied embedding, which is also the head). Every
+parameter becomes a DTensor sharded on dim 0 (even 1/N slices, padded), so each rank holds 1/N
+of every matrix, of its gradient and of its AdamW moments and Muon momentum. A unit is all-
+gathered before its forward and again for its backward, and its gradients are reduce-scattered
+(summed: the divide factor is 1, as the losses' own normalisers already are batch-global) as
+the backward leaves it; the root stays gathered from its first forward of an operation to the
+end of the operation's backward (FSDP2's root rule), and `operation` reshards everything when
+the operation ends. With `--shard-parameters off` the layers keep their weights gathered from
+forward to backward (reshard_after_forward False). An untied head is sharded as a unit but
+never gathered: each rank computes the logprobs with its vocabulary rows where they lie
+(parallel/vocab_parallel.py), so no rank holds the model's largest matrix or its gradient in
+full, and its gradient needs no reduce-scatter. The embedding's backward never reads its
+weight, so it is not gathered again.
 
 The trainer never calls the model's own forward: it runs the decoder and then the chunked head
 itself (train/trainer.py). So the root wrapper's forward takes the bucket's computation as a
@@ -37,7 +40,8 @@ rank's slice out of a full tensor every rank read). Gathered per tensor rather t
 get_model_state_dict / get_optimizer_state_dict (full_state_dict, cpu_offload), which hold the
 whole state on rank 0's CPU at once: the same values, a smaller peak.
 
-Imports: torch (torch.distributed, fsdp, tensor); engine.parallel.data_parallel.
+Imports: torch (torch.distributed, fsdp, tensor); engine.parallel.data_parallel and
+vocab_parallel; model.lora.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from posttrain.engine.parallel.data_parallel import DataParallel
+from posttrain.engine.parallel.vocab_parallel import vocab_parallel_logprobs
+from posttrain.model.lora import LoraLinear
 
 
 def local(tensor: Tensor) -> Tensor:
@@ -102,13 +108,22 @@ class FsdpShards:
         layers: list[nn.Module] = list(model.base_model.layers)
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         head_params = {id(p) for p in head.parameters()} if head is not None else set()
-        if id(embedding.weight) not in head_params:  # the head may be a LoRA wrapper
+        untied = id(embedding.weight) not in head_params  # the head may be a LoRA wrapper
+        if untied:
             # An untied input embedding is a unit of its own: it runs once per bucket forward
-            # (alike on every rank), and the root then holds only the head and final norm.
+            # (alike on every rank), and the root then holds only the final norm.
             layers.append(embedding)
         self._layer_names: list[list[str]] = []
         for layer in layers:
             self._layer_names.append([old_names[id(p)] for p in layer.parameters()])
+        # An untied head is a unit of its own too, whose forward is never called (it would
+        # gather the model's largest matrix): each rank computes with its vocabulary slice
+        # where it lies (head_logprobs). A tied one is the embedding, used at both ends of the
+        # forward, so it stays in the root, gathered.
+        self._head = head if untied else None
+        self._head_names = (
+            [] if head is None or not untied else [old_names[id(p)] for p in head.parameters()]
+        )
         self.root = _Operation(model)
         old = [p for _, p in named]
         self.units: list[FSDPModule] = []
@@ -121,6 +136,12 @@ class FsdpShards:
                     reshard_after_forward=reshard_after_forward,
                 )
             )
+        if untied:
+            # The embedding's backward is a scatter of its output gradient into rows: it never
+            # reads the weight, so the backward skips gathering it.
+            self.units[-1].set_unshard_in_backward(False)
+        if self._head is not None:
+            self.units.append(fully_shard(self._head, mesh=self.mesh, mp_policy=policy))
         self.units.append(fully_shard(self.root, mesh=self.mesh, mp_policy=policy))
         for unit in self.units:
             # A plain sum, as one process's backward is: divide by 1, with SUM collectives
@@ -137,6 +158,7 @@ class FsdpShards:
             for p in old:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         in_layers = {name for names in self._layer_names for name in names}
+        in_layers.update(self._head_names)
         self._root_names = [name for name, _ in self.named if name not in in_layers]
         # Each gradient is reduce-scattered by the backward itself
         # (data_parallel.all_reduce_gradients is never asked to sum them).
@@ -147,6 +169,26 @@ class FsdpShards:
     def forward(self, run: Callable[[], Tensor]) -> Tensor:
         """`run()` (one bucket's forward) inside the FSDP2 root's forward."""
         return self.root(run)
+
+    def head_logprobs(self, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor | None:
+        """float32 logprobs of `targets` ([..., T]) at `hidden` ([..., T, H]) from each rank's
+        slice of an untied head (parallel/vocab_parallel.py; a collective, run once per bucket
+        on every rank); None when the head is tied (computed in the root, gathered)."""
+        if self._head is None:
+            return None
+        weight = self._head.base.weight if isinstance(self._head, LoraLinear) else self._head.weight
+        rows = weight.shape[0]
+        counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
+        counts += [0] * (self.group.world - len(counts))
+        logprobs = vocab_parallel_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            local(weight),
+            targets.reshape(-1),
+            vocab_start=sum(counts[: self.group.rank]),
+            chunk_tokens=chunk_tokens,
+            group=self.group.group,
+        )
+        return logprobs.reshape(targets.shape)
 
     @contextmanager
     def operation(self) -> Iterator[None]:
@@ -162,7 +204,8 @@ class FsdpShards:
         gradients: the root in full from its first forward to the end of the backward, with
         its full gradients until reduce-scattered, and in the backward the largest layer
         gathered with its full gradients of one forward, plus the next layer FSDP2 prefetches
-        (its all-gather overlaps the current layer's backward)."""
+        (its all-gather overlaps the current layer's backward). An untied head is never
+        gathered (head_logprobs)."""
         full = {name: p.numel() * p.element_size() for name, p in self.named}
         root = sum(full[name] for name in self._root_names)
         layer = max((sum(full[n] for n in names) for names in self._layer_names), default=0)

@@ -361,7 +361,7 @@ def _bucket_logprobs(
     """float32 [B, L] logprobs of one bucket's rows, L its longest row on the loss axis;
     `routing` in bucket positions; `gradient` in batch rows. Positions outside `needed_ST` get
     0, and the head runs only at the needed ones. A model sharded with FSDP2 runs it inside
-    its root's forward (parallel/fsdp.py)."""
+    its root's forward, an untied head on each rank's vocabulary slice (parallel/fsdp.py)."""
     shards = resource.param_shards
     if isinstance(shards, FsdpShards) and not in_root:
         args = (config, resource, packed, rows, routing, gradient, needed_ST)
@@ -419,14 +419,23 @@ def _bucket_logprobs(
         chunk_gradient = None
         if gradient is not None:
             chunk_gradient = lambda start, logprobs: gradient(*at(start, logprobs), logprobs)  # noqa: E731
-        logprobs_1N = target_logprobs(
-            output_head(model),
-            hidden_1NH,
-            targets_1N,
-            chunk_tokens=config.logprob_chunk_tokens,
-            recompute_context=lambda: lora.route(assignments),
-            gradient=chunk_gradient,
-        )
+
+        def head(hidden_1NH: Tensor) -> Tensor:
+            return target_logprobs(
+                output_head(model),
+                hidden_1NH,
+                targets_1N,
+                chunk_tokens=config.logprob_chunk_tokens,
+                recompute_context=lambda: lora.route(assignments),
+                gradient=chunk_gradient,
+            )
+
+        # Sharded with an untied head: each rank's vocabulary slice (parallel/fsdp.py).
+        logprobs_1N = None
+        if isinstance(shards, FsdpShards):
+            chunk = config.logprob_chunk_tokens
+            logprobs_1N = shards.head_logprobs(hidden_1NH, targets_1N, chunk)
+        logprobs_1N = head(hidden_1NH) if logprobs_1N is None else logprobs_1N
     if hidden_1NH is hidden_BLH:
         return logprobs_1N
     zeros_BL = torch.zeros(targets_BL.shape, device=device)

@@ -1,0 +1,137 @@
+"""Log-probabilities of target tokens under an output head whose rows (the vocabulary) are
+sharded over a trainer group, each rank computing with its own FSDP2 slice where it lies: the
+head is never gathered (the vocabulary-parallel cross-entropy of Megatron-LM; torchtitan's
+loss parallel does the same with DTensor for tensor parallelism).
+
+Each rank takes the union of the group's tokens of one bucket (hidden states and targets
+all-gathered: [U, H], small beside the head's [V, H]) and computes the logits of its
+vocabulary slice for all of them, in chunks of `chunk_tokens`. The log-softmax is assembled
+from per-token values reduced over the ranks: the maximum, the sum of exponentials, and the
+target's logit (from the one rank whose slice holds it). The backward recomputes each chunk's
+logits (as the checkpointed head of one process does) and forms
+
+- the slice's gradient locally: the sum over the union's tokens of g (onehot - softmax) times
+  the hidden state, which is exactly this rank's slice of the full gradient (no reduce-scatter);
+- the hidden states' gradient as a partial sum over the slice, all-reduced once.
+
+Against gathering the head as FSDP2 gathers a unit: no [V, H] weight or gradient in full on any
+rank (the largest matrix of most models), and per bucket collectives of [U, H] and [U] values
+instead of an all-gather and a reduce-scatter of [V, H]. Every rank must call it the same
+number of times (the trainer's aligned bucket schedule pads buckets), and the chunks are taken
+over the union, so the ranks' collectives meet. Logprob math is float32 whatever the weights'
+dtype, as in train/logprobs.py.
+
+Legend: N = this rank's tokens, U = the group's tokens, C = tokens of a chunk, V = this rank's
+vocabulary rows, H = hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def vocab_parallel_logprobs(
+    hidden_NH: Tensor,
+    weight_VH: Tensor,
+    targets_N: Tensor,
+    *,
+    vocab_start: int,
+    chunk_tokens: int,
+    group: Any,
+) -> Tensor:
+    """float32 [N]: logprob of targets_N[n] at hidden_NH[n] under the full head, of which
+    `weight_VH` (differentiable: its gradient is this rank's slice of the head's) holds rows
+    vocab_start .. vocab_start + V - 1. A collective over `group`."""
+    return _VocabParallelLogprobs.apply(
+        hidden_NH, weight_VH, targets_N, vocab_start, chunk_tokens, group
+    )
+
+
+def _all_rows(tensor_N: Tensor, counts: list[int], group: Any) -> Tensor:
+    """Every rank's rows, rank 0's first (each padded to the most rows for gloo's all-gather,
+    then trimmed)."""
+    most = max(counts)
+    padded = tensor_N.new_zeros((most, *tensor_N.shape[1:]))
+    padded[: tensor_N.shape[0]] = tensor_N
+    pieces = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([piece[:count] for piece, count in zip(pieces, counts, strict=True)])
+
+
+def _local_targets(targets_U: Tensor, start: int, rows: int) -> tuple[Tensor, Tensor]:
+    """Each target's column in this slice (0 where outside it) and whether it is inside."""
+    local_U = targets_U - start
+    inside_U = (local_U >= 0) & (local_U < rows)
+    return torch.where(inside_U, local_U, 0), inside_U
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden_NH: Tensor,
+        weight_VH: Tensor,
+        targets_N: Tensor,
+        vocab_start: int,
+        chunk_tokens: int,
+        group: Any,
+    ) -> Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        count = torch.tensor([hidden_NH.shape[0]], dtype=torch.int64, device=hidden_NH.device)
+        counts_list = [torch.empty_like(count) for _ in range(world)]
+        dist.all_gather(counts_list, count, group=group)
+        counts = [int(c) for c in counts_list]
+        hidden_UH = _all_rows(hidden_NH.detach(), counts, group)
+        targets_U = _all_rows(targets_N.to(torch.int64), counts, group)
+        columns_U, inside_U = _local_targets(targets_U, vocab_start, weight_VH.shape[0])
+        weight = weight_VH.detach().to(hidden_UH.dtype)
+        lse_U = torch.empty(targets_U.shape, dtype=torch.float32, device=hidden_UH.device)
+        target_U = torch.empty_like(lse_U)
+        for start in range(0, hidden_UH.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, hidden_UH.shape[0])
+            logits_CV = F.linear(hidden_UH[start:end], weight).float()
+            most_C = logits_CV.max(dim=-1).values
+            dist.all_reduce(most_C, op=dist.ReduceOp.MAX, group=group)
+            picked_C = logits_CV.gather(-1, columns_U[start:end, None]).squeeze(-1)
+            logits_CV.sub_(most_C[:, None]).exp_()
+            sums_2C = torch.stack(
+                [logits_CV.sum(dim=-1), torch.where(inside_U[start:end], picked_C, 0.0)]
+            )
+            dist.all_reduce(sums_2C, group=group)
+            lse_U[start:end] = most_C + sums_2C[0].log()
+            target_U[start:end] = sums_2C[1]
+        ctx.save_for_backward(hidden_UH, weight_VH, columns_U, inside_U, lse_U)
+        ctx.counts, ctx.rank, ctx.chunk_tokens, ctx.group = counts, rank, chunk_tokens, group
+        mine = sum(counts[:rank])
+        return (target_U - lse_U)[mine : mine + counts[rank]]
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden_UH, weight_VH, columns_U, inside_U, lse_U = ctx.saved_tensors
+        counts, rank, group = ctx.counts, ctx.rank, ctx.group
+        grad_U = _all_rows(grad_N.float().contiguous(), counts, group)
+        weight = weight_VH.detach().to(hidden_UH.dtype)
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32)
+        grad_hidden_UH = torch.zeros(hidden_UH.shape, dtype=torch.float32, device=hidden_UH.device)
+        rows_C = torch.arange(min(ctx.chunk_tokens, hidden_UH.shape[0]), device=hidden_UH.device)
+        for start in range(0, hidden_UH.shape[0], ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, hidden_UH.shape[0])
+            hidden_CH, g_C = hidden_UH[start:end], grad_U[start:end]
+            # d logprob / d logits = onehot(target) - softmax: times g, in place.
+            grad_CV = F.linear(hidden_CH, weight).float()
+            grad_CV.sub_(lse_U[start:end, None]).exp_().mul_(-g_C[:, None])
+            rows = rows_C[: end - start]
+            inside = inside_U[start:end]
+            grad_CV[rows[inside], columns_U[start:end][inside]] += g_C[inside]
+            grad_CV = grad_CV.to(hidden_UH.dtype)
+            grad_weight_VH += (grad_CV.T @ hidden_CH).float()
+            grad_hidden_UH[start:end] = grad_CV @ weight
+        dist.all_reduce(grad_hidden_UH, group=group)
+        mine = sum(counts[:rank])
+        grad_hidden_NH = grad_hidden_UH[mine : mine + counts[rank]].to(hidden_UH.dtype)
+        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), None, None, None, None

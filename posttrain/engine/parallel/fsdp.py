@@ -180,15 +180,15 @@ class FsdpShards:
         rows = weight.shape[0]
         counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
         counts += [0] * (self.group.world - len(counts))
-        logprobs = vocab_parallel_logprobs(
+        return vocab_parallel_logprobs(
             hidden.reshape(-1, hidden.shape[-1]),
             local(weight),
             targets.reshape(-1),
+            shape=targets.shape,
             vocab_start=sum(counts[: self.group.rank]),
             chunk_tokens=chunk_tokens,
             group=self.group.group,
         )
-        return logprobs.reshape(targets.shape)
 
     @contextmanager
     def operation(self) -> Iterator[None]:

@@ -40,15 +40,17 @@ def vocab_parallel_logprobs(
     weight_VH: Tensor,
     targets_N: Tensor,
     *,
+    shape: torch.Size,
     vocab_start: int,
     chunk_tokens: int,
     group: Any,
 ) -> Tensor:
-    """float32 [N]: logprob of targets_N[n] at hidden_NH[n] under the full head, of which
+    """float32 logprob of targets_N[n] at hidden_NH[n] under the full head, of which
     `weight_VH` (differentiable: its gradient is this rank's slice of the head's) holds rows
-    vocab_start .. vocab_start + V - 1. A collective over `group`."""
+    vocab_start .. vocab_start + V - 1, laid out in `shape` (not a view: FSDP2's root hooks
+    its output, and a view would lose the hook to an in-place op). A collective over `group`."""
     return _VocabParallelLogprobs.apply(
-        hidden_NH, weight_VH, targets_N, vocab_start, chunk_tokens, group
+        hidden_NH, weight_VH, targets_N, shape, vocab_start, chunk_tokens, group
     )
 
 
@@ -77,6 +79,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         hidden_NH: Tensor,
         weight_VH: Tensor,
         targets_N: Tensor,
+        shape: torch.Size,
         vocab_start: int,
         chunk_tokens: int,
         group: Any,
@@ -107,14 +110,16 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             target_U[start:end] = sums_2C[1]
         ctx.save_for_backward(hidden_UH, weight_VH, columns_U, inside_U, lse_U)
         ctx.counts, ctx.rank, ctx.chunk_tokens, ctx.group = counts, rank, chunk_tokens, group
-        mine = sum(counts[:rank])
-        return (target_U - lse_U)[mine : mine + counts[rank]]
+        mine, end = sum(counts[:rank]), sum(counts[: rank + 1])
+        logprobs = torch.empty(shape, dtype=torch.float32, device=hidden_UH.device)
+        torch.sub(target_U[mine:end], lse_U[mine:end], out=logprobs.view(-1))
+        return logprobs
 
     @staticmethod
     def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden_UH, weight_VH, columns_U, inside_U, lse_U = ctx.saved_tensors
         counts, rank, group = ctx.counts, ctx.rank, ctx.group
-        grad_U = _all_rows(grad_N.float().contiguous(), counts, group)
+        grad_U = _all_rows(grad_N.reshape(-1).float().contiguous(), counts, group)
         weight = weight_VH.detach().to(hidden_UH.dtype)
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32)
         grad_hidden_UH = torch.zeros(hidden_UH.shape, dtype=torch.float32, device=hidden_UH.device)
@@ -134,4 +139,4 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         dist.all_reduce(grad_hidden_UH, group=group)
         mine = sum(counts[:rank])
         grad_hidden_NH = grad_hidden_UH[mine : mine + counts[rank]].to(hidden_UH.dtype)
-        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), None, None, None, None
+        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), None, None, None, None, None

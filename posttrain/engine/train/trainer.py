@@ -419,23 +419,19 @@ def _bucket_logprobs(
         chunk_gradient = None
         if gradient is not None:
             chunk_gradient = lambda start, logprobs: gradient(*at(start, logprobs), logprobs)  # noqa: E731
-
-        def head(hidden_1NH: Tensor) -> Tensor:
-            return target_logprobs(
+        # Sharded with an untied head: on each rank's vocabulary slice (parallel/fsdp.py).
+        chunk, logprobs_1N = config.logprob_chunk_tokens, None
+        if isinstance(shards, FsdpShards):
+            logprobs_1N = shards.head_logprobs(hidden_1NH, targets_1N, chunk)
+        if logprobs_1N is None:
+            logprobs_1N = target_logprobs(
                 output_head(model),
                 hidden_1NH,
                 targets_1N,
-                chunk_tokens=config.logprob_chunk_tokens,
+                chunk_tokens=chunk,
                 recompute_context=lambda: lora.route(assignments),
                 gradient=chunk_gradient,
             )
-
-        # Sharded with an untied head: each rank's vocabulary slice (parallel/fsdp.py).
-        logprobs_1N = None
-        if isinstance(shards, FsdpShards):
-            chunk = config.logprob_chunk_tokens
-            logprobs_1N = shards.head_logprobs(hidden_1NH, targets_1N, chunk)
-        logprobs_1N = head(hidden_1NH) if logprobs_1N is None else logprobs_1N
     if hidden_1NH is hidden_BLH:
         return logprobs_1N
     zeros_BL = torch.zeros(targets_BL.shape, device=device)

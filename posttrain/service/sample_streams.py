@@ -12,8 +12,8 @@ group runs here instead of one `sample_batch` call. Before every decode block:
    between blocks (other sessions' forward-backwards, optim-steps, weights-syncs of sessions with
    no row decoding, checkpoints, PIPELINE publishes), each recorded through the usual path, and
    hands over the queued samples that may join: same model, the rows of the stream within
-   max_sample_rows, and memory admission (service/admission.py's rule, the join counted: its
-   estimated peak plus what growing the running cache may copy, within what is free now).
+   its row limit (below), and memory admission (service/admission.py's rule, the join counted:
+   its estimated peak plus what growing the running cache may copy, within what is free now).
 3. Operations of the group that memory admission split off (plan_passes) join before any queued
    sample, once they fit, or when the stream is idle.
 4. Joined operations are marked RUNNING, prefilled and drawn their first token; then one block.
@@ -21,6 +21,14 @@ group runs here instead of one `sample_batch` call. Before every decode block:
    do not extend one generation without end).
 After every step, each operation whose every sequence ended is recorded COMPLETED at once
 (service/recording.py), while the others decode on. The pass ends when no row runs.
+
+The row limit: a stream starts with at most max_sample_rows sequences (the worker's gather) and
+decodes at most `stream_rows` = max_sample_rows + stream_join_rows at once (an eighth more
+unless set), the extra rows taken only by joins: an operation that filled max_sample_rows does
+not keep a small late one waiting for its whole generation (on a model where no row ends early
+it would). It stays bounded and fair: the first sample that cannot join keeps every later one
+behind it, so a stream of small operations never overtakes a large one, which joins once rows
+end or starts the next stream.
 
 Imports: config, records, engine.interface, types.
 """
@@ -49,6 +57,13 @@ log = logging.getLogger("posttrain.scheduler")
 # (each stream keeps the bookkeeping of every request it served until it ends) at the cost of
 # one run-down per that many operations.
 STREAM_MAX_OPERATIONS = 1024
+
+
+def stream_rows(limits: SchedulerConfig) -> int:
+    """Most sequences one stream decodes at once: max_sample_rows, plus the rows only joining
+    operations may take (stream_join_rows; by default an eighth of max_sample_rows)."""
+    joins = limits.stream_join_rows
+    return limits.max_sample_rows + (limits.max_sample_rows // 8 if joins is None else joins)
 
 
 def _rows(request: object) -> int:
@@ -127,7 +142,7 @@ class StreamPass:
         if self._waiting and self._fits(self._waiting[0]):
             self._admit(self._waiting.pop(0))
         rows, peak = self.stream.running_rows(), self.stream.join_reserve_bytes()
-        engine, limit = self.scheduler.engine, self.scheduler.limits.max_sample_rows
+        engine, limit = self.scheduler.engine, stream_rows(self.scheduler.limits)
         taken = self.operations
 
         def may_join(op: QueuedOperation) -> bool:
@@ -159,7 +174,7 @@ class StreamPass:
         )
         rows = sum(_rows(request) for _, _, request in members)
         return (
-            self.stream.running_rows() + rows <= self.scheduler.limits.max_sample_rows
+            self.stream.running_rows() + rows <= stream_rows(self.scheduler.limits)
             and need <= engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
         )
 

@@ -3,14 +3,16 @@ decode cache is allocated at the start for the rows that may join, so a join wit
 leaves the running rows' KV where it was (the same tensors, the same values) and needs no
 memory beyond its own estimate; a join past the pool reallocates (a copy admission reserves).
 Either way every operation gets what it gets alone. The built-in model on the CPU, prefix cache
-off."""
+off; dynamic and static passes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_stream_joins import assert_same, engine_for
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
+from posttrain.engine.generate import sampler
 from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS
 from posttrain.engine.generate.sample_stream import SampleStream
 from posttrain.engine.memory.estimate import pool_row_bytes
@@ -74,8 +76,11 @@ def run_with_join(pool: int) -> tuple[SampleStream, dict[int, list], bool]:
     return stream, finished, untouched
 
 
-def test_a_join_within_the_pool_leaves_the_running_rows_kv_where_it_was():
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_join_within_the_pool_leaves_the_running_rows_kv_where_it_was(static, monkeypatch):
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", static)
     stream, finished, untouched = run_with_join(pool=8)
+    assert stream.decoding.static == static
     assert untouched
     assert sorted(finished) == [0, 1]
     cache = stream.decoding.cache

@@ -70,8 +70,7 @@ class EngineConfig(BaseModel):
         description="torch device: auto (cuda when present, else cpu), cpu, cuda or cuda:N",
         json_schema_extra=flag("basics"),
     )
-    # Why half the cores and not torch's one per core: engine/hosts/threads.py (measured in
-    # docs/benchmarks.md, "Beside a busy process").
+    # Why half the cores: engine/hosts/threads.py (docs/benchmarks.md, "Beside a busy process").
     threads: int | None = Field(
         None,
         ge=1,
@@ -81,11 +80,9 @@ class EngineConfig(BaseModel):
         " reproducible",
         json_schema_extra=flag("performance", env=True, metavar="N", default="half the cores"),
     )
-    # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs about 0.5 ms a
-    # call, within the noise of every operation but a publish; a worker process costs a start
-    # (spawn, import torch, load the model: seconds) and its own copy of the libraries. Threads
-    # stay the default until the trainer and generators run apart. The process:
-    # engine/hosts/worker_process.py.
+    # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs ~0.5 ms a call,
+    # noise to every operation but a publish; a worker process costs a start (seconds) and its
+    # own libraries. Threads stay the default. The process: engine/hosts/worker_process.py.
     workers: Literal["thread", "process"] = Field(
         "thread",
         description="where each model resource's engine runs: a thread of the server, or a"
@@ -93,11 +90,9 @@ class EngineConfig(BaseModel):
         " operations, not the server, and its sessions are restored)",
         json_schema_extra=flag("scale-out"),
     )
-    # Measured (bench/scale_out.py, docs/benchmarks.md): a replica process costs a start
-    # (spawn, import torch, load the model: seconds) and a copy of the model, and each
-    # weights-sync pickles the published tensors across a pipe. It pays where samples are long
-    # and several sessions train while others sample; on the built-in model and in the tests
-    # the inline generator is faster, so it stays the default. Replicas: engine/hosts/replicas.py.
+    # Measured (bench/scale_out.py, docs/benchmarks.md): a replica costs a start (seconds), a
+    # model copy and a pickled publish per weights-sync; it pays where samples are long while
+    # others train, inline is faster on the built-in model. Replicas: engine/hosts/replicas.py.
     generators: Literal["inline", "process", "vllm"] = Field(
         "inline",
         description="where each model resource's generators run: inline, on the trainer's"
@@ -117,10 +112,8 @@ class EngineConfig(BaseModel):
         description="share of vLLM samples whose tokens the trainer scores (|logprob diff|)",
         json_schema_extra=flag("scale-out", metavar="P"),
     )
-    # Measured (bench/scale_out.py, docs/benchmarks.md): on one CPU host a broadcast and the
-    # pipes move an adapter alike; a broadcast sends a bucket's bytes once for all replicas
-    # instead of pickling them down each pipe, and is what crosses machines under --ray.
-    # The broadcast: engine/hosts/weights_broadcast.py.
+    # Measured (bench/scale_out.py): on one CPU host both move an adapter alike; a broadcast
+    # sends each bucket once for all replicas and crosses machines (--ray): weights_broadcast.py.
     weights_transport: Literal["broadcast", "pipe"] = Field(
         "broadcast",
         description="how a weights-sync reaches --generators process replicas: a"
@@ -128,11 +121,8 @@ class EngineConfig(BaseModel):
         " replica's pipe when the group cannot form), or down each replica's pipe",
         json_schema_extra=flag("scale-out"),
     )
-    # Built, tested eagerly on the CPU (the same static passes) and by `-m gpu` tests: a
-    # layout's graph is captured per generate call, and whether its replays win back the
-    # capture on short generations is what bench/gpu_check.py's "decode paths" line measures.
-    # Until then CUDA decodes in dynamic blocks of 8 passes (one host read per block), which
-    # needs no capture. The graphs: engine/generate/decode_graph.py.
+    # Off until bench/gpu_check.py's "decode paths" line shows a layout's replays winning back
+    # its capture on short generations (tested eagerly on the CPU and by `-m gpu` tests).
     cuda_graphs: bool = Field(
         False,
         description="on CUDA, decode in static-shape passes captured in CUDA graphs and"
@@ -286,7 +276,17 @@ class SchedulerConfig(BaseModel):
         8, ge=1, description="most forward-backward operations (of as many sessions) in one pass"
     )
     max_sample_rows: int = Field(
-        256, ge=1, description="most sequences (prompts x num_samples) in one shared sample pass"
+        256,
+        ge=1,
+        description="most sequences (prompts x num_samples) a shared sample pass starts with",
+        json_schema_extra=flag("performance", metavar="N"),
+    )
+    stream_join_rows: int | None = Field(
+        None,
+        ge=0,
+        description="sequences beyond --max-sample-rows a running sample pass takes for joining"
+        " operations, so a small late one starts within a block or two (0: none)",
+        json_schema_extra=flag("performance", metavar="N", default="--max-sample-rows / 8"),
     )
     sample_gather_s: float = Field(
         0.5,

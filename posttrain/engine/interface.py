@@ -82,9 +82,16 @@ class DecodeStream(Protocol):
     # Sequences still decoding (0: the stream is idle).
     def running_rows(self) -> int: ...
 
-    # Bytes a join may allocate beyond its own estimate: the running rows' KV reallocated
-    # (copied) while the old allocation still exists.
-    def join_reserve_bytes(self) -> int: ...
+    # Before a start (no row running): the decode cache is a pool of `rows` rows, so joins
+    # within it copy none of the running rows' KV.
+    def reserve_rows(self, rows: int) -> None: ...
+
+    # Bytes one pool row may hold when the stream starts with `items` (memory admission).
+    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int: ...
+
+    # Bytes `items` joining now may allocate beyond their own estimate: nothing within the
+    # pool; past it the running rows' KV reallocated (copied) while the old allocation exists.
+    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int: ...
 
 
 class Engine(Protocol):

@@ -17,7 +17,10 @@ type, which the attention function reads from the pass layout (model/attention.p
 
 Rows come and go without reallocation: `keep` moves the live rows to the front (finished rows
 free their slot). `grow` makes room for more positions as rows get long (a new tensor, live
-rows only); `add_rows` appends rows (requests joining a running decode batch). `copy_rows`
+rows only, or the pool's rows); `add_rows` appends rows (requests joining a running decode
+batch): within the allocated rows nothing moves, so a cache made with `pool_rows` (a sample
+stream's, sized for the rows that may join it) takes joins without touching the running rows'
+storage; past them it reallocates and copies. `copy_rows`
 fills rows from another cache (KV recomputed after a weights update); `write_span` / `span`
 move a row's positions in and out (the prefix cache). A KVCache also serves as either part of
 a FanoutKVCache (fanout_kv_cache.py): one row per prompt, and one row per sampled sequence
@@ -48,19 +51,34 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        pool_rows: int = 0,
     ) -> None:
-        # Zeros, not empty: masked columns are multiplied by a 0 attention weight, and 0 * NaN
-        # from uninitialised memory would poison the row.
-        self.kv = torch.zeros(
-            num_layers, 2, num_rows, num_kv_heads, capacity, head_dim, dtype=dtype, device=device
-        )
-        self.lengths_B = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        """`pool_rows`: rows allocated at least, here and whenever the positions grow (rows
+        past `num_rows` wait for add_rows)."""
+        self.pool_rows = pool_rows
         self.num_rows = num_rows
+        self.kv = self._allocate(
+            (num_layers, 2, max(num_rows, pool_rows), num_kv_heads, capacity, head_dim),
+            dtype,
+            device,
+        )
+        self.lengths_B = torch.zeros(max(num_rows, pool_rows), dtype=torch.int64, device=device)
         self._rows_W: Tensor | None = None  # row of each position written by the current pass
         self._cols_W: Tensor | None = None  # its column
         self._valid_BQ: Tensor | None = None  # None: every query position of the pass is real
         self._num_new_B: Tensor | None = None
         self._visible = 0
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A KV tensor whose live rows (the first num_rows) are zeros: masked columns are
+        multiplied by a 0 attention weight, and 0 * NaN from uninitialised memory would poison
+        the row. Pool rows beyond them stay uninitialised (no writes, and on the CPU no
+        resident pages, until used): add_rows zeroes each row it hands out."""
+        if shape[2] == self.num_rows:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        kv = torch.empty(shape, dtype=dtype, device=device)
+        kv[:, :, : self.num_rows].zero_()
+        return kv
 
     @classmethod
     def for_model(
@@ -71,6 +89,7 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device,
+        pool_rows: int = 0,
     ) -> KVCache:
         """A cache of the shape a model's attention writes (model/kv_shape.py probes it from
         the modules: a config may carry head counts its family ignores)."""
@@ -82,7 +101,13 @@ class KVCache:
             head_dim=shape.head_dim,
             dtype=dtype,
             device=device,
+            pool_rows=pool_rows,
         )
+
+    @property
+    def free_rows(self) -> int:
+        """Rows add_rows can hand out without reallocating."""
+        return self.kv.shape[2] - self.num_rows
 
     @property
     def capacity(self) -> int:
@@ -192,34 +217,28 @@ class KVCache:
         self.num_rows = count
 
     def grow(self, capacity: int) -> None:
-        """Room for `capacity` positions per row: a new tensor holding the live rows only, so
-        the memory of freed rows is returned too."""
+        """Room for `capacity` positions per row: a new tensor holding the live rows only (or
+        the pool's rows), so the memory of freed rows is returned too."""
         assert capacity >= self.capacity, "a cache never shrinks its positions"
         num_layers, _, _, heads, _, head_dim = self.kv.shape
-        kv = torch.zeros(
-            num_layers,
-            2,
-            self.num_rows,
-            heads,
-            capacity,
-            head_dim,
-            dtype=self.kv.dtype,
-            device=self.kv.device,
-        )
+        rows = max(self.num_rows, self.pool_rows)
+        shape = (num_layers, 2, rows, heads, capacity, head_dim)
+        kv = self._allocate(shape, self.kv.dtype, self.kv.device)
+        lengths_B = self.lengths_B.new_zeros(rows)
         if self.num_rows:
             used = int(self.lengths_B[: self.num_rows].max())
-            kv[:, :, :, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
-        self.kv = kv
-        self.lengths_B = self.lengths_B[: self.num_rows].clone()
+            kv[:, :, : self.num_rows, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
+            lengths_B[: self.num_rows] = self.lengths_B[: self.num_rows]
+        self.kv, self.lengths_B = kv, lengths_B
 
     def add_rows(
         self, count: int, source: KVCache | None = None, source_rows_R: Tensor | None = None
     ) -> None:
         """Append `count` rows after the live ones: empty (length 0), or copies of `source`'s
-        rows source_rows_R (rows joining a running batch). Rows freed by `keep` are reused;
-        past them a new tensor holds twice the rows (and, for longer source rows, more
-        positions), so a stream of joins copies the live rows a logarithmic number of times,
-        not at every join."""
+        rows source_rows_R (rows joining a running batch). Allocated rows (a pool's, or freed
+        by `keep`) are used first, the live rows' storage untouched; past them a new tensor
+        holds twice the rows (and, for longer source rows, more positions), so a stream of
+        joins copies the live rows a logarithmic number of times, not at every join."""
         needed = self.num_rows + count
         allocated = self.kv.shape[2]
         columns = self.capacity
@@ -237,7 +256,8 @@ class KVCache:
                 kv[:, :, : self.num_rows, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
                 lengths_B[: self.num_rows] = self.lengths_B[: self.num_rows]
             self.kv, self.lengths_B = kv, lengths_B
-        # A reused row keeps stale values past its length 0: finite, and hidden by every mask.
+        # A pool's row was never written: zeroed (finite, and hidden by every mask).
+        self.kv[:, :, self.num_rows : needed] = 0
         self.lengths_B[self.num_rows : needed] = 0
         targets_R = torch.arange(self.num_rows, needed, device=self.kv.device)
         self.num_rows = needed

@@ -12,15 +12,27 @@ group runs here instead of one `sample_batch` call. Before every decode block:
    between blocks (other sessions' forward-backwards, optim-steps, weights-syncs of sessions with
    no row decoding, checkpoints, PIPELINE publishes), each recorded through the usual path, and
    hands over the queued samples that may join: same model, the rows of the stream within
-   max_sample_rows, and memory admission (service/admission.py's rule, the join counted: its
-   estimated peak plus what growing the running cache may copy, within what is free now).
+   its row limit (below), and memory admission (service/admission.py's rule, the join counted:
+   its estimated peak plus what it may allocate beyond (DecodeStream.join_reserve_bytes:
+   nothing within the stream's pool, else a copy of the running cache), within what is free).
 3. Operations of the group that memory admission split off (plan_passes) join before any queued
    sample, once they fit, or when the stream is idle.
 4. Joined operations are marked RUNNING, prefilled and drawn their first token; then one block.
    A stream takes at most STREAM_MAX_OPERATIONS operations, then runs down (fairness: joins
    do not extend one generation without end).
+When a stream starts (or restarts after running idle), its decode cache is allocated as a pool
+for up to the row limit, as many rows as admission.pool_rows lets fit beside the first
+operations, so joins within it copy none of the running rows' KV.
 After every step, each operation whose every sequence ended is recorded COMPLETED at once
 (service/recording.py), while the others decode on. The pass ends when no row runs.
+
+The row limit: a stream starts with at most max_sample_rows sequences (the worker's gather) and
+decodes at most `stream_rows` = max_sample_rows + stream_join_rows at once (an eighth more
+unless set), the extra rows taken only by joins: an operation that filled max_sample_rows does
+not keep a small late one waiting for its whole generation (on a model where no row ends early
+it would). It stays bounded and fair: the first sample that cannot join keeps every later one
+behind it, so a stream of small operations never overtakes a large one, which joins once rows
+end or starts the next stream.
 
 Imports: config, records, engine.interface, types.
 """
@@ -34,6 +46,7 @@ from typing import Protocol
 from posttrain.config import SchedulerConfig
 from posttrain.engine.interface import DecodeStream, Engine
 from posttrain.records import OperationRecord
+from posttrain.service.admission import pool_rows
 from posttrain.service.durability import changed_parts
 from posttrain.service.kinds import InFlight, Outcome, Ready
 from posttrain.service.metrics import OperationMetrics
@@ -49,6 +62,13 @@ log = logging.getLogger("posttrain.scheduler")
 # (each stream keeps the bookkeeping of every request it served until it ends) at the cost of
 # one run-down per that many operations.
 STREAM_MAX_OPERATIONS = 1024
+
+
+def stream_rows(limits: SchedulerConfig) -> int:
+    """Most sequences one stream decodes at once: max_sample_rows, plus the rows only joining
+    operations may take (stream_join_rows; by default an eighth of max_sample_rows)."""
+    joins = limits.stream_join_rows
+    return limits.max_sample_rows + (limits.max_sample_rows // 8 if joins is None else joins)
 
 
 def _rows(request: object) -> int:
@@ -126,23 +146,27 @@ class StreamPass:
     def _boundary(self) -> None:
         if self._waiting and self._fits(self._waiting[0]):
             self._admit(self._waiting.pop(0))
-        rows, peak = self.stream.running_rows(), self.stream.join_reserve_bytes()
-        engine, limit = self.scheduler.engine, self.scheduler.limits.max_sample_rows
+        rows, peaks = self.stream.running_rows(), 0
+        engine, limit = self.scheduler.engine, stream_rows(self.scheduler.limits)
         taken = self.operations
+        joining: list[tuple[str, SampleRequest]] = []
 
         def may_join(op: QueuedOperation) -> bool:
-            nonlocal rows, peak, taken
+            nonlocal rows, peaks, taken
             if self._waiting or taken >= STREAM_MAX_OPERATIONS:
                 return False
             if not self.stream.can_join(op.session_id):
                 return False
             if rows + op.rows > limit:
                 return False
-            item = [(op.session_id, op.request)]
-            need = peak + engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, item)
+            assert isinstance(op.request, SampleRequest)
+            item = (op.session_id, op.request)
+            peak = peaks + engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, [item])
+            need = peak + self.stream.join_reserve_bytes([*joining, item])
             if need > engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes:
                 return False
-            rows, peak, taken = rows + op.rows, need, taken + 1
+            joining.append(item)
+            rows, peaks, taken = rows + op.rows, peak, taken + 1
             return True
 
         joined = self.worker.between_blocks(self._sessions(), may_join)
@@ -154,22 +178,35 @@ class StreamPass:
         """Whether operations split off by memory admission fit beside the running rows."""
         engine = self.scheduler.engine
         items = [(session.id, request) for _, session, request in members]
-        need = self.stream.join_reserve_bytes() + engine.peak_bytes(
+        need = self.stream.join_reserve_bytes(items) + engine.peak_bytes(
             self.resource_id, OperationKind.SAMPLE, items
         )
         rows = sum(_rows(request) for _, _, request in members)
         return (
-            self.stream.running_rows() + rows <= self.scheduler.limits.max_sample_rows
+            self.stream.running_rows() + rows <= stream_rows(self.scheduler.limits)
             and need <= engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
         )
 
     def _admit(self, members: list[Ready]) -> None:
         if not members:
             return
-        ids = self.stream.admit([(session.id, request) for _, session, request in members])
+        items = [(session.id, request) for _, session, request in members]
+        if not self.stream.running_rows():
+            self._reserve_pool(items)
+        ids = self.stream.admit(items)
         self._live.update(zip(ids, members, strict=True))
         self.operations += len(members)
         self._finish_done()  # every sequence may have ended on its first token
+
+    def _reserve_pool(self, items: list[tuple[str, SampleRequest]]) -> None:
+        """The decode cache of the start about to happen: a pool for the stream's row limit,
+        sized by memory admission (admission.pool_rows)."""
+        engine = self.scheduler.engine
+        free = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
+        free -= engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, list(items))
+        rows = sum(_rows(request) for _, request in items)
+        limit = stream_rows(self.scheduler.limits)
+        self.stream.reserve_rows(pool_rows(limit, rows, free, self.stream.pool_row_bytes(items)))
 
     def _finish_done(self) -> None:
         """Record each operation whose every sequence ended, now."""

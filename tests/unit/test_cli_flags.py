@@ -199,3 +199,16 @@ def test_vllm_generators_take_their_python_from_the_flag_or_the_environment(monk
     assert (flagged.engine.vllm_python, flagged.engine.vllm_mismatch_rate) == (python, 0.5)
     monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(python))
     assert config_of("--generators", "vllm").engine.vllm_python == python
+
+
+def test_the_sample_row_limits_come_from_flags_and_refuse_what_cannot_be_a_row_count():
+    default = build_config().scheduler
+    assert (default.max_sample_rows, default.stream_join_rows) == (256, None)
+    config = config_of("--max-sample-rows", "64", "--stream-join-rows", "0").scheduler
+    assert (config.max_sample_rows, config.stream_join_rows) == (64, 0)
+    for flags in (("--max-sample-rows", "0"), ("--stream-join-rows", "-1")):
+        with pytest.raises(ConfigError) as refused:
+            config_of(*flags)
+        assert refused.value.message.startswith(f"{flags[0]} {flags[1]}: ")
+    with pytest.raises(ConfigError, match="^--stream-join-rows some: "):
+        config_of("--stream-join-rows", "some")

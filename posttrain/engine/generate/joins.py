@@ -11,12 +11,15 @@ requests and for joining ones; the rows still live after it are what joins the d
 seeded from (seed, sample index) as alone, so its tokens do not depend on when it joined.
 `settle` says which requests just completed, `result` builds one request's result.
 `switch_weights` recomputes the KV of running rows whose weights were published meanwhile.
+`pooled_prefixes` puts a stream's first prompts in its pool (prompts that join later are
+appended there without moving the running ones; sampler.Decoding.pool_rows).
 
 Legend: G = prefill groups (distinct prompts), R = rows (sequences), V = vocab.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -44,6 +47,11 @@ from posttrain.types import (
     SamplingParams,
     TopkPromptLogprobs,
 )
+
+# A stream's pool holds prompts of up to a multiple of this many positions: joining prompts up
+# to that length take a free row; a longer one reallocates the prompt part (a copy of the
+# prompts, not of the rows' generated KV).
+PREFIX_POOL_POSITIONS = 256
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,18 @@ def start_rows(
     tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
     batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
     return prefill_cache, batch
+
+
+def pooled_prefixes(gm: GeneratorModel, prefill_cache: KVCache, rows: int) -> KVCache:
+    """The prompts' KV of a prefill in a cache allocated for `rows` prompts (a stream's pool:
+    one per row at most) of up to the prefill's longest rounded up to PREFIX_POOL_POSITIONS,
+    so prompts joining later that are no longer take its free rows without reallocating."""
+    step = PREFIX_POOL_POSITIONS
+    columns = step * math.ceil(prefill_cache.capacity / step)
+    pool = new_cache(gm, prefill_cache.num_rows, columns, rows)
+    every = torch.arange(prefill_cache.num_rows, device=pool.kv.device)
+    pool.copy_rows(prefill_cache, every, every)
+    return pool
 
 
 def switch_weights(

@@ -79,7 +79,7 @@ def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, T
     ]
 
 
-def new_cache(gm: GeneratorModel, num_rows: int, capacity: int) -> KVCache:
+def new_cache(gm: GeneratorModel, num_rows: int, capacity: int, pool_rows: int = 0) -> KVCache:
     embedding = gm.model.get_input_embeddings().weight
     return KVCache.for_model(
         gm.kv,
@@ -87,6 +87,7 @@ def new_cache(gm: GeneratorModel, num_rows: int, capacity: int) -> KVCache:
         capacity=capacity,
         dtype=embedding.dtype,
         device=embedding.device,
+        pool_rows=pool_rows,
     )
 
 

@@ -14,6 +14,13 @@ its `between_tokens`.
 
 One generation runs on one model: a full-weight session samples its own model copy, so only
 operations whose sessions sample the stream's model may join (`can_join`).
+
+Memory: `reserve_rows(n)` makes the decode cache of the stream's next start a pool of n rows
+(own and prompt parts, sampler.Decoding.pool_rows): a join within its free rows (and prompts no
+longer than its prompt width) appends there and copies none of the running rows' KV; past it
+the cache reallocates with twice the rows (KVCache.add_rows). `pool_row_bytes` sizes a pool
+row for memory admission, `join_reserve_bytes` what a join may allocate beyond its own
+estimate (nothing within the pool).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch import nn
 from posttrain.config import EngineConfig
 from posttrain.engine.generate.generator import generator_model, sampling_model, served
 from posttrain.engine.generate.sampler import Decoding, GenerationRequest
+from posttrain.engine.memory.estimate import pool_row_bytes
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
 
@@ -51,6 +59,7 @@ class SampleStream:
         self._open: list[int] = []  # per item, prompts not finished
         self._first_request: list[int] = []  # per item, its first request's index
         self._served = self._generations()  # what the running rows were decoded with
+        self._pool_tokens = 0  # the longest max_tokens the pool's rows were admitted for
 
     def _generations(self) -> dict[str, int]:
         return {key: version.generation for key, version in self.resource.served.items()}
@@ -76,6 +85,46 @@ class SampleStream:
     def running(self) -> bool:
         return bool(self.decoding.running)
 
+    def reserve_rows(self, rows: int) -> None:
+        """The decode cache of the next start (no row running) is a pool of `rows` rows."""
+        self.decoding.pool_rows = rows
+
+    def _kv_per_position(self) -> int:
+        kv, weight = self.decoding.gm.kv, self.model.get_input_embeddings().weight
+        return kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * weight.element_size()
+
+    def pool_row_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
+        """Bytes one pool row may hold when the stream starts with `items`."""
+        longest = max(len(p) for _, request in items for p in request.prompts)
+        tokens = max(request.sampling_params.max_tokens for _, request in items)
+        return pool_row_bytes(self._kv_per_position(), longest, tokens)
+
+    def join_reserve_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
+        """What `items` joining now may allocate beyond their own estimate: nothing within the
+        pool's free rows; past them a cache of twice the rows beside the old one (up to twice
+        what it holds now, transiently); and where they decode longer than the pool's rows
+        were admitted for, the pool's growth to that length."""
+        cache = self.decoding.cache
+        if cache is None or not self.running:
+            return 0  # a new start: a fresh pool
+        rows = sum(len(request.prompts) * request.num_samples for _, request in items)
+        prompts = [len(p) for _, request in items for p in request.prompts]
+        fits = (
+            rows <= cache.own.free_rows
+            and len(prompts) <= cache.prefix.free_rows
+            and max(prompts, default=0) <= cache.prefix.capacity
+        )
+        copy = 0 if fits else 2 * self.kv_bytes()
+        tokens = max((request.sampling_params.max_tokens for _, request in items), default=0)
+        longer = 0
+        if self.decoding.pool_rows and tokens > self._pool_tokens:
+            per_position = self._kv_per_position()
+            longer = self.decoding.pool_rows * (
+                pool_row_bytes(per_position, 0, tokens)
+                - pool_row_bytes(per_position, 0, self._pool_tokens)
+            )
+        return copy + longer
+
     def can_join(self, session: SessionState) -> bool:
         return sampling_model(self.resource, session) is self.model
 
@@ -83,8 +132,11 @@ class SampleStream:
         """Operations joining at this block boundary; returns their ids in this stream (in
         order from 0, as take_finished names them)."""
         self._catch_up()
+        if not self.running:
+            self._pool_tokens = 0
         ids, requests = [], []
         for session, request in items:
+            self._pool_tokens = max(self._pool_tokens, request.sampling_params.max_tokens)
             assert self.can_join(session), "one generation runs on one model"
             served(self.resource, session)
             item = len(self._results)
@@ -146,7 +198,7 @@ class SessionSampleStream:
         return self.stream.can_join(self._session(session_id))
 
     def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
-        return self.stream.admit([(self._session(sid), request) for sid, request in items])
+        return self.stream.admit(self._sessions(items))
 
     def block(self) -> None:
         self.stream.block()
@@ -157,10 +209,19 @@ class SessionSampleStream:
     def running_rows(self) -> int:
         return self.stream.running_rows()
 
-    def join_reserve_bytes(self) -> int:
-        """A join past the rows allocated makes a cache of twice the rows beside the old one
-        (KVCache.add_rows): up to twice what the cache holds now, transiently."""
-        return 2 * self.stream.kv_bytes()
+    def reserve_rows(self, rows: int) -> None:
+        self.stream.reserve_rows(rows)
+
+    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self.stream.pool_row_bytes(self._sessions(items))
+
+    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self.stream.join_reserve_bytes(self._sessions(items))
+
+    def _sessions(
+        self, items: list[tuple[str, SampleRequest]]
+    ) -> list[tuple[SessionState, SampleRequest]]:
+        return [(self._session(sid), request) for sid, request in items]
 
 
 def open_stream(

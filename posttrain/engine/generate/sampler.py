@@ -72,6 +72,7 @@ from posttrain.engine.generate.draws import draw, record_steps
 from posttrain.engine.generate.joins import (
     Generation,
     GenerationRequest,
+    pooled_prefixes,
     start_rows,
     switch_weights,
 )
@@ -198,6 +199,10 @@ class Decoding:
         # stay in the batch as padding (see _keeps_layout).
         self.running: list[int] = []
         self.step: DecodeStep | None = None  # the static pass of the current layout
+        # Rows the decode cache of a new batch is allocated for (its own and prompt parts): a
+        # sample stream's pool, so rows joining later take free rows and the running rows'
+        # KV is never copied for them (joins.pooled_prefixes). 0: the batch's rows exactly.
+        self.pool_rows = 0
         self.admit(requests)
 
     def take_finished(self) -> list[tuple[int, SampleResult]]:
@@ -229,7 +234,10 @@ class Decoding:
             rows = generation.rows
             if not self.running:
                 longest = max(rows[r].max_tokens for r in fresh.live)
-                own = new_cache(gm, len(fresh.live), min(longest, DECODE_POSITIONS_PER_GROWTH))
+                capacity = min(longest, DECODE_POSITIONS_PER_GROWTH)
+                own = new_cache(gm, len(fresh.live), capacity, self.pool_rows)
+                if self.pool_rows:
+                    prefill_cache = pooled_prefixes(gm, prefill_cache, self.pool_rows)
                 groups_B = [rows[r].group for r in fresh.live]
                 self.cache = FanoutKVCache(prefill_cache, group_ids, own, groups_B)
                 # Frees the prompts whose every sample already ended on its first token.

@@ -25,6 +25,8 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   rows x vocab float32 logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p
   sorts and masks), and per generated token the Python lists of its token and logprob and its
   share of the recorded result.
+- a sample stream's pool (rows allocated at its start for operations joining later): per row a
+  prompt row rounded up to the pool's width and the generated part as above (pool_row_bytes).
 - optim-step's AdamW moments (two per trainable tensor) appear at a session's first step, and
   each tensor's update allocates temporaries of its size.
 
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS
 from posttrain.engine.generate.prefill import PREFILL_TOKENS_PER_PASS
 from posttrain.engine.generate.sampler import DECODE_POSITIONS_PER_GROWTH
 from posttrain.model.kv_shape import KVShape
@@ -232,6 +235,16 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
         + max(prompt_logits, row_logits)
         + generated * PYTHON_BYTES_PER_GENERATED_TOKEN
     )
+
+
+def pool_row_bytes(kv_per_position: int, prompt_positions: int, max_tokens: int) -> int:
+    """What one row of a sample stream's pool (sampler.Decoding.pool_rows: its decode cache
+    allocated at the start for the rows that may join) may hold: a prompt row of
+    `prompt_positions` rounded up to the pool's prompt width, and the generated part of
+    `max_tokens` new tokens, grown in steps and counted twice as any sample's (_own_positions)."""
+    step = PREFIX_POOL_POSITIONS
+    prompt = step * math.ceil(prompt_positions / step)
+    return kv_per_position * (prompt + _own_positions(max_tokens))
 
 
 def optim_step_bytes(trainable_bytes: int, largest_bytes: int, *, has_moments: bool) -> int:

@@ -289,3 +289,49 @@ def test_a_stream_takes_a_bounded_number_of_operations_then_runs_down(services, 
     queue.drain()
     assert queue.finished_at(joined) < queue.finished_at(long_id) < queue.finished_at(later)
     assert_same(queue.output(later), queue.output(joined))  # same request and seed, alone
+
+
+def test_a_late_one_row_operation_joins_beside_one_that_filled_the_row_limit(tmp_path):
+    # stream_join_rows defaults to an eighth of max_sample_rows: 2 rows beside the 16.
+    services = make_services(tmp_path, max_sample_rows=16)
+    try:
+        queue = Queue(services, 4)
+        s, u, w, x = queue.sessions
+        full = SampleRequest(((5, 6, 7, 8),), 16, LONG.sampling_params)
+        late = SampleRequest(((9, 10),), 1, SHORT.sampling_params)
+        release = queue.hold()
+        full_id = queue.submit(s, SAMPLE, full)
+        queue.submit(u, STEP, OptimStepRequest())  # a barrier: `late` is not in full's group
+        late_id = queue.submit(w, SAMPLE, late)
+        release.set()
+        queue.drain()
+        assert queue.finished_at(late_id) < queue.finished_at(full_id)
+        assert services.scheduler.metrics.shared_pass_operations == 2
+        assert all(len(q.tokens) == 9 for r in queue.output(late_id).results for q in r.sequences)
+        assert_same(queue.output(late_id), queue.alone(x, late))
+        assert_same(queue.output(full_id), queue.alone(s, full))
+    finally:
+        services.close()
+
+
+def test_joins_beyond_the_row_limit_stay_within_the_join_rows_and_keep_their_order(tmp_path):
+    services = make_services(tmp_path, max_sample_rows=4, stream_join_rows=2)
+    try:
+        queue = Queue(services, 5)
+        s, u, w, x, y = queue.sessions
+        params = SamplingParams(max_tokens=5, seed=1, stop_at_eos=False)
+        release = queue.hold()
+        long_id = queue.submit(s, SAMPLE, SampleRequest(((5, 6),), 4, LONG.sampling_params))
+        queue.submit(u, STEP, OptimStepRequest())
+        two = queue.submit(w, SAMPLE, SampleRequest(((7, 8),), 2, params))  # 4 + 2 <= 4 + 2
+        three = queue.submit(x, SAMPLE, SampleRequest(((7, 9),), 3, params))  # 6 + 3 > 6
+        one = queue.submit(y, SAMPLE, SampleRequest(((9,),), 1, params))  # behind `three`
+        release.set()
+        queue.drain()
+        assert queue.finished_at(two) < queue.finished_at(long_id)
+        # `three` waits for room (rows end only with the long operation's), and the one-row
+        # operation after it does not overtake it although it would fit once `two` ended.
+        assert queue.finished_at(long_id) < queue.finished_at(three)
+        assert queue.finished_at(long_id) < queue.finished_at(one)
+    finally:
+        services.close()

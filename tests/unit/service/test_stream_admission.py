@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from fake_engine import FakeEngine, wire
 
+from posttrain.config import SchedulerConfig
+from posttrain.service.admission import pool_rows
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     OperationKind,
@@ -30,6 +32,8 @@ class CountingStream:
     """Rows that end after their max_tokens blocks; results say nothing but their count."""
 
     reserve: int
+    row_bytes: int = 0
+    pool: int | None = None  # rows reserved for the last start
     left: dict[int, int] = field(default_factory=dict)  # stream id -> blocks to go
     rows: dict[int, int] = field(default_factory=dict)
     requests: dict[int, SampleRequest] = field(default_factory=dict)
@@ -68,16 +72,25 @@ class CountingStream:
     def running_rows(self) -> int:
         return sum(self.rows[i] for i in self.left)
 
-    def join_reserve_bytes(self) -> int:
+    def reserve_rows(self, rows: int) -> None:
+        self.pool = rows
+
+    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self.row_bytes
+
+    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
         return self.reserve
 
 
 @dataclass
 class StreamingEngine(FakeEngine):
     reserve: int = 0
+    row_bytes: int = 0
+    streams: list[CountingStream] = field(default_factory=list)
 
     def sample_stream(self, resource_id: str, session_id: str) -> CountingStream:  # type: ignore[override]
-        return CountingStream(self.reserve)
+        self.streams.append(CountingStream(self.reserve, self.row_bytes))
+        return self.streams[-1]
 
 
 def request(rows: int, blocks: int) -> SampleRequest:
@@ -112,3 +125,25 @@ def test_a_join_that_fits_beside_the_running_rows_joins(tmp_path):
 def test_a_join_that_does_not_fit_waits_for_room_and_is_not_refused(tmp_path):
     long_done, step_done, short_done = run(tmp_path, reserve=7)  # 7 + 4 > 10: waits
     assert step_done < long_done < short_done
+
+
+def test_a_streams_pool_takes_the_rows_that_fit_in_a_share_of_what_is_free():
+    assert pool_rows(limit=288, rows=4, free_bytes=6, row_bytes=1) == 7  # half of 6 bytes
+    assert pool_rows(limit=288, rows=4, free_bytes=10_000, row_bytes=1) == 288  # the row limit
+    assert pool_rows(limit=288, rows=4, free_bytes=-5, row_bytes=1) == 4  # never under its rows
+    assert pool_rows(limit=288, rows=300, free_bytes=10_000, row_bytes=1) == 300
+
+
+def test_a_stream_starts_with_a_pool_sized_by_memory_admission(tmp_path):
+    limits = SchedulerConfig(max_sample_rows=16, stream_join_rows=4)
+    for row_bytes, pool in ((1, 4 + 3), (0, 20)):  # (10 - 4) // 2 rows of 1 byte; the limit
+        engine = StreamingEngine(free_bytes=10, row_bytes=row_bytes)
+        wired = wire(tmp_path / str(row_bytes), engine, limits)
+        try:
+            rid = wired.resource()
+            op = wired.submit(wired.session(rid), OperationKind.SAMPLE, request(4, 3), "one")
+            wired.drain(rid)
+            assert wired.op(op).status == OperationStatus.COMPLETED
+            assert [stream.pool for stream in engine.streams] == [pool]
+        finally:
+            wired.scheduler.close()

@@ -59,7 +59,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from posttrain.engine.parallel.data_parallel import DataParallel
-from posttrain.engine.parallel.vocab_parallel import vocab_parallel_logprobs
+from posttrain.engine.parallel.vocab_parallel import (
+    vocab_parallel_embedding,
+    vocab_parallel_logprobs,
+)
 from posttrain.model.lora import LoraLinear
 
 
@@ -121,6 +124,12 @@ class FsdpShards:
         # where it lies (head_logprobs). A tied one is the embedding, used at both ends of the
         # forward, so it stays in the root, gathered.
         self._head = head if untied else None
+        # Likewise a plain untied embedding (a subclass may scale or otherwise change the
+        # lookup): looked up on each rank's rows (embedding_inputs), never gathered.
+        plain = type(embedding) is nn.Embedding and embedding.max_norm is None
+        plain = plain and not embedding.scale_grad_by_freq and not embedding.sparse
+        self._embedding = embedding if untied and plain else None
+        self._compute_dtype = policy.param_dtype or embedding.weight.dtype
         self._head_names = (
             [] if head is None or not untied else [old_names[id(p)] for p in head.parameters()]
         )
@@ -170,6 +179,27 @@ class FsdpShards:
         """`run()` (one bucket's forward) inside the FSDP2 root's forward."""
         return self.root(run)
 
+    def embedding_inputs(self, ids: Tensor) -> dict[str, Tensor]:
+        """The decoder's inputs for token ids [B, L]: their embeddings looked up on each rank's
+        rows of a plain untied embedding (parallel/vocab_parallel.py; a collective, run once
+        per bucket on every rank), else the ids for the model's own (gathered) lookup."""
+        if self._embedding is None:
+            return {"input_ids": ids}
+        embedded = vocab_parallel_embedding(
+            ids.reshape(-1),
+            local(self._embedding.weight),
+            vocab_start=self._first_row(self._embedding.weight),
+            padding_idx=self._embedding.padding_idx,
+            dtype=self._compute_dtype,
+            group=self.group.group,
+        )
+        return {"inputs_embeds": embedded.reshape(*ids.shape, -1)}
+
+    def _first_row(self, weight: Tensor) -> int:
+        """The first row of this rank's dim-0 slice (torch.chunk's split, as FSDP2's)."""
+        counts = [len(c) for c in torch.arange(weight.shape[0]).chunk(self.group.world)]
+        return sum(counts[: self.group.rank])
+
     def head_logprobs(self, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor | None:
         """float32 logprobs of `targets` ([..., T]) at `hidden` ([..., T, H]) from each rank's
         slice of an untied head (parallel/vocab_parallel.py; a collective, run once per bucket
@@ -177,15 +207,12 @@ class FsdpShards:
         if self._head is None:
             return None
         weight = self._head.base.weight if isinstance(self._head, LoraLinear) else self._head.weight
-        rows = weight.shape[0]
-        counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
-        counts += [0] * (self.group.world - len(counts))
         return vocab_parallel_logprobs(
             hidden.reshape(-1, hidden.shape[-1]),
             local(weight),
             targets.reshape(-1),
             shape=targets.shape,
-            vocab_start=sum(counts[: self.group.rank]),
+            vocab_start=self._first_row(weight),
             chunk_tokens=chunk_tokens,
             group=self.group.group,
         )

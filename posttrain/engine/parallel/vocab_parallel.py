@@ -1,7 +1,8 @@
-"""Log-probabilities of target tokens under an output head whose rows (the vocabulary) are
-sharded over a trainer group, each rank computing with its own FSDP2 slice where it lies: the
-head is never gathered (the vocabulary-parallel cross-entropy of Megatron-LM; torchtitan's
-loss parallel does the same with DTensor for tensor parallelism).
+"""Log-probabilities of target tokens under an output head whose rows (the vocabulary) are sharded
+over a trainer group, and the input embedding likewise (vocab_parallel_embedding, at the end),
+each rank computing with its own FSDP2 slice where it lies: the head is never gathered (the
+vocabulary-parallel cross-entropy of Megatron-LM; torchtitan's loss parallel does the same with
+DTensor for tensor parallelism).
 
 Each rank takes the union of the group's tokens of one bucket (hidden states and targets
 all-gathered: [U, H], small beside the head's [V, H]) and computes the logits of its
@@ -20,6 +21,10 @@ instead of an all-gather and a reduce-scatter of [V, H]. Every rank must call it
 number of times (the trainer's aligned bucket schedule pads buckets), and the chunks are taken
 over the union, so the ranks' collectives meet. Logprob math is float32 whatever the weights'
 dtype, as in train/logprobs.py.
+
+The input embedding is the same slicing read the other way: each rank looks up the group's ids
+in its rows, zeros elsewhere, and an all-reduce of [U, H] sums them exactly; the backward adds
+the group's output gradients into its own rows. So neither end of the model is gathered.
 
 Legend: N = this rank's tokens, U = the group's tokens, C = tokens of a chunk, V = this rank's
 vocabulary rows, H = hidden size.
@@ -140,3 +145,59 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         mine = sum(counts[:rank])
         grad_hidden_NH = grad_hidden_UH[mine : mine + counts[rank]].to(hidden_UH.dtype)
         return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), None, None, None, None, None
+
+
+def vocab_parallel_embedding(
+    ids_N: Tensor,
+    weight_VH: Tensor,
+    *,
+    vocab_start: int,
+    padding_idx: int | None,
+    dtype: torch.dtype,
+    group: Any,
+) -> Tensor:
+    """[N, H] in `dtype`: the embedding rows of ids_N, of which `weight_VH` (differentiable: its
+    gradient is this rank's slice of the embedding's) holds rows vocab_start .. + V - 1. Each
+    rank looks up the group's ids that fall in its rows (zeros elsewhere) and one all-reduce
+    sums them, exactly (one non-zero term per value); the backward adds the group's output
+    gradients into this rank's rows, none into `padding_idx` (as nn.Embedding). A collective
+    over `group`."""
+    return _VocabParallelEmbedding.apply(ids_N, weight_VH, vocab_start, padding_idx, dtype, group)
+
+
+class _VocabParallelEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        ids_N: Tensor,
+        weight_VH: Tensor,
+        vocab_start: int,
+        padding_idx: int | None,
+        dtype: torch.dtype,
+        group: Any,
+    ) -> Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        count = torch.tensor([ids_N.shape[0]], dtype=torch.int64, device=ids_N.device)
+        counts_list = [torch.empty_like(count) for _ in range(world)]
+        dist.all_gather(counts_list, count, group=group)
+        counts = [int(c) for c in counts_list]
+        ids_U = _all_rows(ids_N.to(torch.int64), counts, group)
+        rows_U, inside_U = _local_targets(ids_U, vocab_start, weight_VH.shape[0])
+        found_UH = weight_VH.detach()[rows_U].to(dtype)
+        embedded_UH = torch.where(inside_U[:, None], found_UH, 0.0)
+        dist.all_reduce(embedded_UH, group=group)
+        if padding_idx is not None:
+            inside_U &= ids_U != padding_idx
+        ctx.save_for_backward(rows_U, inside_U)
+        ctx.counts, ctx.rank, ctx.group, ctx.shape = counts, rank, group, weight_VH.shape
+        ctx.weight_dtype = weight_VH.dtype
+        mine, end = sum(counts[:rank]), sum(counts[: rank + 1])
+        return embedded_UH[mine:end].clone()  # this rank's rows, not a view of the union's
+
+    @staticmethod
+    def backward(ctx: Any, grad_NH: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        rows_U, inside_U = ctx.saved_tensors
+        grad_UH = _all_rows(grad_NH.float().contiguous(), ctx.counts, ctx.group)
+        grad_weight_VH = grad_UH.new_zeros(ctx.shape)
+        grad_weight_VH.index_add_(0, rows_U[inside_U], grad_UH[inside_U])
+        return None, grad_weight_VH.to(ctx.weight_dtype), None, None, None, None

@@ -384,9 +384,10 @@ def _bucket_logprobs(
         routes_B = [packed.routes_S[row] for row in rows]
         forced = forced_routes(routes_B, width, resource.loaded.moe, device)
     with lora.route(assignments), replay_routes(forced) if forced else nullcontext():
-        hidden_BLH = model.base_model(
-            input_ids=take(packed.tokens_ST), attention_mask=take(packed.attention_mask_ST)
-        ).last_hidden_state
+        ids = take(packed.tokens_ST)  # sharded: embedded on each rank's rows (parallel/fsdp.py)
+        inputs = shards.embedding_inputs(ids) if shards is not None else {"input_ids": ids}
+        hidden_BLH = model.base_model(**inputs, attention_mask=take(packed.attention_mask_ST))
+        hidden_BLH = hidden_BLH.last_hidden_state
         hidden_BLH = at_targets(packed, rows, loss_width, hidden_BLH)  # the loss axis
         # The backward of all buckets runs after this block: a head chunk recomputed then
         # must see this bucket's routing again.
@@ -420,9 +421,8 @@ def _bucket_logprobs(
         if gradient is not None:
             chunk_gradient = lambda start, logprobs: gradient(*at(start, logprobs), logprobs)  # noqa: E731
         # Sharded with an untied head: on each rank's vocabulary slice (parallel/fsdp.py).
-        chunk, logprobs_1N = config.logprob_chunk_tokens, None
-        if isinstance(shards, FsdpShards):
-            logprobs_1N = shards.head_logprobs(hidden_1NH, targets_1N, chunk)
+        chunk = config.logprob_chunk_tokens
+        logprobs_1N = shards and shards.head_logprobs(hidden_1NH, targets_1N, chunk)
         if logprobs_1N is None:
             logprobs_1N = target_logprobs(
                 output_head(model),

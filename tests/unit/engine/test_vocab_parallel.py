@@ -1,7 +1,9 @@
 """Logprobs from a head sharded by vocabulary rows (engine/parallel/vocab_parallel.py, what an
 untied head of an FSDP2-sharded full-weight session computes on each rank) equal one process's
 log-softmax of the whole head, and their gradients equal autograd's: each rank's slice of the
-head's gradient and each rank's hidden states' gradient, within 1e-5 relative. Real gloo
+head's gradient and each rank's hidden states' gradient, within 1e-5 relative. The embedding
+looked up on the ranks' rows equals nn.Embedding's exactly, its gradient (none into the
+padding row) within 1e-5. Real gloo
 groups of 2 and 3 processes; uneven vocabulary slices (37 rows), ranks with different token
 counts and one with none, chunks smaller than the group's tokens, targets on every slice's
 first and last row."""
@@ -16,9 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from posttrain.engine.parallel.vocab_parallel import vocab_parallel_logprobs
+from posttrain.engine.parallel.vocab_parallel import (
+    vocab_parallel_embedding,
+    vocab_parallel_logprobs,
+)
 
-VOCAB, HIDDEN, CHUNK = 37, 8, 4
+VOCAB, HIDDEN, CHUNK, PADDING = 37, 8, 4, 13
 REL = 1e-5
 
 
@@ -34,14 +39,15 @@ def _case(tokens: list[int]):
         picked[: min(count, len(bounds))] = torch.tensor(bounds[: min(count, len(bounds))])
         targets.append(picked)
         grads.append(torch.randn(count, generator=generator))
-    return weight_VH, hidden, targets, grads
+    embedding_grads = [torch.randn(count, HIDDEN, generator=generator) for count in tokens]
+    return weight_VH, hidden, targets, grads, embedding_grads
 
 
 def _rank(rank: int, world: int, port: int, tokens: list[int], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        weight_VH, hidden, targets, grads = _case(tokens)
+        weight_VH, hidden, targets, grads, embedding_grads = _case(tokens)
         rows = [len(c) for c in torch.arange(VOCAB).chunk(world)]
         start = sum(rows[:rank])
         local_VH = weight_VH[start : start + rows[rank]].clone().requires_grad_(True)
@@ -56,12 +62,24 @@ def _rank(rank: int, world: int, port: int, tokens: list[int], out: str) -> None
             group=dist.group.WORLD,
         )
         (logprobs_N * grads[rank]).sum().backward()
+        table_VH = weight_VH[start : start + rows[rank]].clone().requires_grad_(True)
+        embedded_NH = vocab_parallel_embedding(
+            targets[rank],
+            table_VH,
+            vocab_start=start,
+            padding_idx=PADDING,
+            dtype=torch.float32,
+            group=dist.group.WORLD,
+        )
+        (embedded_NH * embedding_grads[rank]).sum().backward()
         torch.save(
             {
                 "logprobs": logprobs_N.detach(),
                 "hidden": hidden_NH.grad,
                 "weight": local_VH.grad,
                 "start": start,
+                "embedded": embedded_NH.detach(),
+                "table": table_VH.grad,
             },
             f"{out}/{rank}.pt",
         )
@@ -70,7 +88,9 @@ def _rank(rank: int, world: int, port: int, tokens: list[int], out: str) -> None
 
 
 @pytest.mark.parametrize("tokens", [[5, 9], [6, 0, 11]], ids=["2-ranks", "3-ranks-one-empty"])
-def test_each_ranks_vocabulary_slice_gives_one_processs_logprobs_and_gradients(tmp_path, tokens):
+def test_each_ranks_vocabulary_slice_gives_one_processs_logprobs_embeddings_and_gradients(
+    tmp_path, tokens
+):
     world = len(tokens)
     mp.start_processes(
         _rank,
@@ -78,7 +98,7 @@ def test_each_ranks_vocabulary_slice_gives_one_processs_logprobs_and_gradients(t
         nprocs=world,
         start_method="spawn",
     )
-    weight_VH, hidden, targets, grads = _case(tokens)
+    weight_VH, hidden, targets, grads, embedding_grads = _case(tokens)
     weight_VH.requires_grad_(True)
     whole = torch.cat(hidden).requires_grad_(True)
     expected = torch.log_softmax(whole @ weight_VH.T, dim=-1)
@@ -95,3 +115,13 @@ def test_each_ranks_vocabulary_slice_gives_one_processs_logprobs_and_gradients(t
     # Each rank's gradient is its own rows of the full gradient: together, the whole of it.
     assert [r["start"] for r in results] == sorted(r["start"] for r in results)
     close(torch.cat([r["weight"] for r in results]), weight_VH.grad)
+
+    embedding = torch.nn.Embedding(VOCAB, HIDDEN, padding_idx=PADDING)
+    with torch.no_grad():
+        embedding.weight.copy_(weight_VH)
+    ids = torch.cat(targets)
+    assert (ids == PADDING).any()  # the padding row is looked up, and takes no gradient
+    embedded = embedding(ids)
+    (embedded * torch.cat(embedding_grads)).sum().backward()
+    assert torch.equal(torch.cat([r["embedded"] for r in results]), embedded.detach())
+    close(torch.cat([r["table"] for r in results]), embedding.weight.grad)

@@ -4,17 +4,18 @@
 Units: each decoder layer, an untied input embedding, an untied head, then the root (a wrapper
 around the whole model: the final norm, and a tied embedding, which is also the head). Every
 parameter becomes a DTensor sharded on dim 0 (even 1/N slices, padded), so each rank holds 1/N
-of every matrix, of its gradient and of its AdamW moments and Muon momentum. A unit is all-
-gathered before its forward and again for its backward, and its gradients are reduce-scattered
-(summed: the divide factor is 1, as the losses' own normalisers already are batch-global) as
-the backward leaves it; the root stays gathered from its first forward of an operation to the
-end of the operation's backward (FSDP2's root rule), and `operation` reshards everything when
-the operation ends. With `--shard-parameters off` the layers keep their weights gathered from
-forward to backward (reshard_after_forward False). An untied head is sharded as a unit but
-never gathered: each rank computes the logprobs with its vocabulary rows where they lie
-(parallel/vocab_parallel.py), so no rank holds the model's largest matrix or its gradient in
-full, and its gradient needs no reduce-scatter. The embedding's backward never reads its
-weight, so it is not gathered again.
+of every matrix, of its gradient and of its AdamW moments and Muon momentum. A layer unit is
+all-gathered before its forward and again for its backward, and its gradients are reduce-
+scattered (summed: the divide factor is 1, as the losses' own normalisers already are batch-
+global) as the backward leaves it; the root stays gathered from its first forward of an
+operation to the end of the operation's backward (FSDP2's root rule), and `operation` reshards
+everything when the operation ends. With `--shard-parameters off` the layers keep their weights
+gathered from forward to backward (reshard_after_forward False). An untied head and a plain
+untied embedding are sharded as units but never gathered: their dim-0 slices are vocabulary
+rows, so each rank computes the logprobs and looks up the embeddings with its rows where they
+lie (parallel/vocab_parallel.py): no rank holds the model's two largest matrices or their
+gradients in full, and their gradients need no reduce-scatter. An embedding of a subclass is
+gathered as a layer, but not again for its backward, which never reads it.
 
 The trainer never calls the model's own forward: it runs the decoder and then the chunked head
 itself (train/trainer.py). So the root wrapper's forward takes the bucket's computation as a
@@ -112,27 +113,25 @@ class FsdpShards:
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         head_params = {id(p) for p in head.parameters()} if head is not None else set()
         untied = id(embedding.weight) not in head_params  # the head may be a LoRA wrapper
-        if untied:
-            # An untied input embedding is a unit of its own: it runs once per bucket forward
-            # (alike on every rank), and the root then holds only the final norm.
-            layers.append(embedding)
-        self._layer_names: list[list[str]] = []
-        for layer in layers:
-            self._layer_names.append([old_names[id(p)] for p in layer.parameters()])
-        # An untied head is a unit of its own too, whose forward is never called (it would
-        # gather the model's largest matrix): each rank computes with its vocabulary slice
-        # where it lies (head_logprobs). A tied one is the embedding, used at both ends of the
-        # forward, so it stays in the root, gathered.
-        self._head = head if untied else None
-        # Likewise a plain untied embedding (a subclass may scale or otherwise change the
-        # lookup): looked up on each rank's rows (embedding_inputs), never gathered.
+        # An untied head and a plain untied embedding are units whose forward is never called
+        # (it would gather the model's two largest matrices): each rank computes with its
+        # vocabulary rows where they lie (head_logprobs, embedding_inputs). An embedding of a
+        # subclass (which may scale or otherwise change the lookup) is gathered as a unit of
+        # its own, once per bucket forward (alike on every rank). A tied head is the
+        # embedding, used at both ends of the forward: it stays in the root, gathered.
         plain = type(embedding) is nn.Embedding and embedding.max_norm is None
         plain = plain and not embedding.scale_grad_by_freq and not embedding.sparse
         self._embedding = embedding if untied and plain else None
+        self._head = head if untied else None
         self._compute_dtype = policy.param_dtype or embedding.weight.dtype
-        self._head_names = (
-            [] if head is None or not untied else [old_names[id(p)] for p in head.parameters()]
-        )
+        if untied and self._embedding is None:
+            layers.append(embedding)
+        kept = [m for m in (self._embedding, self._head) if m is not None]
+        self._layer_names = [[old_names[id(p)] for p in unit.parameters()] for unit in layers]
+        unit_names = [
+            *self._layer_names,
+            *([old_names[id(p)] for p in m.parameters()] for m in kept),
+        ]
         self.root = _Operation(model)
         old = [p for _, p in named]
         self.units: list[FSDPModule] = []
@@ -145,12 +144,12 @@ class FsdpShards:
                     reshard_after_forward=reshard_after_forward,
                 )
             )
-        if untied:
+        if untied and self._embedding is None:
             # The embedding's backward is a scatter of its output gradient into rows: it never
             # reads the weight, so the backward skips gathering it.
             self.units[-1].set_unshard_in_backward(False)
-        if self._head is not None:
-            self.units.append(fully_shard(self._head, mesh=self.mesh, mp_policy=policy))
+        for module in kept:
+            self.units.append(fully_shard(module, mesh=self.mesh, mp_policy=policy))
         self.units.append(fully_shard(self.root, mesh=self.mesh, mp_policy=policy))
         for unit in self.units:
             # A plain sum, as one process's backward is: divide by 1, with SUM collectives
@@ -166,9 +165,8 @@ class FsdpShards:
         with torch.no_grad():  # the replaced full tensors may still be referenced elsewhere
             for p in old:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        in_layers = {name for names in self._layer_names for name in names}
-        in_layers.update(self._head_names)
-        self._root_names = [name for name, _ in self.named if name not in in_layers]
+        in_units = {name for names in unit_names for name in names}
+        self._root_names = [name for name, _ in self.named if name not in in_units]
         # Each gradient is reduce-scattered by the backward itself
         # (data_parallel.all_reduce_gradients is never asked to sum them).
         self.reduced_in_backward = frozenset(id(p) for _, p in self.named)
@@ -231,8 +229,8 @@ class FsdpShards:
         gradients: the root in full from its first forward to the end of the backward, with
         its full gradients until reduce-scattered, and in the backward the largest layer
         gathered with its full gradients of one forward, plus the next layer FSDP2 prefetches
-        (its all-gather overlaps the current layer's backward). An untied head is never
-        gathered (head_logprobs)."""
+        (its all-gather overlaps the current layer's backward). An untied head and a plain
+        untied embedding are never gathered (head_logprobs, embedding_inputs)."""
         full = {name: p.numel() * p.element_size() for name, p in self.named}
         root = sum(full[name] for name in self._root_names)
         layer = max((sum(full[n] for n in names) for names in self._layer_names), default=0)

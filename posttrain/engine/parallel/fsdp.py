@@ -64,6 +64,7 @@ from posttrain.engine.parallel.vocab_parallel import (
     vocab_parallel_embedding,
     vocab_parallel_logprobs,
 )
+from posttrain.model.logit_head import logit_transform
 from posttrain.model.lora import LoraLinear
 
 
@@ -124,6 +125,7 @@ class FsdpShards:
         self._embedding = embedding if untied and plain else None
         self._head = head if untied else None
         self._compute_dtype = policy.param_dtype or embedding.weight.dtype
+        self._transform = logit_transform(model.config)  # applied to each slice's logits
         if untied and self._embedding is None:
             layers.append(embedding)
         kept = [m for m in (self._embedding, self._head) if m is not None]
@@ -213,6 +215,7 @@ class FsdpShards:
             vocab_start=self._first_row(weight),
             chunk_tokens=chunk_tokens,
             group=self.group.group,
+            transform=self._transform,
         )
 
     @contextmanager

@@ -32,6 +32,7 @@ vocabulary rows, H = hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,14 +50,25 @@ def vocab_parallel_logprobs(
     vocab_start: int,
     chunk_tokens: int,
     group: Any,
+    transform: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """float32 logprob of targets_N[n] at hidden_NH[n] under the full head, of which
     `weight_VH` (differentiable: its gradient is this rank's slice of the head's) holds rows
     vocab_start .. vocab_start + V - 1, laid out in `shape` (not a view: FSDP2's root hooks
-    its output, and a view would lose the hook to an in-place op). A collective over `group`."""
+    its output, and a view would lose the hook to an in-place op). `transform`: the family's
+    logit post-processing (model/logit_head.py: scaling, soft-capping), elementwise, so it
+    applies to each slice's logits alike. A collective over `group`."""
     return _VocabParallelLogprobs.apply(
-        hidden_NH, weight_VH, targets_N, shape, vocab_start, chunk_tokens, group
+        hidden_NH, weight_VH, targets_N, shape, vocab_start, chunk_tokens, group, transform
     )
+
+
+def _logits(hidden_CH: Tensor, weight_VH: Tensor, transform: Callable | None) -> Tensor:
+    """float32 [C, V] logits of a slice, post-processed as the family's head does, in the
+    order model/logit_head.py's TransformedHead applies it (then the float32 cast, as
+    train/logprobs.py's log-softmax)."""
+    logits_CV = F.linear(hidden_CH, weight_VH)
+    return (logits_CV if transform is None else transform(logits_CV)).float()
 
 
 def _all_rows(tensor_N: Tensor, counts: list[int], group: Any) -> Tensor:
@@ -88,6 +100,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         vocab_start: int,
         chunk_tokens: int,
         group: Any,
+        transform: Callable[[Tensor], Tensor] | None,
     ) -> Tensor:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         count = torch.tensor([hidden_NH.shape[0]], dtype=torch.int64, device=hidden_NH.device)
@@ -102,7 +115,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         target_U = torch.empty_like(lse_U)
         for start in range(0, hidden_UH.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden_UH.shape[0])
-            logits_CV = F.linear(hidden_UH[start:end], weight).float()
+            logits_CV = _logits(hidden_UH[start:end], weight, transform)
             most_C = logits_CV.max(dim=-1).values
             dist.all_reduce(most_C, op=dist.ReduceOp.MAX, group=group)
             picked_C = logits_CV.gather(-1, columns_U[start:end, None]).squeeze(-1)
@@ -115,6 +128,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             target_U[start:end] = sums_2C[1]
         ctx.save_for_backward(hidden_UH, weight_VH, columns_U, inside_U, lse_U)
         ctx.counts, ctx.rank, ctx.chunk_tokens, ctx.group = counts, rank, chunk_tokens, group
+        ctx.transform = transform
         mine, end = sum(counts[:rank]), sum(counts[: rank + 1])
         logprobs = torch.empty(shape, dtype=torch.float32, device=hidden_UH.device)
         torch.sub(target_U[mine:end], lse_U[mine:end], out=logprobs.view(-1))
@@ -132,19 +146,24 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         for start in range(0, hidden_UH.shape[0], ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, hidden_UH.shape[0])
             hidden_CH, g_C = hidden_UH[start:end], grad_U[start:end]
-            # d logprob / d logits = onehot(target) - softmax: times g, in place.
-            grad_CV = F.linear(hidden_CH, weight).float()
-            grad_CV.sub_(lse_U[start:end, None]).exp_().mul_(-g_C[:, None])
+            with torch.enable_grad():  # the chunk recomputed, for the projection's backward
+                weight_leaf = weight.detach().requires_grad_(True)
+                hidden_leaf = hidden_CH.detach().requires_grad_(True)
+                logits_CV = _logits(hidden_leaf, weight_leaf, ctx.transform)
+            # d logprob / d logits = onehot(target) - softmax, times g: formed in the logits'
+            # own storage (no backward reads the projection's or a scaling's output).
+            grad_CV = logits_CV.detach().sub_(lse_U[start:end, None]).exp_().mul_(-g_C[:, None])
             rows = rows_C[: end - start]
             inside = inside_U[start:end]
             grad_CV[rows[inside], columns_U[start:end][inside]] += g_C[inside]
-            grad_CV = grad_CV.to(hidden_UH.dtype)
-            grad_weight_VH += (grad_CV.T @ hidden_CH).float()
-            grad_hidden_UH[start:end] = grad_CV @ weight
+            grad_w, grad_h = torch.autograd.grad(logits_CV, (weight_leaf, hidden_leaf), grad_CV)
+            grad_weight_VH += grad_w.float()
+            grad_hidden_UH[start:end] = grad_h.float()
         dist.all_reduce(grad_hidden_UH, group=group)
         mine = sum(counts[:rank])
         grad_hidden_NH = grad_hidden_UH[mine : mine + counts[rank]].to(hidden_UH.dtype)
-        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), None, None, None, None, None
+        grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
+        return grad_hidden_NH, grad_weight_VH, None, None, None, None, None, None
 
 
 def vocab_parallel_embedding(

@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,6 +287,32 @@ def test_a_memory_limit_that_refuses_a_full_weight_step_on_one_process_admits_it
             )
             assert (passes == [["f"]]) is admitted and (0 in refused) is not admitted, kind
     fsdp.unload_resource("admit")
+
+
+def test_an_embedding_subclass_is_a_gathered_unit_and_trains_as_one_process_does(tmp_path, uneven):
+    """Gemma 3's embedding scales its rows inside the module (a subclass of nn.Embedding), so
+    it is not looked up on the ranks' vocabulary rows as a plain one is: it is a unit gathered
+    for its forward (not again for its backward, which never reads it). Untied, it trains and
+    checkpoints as one process does."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+    import families
+
+    extra = {"tie_word_embeddings": False}
+    directory = families.build("gemma3_text", tmp_path / "gemma3", extra=extra)
+    embedding = families.model("gemma3_text", extra=extra).get_input_embeddings()
+    assert type(embedding) is not torch.nn.Embedding  # the case this test is about
+    models = {BUILTIN_MODEL_ID: directory}
+    local = LocalEngine(PER_LENGTH, models)
+    group = TrainerGroupEngine(FSDP2, models)
+    try:
+        fresh(local, "r", MuonScaling.MATCH_ADAM)
+        fresh(group, "r", MuonScaling.MATCH_ADAM)
+        expected = train(local, "r", tmp_path / "local", MuonScaling.MATCH_ADAM, steps=2)
+        actual = train(group, "r", tmp_path / "group", MuonScaling.MATCH_ADAM, steps=2)
+        assert_runs_equal(actual, expected)
+        assert any("embed_tokens" in name for name in expected[0][1])
+    finally:
+        group.close()
 
 
 def test_a_tied_embedding_shards_in_the_root_and_trains_as_one_process_does(tmp_path, uneven):

@@ -1,12 +1,11 @@
 """Logprobs from a head sharded by vocabulary rows (engine/parallel/vocab_parallel.py, what an
 untied head of an FSDP2-sharded full-weight session computes on each rank) equal one process's
-log-softmax of the whole head, and their gradients equal autograd's: each rank's slice of the
-head's gradient and each rank's hidden states' gradient, within 1e-5 relative. The embedding
-looked up on the ranks' rows equals nn.Embedding's exactly, its gradient (none into the
-padding row) within 1e-5. Real gloo
-groups of 2 and 3 processes; uneven vocabulary slices (37 rows), ranks with different token
-counts and one with none, chunks smaller than the group's tokens, targets on every slice's
-first and last row."""
+log-softmax of the whole head (bare, and soft-capped as Gemma's), and their gradients equal
+autograd's: each rank's slice of the head's gradient and each rank's hidden states' gradient,
+within 1e-5 relative. The embedding looked up on the ranks' rows equals nn.Embedding's exactly,
+its gradient (none into the padding row) within 1e-5. Real gloo groups of 2 and 3 processes;
+uneven vocabulary slices (37 rows), ranks with different token counts and one with none, chunks
+smaller than the group's tokens, targets on every slice's first and last row."""
 
 from __future__ import annotations
 
@@ -27,6 +26,14 @@ VOCAB, HIDDEN, CHUNK, PADDING = 37, 8, 4, 13
 REL = 1e-5
 
 
+def _softcap(logits: torch.Tensor) -> torch.Tensor:
+    """Gemma 2/3's final soft-capping (model/logit_head.py), an elementwise post-processing."""
+    return torch.tanh(logits / 2.0) * 2.0
+
+
+TRANSFORMS = {"bare": None, "softcap": _softcap}
+
+
 def _case(tokens: list[int]):
     """The full head, every rank's hidden states, targets and upstream gradients."""
     generator = torch.Generator().manual_seed(7)
@@ -43,7 +50,7 @@ def _case(tokens: list[int]):
     return weight_VH, hidden, targets, grads, embedding_grads
 
 
-def _rank(rank: int, world: int, port: int, tokens: list[int], out: str) -> None:
+def _rank(rank: int, world: int, port: int, tokens: list[int], out: str, transform: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -60,6 +67,7 @@ def _rank(rank: int, world: int, port: int, tokens: list[int], out: str) -> None
             vocab_start=start,
             chunk_tokens=CHUNK,
             group=dist.group.WORLD,
+            transform=TRANSFORMS[transform],
         )
         (logprobs_N * grads[rank]).sum().backward()
         table_VH = weight_VH[start : start + rows[rank]].clone().requires_grad_(True)
@@ -87,21 +95,23 @@ def _rank(rank: int, world: int, port: int, tokens: list[int], out: str) -> None
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("tokens", [[5, 9], [6, 0, 11]], ids=["2-ranks", "3-ranks-one-empty"])
 def test_each_ranks_vocabulary_slice_gives_one_processs_logprobs_embeddings_and_gradients(
-    tmp_path, tokens
+    tmp_path, tokens, transform
 ):
     world = len(tokens)
     mp.start_processes(
         _rank,
-        args=(world, free_port(), tokens, str(tmp_path)),
+        args=(world, free_port(), tokens, str(tmp_path), transform),
         nprocs=world,
         start_method="spawn",
     )
     weight_VH, hidden, targets, grads, embedding_grads = _case(tokens)
     weight_VH.requires_grad_(True)
     whole = torch.cat(hidden).requires_grad_(True)
-    expected = torch.log_softmax(whole @ weight_VH.T, dim=-1)
+    logits = whole @ weight_VH.T
+    expected = torch.log_softmax(logits if transform == "bare" else _softcap(logits), dim=-1)
     expected = expected.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
     (expected * torch.cat(grads)).sum().backward()
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]

@@ -71,6 +71,14 @@ def _logits(hidden_CH: Tensor, weight_VH: Tensor, transform: Callable | None) ->
     return (logits_CV if transform is None else transform(logits_CV)).float()
 
 
+def _counts(rows_N: Tensor, group: Any) -> list[int]:
+    """Every rank's number of rows (tokens) in this call, rank 0's first."""
+    count = torch.tensor([rows_N.shape[0]], dtype=torch.int64, device=rows_N.device)
+    counts = [torch.empty_like(count) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, count, group=group)
+    return [int(c) for c in counts]
+
+
 def _all_rows(tensor_N: Tensor, counts: list[int], group: Any) -> Tensor:
     """Every rank's rows, rank 0's first (each padded to the most rows for gloo's all-gather,
     then trimmed)."""
@@ -102,11 +110,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         group: Any,
         transform: Callable[[Tensor], Tensor] | None,
     ) -> Tensor:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        count = torch.tensor([hidden_NH.shape[0]], dtype=torch.int64, device=hidden_NH.device)
-        counts_list = [torch.empty_like(count) for _ in range(world)]
-        dist.all_gather(counts_list, count, group=group)
-        counts = [int(c) for c in counts_list]
+        rank, counts = dist.get_rank(group), _counts(hidden_NH, group)
         hidden_UH = _all_rows(hidden_NH.detach(), counts, group)
         targets_U = _all_rows(targets_N.to(torch.int64), counts, group)
         columns_U, inside_U = _local_targets(targets_U, vocab_start, weight_VH.shape[0])
@@ -195,11 +199,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         dtype: torch.dtype,
         group: Any,
     ) -> Tensor:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        count = torch.tensor([ids_N.shape[0]], dtype=torch.int64, device=ids_N.device)
-        counts_list = [torch.empty_like(count) for _ in range(world)]
-        dist.all_gather(counts_list, count, group=group)
-        counts = [int(c) for c in counts_list]
+        rank, counts = dist.get_rank(group), _counts(ids_N, group)
         ids_U = _all_rows(ids_N.to(torch.int64), counts, group)
         rows_U, inside_U = _local_targets(ids_U, vocab_start, weight_VH.shape[0])
         found_UH = weight_VH.detach()[rows_U].to(dtype)

@@ -301,6 +301,14 @@ def test_an_embedding_subclass_is_a_gathered_unit_and_trains_as_one_process_does
     directory = families.build("gemma3_text", tmp_path / "gemma3", extra=extra)
     embedding = families.model("gemma3_text", extra=extra).get_input_embeddings()
     assert type(embedding) is not torch.nn.Embedding  # the case this test is about
+    expected = _trains_as_one_process(tmp_path, directory)
+    assert any("embed_tokens" in name for name in expected[0][1])
+
+
+def _trains_as_one_process(tmp_path, directory, check=lambda local, group: None) -> list:
+    """Two Muon steps of a full-weight session on the model in `directory`, on one process and
+    on two FSDP2 ranks, equal (assert_runs_equal); then `check(local, group)`. One process's
+    run."""
     models = {BUILTIN_MODEL_ID: directory}
     local = LocalEngine(PER_LENGTH, models)
     group = TrainerGroupEngine(FSDP2, models)
@@ -310,7 +318,8 @@ def test_an_embedding_subclass_is_a_gathered_unit_and_trains_as_one_process_does
         expected = train(local, "r", tmp_path / "local", MuonScaling.MATCH_ADAM, steps=2)
         actual = train(group, "r", tmp_path / "group", MuonScaling.MATCH_ADAM, steps=2)
         assert_runs_equal(actual, expected)
-        assert any("embed_tokens" in name for name in expected[0][1])
+        check(local, group)
+        return expected
     finally:
         group.close()
 
@@ -325,19 +334,12 @@ def test_a_tied_embedding_shards_in_the_root_and_trains_as_one_process_does(tmp_
     weights = load_file(tied / "model.safetensors")
     del weights["lm_head.weight"]  # the head is the embedding now
     save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
-    models = {BUILTIN_MODEL_ID: tied}
-    local = LocalEngine(PER_LENGTH, models)
-    group = TrainerGroupEngine(FSDP2, models)
-    try:
-        fresh(local, "r", MuonScaling.MATCH_ADAM)
-        fresh(group, "r", MuonScaling.MATCH_ADAM)
-        expected = train(local, "r", tmp_path / "local", MuonScaling.MATCH_ADAM, steps=2)
-        actual = train(group, "r", tmp_path / "group", MuonScaling.MATCH_ADAM, steps=2)
-        assert_runs_equal(actual, expected)
-        assert not any("lm_head" in name for name in expected[0][2])  # one tensor, one name
+
+    def halves(local, group) -> None:
         one = local.session_footprint("r", "f")
         ranks = group.on_every_rank("r", Command.SESSION_FOOTPRINT, "f")
         assert sum(r.weights_bytes for r in ranks) == one.weights_bytes
         assert all(r.weights_bytes <= 1.1 * one.weights_bytes / 2 for r in ranks)
-    finally:
-        group.close()
+
+    expected = _trains_as_one_process(tmp_path, tied, halves)
+    assert not any("lm_head" in name for name in expected[0][2])  # one tensor, one name

@@ -27,7 +27,7 @@ from posttrain.engine.optim.muon import (
     num_row_blocks,
 )
 from posttrain.engine.optim.step_settings import StepSettings, resolve_step_settings
-from posttrain.engine.parallel import muon_shards
+from posttrain.engine.parallel import adam_shards, muon_shards
 from posttrain.engine.parallel.fsdp import FsdpShards, local
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
@@ -80,10 +80,10 @@ class SessionOptimizer:
     whose `.grad` is None at a step are untouched: no decay, no moment or momentum update.
 
     With a `sharding` (FSDP2, parallel/fsdp.py) the parameters, gradients and state are
-    DTensors of which this rank holds a slice each: AdamW steps them slice by slice, Muon
-    orthogonalises whole matrices spread over the ranks (parallel/muon_shards.py), clipping
-    takes the exact global norm; a step is then a collective (every rank of the group calls
-    it), as are full_state_dict and full_gradients.
+    DTensors of which this rank holds a slice each: AdamW steps their local slices
+    (parallel/adam_shards.py), Muon orthogonalises whole matrices spread over the ranks
+    (parallel/muon_shards.py), clipping takes the exact global norm; a step is then a
+    collective (every rank of the group calls it), as are full_state_dict and full_gradients.
     """
 
     def __init__(
@@ -309,7 +309,10 @@ class SessionOptimizer:
             group["betas"] = (adam.beta1, adam.beta2)
             group["eps"] = adam.eps
             group["weight_decay"] = adam.weight_decay if group["decay"] else 0.0
-        self._adamw.step()
+        if self.sharding is None:
+            self._adamw.step()
+        else:  # the same update on each rank's plain slices, without DTensor dispatch
+            adam_shards.step_local_slices(self._adamw)
 
     def zero_grad(self) -> None:
         for _, p in self.named_params:

@@ -93,6 +93,11 @@ class DecodeStream(Protocol):
     # pool; past it the running rows' KV reallocated (copied) while the old allocation exists.
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int: ...
 
+    # The pass ended (finished or failed): free the decode state (the pool) now; nothing is
+    # called on the stream after it. A stream in another process (hosts/remote_streams.py)
+    # lives there until closed.
+    def close(self) -> None: ...
+
 
 class Engine(Protocol):
     # The resolved device, never the `auto` of the config: `cpu`, or a CUDA product name.

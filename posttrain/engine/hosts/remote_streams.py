@@ -88,13 +88,15 @@ class StreamHost:
 
 class RemoteStream:
     """A stream open on a host, driven from the API process: each method one STREAM_CALL on
-    `call` (the host's, bound at open: hosts/remote.py)."""
+    `call` (the host's, bound at open: hosts/remote.py). `running_rows`, asked several times
+    per block, is asked of the host once after each `admit` or `block` (only they change it)."""
 
     def __init__(self, call: Callable[[Call], Any], resource_id: str, stream_id: int) -> None:
         self._host_call = call
         self.resource_id = resource_id
         self.stream_id = stream_id
         self._closed = False
+        self._rows: int | None = 0  # None: ask the host
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._closed:
@@ -106,16 +108,20 @@ class RemoteStream:
         return self._call("can_join", session_id)
 
     def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
+        self._rows = None
         return self._call("admit", items)
 
     def block(self) -> None:
+        self._rows = None
         self._call("block")
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         return self._call("take_finished")
 
     def running_rows(self) -> int:
-        return self._call("running_rows")
+        if self._rows is None:
+            self._rows = self._call("running_rows")
+        return self._rows
 
     def reserve_rows(self, rows: int) -> None:
         self._call("reserve_rows", rows)

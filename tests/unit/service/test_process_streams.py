@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import test_sample_streams
 from test_sample_streams import FB, LONG, SAMPLE, SHORT, STEP, Queue, assert_same, fb_request
 
 from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
@@ -81,6 +82,21 @@ def test_another_sessions_forward_backward_runs_in_the_worker_between_blocks(ser
     queue.drain()
     assert queue.finished_at(other) < queue.finished_at(long_id) < queue.finished_at(own)
     assert_same(queue.output(long_id), queue.alone(s, LONG))
+
+
+def test_a_weights_sync_in_a_worker_runs_between_blocks_and_its_sample_joins_after_it(services):
+    """The in-process test's queue and assertions, on a worker process."""
+    test_sample_streams.test_a_weights_sync_of_a_session_not_decoding_runs_between_blocks_before_its_sample(
+        services
+    )
+
+
+def test_a_pipeline_weights_sync_switches_the_running_rows_in_a_worker(services):
+    """The publish between blocks is a command of its own; the stream in the worker picks it
+    up at its next block (the in-process test's queue and assertions)."""
+    test_sample_streams.test_a_pipeline_weights_sync_switches_the_running_rows_at_a_block_boundary(
+        services
+    )
 
 
 def test_a_worker_killed_mid_stream_fails_its_operations_and_the_next_sample_runs(

@@ -93,6 +93,11 @@ class DecodeStream(Protocol):
     # pool; past it the running rows' KV reallocated (copied) while the old allocation exists.
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int: ...
 
+    # The pass ended (finished or failed): free the decode state (the pool) now; nothing is
+    # called on the stream after it. A stream in another process (hosts/remote_streams.py)
+    # lives there until closed.
+    def close(self) -> None: ...
+
 
 class Engine(Protocol):
     # The resolved device, never the `auto` of the config: `cpu`, or a CUDA product name.
@@ -170,8 +175,9 @@ class Engine(Protocol):
     ) -> list[list[SampleResult]]: ...
 
     # The step-wise form of sample_batch on the trainer's lane, for operations of sessions
-    # sampling what `session_id` samples; None where the engine cannot hand one out (its
-    # generators run in other processes or apart from the trainer): the scheduler then runs
+    # sampling what `session_id` samples (a worker process or trainer group keeps it there and
+    # is driven by commands: hosts/remote_streams.py); None where the engine cannot hand one
+    # out (generators apart from the trainer, Ray actors): the scheduler then runs
     # sample_batch over whole batches.
     def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None: ...
 

@@ -2,9 +2,10 @@
 decode block boundaries and finish as soon as their last sequence ended, and queued training
 runs between blocks.
 
-Where the engine hands out a DecodeStream (engine/interface.py: the in-process engine; process
-workers, Ray and generator lanes answer None and keep whole-batch passes), the scheduler's sample
-group runs here instead of one `sample_batch` call. Before every decode block:
+Where the engine hands out a DecodeStream (engine/interface.py: the in-process engine, and process
+workers and trainer groups through step-wise commands, hosts/remote_streams.py; Ray and generator
+lanes answer None and keep whole-batch passes), the scheduler's sample group runs here instead of
+one `sample_batch` call. Before every decode block:
 
 1. PIPELINE weights-syncs ready meanwhile publish (the mailbox's in-flight hook, as between the
    tokens of a whole-batch pass); the stream switches the running rows of their sessions.
@@ -113,7 +114,15 @@ class StreamPass:
         self.blocks = 0
 
     def run(self, passes: list[list[Ready]]) -> None:
-        """The group's passes (plan_passes), the first admitted now; until no row runs."""
+        """The group's passes (plan_passes), the first admitted now; until no row runs. The
+        stream is closed when it ends, also when it fails (its decode cache pool is freed; a
+        stream in a worker process lives there until then)."""
+        try:
+            self._run(passes)
+        finally:
+            self.stream.close()
+
+    def _run(self, passes: list[list[Ready]]) -> None:
         started = time.monotonic()
         first, *self._waiting = passes
         self._admit(first)

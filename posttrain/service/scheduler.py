@@ -238,5 +238,9 @@ class Scheduler:
         self.recorder.fail_unfinished([item.operation_id for item in group], exc)
         if isinstance(exc, WorkerDied) and self.on_worker_lost is not None:
             # On this worker thread, before the next queued operation: it finds its session
-            # restored, not a dead process (engine/hosts/worker_process.py).
-            self.on_worker_lost(resource_id)
+            # restored, not a dead process (engine/hosts/worker_process.py). Between a stream's
+            # blocks not yet: the stream's next call fails on the same dead host, and its
+            # group's failure restores every session once (now would restore the sessions
+            # it decodes under it, and again after it).
+            if not self.worker(resource_id).between_blocks_of_a_stream():
+                self.on_worker_lost(resource_id)

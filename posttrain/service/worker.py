@@ -268,6 +268,11 @@ class ResourceWorker:
             self._local.groups = []
         return self._local.groups
 
+    def between_blocks_of_a_stream(self) -> bool:
+        """Whether the group running on this thread runs between a sample stream's blocks
+        (nested in the stream's group)."""
+        return len(self._running()) > 1
+
     def between_blocks(
         self, decoding: set[str], may_join: Callable[[QueuedOperation], bool]
     ) -> list[QueuedOperation]:

@@ -171,6 +171,11 @@ class SampleStream:
         self._catch_up()
         self.decoding.block()
 
+    def close(self) -> None:
+        """The stream's pass ended: its decode cache (the pool) and rows are dropped now, not
+        when the last reference goes (a process host keeps its streams by id)."""
+        self.decoding.close()
+
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         """(id, one result per prompt) of the operations completed since the last call."""
         done = []
@@ -217,6 +222,9 @@ class SessionSampleStream:
 
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
         return self.stream.join_reserve_bytes(self._sessions(items))
+
+    def close(self) -> None:
+        self.stream.close()
 
     def _sessions(
         self, items: list[tuple[str, SampleRequest]]

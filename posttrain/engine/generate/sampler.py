@@ -205,6 +205,12 @@ class Decoding:
         self.pool_rows = 0
         self.admit(requests)
 
+    def close(self) -> None:
+        """Drop the decode state (rows, decode cache and its pool, the static pass): a
+        sample stream's pass ended. An `admit` after it starts a new batch."""
+        self.batch = self.cache = self.step = None
+        self.running, self.own_lengths = [], []
+
     def take_finished(self) -> list[tuple[int, SampleResult]]:
         """(index, result) of the requests completed since the last call."""
         done, self._finished = self._finished, []

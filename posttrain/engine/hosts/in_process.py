@@ -6,6 +6,8 @@ the trainer (train/trainer.py), the generator (generate/generator.py), the memor
 (memory/) or the checkpoint formats (checkpoint/). What a resource and a session hold is
 engine/state.py. A resource's methods run on its one worker thread (service/scheduler.py), so
 per-resource state needs no lock; only the resource table, changed from other threads, has one.
+Hosted in a worker process, it also keeps the decode streams its caller opened, by id
+(hosts/remote_streams.py's StreamHost).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from posttrain.engine.generate import generator
 from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.generate.sample_stream import SessionSampleStream, open_stream
 from posttrain.engine.hosts import full_weight_sessions
+from posttrain.engine.hosts.remote_streams import StreamHost
 from posttrain.engine.hosts.threads import use_intra_op_threads
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.engine.memory.footprint import (
@@ -57,7 +60,7 @@ from posttrain.types import (
 )
 
 
-class LocalEngine:
+class LocalEngine(StreamHost):
     writes_files = True  # False on a trainer group's ranks but rank 0 (trainer_group.py)
 
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:

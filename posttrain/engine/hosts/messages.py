@@ -39,6 +39,10 @@ class Command(StrEnum):
     LOAD_ADAPTER = "load_adapter"
     SAVE_FULL_MODEL = "save_full_model"
     GENERATOR_STATE = "generator_state"
+    # A decode stream driven step by step from the API process (hosts/remote_streams.py).
+    OPEN_STREAM = "open_stream"
+    STREAM_CALL = "stream_call"
+    CLOSE_STREAM = "close_stream"
     # Sizes and gradients, for operators, benchmarks and tests (hosts/in_process.py).
     RESOURCE_FOOTPRINT = "resource_footprint"
     SESSION_FOOTPRINT = "session_footprint"

@@ -10,12 +10,15 @@ Placement at `load_resource`, stopped by `unload_resource` or `close`. A host th
 makes `is_loaded` answer False, so the service can load the resource again, and a
 FORGETTING call on it does nothing (what it would drop died with it).
 
+A sample pass streams here too (continuous batching): `sample_stream` opens a decode stream in
+the host and drives it step by step (hosts/remote_streams.py).
+
 Two engines differ only in the host: `ProcessEngine` (here, `--workers process`) runs each
 resource in one worker process (hosts/worker_process.py); `TrainerGroupEngine`
 (hosts/trainer_group.py, `--trainer-ranks N`) in a group of N rank processes.
 
 Imports: config, errors, types, engine (interface, memory.footprint, hosts: in_process,
-local_placement, messages, placement).
+local_placement, messages, placement, remote_streams).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.local_placement import LocalPlacement
 from posttrain.engine.hosts.messages import FORGETTING, Call, Command
 from posttrain.engine.hosts.placement import TRAINER, Placement, WorkerHandle
+from posttrain.engine.hosts.remote_streams import RemoteStream
 from posttrain.engine.interface import DecodeStream, Headroom, ModelInfo
 from posttrain.engine.memory.footprint import ResourceFootprint, SessionFootprint
 from posttrain.errors import NotFound
@@ -210,10 +214,18 @@ class RemoteEngine(Generic[H]):
         return self._send(Command.SAMPLE_BATCH, resource_id, items, between_tokens=between_tokens)
 
     def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
-        """None: a decode stream's objects do not cross the process boundary (it would need
-        step-wise commands: open, admit, block, close), so samples run as whole batches in the
-        host, and training waits for them."""
-        return None
+        """A stream open in the resource's host, driven step by step (hosts/remote_streams.py):
+        samples join running generations and other sessions' training runs between blocks,
+        as in process. Bound to this host: if it dies, the stream's operations fail with its
+        WorkerDied. None on Ray actors (`--ray`): not tried there, so their samples stay whole
+        batches (a mid-sample PIPELINE publish cannot call back to this process there either)."""
+        if self.config.ray is not None:
+            return None
+        host = self._host(resource_id)
+        if host is None:
+            raise NotFound(f"model resource {resource_id} is not loaded")
+        stream_id = host.call(Call(Command.OPEN_STREAM, (resource_id, session_id)))
+        return RemoteStream(host.call, resource_id, stream_id)
 
     # ------------------------------------------------------------ memory and sizes
 

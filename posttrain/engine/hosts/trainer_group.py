@@ -66,10 +66,15 @@ from posttrain.types import MuonScaling
 # the next training command depends on. Not persist_session, save_training_state and
 # save_full_model: a sharded session's parameters, optimizer state and gradients
 # (parallel/fsdp.py) are gathered from every rank, so every rank takes part, and only rank 0
-# writes (RankEngine.writes_files).
+# writes (RankEngine.writes_files). A decode stream's commands (hosts/remote_streams.py) go
+# to rank 0 alone too, under the group's lock in the order they are made, as its samples do;
+# training between its blocks reaches every rank as always.
 RANK_ZERO = frozenset(
     {
         Command.SAMPLE_BATCH,
+        Command.OPEN_STREAM,
+        Command.STREAM_CALL,
+        Command.CLOSE_STREAM,
         Command.PEAK_BYTES,
         Command.HEADROOM,
         Command.RESOURCE_FOOTPRINT,

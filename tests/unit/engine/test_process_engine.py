@@ -16,8 +16,9 @@ from engine_calls import forward_backward, sample
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import durable
 from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.remote import ProcessEngine
-from posttrain.errors import InvalidRequest, NotFound, WorkerDied
+from posttrain.errors import EngineFailure, InvalidRequest, NotFound, WorkerDied
 from posttrain.types import (
     AdamParams,
     CustomForwardBackwardRequest,
@@ -165,3 +166,52 @@ def test_close_leaves_no_worker_process():
     engine.close()
     assert not any(p.is_alive() for p in processes)
     assert not engine.is_loaded("b")
+
+
+def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it():
+    """ProcessEngine.sample_stream: a stream open in the worker, driven call by call
+    (hosts/remote_streams.py), with a forward-backward of the same session between blocks;
+    closed, the worker holds it no more; a killed worker fails its calls, not its close."""
+    torch.manual_seed(0)
+    local = LocalEngine(CONFIG, MODELS)
+    local.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    local.create_session("r", "s", LORA)
+    expected = sample(local, "r", "s", PROMPT)
+    engine = ProcessEngine(CONFIG, MODELS)
+    try:
+        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+        engine.create_session("r", "s", LORA)
+        stream = engine.sample_stream("r", "s")
+        assert stream is not None and stream.can_join("s")
+        stream.reserve_rows(4)
+        (stream_id,) = stream.admit([("s", PROMPT)])
+        finished = stream.take_finished()
+        blocks = 0
+        while stream.running_rows():
+            forward_backward(engine, "r", "s", ForwardBackwardRequest(BATCH, CE))
+            stream.block()
+            blocks += 1
+            finished += stream.take_finished()
+        assert blocks >= 5 and finished == [(stream_id, expected)]
+        stream.close()
+        stream.close()  # idempotent
+        host = engine._host("r")
+        assert host is not None
+        with pytest.raises(EngineFailure, match="no decode stream 1 is open on r"):
+            host.call(Call(Command.STREAM_CALL, ("r", 1, "running_rows")))
+        with pytest.raises(EngineFailure, match="'close' is not a decode stream's method"):
+            host.call(Call(Command.STREAM_CALL, ("r", 1, "close")))
+
+        stream = engine.sample_stream("r", "s")
+        assert stream is not None
+        stream.admit([("s", PROMPT)])
+        worker = engine.worker_pid("r")
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match=f"\\(pid {worker}\\) was killed by signal 9"):
+            stream.block()
+        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)  # a new worker
+        with pytest.raises(WorkerDied, match=f"\\(pid {worker}\\)"):  # bound to the dead one
+            stream.running_rows()
+        stream.close()  # nothing left to free
+    finally:
+        engine.close()

@@ -318,3 +318,45 @@ def test_more_ranks_than_cores_is_a_start_up_error_naming_the_flag():
         check_trainer_ranks(too_many)
     assert raised.value.param == "trainer_ranks"
     check_trainer_ranks(GROUP if (os.cpu_count() or 1) >= 2 else CONFIG)
+
+
+def test_a_stream_on_rank_zero_lets_training_reach_every_rank_between_blocks(group):
+    """TrainerGroupEngine.sample_stream: the stream lives on rank 0 (hosts/remote_streams.py);
+    another session's forward-backward and optim-step between its blocks run on every rank.
+    The sample is what one process samples, the training what one process trains; a rank that
+    dies fails the group, and the stream's next call with it."""
+    local = LocalEngine(CONFIG, MODELS)
+    local.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    for session in ("a", "b"):
+        local.create_session("r", session, LORA)
+    expected = sample(local, "r", "a", PROMPT)
+    group.load_resource("s", BUILTIN_MODEL_ID, muon_scaling=None)
+    for session in ("a", "b"):
+        group.create_session("s", session, LORA)
+    stream = group.sample_stream("s", "a")
+    assert stream is not None
+    (stream_id,) = stream.admit([("a", PROMPT)])
+    finished, losses = stream.take_finished(), []
+    while stream.running_rows():
+        losses.append(forward_backward(group, "s", "b", ForwardBackwardRequest(TWO, CE)).loss)
+        group.optim_step("s", "b", STEP)
+        stream.block()
+        finished += stream.take_finished()
+    stream.close()
+    assert finished == [(stream_id, expected)]
+    wants = []
+    for _ in losses:  # each loss is gathered from both ranks' rows: both trained alike
+        wants.append(forward_backward(local, "r", "b", ForwardBackwardRequest(TWO, CE)).loss)
+        local.optim_step("r", "b", STEP)
+    assert len(losses) >= 5 and close(losses, wants)
+
+    stream = group.sample_stream("s", "a")
+    assert stream is not None
+    stream.admit([("a", PROMPT)])
+    os.kill(group.rank_pids("s")[1], signal.SIGKILL)
+    with pytest.raises(WorkerDied, match="rank 1 of the trainer group of model resource s"):
+        forward_backward(group, "s", "b", ForwardBackwardRequest(TWO, CE))
+    with pytest.raises(WorkerDied, match="rank 1 of the trainer group of model resource s"):
+        stream.block()
+    stream.close()  # nothing left to free
+    group.unload_resource("s")

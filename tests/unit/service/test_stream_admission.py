@@ -38,6 +38,8 @@ class CountingStream:
     rows: dict[int, int] = field(default_factory=dict)
     requests: dict[int, SampleRequest] = field(default_factory=dict)
     done: list[int] = field(default_factory=list)
+    closed: bool = False
+    fail: bool = False  # block raises
 
     def can_join(self, session_id: str) -> bool:
         return True
@@ -53,6 +55,8 @@ class CountingStream:
         return ids
 
     def block(self) -> None:
+        if self.fail:
+            raise RuntimeError("the decode block failed")
         for stream_id in list(self.left):
             self.left[stream_id] -= 1
             if self.left[stream_id] == 0:
@@ -81,15 +85,19 @@ class CountingStream:
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
         return self.reserve
 
+    def close(self) -> None:
+        self.closed = True
+
 
 @dataclass
 class StreamingEngine(FakeEngine):
     reserve: int = 0
     row_bytes: int = 0
     streams: list[CountingStream] = field(default_factory=list)
+    fail: bool = False
 
     def sample_stream(self, resource_id: str, session_id: str) -> CountingStream:  # type: ignore[override]
-        self.streams.append(CountingStream(self.reserve, self.row_bytes))
+        self.streams.append(CountingStream(self.reserve, self.row_bytes, fail=self.fail))
         return self.streams[-1]
 
 
@@ -147,3 +155,21 @@ def test_a_stream_starts_with_a_pool_sized_by_memory_admission(tmp_path):
             assert [stream.pool for stream in engine.streams] == [pool]
         finally:
             wired.scheduler.close()
+
+
+def test_a_stream_is_closed_when_its_pass_ends_and_when_it_fails(tmp_path):
+    engine = StreamingEngine(free_bytes=10)
+    wired = wire(tmp_path, engine)
+    try:
+        rid = wired.resource()
+        s = wired.session(rid)
+        done = wired.submit(s, OperationKind.SAMPLE, request(2, 3), "done")
+        wired.drain(rid)
+        engine.fail = True
+        failed = wired.submit(s, OperationKind.SAMPLE, request(2, 3), "failed")
+        wired.drain(rid)
+        assert wired.op(done).status == OperationStatus.COMPLETED
+        assert wired.op(failed).status == OperationStatus.FAILED
+        assert [stream.closed for stream in engine.streams] == [True, True]
+    finally:
+        wired.scheduler.close()

@@ -1,0 +1,143 @@
+"""A decode stream (engine/interface.py's DecodeStream) whose engine lives in another process:
+the host keeps each open stream by id (`StreamHost`, part of LocalEngine), and the API process
+drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through three
+Commands: OPEN_STREAM, STREAM_CALL (one DecodeStream method and its arguments) and
+CLOSE_STREAM.
+
+Between two of a stream's commands the host serves any other (another session's training
+between blocks, a PIPELINE publish), as the in-process engine does between blocks: the
+stream's state (its rows, its decode cache pool) stays in the host's engine until the stream is
+closed. One thread drives a stream (service/sample_streams.py's StreamPass), so its commands
+reach the host in the order they were made; a trainer group sends them to rank 0 alone
+(hosts/trainer_group.py RANK_ZERO), where samples run.
+
+A stream is bound to the host it was opened on: once that host died, every operation of the
+stream fails with the host's WorkerDied (INTERNAL_ERROR naming the process), even after the
+resource was loaded again elsewhere (a new host never saw the stream); closing it then does
+nothing (its pool died with the process).
+
+Imports: errors, types, engine (interface, hosts.messages).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from posttrain.engine.hosts.messages import Call, Command
+from posttrain.engine.interface import DecodeStream
+from posttrain.errors import EngineFailure, WorkerDied
+from posttrain.types import SampleRequest, SampleResult
+
+# What STREAM_CALL may run on a host's stream: the DecodeStream protocol but `close`.
+STREAM_METHODS = frozenset(
+    {
+        "can_join",
+        "admit",
+        "block",
+        "take_finished",
+        "running_rows",
+        "reserve_rows",
+        "pool_row_bytes",
+        "join_reserve_bytes",
+    }
+)
+
+
+class StreamHost:
+    """The host's side (a base of LocalEngine): the streams opened by its caller, by id."""
+
+    _streams: dict[int, tuple[str, DecodeStream]]
+    _stream_ids: itertools.count
+
+    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
+        raise NotImplementedError
+
+    def _table(self) -> dict[int, tuple[str, DecodeStream]]:
+        if not hasattr(self, "_streams"):  # made at first use: the engine's __init__ stays
+            self._streams, self._stream_ids = {}, itertools.count(1)
+        return self._streams
+
+    def open_stream(self, resource_id: str, session_id: str) -> int:
+        """An idle stream of the resource on the model `session_id` samples; its id (never
+        reused, so a stale caller never reaches another stream)."""
+        streams = self._table()
+        stream = self.sample_stream(resource_id, session_id)
+        assert stream is not None, "a host's engine streams in its own process"
+        stream_id = next(self._stream_ids)
+        streams[stream_id] = (resource_id, stream)
+        return stream_id
+
+    def stream_call(self, resource_id: str, stream_id: int, method: str, *args: Any) -> Any:
+        """One DecodeStream method of an open stream (STREAM_METHODS)."""
+        if method not in STREAM_METHODS:
+            raise EngineFailure(f"{method!r} is not a decode stream's method")
+        owner, stream = self._table().get(stream_id, (None, None))
+        if owner != resource_id or stream is None:
+            raise EngineFailure(f"no decode stream {stream_id} is open on {resource_id}")
+        return getattr(stream, method)(*args)
+
+    def close_stream(self, resource_id: str, stream_id: int) -> None:
+        """The stream's pass ended: drop its decode state (idempotent)."""
+        owner, stream = self._table().get(stream_id, (None, None))
+        if owner == resource_id and stream is not None:
+            del self._streams[stream_id]
+            stream.close()
+
+
+class RemoteStream:
+    """A stream open on a host, driven from the API process: each method one STREAM_CALL on
+    `call` (the host's, bound at open: hosts/remote.py). `running_rows`, asked several times
+    per block, is asked of the host once after each `admit` or `block` (only they change it)."""
+
+    def __init__(self, call: Callable[[Call], Any], resource_id: str, stream_id: int) -> None:
+        self._host_call = call
+        self.resource_id = resource_id
+        self.stream_id = stream_id
+        self._closed = False
+        self._rows: int | None = 0  # None: ask the host
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._closed:
+            raise EngineFailure(f"decode stream {self.stream_id} of {self.resource_id} is closed")
+        args = (self.resource_id, self.stream_id, method, *args)
+        return self._host_call(Call(Command.STREAM_CALL, args))
+
+    def can_join(self, session_id: str) -> bool:
+        return self._call("can_join", session_id)
+
+    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
+        self._rows = None
+        return self._call("admit", items)
+
+    def block(self) -> None:
+        self._rows = None
+        self._call("block")
+
+    def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
+        return self._call("take_finished")
+
+    def running_rows(self) -> int:
+        if self._rows is None:
+            self._rows = self._call("running_rows")
+        return self._rows
+
+    def reserve_rows(self, rows: int) -> None:
+        self._call("reserve_rows", rows)
+
+    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self._call("pool_row_bytes", items)
+
+    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self._call("join_reserve_bytes", items)
+
+    def close(self) -> None:
+        """Free the stream's decode state on its host; nothing to free where the host died."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._host_call(Call(Command.CLOSE_STREAM, (self.resource_id, self.stream_id)))
+        except WorkerDied:
+            pass  # its decode state died with the process

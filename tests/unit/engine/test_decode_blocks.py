@@ -228,11 +228,14 @@ def test_every_static_pass_of_a_layout_runs_the_same_operations_on_the_same_shap
     monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 8)
     monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", True)
     traces: dict[int, list[list[tuple]]] = {}
+    steps: list[DecodeStep] = []  # kept alive: a collected step's id could name a later one
     run_pass = DecodeStep._pass
 
     def traced(step) -> None:
         with _Trace() as trace:
             run_pass(step)
+        if id(step) not in traces:
+            steps.append(step)
         traces.setdefault(id(step), []).append(trace.ops)
 
     monkeypatch.setattr(DecodeStep, "_pass", traced)

@@ -169,9 +169,16 @@ def test_forward_backward_estimate_bounds_the_measured_peak(
     tmp_path, overrides, rows, tokens, forward_only
 ):
     directory = build_model(tmp_path / "model", overrides)
-    result = measure(directory, "forward-backward", rows, tokens, forward_only=forward_only)
+    # The larger of two fresh measurements: a pass whose pages happen to be resident already
+    # reads low (a CI run measured 0.81x of the usual for the forward-only case), and the
+    # larger is also the stricter for `added <= estimated`.
+    results = [
+        measure(directory, "forward-backward", rows, tokens, forward_only=forward_only)
+        for _ in range(2)
+    ]
+    result = max(results, key=lambda r: r["added"])
     added, estimated = result["added"], result["estimated"]
-    assert added <= estimated <= MAX_OVERESTIMATE * added, result
+    assert added <= estimated <= MAX_OVERESTIMATE * added, results
 
 
 def test_sample_estimate_bounds_the_measured_peak_of_its_kv_cache(tmp_path):

@@ -195,10 +195,15 @@ class FsdpShards:
         )
         return {"inputs_embeds": embedded.reshape(*ids.shape, -1)}
 
+    def _slice_rows(self, rows: int) -> list[int]:
+        """Each rank's number of rows of a tensor of `rows` rows sharded on dim 0 (torch.chunk's
+        split, as FSDP2's; ranks past the last chunk hold none)."""
+        counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
+        return counts + [0] * (self.group.world - len(counts))
+
     def _first_row(self, weight: Tensor) -> int:
-        """The first row of this rank's dim-0 slice (torch.chunk's split, as FSDP2's)."""
-        counts = [len(c) for c in torch.arange(weight.shape[0]).chunk(self.group.world)]
-        return sum(counts[: self.group.rank])
+        """The first row of this rank's dim-0 slice."""
+        return sum(self._slice_rows(weight.shape[0])[: self.group.rank])
 
     def head_logprobs(self, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor | None:
         """float32 logprobs of `targets` ([..., T]) at `hidden` ([..., T, H]) from each rank's
@@ -289,9 +294,7 @@ class FsdpShards:
         plain tensor as it is."""
         if not isinstance(tensor, DTensor):
             return tensor.detach()
-        rows = tensor.shape[0]
-        counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
-        counts += [0] * (self.group.world - len(counts))
+        counts = self._slice_rows(tensor.shape[0])
         piece = tensor.to_local()
         padded = piece.new_zeros((counts[0], *tensor.shape[1:]))
         padded[: piece.shape[0]] = piece

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from posttrain.model.attention import SharedPrefixAttention
-from posttrain.model.kv_cache import KVCache
+from posttrain.model.kv_cache import KVCache, fill_holes
 
 
 def _bias(visible_BQK: Tensor, width: int, *, check: bool = True) -> Tensor | None:
@@ -213,10 +213,14 @@ class FanoutKVCache:
         self.group_ids_B = [self.group_ids_B[i] for i in rows_R.tolist()]
         live = dict.fromkeys(self.group_ids_B)
         if len(live) < len(self.prefix_row):
-            order = sorted(live, key=self.prefix_row.__getitem__)
-            sources = [self.prefix_row[g] for g in order]
-            self.prefix.keep(torch.tensor(sources, dtype=torch.int64, device=self.own.kv.device))
-            self.prefix_row = {g: row for row, g in enumerate(order)}
+            # The dead prompts' rows are filled from the end, as the own rows are: a stream
+            # frees a prompt at almost every block, and shifting every later prompt down by
+            # one copied all of them each time. With one row per prompt both parts move
+            # alike, so a prompt stays at its row's position (the identity layout).
+            order = fill_holes(sorted(self.prefix_row[g] for g in live))
+            self.prefix.keep(torch.tensor(order, dtype=torch.int64, device=self.own.kv.device))
+            moved_to = {row: position for position, row in enumerate(order)}
+            self.prefix_row = {g: moved_to[self.prefix_row[g]] for g in live}
         self._reset_layout()
 
     def join(

@@ -38,6 +38,15 @@ from torch import Tensor
 from posttrain.model.kv_shape import KVShape
 
 
+def fill_holes(keep: list[int]) -> list[int]:
+    """A new order of the batch positions in `keep` (ascending) that leaves every kept position
+    below len(keep) in place and moves the ones beyond into the holes: the fewest row copies."""
+    count = len(keep)
+    staying = {i for i in keep if i < count}
+    movers = iter(i for i in keep if i >= count)
+    return [i if i in staying else next(movers) for i in range(count)]
+
+
 class KVCache:
     """Keys and values of `num_rows` sequences of up to `capacity` positions each."""
 

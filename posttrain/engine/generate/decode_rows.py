@@ -69,6 +69,9 @@ class LiveRows:
         self.last_tokens_B: Tensor | None = None  # set by the sampler after each draw
         self._ahead_BC: Tensor | None = None
         self._column = 0
+        # Uniforms a row drew before it joined beyond the batch's columns: they come first at
+        # its next draw ahead (join). Keyed by row (index into rows).
+        self._carry: dict[int, Tensor] = {}
         self._host: Tensor | None = None  # pinned result buffer (CUDA only)
         self._refresh()
 
@@ -85,6 +88,8 @@ class LiveRows:
     def keep(self, positions: list[int]) -> None:
         """Batch position i becomes old position positions[i]; the others leave."""
         self.live = [self.live[i] for i in positions]
+        if self._carry:
+            self._carry = {r: self._carry[r] for r in self.live if r in self._carry}
         index = torch.tensor(positions, dtype=torch.int64, device=self.device)
         if self._ahead_BC is not None:
             self._ahead_BC = self._ahead_BC.index_select(0, index)
@@ -95,31 +100,52 @@ class LiveRows:
     def join(self, other: LiveRows) -> None:
         """Append the live rows of `other` (rows of the same call that started apart: a
         request joining at a block boundary) after this batch's. Each row keeps its own
-        stream: the uniforms it drew ahead and has not used come first, then, to give every
-        row as many columns as the widest, further draws of its own generator, which is
-        exactly what it would have drawn next alone."""
+        stream: the running rows keep the columns they drew ahead; a joining row's unused
+        uniforms fill the same columns, topped up from its own generator if it has fewer
+        (exactly what it would have drawn next alone) and, if it has more, the rest wait in
+        its carry for the next draw ahead. So a join costs a step per joining row, not per
+        running row: a stream joins at almost every block beside hundreds of rows."""
         assert other.rows is self.rows, "rows of one call"
-        leftovers = [*self._leftovers(), *other._leftovers()]
-        width = max((len(left) for left in leftovers), default=0)
-        self.live = self.live + other.live
-        ahead_BC = torch.zeros(len(self.live), width)
-        for i, (r, left) in enumerate(zip(self.live, leftovers, strict=True)):
-            ahead_BC[i, : len(left)] = left
-            generator = self.rows[r].generator
-            if generator is not None and len(left) < width:
-                torch.rand(width - len(left), generator=generator, out=ahead_BC[i, len(left) :])
-        self._ahead_BC = ahead_BC.to(self.device) if width else None
+        width = self._columns_left()
+        joining_NC = torch.zeros(len(other.live), width)
+        for j, (r, pending) in enumerate(zip(other.live, other._pending(), strict=True)):
+            taken = min(width, len(pending))
+            joining_NC[j, :taken] = pending[:taken]
+            if len(pending) > width:
+                self._carry[r] = pending[width:]
+            elif taken < width and (generator := self.rows[r].generator) is not None:
+                torch.rand(width - taken, generator=generator, out=joining_NC[j, taken:])
+        if width:
+            assert self._ahead_BC is not None
+            running_BC = self._ahead_BC[:, self._column :]
+            self._ahead_BC = torch.cat([running_BC, joining_NC.to(self.device)])
+        else:
+            self._ahead_BC = None
         self._column = 0
+        self.live = self.live + other.live
         assert self.last_tokens_B is not None and other.last_tokens_B is not None
         self.last_tokens_B = torch.cat([self.last_tokens_B, other.last_tokens_B])
         self._refresh()
 
-    def _leftovers(self) -> list[Tensor]:
-        """The uniforms each live row drew ahead and has not used yet (on the CPU)."""
+    def _columns_left(self) -> int:
+        """Columns drawn ahead that the live rows have not used yet (0 for a greedy batch,
+        which draws nothing)."""
         if self._ahead_BC is None or self.kind == GREEDY:
-            # A greedy batch draws nothing: its rows have no generator.
-            return [torch.zeros(0) for _ in self.live]
-        return list(self._ahead_BC[:, self._column :].cpu())
+            return 0
+        return self._ahead_BC.shape[1] - self._column
+
+    def _pending(self) -> list[Tensor]:
+        """Each live row's uniforms drawn and not used yet, in order (on the CPU): its
+        columns left, then its carry."""
+        width = self._columns_left()
+        left_BC = self._ahead_BC[:, self._column :].cpu() if width else None
+        pending = []
+        for i, r in enumerate(self.live):
+            parts = [left_BC[i]] if left_BC is not None else []
+            if r in self._carry:
+                parts.append(self._carry[r])
+            pending.append(torch.cat(parts) if parts else torch.zeros(0))
+        return pending
 
     def uniforms(self) -> Tensor:
         """This step's uniform of every live row [B] (0 for greedy rows, unused)."""
@@ -137,9 +163,15 @@ class LiveRows:
         rows = [self.rows[r] for r in self.live]
         count = min(DRAWS_AHEAD, max(r.max_tokens - len(r.tokens) for r in rows))
         block_BC = torch.zeros(len(rows), count)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                torch.rand(count, generator=row.generator, out=block_BC[i])
+        for i, (r, row) in enumerate(zip(self.live, rows, strict=True)):
+            drawn = 0
+            if (carry := self._carry.pop(r, None)) is not None:
+                drawn = min(count, len(carry))
+                block_BC[i, :drawn] = carry[:drawn]
+                if len(carry) > count:
+                    self._carry[r] = carry[count:]
+            if row.generator is not None and drawn < count:
+                torch.rand(count - drawn, generator=row.generator, out=block_BC[i, drawn:])
         self._ahead_BC = block_BC.to(self.device, non_blocking=True)
         self._column = 0
 

@@ -85,6 +85,7 @@ from posttrain.engine.generate.prefill import (
 from posttrain.engine.state import WeightsVersion
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
+from posttrain.model.kv_cache import fill_holes
 from posttrain.model.static_decode_cache import StaticDecodeCache
 from posttrain.types import (
     SampleResult,
@@ -314,7 +315,7 @@ class Decoding:
         self._settle(batch.live)
         if running and not (self.static and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
-                order = _fill_holes(running)
+                order = fill_holes(running)
                 cache.keep(torch.tensor(order, dtype=torch.int64, device=self.device))
                 batch.keep(order)
                 self.own_lengths = [self.own_lengths[i] for i in order]
@@ -389,12 +390,3 @@ def _keeps_layout(running: int, rows: int) -> bool:
     until at most half the rows run, so a batch changes shape, and a new pass is captured,
     at most log2(rows) times instead of at every finished row."""
     return running > rows // 2
-
-
-def _fill_holes(keep: list[int]) -> list[int]:
-    """A new order of the batch positions in `keep` (ascending) that leaves every kept position
-    below len(keep) in place and moves the ones beyond into the holes: the fewest row copies."""
-    count = len(keep)
-    staying = {i for i in keep if i < count}
-    movers = iter(i for i in keep if i >= count)
-    return [i if i in staying else next(movers) for i in range(count)]

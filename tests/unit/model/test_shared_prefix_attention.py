@@ -147,6 +147,25 @@ def test_keep_frees_prefixes_no_row_reads_and_keeps_the_rest_intact():
     assert prefix_lengths_B.tolist() == [4, 4]
 
 
+def test_keep_fills_a_dead_prompts_row_from_the_end_and_leaves_the_others_in_place():
+    # A stream frees a prompt at almost every block: the rows after it must not all shift.
+    prefix = kv_cache(5, 3, layers=1, heads=1, head_dim=2)
+    for row in range(5):
+        prefix.write_span(row, 0, torch.full((1, 2, 1, 3, 2), float(row)))
+    own = kv_cache(5, 2, layers=1, heads=1, head_dim=2)
+    cache = FanoutKVCache(prefix, [10, 11, 12, 13, 14], own, [10, 11, 12, 13, 14])
+    assert cache._group_layout()[0] is None
+    cache.keep(torch.tensor([0, 4, 2, 3]))  # the row of prompt 11 ended: the last fills it
+    assert cache.group_ids_B == [10, 14, 12, 13]
+    assert cache.prefix_row == {10: 0, 14: 1, 12: 2, 13: 3}
+    assert prefix.num_rows == 4
+    # Prompts 12 and 13 stayed in their rows (shifting them down copied every later prompt).
+    for row, value in enumerate([0.0, 4.0, 2.0, 3.0]):
+        assert bool((prefix.kv[:, :, row, :, :3] == value).all())
+    slot_B, rows_per_group, _ = cache._group_layout()
+    assert slot_B is None and rows_per_group == 1  # prompt b still serves row b
+
+
 def test_the_installed_implementation_is_sdpa_for_ordinary_masks():
     model = AutoModelForCausalLM.from_pretrained(BUILTIN_MODEL_DIR, dtype=torch.float32).eval()
     ids = torch.randint(3, 99, (2, 10), generator=torch.Generator().manual_seed(0))

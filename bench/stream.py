@@ -33,11 +33,22 @@ numbers are the baseline of continuous batching (operations joining a running ge
   the long operation, submitted the same way, against its solo latency.
 - **Single large operation alone**: the long operation's solo latency (a joining sampler must
   not slow it).
+- **Agents** (closed loop): --agents clients, each submitting --turns one-sample operations one
+  after another (the next as soon as the last returned, as an asynchronous RL loop's rollout
+  workers or an agent's turns do), each asking for a number of new tokens drawn uniformly from
+  --agent-tokens (rollouts end at different lengths; EOS may end them sooner). Each client
+  always has one operation in flight, so the sampler is saturated by construction: completed
+  operations/s and tokens/s here are throughput at saturation for a loop of that many
+  concurrent rollouts. Per agent count: completed ops/s (ops / (last result - first submit)),
+  generated tokens/s, latency median and p90. The draws depend only on the seeds, so two
+  servers get the same requests.
 
 Targets (for continuous batching, not today's sampler): completed ops/s >= 2x today's at the
-load where today's saturates; a late arrival's first token within 2 decode blocks (latency about
-its own generation, not the long one's remainder); the forward-backward within 2x its solo time
-plus one decode block; the large operation alone no slower than today within noise.
+load where today's saturates (the agents section's closed loop is saturated by construction; a
+finite stream at a fixed rate is bounded by its arrivals, see docs/benchmarks.md); a late
+arrival's first token within 2 decode blocks (latency about its own generation, not the long
+one's remainder); the forward-backward within 2x its solo time plus one decode block; the
+large operation alone no slower than today within noise.
 
 Medians over --reps repetitions, after one untimed warm-up of each operation shape. The server
 inherits OMP_NUM_THREADS; its intra-op threads are printed (--server-threads passes --threads).
@@ -45,6 +56,7 @@ JSON of every number on the last line.
 
     OMP_NUM_THREADS=1 python bench/stream.py                  # tiny and qwen3-40m
     OMP_NUM_THREADS=1 python bench/stream.py --models tiny --loads 0.5 1 2 4 8
+    OMP_NUM_THREADS=1 python bench/stream.py --models tiny --sections agents --agents 16 32
     python bench/stream.py --quick                            # smoke run: tiny, small, 1 rep
 """
 
@@ -197,6 +209,57 @@ def run_stream(
 
     with ThreadPoolExecutor(max_workers=args.ops) as pool:
         return list(pool.map(one, range(args.ops)))
+
+
+def run_agents(driver: Driver, args: argparse.Namespace, agents: int, seed: int) -> list[Op]:
+    """`agents` clients each submitting --turns one-sample operations one after another: the
+    next as soon as the last returned (a closed loop), each with a fresh prompt and a number of
+    new tokens drawn from --agent-tokens, seeded by (seed, agent, turn)."""
+    low, high = args.agent_tokens
+
+    def agent(index: int) -> list[Op]:
+        rng = random.Random(1_000_003 * seed + index)
+        ops = []
+        for turn in range(args.turns):
+            prompt = driver.prompt(rng, args.prompt_tokens)
+            new_tokens = rng.randint(low, high)
+            ops.append(driver.sample([prompt], 1, new_tokens, 10_000 * index + turn))
+        return ops
+
+    with ThreadPoolExecutor(max_workers=agents) as pool:
+        return [op for ops in pool.map(agent, range(agents)) for op in ops]
+
+
+def agents_section(driver: Driver, args: argparse.Namespace, solo_short: float) -> dict:
+    low, high = args.agent_tokens
+    rows = []
+    for agents in args.agents:
+        runs = [run_agents(driver, args, agents, rep) for rep in range(args.reps)]
+        spans = [max(o.finished for o in r) - min(o.submitted for o in r) for r in runs]
+        latencies = [o.latency for r in runs for o in r]
+        row = {
+            "agents": agents,
+            "turns": args.turns,
+            "completed_ops_s": statistics.median(
+                len(r) / span for r, span in zip(runs, spans, strict=True)
+            ),
+            "tokens_s": statistics.median(
+                sum(o.tokens for o in r) / span for r, span in zip(runs, spans, strict=True)
+            ),
+            "latency_median_s": statistics.median(latencies),
+            "latency_p90_s": percentile(latencies, 0.9),
+            "tokens_per_op": statistics.mean(o.tokens for r in runs for o in r),
+        }
+        rows.append(row)
+        print(
+            f"{agents:3d} agents x {args.turns} turns ({low}-{high} new tokens each, closed"
+            f" loop): {row['completed_ops_s']:6.2f} ops/s completed,"
+            f" {row['tokens_s']:7.1f} tokens/s ({row['tokens_per_op']:.1f} per op); latency"
+            f" median {row['latency_median_s'] * 1e3:.0f} ms, p90"
+            f" {row['latency_p90_s'] * 1e3:.0f} ms",
+            flush=True,
+        )
+    return {"agent_tokens": [low, high], "rows": rows}
 
 
 def during_long(
@@ -392,7 +455,7 @@ def bench_model(name: str, args: argparse.Namespace, extra: tuple[str, ...]) -> 
                 for i in range(max(3, args.reps))
             )
             print(f"\n{name}:", flush=True)
-            sections = {"stream": stream_section, "long": long_section}
+            sections = {"stream": stream_section, "long": long_section, "agents": agents_section}
             return {key: sections[key](driver, args, solo) for key in args.sections}
 
 
@@ -413,7 +476,20 @@ def main() -> None:
         " offer the same arrivals to two servers run at different times",
     )
     parser.add_argument(
-        "--sections", nargs="+", choices=["stream", "long"], default=["stream", "long"]
+        "--sections",
+        nargs="+",
+        choices=["stream", "long", "agents"],
+        default=["stream", "long", "agents"],
+    )
+    parser.add_argument("--agents", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--turns", type=int, default=6, help="operations per agent, in sequence")
+    parser.add_argument(
+        "--agent-tokens",
+        type=int,
+        nargs=2,
+        default=[8, 128],
+        metavar=("LOW", "HIGH"),
+        help="each agent operation's max_tokens, drawn uniformly from LOW..HIGH",
     )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -430,6 +506,7 @@ def main() -> None:
         args.models, args.ops, args.loads, args.burst, args.reps = ["tiny"], 4, [2.0], 2, 1
         args.new_tokens, args.long_samples, args.long_tokens, args.fb_batch = 4, 4, 16, 2
         args.prompt_tokens, args.fb_tokens = 8, 8
+        args.agents, args.turns, args.agent_tokens = [2], 2, [2, 6]
     extra = () if args.server_threads is None else ("--threads", str(args.server_threads))
     print(
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, usable cores"

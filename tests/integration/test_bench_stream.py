@@ -1,5 +1,6 @@
 """bench/stream.py runs end to end on its smoke settings: it states its threads, prints a row
-per arrival pattern, the late-arrival and forward-backward lines, and JSON of every number.
+per arrival pattern, the late-arrival and forward-backward lines, a row per agent count, and
+JSON of every number.
 
 A smoke test of the script, not of its numbers: nothing here asserts on wall-clock times.
 """
@@ -25,9 +26,12 @@ def test_stream_quick_run_prints_every_section_and_json():
         assert re.search(row, out, re.M), out
     assert re.search(r"^late one-sample op: \d+\.\d\d s \(long op's remaining", out, re.M), out
     assert re.search(r"^forward-backward of another session: \d+\.\d\d s during", out, re.M), out
+    agents_row = r"^  2 agents x 2 turns \(2-6 new tokens each, closed loop\): +\d+\.\d\d ops/s"
+    assert re.search(agents_row, out, re.M), out
     results = json.loads(out.strip().splitlines()[-1])
     assert set(results) == {"tiny"}
     stream, long = results["tiny"]["stream"], results["tiny"]["long"]
+    agents = results["tiny"]["agents"]
     assert [(r["pattern"], r["load"]) for r in stream["rows"]] == [
         ("steady", 2.0),
         ("burst", 2.0),
@@ -41,3 +45,9 @@ def test_stream_quick_run_prints_every_section_and_json():
     for key in ("long_solo_s", "decode_block_s", "late_latency_s", "fb_solo_s", "fb_during_s"):
         assert long[key] > 0, key
     assert long["late_while_running"] in (0, 1)  # of one repetition
+    assert agents["agent_tokens"] == [2, 6]
+    [row] = agents["rows"]
+    assert (row["agents"], row["turns"]) == (2, 2)
+    assert row["completed_ops_s"] > 0 and row["tokens_s"] > 0
+    assert 0 < row["latency_median_s"] <= row["latency_p90_s"]
+    assert 1 <= row["tokens_per_op"] <= 6  # each asks for 2 to 6 new tokens, EOS may end one

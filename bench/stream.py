@@ -500,6 +500,11 @@ def main() -> None:
     parser.add_argument("--fb-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--server-threads", type=int, default=None, help="the server's --threads")
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more `posttrain serve` arguments, e.g. '--workers process' (printed)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny, small, 1 rep")
     args = parser.parse_args()
     if args.quick:
@@ -508,10 +513,12 @@ def main() -> None:
         args.prompt_tokens, args.fb_tokens = 8, 8
         args.agents, args.turns, args.agent_tokens = [2], 2, [2, 6]
     extra = () if args.server_threads is None else ("--threads", str(args.server_threads))
+    extra += tuple(args.serve_args.split())
     print(
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, usable cores"
         f" {usable_cores()}, server intra-op threads {intra_op_threads(args.server_threads)},"
-        f" load average at start {os.getloadavg()[0]:.2f}; {args.ops} ops per stream,"
+        f" load average at start {os.getloadavg()[0]:.2f}; serve args {list(extra)};"
+        f" {args.ops} ops per stream,"
         f" {args.prompt_tokens} prompt + {args.new_tokens} new tokens each, {args.reps} reps"
     )
     results = {name: bench_model(name, args, extra) for name in args.models}

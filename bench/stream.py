@@ -37,11 +37,12 @@ numbers are the baseline of continuous batching (operations joining a running ge
   after another (the next as soon as the last returned, as an asynchronous RL loop's rollout
   workers or an agent's turns do), each asking for a number of new tokens drawn uniformly from
   --agent-tokens (rollouts end at different lengths; EOS may end them sooner). Each client
-  always has one operation in flight, so the sampler is saturated by construction: completed
-  operations/s and tokens/s here are throughput at saturation for a loop of that many
-  concurrent rollouts. Per agent count: completed ops/s (ops / (last result - first submit)),
-  generated tokens/s, latency median and p90. The draws depend only on the seeds, so two
-  servers get the same requests.
+  always has one operation in flight, so the sampler is saturated by construction: operations/s
+  and tokens/s completed while every agent still runs (from the first submit to the first
+  agent's last result: `saturated`) are throughput at saturation for a loop of that many
+  concurrent rollouts; over the whole run (ops / (last result - first submit)) they include
+  the ramp-down, where fewer agents remain. Also latency median and p90. The draws depend only
+  on the seeds, so two servers get the same requests.
 
 Targets (for continuous batching, not today's sampler): completed ops/s >= 2x today's at the
 load where today's saturates (the agents section's closed loop is saturated by construction; a
@@ -211,10 +212,10 @@ def run_stream(
         return list(pool.map(one, range(args.ops)))
 
 
-def run_agents(driver: Driver, args: argparse.Namespace, agents: int, seed: int) -> list[Op]:
+def run_agents(driver: Driver, args: argparse.Namespace, agents: int, seed: int) -> list[list[Op]]:
     """`agents` clients each submitting --turns one-sample operations one after another: the
     next as soon as the last returned (a closed loop), each with a fresh prompt and a number of
-    new tokens drawn from --agent-tokens, seeded by (seed, agent, turn)."""
+    new tokens drawn from --agent-tokens, seeded by (seed, agent, turn). Each agent's Ops."""
     low, high = args.agent_tokens
 
     def agent(index: int) -> list[Op]:
@@ -227,7 +228,18 @@ def run_agents(driver: Driver, args: argparse.Namespace, agents: int, seed: int)
         return ops
 
     with ThreadPoolExecutor(max_workers=agents) as pool:
-        return [op for ops in pool.map(agent, range(agents)) for op in ops]
+        return list(pool.map(agent, range(agents)))
+
+
+def saturated(per_agent: list[list[Op]]) -> tuple[float, float]:
+    """(operations/s, tokens/s) completed while every agent still had an operation in flight:
+    from the first submit until the first agent's last result. After it fewer clients remain
+    (a finite benchmark's ramp-down, which a running RL loop never has), so the sampler is no
+    longer saturated; a sampler that completes every batch at once has no ramp-down."""
+    start = min(ops[0].submitted for ops in per_agent)
+    end = min(ops[-1].finished for ops in per_agent)
+    done = [o for ops in per_agent for o in ops if o.finished <= end]
+    return len(done) / (end - start), sum(o.tokens for o in done) / (end - start)
 
 
 def agents_section(driver: Driver, args: argparse.Namespace, solo_short: float) -> dict:
@@ -235,28 +247,29 @@ def agents_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
     rows = []
     for agents in args.agents:
         runs = [run_agents(driver, args, agents, rep) for rep in range(args.reps)]
-        spans = [max(o.finished for o in r) - min(o.submitted for o in r) for r in runs]
-        latencies = [o.latency for r in runs for o in r]
+        flat = [[o for ops in r for o in ops] for r in runs]
+        spans = [max(o.finished for o in r) - min(o.submitted for o in r) for r in flat]
+        windows = [saturated(r) for r in runs]
+        latencies = [o.latency for r in flat for o in r]
         row = {
             "agents": agents,
             "turns": args.turns,
+            "saturated_ops_s": statistics.median(ops_s for ops_s, _ in windows),
+            "saturated_tokens_s": statistics.median(tokens_s for _, tokens_s in windows),
             "completed_ops_s": statistics.median(
-                len(r) / span for r, span in zip(runs, spans, strict=True)
-            ),
-            "tokens_s": statistics.median(
-                sum(o.tokens for o in r) / span for r, span in zip(runs, spans, strict=True)
+                len(r) / span for r, span in zip(flat, spans, strict=True)
             ),
             "latency_median_s": statistics.median(latencies),
             "latency_p90_s": percentile(latencies, 0.9),
-            "tokens_per_op": statistics.mean(o.tokens for r in runs for o in r),
+            "tokens_per_op": statistics.mean(o.tokens for r in flat for o in r),
         }
         rows.append(row)
         print(
             f"{agents:3d} agents x {args.turns} turns ({low}-{high} new tokens each, closed"
-            f" loop): {row['completed_ops_s']:6.2f} ops/s completed,"
-            f" {row['tokens_s']:7.1f} tokens/s ({row['tokens_per_op']:.1f} per op); latency"
-            f" median {row['latency_median_s'] * 1e3:.0f} ms, p90"
-            f" {row['latency_p90_s'] * 1e3:.0f} ms",
+            f" loop): {row['saturated_ops_s']:6.2f} ops/s, {row['saturated_tokens_s']:7.1f}"
+            f" tokens/s while all run ({row['completed_ops_s']:.2f} ops/s over the whole run;"
+            f" {row['tokens_per_op']:.1f} tokens per op); latency median"
+            f" {row['latency_median_s'] * 1e3:.0f} ms, p90 {row['latency_p90_s'] * 1e3:.0f} ms",
             flush=True,
         )
     return {"agent_tokens": [low, high], "rows": rows}

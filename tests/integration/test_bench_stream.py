@@ -26,7 +26,10 @@ def test_stream_quick_run_prints_every_section_and_json():
         assert re.search(row, out, re.M), out
     assert re.search(r"^late one-sample op: \d+\.\d\d s \(long op's remaining", out, re.M), out
     assert re.search(r"^forward-backward of another session: \d+\.\d\d s during", out, re.M), out
-    agents_row = r"^  2 agents x 2 turns \(2-6 new tokens each, closed loop\): +\d+\.\d\d ops/s"
+    agents_row = (
+        r"^  2 agents x 2 turns \(2-6 new tokens each, closed loop\): +\d+\.\d\d ops/s,"
+        r" +\d+\.\d tokens/s while all run \(\d+\.\d\d ops/s over the whole run;"
+    )
     assert re.search(agents_row, out, re.M), out
     results = json.loads(out.strip().splitlines()[-1])
     assert set(results) == {"tiny"}
@@ -48,6 +51,7 @@ def test_stream_quick_run_prints_every_section_and_json():
     assert agents["agent_tokens"] == [2, 6]
     [row] = agents["rows"]
     assert (row["agents"], row["turns"]) == (2, 2)
-    assert row["completed_ops_s"] > 0 and row["tokens_s"] > 0
+    assert row["completed_ops_s"] > 0
+    assert row["saturated_ops_s"] > 0 and row["saturated_tokens_s"] > 0
     assert 0 < row["latency_median_s"] <= row["latency_p90_s"]
     assert 1 <= row["tokens_per_op"] <= 6  # each asks for 2 to 6 new tokens, EOS may end one

@@ -183,6 +183,11 @@ class Driver:
             time.sleep(0.005)
 
 
+def completed_rate(ops: list[Op]) -> float:
+    """Operations completed per second: ops / (last result - first submit)."""
+    return len(ops) / (max(o.finished for o in ops) - min(o.submitted for o in ops))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -248,7 +253,6 @@ def agents_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
     for agents in args.agents:
         runs = [run_agents(driver, args, agents, rep) for rep in range(args.reps)]
         flat = [[o for ops in r for o in ops] for r in runs]
-        spans = [max(o.finished for o in r) - min(o.submitted for o in r) for r in flat]
         windows = [saturated(r) for r in runs]
         latencies = [o.latency for r in flat for o in r]
         row = {
@@ -256,9 +260,7 @@ def agents_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
             "turns": args.turns,
             "saturated_ops_s": statistics.median(ops_s for ops_s, _ in windows),
             "saturated_tokens_s": statistics.median(tokens_s for _, tokens_s in windows),
-            "completed_ops_s": statistics.median(
-                len(r) / span for r, span in zip(flat, spans, strict=True)
-            ),
+            "completed_ops_s": statistics.median(completed_rate(r) for r in flat),
             "latency_median_s": statistics.median(latencies),
             "latency_p90_s": percentile(latencies, 0.9),
             "tokens_per_op": statistics.mean(o.tokens for r in flat for o in r),
@@ -330,9 +332,7 @@ def stream_section(driver: Driver, args: argparse.Namespace, solo_short: float) 
                 run_stream(driver, args, rate, pattern, 1000 * rep + int(load * 100))
                 for rep in range(args.reps)
             ]
-            completed = statistics.median(
-                len(r) / (max(o.finished for o in r) - min(o.submitted for o in r)) for r in runs
-            )
+            completed = statistics.median(completed_rate(r) for r in runs)
             latencies = [o.latency for r in runs for o in r]
             last = arrival_offsets(args.ops, rate, pattern, args.burst)[-1]
             ideal = args.ops / (last + solo_short)

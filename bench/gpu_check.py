@@ -31,6 +31,11 @@ Section (estimate on an H200): what it prints.
   one at a time vs all rows on one adapter, tokens/s;
 - stream (~30 s): one-sample operations (256 + 64 tokens) one per call vs 32 in one call,
   ops/s; a SampleStream admitting one per decode block, where posttrain has one;
+- agents (~30 s): bench/closed_loop.py's closed loop on the LoRA session, 32 agents x 3
+  turns of one-sample operations (256 prompt + 16-160 new tokens): operations joining the
+  running generation vs whole batches (the sampler before continuous batching), ops/s and
+  tokens/s while all run and over the whole run, median latency, whether both ways returned
+  the same tokens (they must);
 - weights_sync (~2 s): `publish` of the LoRA adapter (101 MB fp32) and the full weight (1.2 GB);
 - generate_static (child process, <= 150 s): transformers `generate` with
   `cache_implementation="static"`, compiled on CUDA (its default), on the RL shape;
@@ -104,6 +109,7 @@ ESTIMATE_S = {
     "decode_paths": 70,
     "multi_lora": 30,
     "stream": 30,
+    "agents": 30,
     "weights_sync": 2,
     "generate_static": 60,
 }
@@ -222,6 +228,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora-tokens", type=int, default=None)
     parser.add_argument("--lora-repeats", type=int, default=None)
     parser.add_argument("--stream-tokens", type=int, default=None)
+    parser.add_argument("--agents", type=int, default=None, help="closed-loop agents")
+    parser.add_argument("--agent-turns", type=int, default=None)
+    parser.add_argument("--agent-tokens", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"))
     parser.add_argument(
         "--static-generate",
         default="compiled",
@@ -239,6 +248,7 @@ def parse_args() -> argparse.Namespace:
     defaults = dict(repeats=(2, 3), fb_rows=(2, 8), fb_tokens=(32, 1024), prompt_tokens=(16, 256))
     defaults.update(new_tokens=(8, 128), short_tokens=(4, 16), lora_prompts=(1, 2))
     defaults.update(lora_tokens=(4, 32), lora_repeats=(1, 2), stream_tokens=(4, 64))
+    defaults.update(agents=(3, 32), agent_turns=(2, 3), agent_tokens=((2, 8), (16, 160)))
     for key, (if_small, otherwise) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, if_small if args.small else otherwise)
@@ -306,6 +316,7 @@ def main() -> None:
         "decode_paths": lambda: sample.measure_decode_paths(engine, args, device, generator, vocab),
         "multi_lora": lambda: multi_lora(engine, args, device, generator, vocab),
         "stream": lambda: ops.measure_stream(engine, args, device, generator, vocab),
+        "agents": lambda: ops.measure_agents(engine, args, vocab),
         "weights_sync": lambda: ops.measure_weights_sync(engine, args, device),
     }
     for name, fn in in_process.items():

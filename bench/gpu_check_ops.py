@@ -1,6 +1,7 @@
 """The operation-level sections of bench/gpu_check.py: eight LoRA adapters sampled in one batch
-vs one at a time, a stream of one-sample operations, and weights-sync latency (LoRA and full
-weight). Each times whole engine calls, as the scheduler makes them."""
+vs one at a time, a stream of one-sample operations, agents in a closed loop (joining vs whole
+batches), and weights-sync latency (LoRA and full weight). Each times whole engine calls, as the
+scheduler makes them."""
 
 from __future__ import annotations
 
@@ -130,6 +131,29 @@ def measure_stream(engine: LocalEngine, args, device, generator, vocab) -> dict:
     report["stream_join_ops_per_s"] = rate
     report["stream_join_op_latency_s"] = statistics.median(latencies)
     report["stream_join_over_one_op"] = report["stream_join_ops_per_s"] / statistics.median(alone)
+    return report
+
+
+def measure_agents(engine: LocalEngine, args, vocab) -> dict:
+    """--agents agents in a closed loop (bench/closed_loop.py) on session s0, each running
+    --agent-turns one-sample operations of --prompt-tokens prompt tokens and up to
+    --agent-tokens new ones, one after another: operations joining the running generation vs
+    whole batches (the sampler before continuous batching), one run each after a warm-up.
+    The issue's throughput target on a device whose decode step costs about the same at 1 and
+    at 64 rows."""
+    from closed_loop import agent_requests, compare  # bench/: this script's folder
+
+    low, high = args.agent_tokens
+    warm = agent_requests(2, 1, (2, 4), args.prompt_tokens, vocab)
+    compare(engine, "r", "s0", warm, 1)
+    requests = agent_requests(args.agents, args.agent_turns, (low, high), args.prompt_tokens, vocab)
+    report = {
+        f"agents_{key}": value for key, value in compare(engine, "r", "s0", requests, 1).items()
+    }
+    report["agents_shape"] = (
+        f"{args.agents} agents x {args.agent_turns} turns, {args.prompt_tokens} prompt tokens +"
+        f" {low}-{high} new tokens each"
+    )
     return report
 
 

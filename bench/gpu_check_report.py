@@ -109,6 +109,13 @@ def summary(report: dict) -> str:
             if "stream_join_ops_per_s" in report
             else str(report.get("stream_join", "n/a"))
         ),
+        f"  agents in a closed loop ({report.get('agents_shape')})  while all run"
+        f" {get('agents_whole_ops_s')} -> {get('agents_joining_ops_s')} ops/s joining"
+        f" ({get('agents_joining_over_whole_ops_s', '{:.2f}')}x; tokens/s"
+        f" {get('agents_joining_over_whole_tokens_s', '{:.2f}')}x, whole run"
+        f" {get('agents_joining_over_whole_whole_run_ops_s', '{:.2f}')}x), latency median"
+        f" {get('agents_whole_latency_median_s')} -> {get('agents_joining_latency_median_s')} s,"
+        f" same tokens {report.get('agents_same_tokens', 'n/a')}",
         f"  weights sync (publish)  LoRA {get('weights_sync_ms')} ms"
         f" ({get('weights_sync_gb_per_s')} GB/s), full weight {get('weights_sync_full_ms')} ms"
         f" ({get('weights_sync_full_gb_per_s')} GB/s)",

@@ -57,6 +57,13 @@ KEYS = {
     "multi_lora_batched_over_one_at_a_time",
     "stream_one_op_ops_per_s",
     "stream_32_batched_ops_per_s",
+    "agents_whole_ops_s",
+    "agents_joining_ops_s",
+    "agents_joining_over_whole_ops_s",
+    "agents_joining_over_whole_tokens_s",
+    "agents_joining_over_whole_whole_run_ops_s",
+    "agents_whole_latency_median_s",
+    "agents_joining_latency_median_s",
     "weights_sync_ms",
     "weights_sync_full_ms",
 }
@@ -70,6 +77,7 @@ IN_PROCESS = (
     "decode_paths",
     "multi_lora",
     "stream",
+    "agents",
     "weights_sync",
 )
 # The --small model (gpu_check_common.SMALL): 2 layers of q 128x128, k and v 128x64, o 128x128,
@@ -131,6 +139,9 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
     ratio("sampler_over_generate", "sampler_tokens_per_s", "generate_tokens_per_s")
     ratio("sampler_over_generate_static", "sampler_tokens_per_s", "generate_static_tokens_per_s")
     ratio("stream_32_batched_over_one_op", "stream_32_batched_ops_per_s", "stream_one_op_ops_per_s")
+    ratio("agents_joining_over_whole_ops_s", "agents_joining_ops_s", "agents_whole_ops_s")
+    # the closed loop's two ways return the same tokens for every operation
+    assert report["agents_same_tokens"] is True, out
     # --small times the multi-LoRA ways once, so the paired ratio is the plain one
     for way in ("one_at_a_time", "one_adapter"):
         ratio(
@@ -173,6 +184,7 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
         "static cache",
         "multi-LoRA",
         "32 in one call",
+        "agents in a closed loop (3 agents x 2 turns",
         "full weight",
         report["cuda_graphs_decision"],
         "  fsdp2  ",

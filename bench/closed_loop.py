@@ -1,0 +1,266 @@
+"""Agents in a closed loop on one engine, operations joining a running generation vs whole
+batches, in one process: the scheduling gain of continuous batching alone (a benchmark, not a
+timed test; issue 30).
+
+`bench/stream.py --sections agents` runs the same kind of loop through the server against an
+older tree, so its ratio holds this scheduling gain and every engine speed-up since. Here both
+ways run on the same engine, driven by one thread (no HTTP, no polling threads), so the ratio is
+the scheduling rule's alone:
+
+- **whole batches** (the sampler before continuous batching): the operations queued when a
+  generation starts run in it to its end; those that become due meanwhile wait for the next.
+  In a closed loop every agent's next operation is due when the batch ends.
+- **joining**: an engine `sample_stream`; an operation due joins the running decode at the next
+  block boundary, and leaves when its row finishes.
+
+N agents each run --turns one-sample operations one after another: a fresh prompt of
+--prompt-tokens random ids and a `max_tokens` drawn uniformly from --agent-tokens (EOS ends a
+row sooner), seeded by (agent, turn), temperature 1. Both ways get the same requests, and the
+sampler's tokens do not depend on what shares a pass, so both must return the same tokens: the
+run checks it and says so.
+
+Printed per agent count: ops/s and tokens/s while all agents run (until the first agent's last
+result; after it fewer agents remain, a finite run's ramp-down, which a running RL loop never
+has) and over the whole run, median latency, for each way, and joining / whole batches; medians
+over --reps repetitions, the two ways alternated.
+
+    OMP_NUM_THREADS=1 python bench/closed_loop.py          # tiny and qwen3-40m, CPU
+    python bench/closed_loop.py --quick                    # a smoke run
+
+bench/gpu_check.py runs `compare` on the Qwen3-0.6B shape on a GPU (its `agents` section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.types import LoraConfig, SampleRequest, SampleResult, SamplingParams  # noqa: E402
+
+WAYS = ("whole", "joining")
+
+
+@dataclass(frozen=True)
+class Done:
+    agent: int
+    turn: int
+    submitted: float
+    finished: float
+    tokens: tuple[int, ...]
+
+    @property
+    def latency(self) -> float:
+        return self.finished - self.submitted
+
+
+def agent_requests(
+    agents: int, turns: int, token_range: tuple[int, int], prompt_tokens: int, vocab: int
+) -> list[list[SampleRequest]]:
+    """Each agent's operations in order, the same for every way and repetition."""
+    low, high = token_range
+    requests = []
+    for agent in range(agents):
+        rng = random.Random(1_000_003 + agent)
+        own = []
+        for turn in range(turns):
+            prompt = tuple(rng.randrange(1, vocab) for _ in range(prompt_tokens))
+            params = SamplingParams(
+                max_tokens=rng.randint(low, high), temperature=1.0, seed=10_000 * agent + turn
+            )
+            own.append(SampleRequest((prompt,), 1, params))
+        requests.append(own)
+    return requests
+
+
+def _tokens(results: list[SampleResult]) -> tuple[int, ...]:
+    ((sequence,),) = [result.sequences for result in results]
+    return tuple(sequence.tokens)
+
+
+def whole_batches(
+    engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]]
+) -> list[Done]:
+    """Every due operation in one `sample_batch`, run to its end; the next turns are due then."""
+    start = time.perf_counter()
+    due = {agent: (0, start) for agent in range(len(requests))}
+    done = []
+    while due:
+        batch = sorted(due.items())
+        items = [(session, requests[agent][turn]) for agent, (turn, _) in batch]
+        results = engine.sample_batch(resource, items)
+        now = time.perf_counter()
+        due = {}
+        for (agent, (turn, submitted)), result in zip(batch, results, strict=True):
+            done.append(Done(agent, turn, submitted, now, _tokens(result)))
+            if turn + 1 < len(requests[agent]):
+                due[agent] = (turn + 1, now)
+    return done
+
+
+def joining(
+    engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]]
+) -> list[Done]:
+    """A sample stream: every due operation joins at the next block boundary, and an agent's
+    next turn is due as soon as its operation's row finishes."""
+    stream = engine.sample_stream(resource, session)
+    stream.reserve_rows(len(requests))  # one row per agent: the most that ever run
+    start = time.perf_counter()
+    due = [(agent, 0, start) for agent in range(len(requests))]
+    running: dict[int, tuple[int, int, float]] = {}
+    done = []
+    try:
+        while due or running:
+            if due:
+                ids = stream.admit([(session, requests[a][t]) for a, t, _ in due])
+                running.update(zip(ids, due, strict=True))
+                due = []
+            stream.block()
+            finished = stream.take_finished()
+            now = time.perf_counter()
+            for item, results in finished:
+                agent, turn, submitted = running.pop(item)
+                done.append(Done(agent, turn, submitted, now, _tokens(results)))
+                if turn + 1 < len(requests[agent]):
+                    due.append((agent, turn + 1, now))
+    finally:
+        stream.close()
+    return done
+
+
+RUNS: dict[str, Callable[..., list[Done]]] = {"whole": whole_batches, "joining": joining}
+
+
+def rates(done: list[Done]) -> dict[str, float]:
+    """ops/s and tokens/s while all agents run and over the whole run; latency median."""
+    start = min(d.submitted for d in done)
+    agents = {d.agent for d in done}
+    window = min(max(d.finished for d in done if d.agent == a) for a in agents) - start
+    whole = max(d.finished for d in done) - start
+    inside = [d for d in done if d.finished - start <= window]
+    return {
+        "ops_s": len(inside) / window,
+        "tokens_s": sum(len(d.tokens) for d in inside) / window,
+        "whole_run_ops_s": len(done) / whole,
+        "whole_run_tokens_s": sum(len(d.tokens) for d in done) / whole,
+        "latency_median_s": statistics.median(d.latency for d in done),
+    }
+
+
+def compare(
+    engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]], reps: int
+) -> dict:
+    """Both ways `reps` times, alternated: each way's median rates, joining / whole, and whether
+    the two returned the same tokens for every operation."""
+    runs: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
+    tokens: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}
+    for _ in range(reps):
+        for way in WAYS:
+            done = RUNS[way](engine, resource, session, requests)
+            runs[way].append(rates(done))
+            tokens[way] = {(d.agent, d.turn): d.tokens for d in done}
+    out: dict[str, object] = {}
+    for way in WAYS:
+        for key in runs[way][0]:
+            out[f"{way}_{key}"] = statistics.median(r[key] for r in runs[way])
+    for key in ("ops_s", "tokens_s", "whole_run_ops_s"):
+        out[f"joining_over_whole_{key}"] = out[f"joining_{key}"] / out[f"whole_{key}"]
+    out["same_tokens"] = tokens["joining"] == tokens["whole"]
+    out["tokens_per_op"] = statistics.mean(len(t) for t in tokens["whole"].values())
+    return out
+
+
+def line(agents: int, turns: int, token_range: tuple[int, int], row: dict) -> str:
+    low, high = token_range
+    return (
+        f"{agents:3d} agents x {turns} turns ({low}-{high} new tokens, {row['tokens_per_op']:.0f}"
+        f" per op): while all run {row['whole_ops_s']:6.2f} -> {row['joining_ops_s']:6.2f} ops/s"
+        f" ({row['joining_over_whole_ops_s']:.2f}x), tokens/s"
+        f" {row['joining_over_whole_tokens_s']:.2f}x; whole run"
+        f" {row['joining_over_whole_whole_run_ops_s']:.2f}x; latency median"
+        f" {row['whole_latency_median_s'] * 1e3:.0f} -> {row['joining_latency_median_s'] * 1e3:.0f}"
+        f" ms; same tokens: {'yes' if row['same_tokens'] else 'NO'}"
+    )
+
+
+def model_dir(name: str, scratch: Path) -> tuple[Path, int]:
+    """(HF directory, vocabulary) of --models `name`."""
+    if name == "tiny":
+        return BUILTIN_MODEL_DIR, json.loads((BUILTIN_MODEL_DIR / "config.json").read_text())[
+            "vocab_size"
+        ]
+    from forward_backward import QWEN3_40M, write_model  # bench/: this script's folder
+
+    assert name == "qwen3-40m", name
+    directory = scratch / name
+    write_model(directory)
+    return directory, QWEN3_40M["vocab_size"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-40m"])
+    parser.add_argument("--agents", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument(
+        "--agent-tokens", type=int, nargs=2, default=[8, 256], metavar=("LOW", "HIGH")
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny, small, 1 rep")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.agents, args.turns, args.reps = ["tiny"], [3], 2, 1
+        args.agent_tokens = [2, 8]
+    token_range = (args.agent_tokens[0], args.agent_tokens[1])
+    print(
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads"
+        f" {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.2f};"
+        f" {args.prompt_tokens} prompt tokens, medians of {args.reps}, ways alternated",
+        flush=True,
+    )
+    report: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="closed-loop-") as scratch:
+        for name in args.models:
+            directory, vocab = model_dir(name, Path(scratch))
+            model_id = BUILTIN_MODEL_ID if name == "tiny" else name
+            engine = LocalEngine(EngineConfig(device="cpu"), {model_id: directory})
+            engine.load_resource("r", model_id, muon_scaling=None)
+            engine.create_session("r", "s", LoraConfig(rank=8, alpha=16, seed=1))
+            warm = agent_requests(2, 1, (2, 4), args.prompt_tokens, vocab)
+            compare(engine, "r", "s", warm, 1)  # untimed warm-up of both ways
+            print(f"\n{name}:", flush=True)
+            rows = []
+            for agents in args.agents:
+                requests = agent_requests(
+                    agents, args.turns, token_range, args.prompt_tokens, vocab
+                )
+                row = {"agents": agents} | compare(engine, "r", "s", requests, args.reps)
+                rows.append(row)
+                print(line(agents, args.turns, token_range, row), flush=True)
+            report[name] = {"turns": args.turns, "agent_tokens": list(token_range), "rows": rows}
+    print(f"load average at end {os.getloadavg()[0]:.2f}")
+    print(json.dumps(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

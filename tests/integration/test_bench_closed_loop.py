@@ -1,0 +1,34 @@
+"""bench/closed_loop.py runs end to end on its smoke settings: it states its threads, prints a
+row per agent count with both ways and their ratios, finds that joining and whole batches
+returned the same tokens for every operation, and prints JSON of every number.
+
+A smoke test of the script, not of its numbers: nothing here asserts on wall-clock times.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from helpers import run_bench
+
+
+@pytest.mark.slow
+def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
+    out = run_bench("closed_loop.py", "--quick")
+    assert "OMP_NUM_THREADS=1, torch threads 1," in out, out
+    row = (
+        r"^  3 agents x 2 turns \(2-8 new tokens, \d+ per op\): while all run +\d+\.\d\d -> +"
+        r"\d+\.\d\d ops/s \(\d+\.\d\dx\), tokens/s \d+\.\d\dx; whole run \d+\.\d\dx; latency"
+        r" median \d+ -> \d+ ms; same tokens: yes$"
+    )
+    assert re.search(row, out, re.M), out
+    results = json.loads(out.strip().splitlines()[-1])
+    assert set(results) == {"tiny"}
+    (found,) = results["tiny"]["rows"]
+    assert found["agents"] == 3 and found["same_tokens"] is True
+    assert 1 <= found["tokens_per_op"] <= 8  # EOS may end a row before its max_tokens
+    for key in ("ops_s", "tokens_s", "whole_run_ops_s"):
+        ratio = found[f"joining_{key}"] / found[f"whole_{key}"]
+        assert found[f"joining_over_whole_{key}"] == pytest.approx(ratio, rel=1e-12), key

@@ -115,7 +115,9 @@ def summary(report: dict) -> str:
         f" {get('agents_joining_over_whole_tokens_s', '{:.2f}')}x, whole run"
         f" {get('agents_joining_over_whole_whole_run_ops_s', '{:.2f}')}x), latency median"
         f" {get('agents_whole_latency_median_s')} -> {get('agents_joining_latency_median_s')} s,"
-        f" same tokens {report.get('agents_same_tokens', 'n/a')}",
+        f" same tokens in {get('agents_same_tokens_ops', '{}')} of {get('agents_ops', '{}')}"
+        f" operations (where not, neighbouring ids at the first difference, a draw on a CDF"
+        f" boundary within rounding: {report.get('agents_differences_are_neighbours', 'n/a')})",
         f"  weights sync (publish)  LoRA {get('weights_sync_ms')} ms"
         f" ({get('weights_sync_gb_per_s')} GB/s), full weight {get('weights_sync_full_ms')} ms"
         f" ({get('weights_sync_full_gb_per_s')} GB/s)",

@@ -140,8 +140,9 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
     ratio("sampler_over_generate_static", "sampler_tokens_per_s", "generate_static_tokens_per_s")
     ratio("stream_32_batched_over_one_op", "stream_32_batched_ops_per_s", "stream_one_op_ops_per_s")
     ratio("agents_joining_over_whole_ops_s", "agents_joining_ops_s", "agents_whole_ops_s")
-    # the closed loop's two ways return the same tokens for every operation
-    assert report["agents_same_tokens"] is True, out
+    # the closed loop's two ways return the same tokens, but where a draw lands on a boundary
+    # of the CDF within rounding (row-count dependent): the first differing tokens neighbour
+    assert report["agents_ops"] == 6 and report["agents_differences_are_neighbours"] is True, out
     # --small times the multi-LoRA ways once, so the paired ratio is the plain one
     for way in ("one_at_a_time", "one_adapter"):
         ratio(

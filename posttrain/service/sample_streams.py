@@ -3,9 +3,10 @@ decode block boundaries and finish as soon as their last sequence ended, and que
 runs between blocks.
 
 Where the engine hands out a DecodeStream (engine/interface.py: the in-process engine, and process
-workers and trainer groups through step-wise commands, hosts/remote_streams.py; Ray and generator
-lanes answer None and keep whole-batch passes), the scheduler's sample group runs here instead of
-one `sample_batch` call. Before every decode block:
+workers and trainer groups, as processes or Ray actors, through step-wise commands,
+hosts/remote_streams.py; generator lanes answer None and keep whole-batch passes), the
+scheduler's sample group runs here instead of one `sample_batch` call. Before every decode
+block:
 
 1. PIPELINE weights-syncs ready meanwhile publish (the mailbox's in-flight hook, as between the
    tokens of a whole-batch pass); the stream switches the running rows of their sessions.

@@ -217,10 +217,8 @@ class RemoteEngine(Generic[H]):
         """A stream open in the resource's host, driven step by step (hosts/remote_streams.py):
         samples join running generations and other sessions' training runs between blocks,
         as in process. Bound to this host: if it dies, the stream's operations fail with its
-        WorkerDied. None on Ray actors (`--ray`): not tried there, so their samples stay whole
-        batches (a mid-sample PIPELINE publish cannot call back to this process there either)."""
-        if self.config.ray is not None:
-            return None
+        WorkerDied. On Ray actors (`--ray`) too: the stream's calls are plain commands (a
+        PIPELINE publish between blocks is a command of its own; nothing calls back)."""
         host = self._host(resource_id)
         if host is None:
             raise NotFound(f"model resource {resource_id} is not loaded")

@@ -1,0 +1,95 @@
+"""Sample passes as streams on a resource hosted in a Ray actor (`--workers process --ray
+local`, engine/hosts/ray_placement.py): the process-worker stream tests of
+test_process_streams.py, run again with the worker placed by Ray. The stream lives in the
+actor and the scheduler drives it with the same step-wise commands, so a queued sample joins
+the running generation, another session's training and weights-syncs run between blocks, and a
+PIPELINE publish switches running rows, with the same results as alone. An actor killed
+mid-stream fails the stream's operations with INTERNAL_ERROR naming it, and the next sample
+runs on the restarted actor. Each test's services start a local Ray instance of their own.
+Trainer ranks as Ray actors: tests/unit/engine/test_ray_trainer_group.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_process_streams import (  # noqa: F401 - collected again, with this module's fixture
+    test_a_pipeline_weights_sync_switches_the_running_rows_in_a_worker,
+    test_a_sample_queued_behind_a_running_generation_in_a_worker_joins_it,
+    test_a_weights_sync_in_a_worker_runs_between_blocks_and_its_sample_joins_after_it,
+    test_another_sessions_forward_backward_runs_in_the_worker_between_blocks,
+)
+from test_sample_streams import LONG, SAMPLE, SHORT, STEP, Queue, assert_same
+
+from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
+from posttrain.engine.hosts.ray_placement import RayWorker
+from posttrain.errors import INTERNAL_ERROR
+from posttrain.service import Services, build_services
+from posttrain.statuses import OperationStatus
+from posttrain.types import OptimStepRequest
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(name="services")
+def services_fixture(tmp_path: Path) -> Iterator[Services]:
+    engine = EngineConfig(device="cpu", prefix_cache_mib=0, workers="process", ray="local")
+    built = build_services(
+        ServerConfig(data_dir=tmp_path, engine=engine, scheduler=SchedulerConfig())
+    )
+    yield built
+    built.close()
+
+
+def test_the_stream_runs_in_the_ray_actor(services):
+    queue = Queue(services, 1)
+    (s,) = queue.sessions
+    host = services.scheduler.engine._host(queue.resource)
+    assert isinstance(host, RayWorker) and host.pid not in (None, os.getpid())
+    stream = services.scheduler.engine.sample_stream(queue.resource, s)
+    assert stream is not None  # a stream, not whole batches
+    assert stream.running_rows() == 0  # answered by the actor
+    stream.close()
+
+
+def test_an_actor_killed_mid_stream_fails_its_operations_and_the_next_sample_runs(
+    services, monkeypatch
+):
+    queue = Queue(services, 2)
+    s, t = queue.sessions
+    short_alone = queue.alone(t, SHORT)
+    host = services.scheduler.engine._host(queue.resource)
+    assert isinstance(host, RayWorker)
+    actor = host.pid
+    boundaries = []
+    publish = services.scheduler.mailbox.publish_in_flight
+
+    def killing(resource_id: str) -> None:
+        """At the second block boundary (SHORT joined at the first): kill the actor."""
+        boundaries.append(resource_id)
+        if len(boundaries) == 2:
+            os.kill(actor, signal.SIGKILL)
+        publish(resource_id)
+
+    monkeypatch.setattr(services.scheduler.mailbox, "publish_in_flight", killing)
+    release = queue.hold()
+    long_id = queue.submit(s, SAMPLE, LONG)
+    step = queue.submit(t, STEP, OptimStepRequest())
+    short_id = queue.submit(t, SAMPLE, SHORT)
+    release.set()
+    queue.drain()
+    assert len(boundaries) == 2 and queue.record(step).status == OperationStatus.COMPLETED
+    for op_id in (long_id, short_id):  # the running operation and the one that joined it
+        op = services.repo.get_operation(op_id)
+        assert op is not None and op.status == OperationStatus.FAILED, op
+        assert op.error_code == INTERNAL_ERROR
+        assert f"(pid {actor}) is gone" in (op.error_message or ""), op.error_message
+
+    monkeypatch.undo()
+    restarted = services.scheduler.engine._host(queue.resource)
+    assert isinstance(restarted, RayWorker) and restarted.pid not in (None, actor)
+    assert_same(queue.alone(t, SHORT), short_alone)  # the next sample streams on it
+    assert_same(queue.alone(s, SHORT), short_alone)

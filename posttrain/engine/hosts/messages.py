@@ -42,6 +42,7 @@ class Command(StrEnum):
     # A decode stream driven step by step from the API process (hosts/remote_streams.py).
     OPEN_STREAM = "open_stream"
     STREAM_CALL = "stream_call"
+    STREAM_STEP = "stream_step"  # admit or block, and what it finished, in one round trip
     CLOSE_STREAM = "close_stream"
     # Sizes and gradients, for operators, benchmarks and tests (hosts/in_process.py).
     RESOURCE_FOOTPRINT = "resource_footprint"

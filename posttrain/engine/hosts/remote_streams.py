@@ -1,8 +1,10 @@
 """A decode stream (engine/interface.py's DecodeStream) whose engine lives in another process:
 the host keeps each open stream by id (`StreamHost`, part of LocalEngine), and the API process
-drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through three
-Commands: OPEN_STREAM, STREAM_CALL (one DecodeStream method and its arguments) and
-CLOSE_STREAM.
+drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through four
+Commands: OPEN_STREAM, STREAM_CALL (one DecodeStream method and its arguments), STREAM_STEP
+(`admit` or `block`, then the operations finished since and the rows running: what the caller
+asks after each, in the same round trip) and CLOSE_STREAM. A round trip costs about a CPU
+decode step's time across Ray (docs/continuous_batching.md trap 21), so a quiet block is one.
 
 Between two of a stream's commands the host serves any other (another session's training
 between blocks, a PIPELINE publish), as the in-process engine does between blocks: the
@@ -44,6 +46,9 @@ STREAM_METHODS = frozenset(
     }
 )
 
+# What STREAM_STEP may run: the methods that change what runs and what finished.
+STEPS = frozenset({"admit", "block"})
+
 
 class StreamHost:
     """The host's side (a base of LocalEngine): the streams opened by its caller, by id."""
@@ -78,6 +83,17 @@ class StreamHost:
             raise EngineFailure(f"no decode stream {stream_id} is open on {resource_id}")
         return getattr(stream, method)(*args)
 
+    def stream_step(
+        self, resource_id: str, stream_id: int, method: str, *args: Any
+    ) -> tuple[Any, list[tuple[int, list[SampleResult]]], int]:
+        """`admit` or `block` on an open stream, then take_finished and running_rows: (its
+        answer, the operations finished since the last take, the rows running now)."""
+        if method not in STEPS:
+            raise EngineFailure(f"{method!r} is not a decode stream's step")
+        answer = self.stream_call(resource_id, stream_id, method, *args)
+        _, stream = self._table()[stream_id]
+        return answer, stream.take_finished(), stream.running_rows()
+
     def close_stream(self, resource_id: str, stream_id: int) -> None:
         """The stream's pass ended: drop its decode state (idempotent)."""
         owner, stream = self._table().get(stream_id, (None, None))
@@ -88,39 +104,59 @@ class StreamHost:
 
 class RemoteStream:
     """A stream open on a host, driven from the API process: each method one STREAM_CALL on
-    `call` (the host's, bound at open: hosts/remote.py). `running_rows`, asked several times
-    per block, is asked of the host once after each `admit` or `block` (only they change it)."""
+    `call` (the host's, bound at open: hosts/remote.py), but `admit` and `block`, each one
+    STREAM_STEP that also brings back what finished and the rows running after it (only they
+    change either): `take_finished` and `running_rows` answer from it without a round trip."""
 
     def __init__(self, call: Callable[[Call], Any], resource_id: str, stream_id: int) -> None:
         self._host_call = call
         self.resource_id = resource_id
         self.stream_id = stream_id
         self._closed = False
-        self._rows: int | None = 0  # None: ask the host
+        self._rows = 0  # as of the last step
+        self._finished: list[tuple[int, list[SampleResult]]] = []  # brought by steps, not taken
+        # The host's death, once seen: every later call fails with it (the stream is bound to
+        # that host), also those answered here.
+        self._died: WorkerDied | None = None
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _send(self, command: Command, method: str, *args: Any) -> Any:
         if self._closed:
             raise EngineFailure(f"decode stream {self.stream_id} of {self.resource_id} is closed")
-        args = (self.resource_id, self.stream_id, method, *args)
-        return self._host_call(Call(Command.STREAM_CALL, args))
+        self._check()
+        try:
+            return self._host_call(Call(command, (self.resource_id, self.stream_id, method, *args)))
+        except WorkerDied as exc:
+            self._died = exc
+            raise
+
+    def _check(self) -> None:
+        if self._died is not None:
+            raise self._died
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._send(Command.STREAM_CALL, method, *args)
 
     def can_join(self, session_id: str) -> bool:
         return self._call("can_join", session_id)
 
+    def _step(self, method: str, *args: Any) -> Any:
+        answer, finished, self._rows = self._send(Command.STREAM_STEP, method, *args)
+        self._finished.extend(finished)
+        return answer
+
     def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
-        self._rows = None
-        return self._call("admit", items)
+        return self._step("admit", items)
 
     def block(self) -> None:
-        self._rows = None
-        self._call("block")
+        self._step("block")
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
-        return self._call("take_finished")
+        self._check()
+        taken, self._finished = self._finished, []
+        return taken
 
     def running_rows(self) -> int:
-        if self._rows is None:
-            self._rows = self._call("running_rows")
+        self._check()
         return self._rows
 
     def reserve_rows(self, rows: int) -> None:

@@ -74,6 +74,7 @@ RANK_ZERO = frozenset(
         Command.SAMPLE_BATCH,
         Command.OPEN_STREAM,
         Command.STREAM_CALL,
+        Command.STREAM_STEP,
         Command.CLOSE_STREAM,
         Command.PEAK_BYTES,
         Command.HEADROOM,

@@ -171,7 +171,9 @@ def test_close_leaves_no_worker_process():
 def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it():
     """ProcessEngine.sample_stream: a stream open in the worker, driven call by call
     (hosts/remote_streams.py), with a forward-backward of the same session between blocks;
-    closed, the worker holds it no more; a killed worker fails its calls, not its close."""
+    a block and what the caller asks after it (finished operations, running rows) is one round
+    trip; closed, the worker holds it no more; a killed worker fails its calls, not its
+    close."""
     torch.manual_seed(0)
     local = LocalEngine(CONFIG, MODELS)
     local.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
@@ -184,6 +186,14 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
         stream = engine.sample_stream("r", "s")
         assert stream is not None and stream.can_join("s")
         stream.reserve_rows(4)
+        sent: list[Command] = []
+        host_call = stream._host_call
+
+        def counted(call: Call):
+            sent.append(call.command)
+            return host_call(call)
+
+        stream._host_call = counted  # the stream's own round trips (training goes apart)
         (stream_id,) = stream.admit([("s", PROMPT)])
         finished = stream.take_finished()
         blocks = 0
@@ -193,6 +203,7 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
             blocks += 1
             finished += stream.take_finished()
         assert blocks >= 5 and finished == [(stream_id, expected)]
+        assert sent == [Command.STREAM_STEP] * (1 + blocks)  # admit, then one per block
         stream.close()
         stream.close()  # idempotent
         host = engine._host("r")
@@ -201,6 +212,8 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
             host.call(Call(Command.STREAM_CALL, ("r", 1, "running_rows")))
         with pytest.raises(EngineFailure, match="'close' is not a decode stream's method"):
             host.call(Call(Command.STREAM_CALL, ("r", 1, "close")))
+        with pytest.raises(EngineFailure, match="'take_finished' is not a decode stream's step"):
+            host.call(Call(Command.STREAM_STEP, ("r", 1, "take_finished")))
 
         stream = engine.sample_stream("r", "s")
         assert stream is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -99,25 +99,22 @@ def test_a_pipeline_weights_sync_switches_the_running_rows_in_a_worker(services)
     )
 
 
-def test_a_worker_killed_mid_stream_fails_its_operations_and_the_next_sample_runs(
-    services, monkeypatch
-):
-    queue = Queue(services, 2)
+def killed_mid_stream(queue: Queue, monkeypatch, kill: Callable[[], None], named: str) -> None:
+    """On `queue` (two sessions): LONG running, an optim-step, SHORT joining it; `kill` (the
+    resource's host) at the second block boundary: both stream operations fail with
+    INTERNAL_ERROR naming `named`, and the next samples stream on the restarted host, equal to
+    alone (the Ray test's scenario too)."""
+    services = queue.services
     s, t = queue.sessions
     short_alone = queue.alone(t, SHORT)
-    engine = process_engine(services)
-    worker = engine.worker_pid(queue.resource)
-    host = engine._host(queue.resource)
-    assert worker is not None and host is not None
     boundaries = []
     publish = services.scheduler.mailbox.publish_in_flight
 
     def killing(resource_id: str) -> None:
-        """At the second block boundary (SHORT joined at the first): kill the worker."""
+        """At the second block boundary (SHORT joined at the first): kill the host."""
         boundaries.append(resource_id)
         if len(boundaries) == 2:
-            os.kill(worker, signal.SIGKILL)
-            host.process.join()
+            kill()
         publish(resource_id)
 
     monkeypatch.setattr(services.scheduler.mailbox, "publish_in_flight", killing)
@@ -132,13 +129,30 @@ def test_a_worker_killed_mid_stream_fails_its_operations_and_the_next_sample_run
         op = services.repo.get_operation(op_id)
         assert op is not None and op.status == OperationStatus.FAILED, op
         assert op.error_code == INTERNAL_ERROR
-        named = f"model resource {queue.resource} (pid {worker}) was killed by signal 9"
         assert named in (op.error_message or ""), op.error_message
 
     monkeypatch.undo()
-    assert engine.worker_pid(queue.resource) not in (None, worker)  # restarted
     assert_same(queue.alone(t, SHORT), short_alone)  # the next sample streams on it
     assert_same(queue.alone(s, SHORT), short_alone)
+
+
+def test_a_worker_killed_mid_stream_fails_its_operations_and_the_next_sample_runs(
+    services, monkeypatch
+):
+    engine = process_engine(services)
+    queue = Queue(services, 2)
+    resource = queue.resource
+    worker = engine.worker_pid(resource)
+    host = engine._host(resource)
+    assert worker is not None and host is not None
+
+    def kill() -> None:
+        os.kill(worker, signal.SIGKILL)
+        host.process.join()
+
+    named = f"model resource {resource} (pid {worker}) was killed by signal 9"
+    killed_mid_stream(queue, monkeypatch, kill, named)
+    assert engine.worker_pid(resource) not in (None, worker)  # restarted
 
 
 def test_a_worker_killed_under_training_between_blocks_is_recovered_once(services, monkeypatch):

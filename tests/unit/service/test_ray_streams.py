@@ -17,19 +17,17 @@ from pathlib import Path
 
 import pytest
 from test_process_streams import (  # noqa: F401 - collected again, with this module's fixture
+    killed_mid_stream,
     test_a_pipeline_weights_sync_switches_the_running_rows_in_a_worker,
     test_a_sample_queued_behind_a_running_generation_in_a_worker_joins_it,
     test_a_weights_sync_in_a_worker_runs_between_blocks_and_its_sample_joins_after_it,
     test_another_sessions_forward_backward_runs_in_the_worker_between_blocks,
 )
-from test_sample_streams import LONG, SAMPLE, SHORT, STEP, Queue, assert_same
+from test_sample_streams import Queue
 
 from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
 from posttrain.engine.hosts.ray_placement import RayWorker
-from posttrain.errors import INTERNAL_ERROR
 from posttrain.service import Services, build_services
-from posttrain.statuses import OperationStatus
-from posttrain.types import OptimStepRequest
 
 ray = pytest.importorskip("ray")
 
@@ -59,37 +57,14 @@ def test_an_actor_killed_mid_stream_fails_its_operations_and_the_next_sample_run
     services, monkeypatch
 ):
     queue = Queue(services, 2)
-    s, t = queue.sessions
-    short_alone = queue.alone(t, SHORT)
     host = services.scheduler.engine._host(queue.resource)
     assert isinstance(host, RayWorker)
     actor = host.pid
-    boundaries = []
-    publish = services.scheduler.mailbox.publish_in_flight
+    assert actor is not None
 
-    def killing(resource_id: str) -> None:
-        """At the second block boundary (SHORT joined at the first): kill the actor."""
-        boundaries.append(resource_id)
-        if len(boundaries) == 2:
-            os.kill(actor, signal.SIGKILL)
-        publish(resource_id)
+    def kill() -> None:
+        os.kill(actor, signal.SIGKILL)  # Ray sees it at the stream's next call
 
-    monkeypatch.setattr(services.scheduler.mailbox, "publish_in_flight", killing)
-    release = queue.hold()
-    long_id = queue.submit(s, SAMPLE, LONG)
-    step = queue.submit(t, STEP, OptimStepRequest())
-    short_id = queue.submit(t, SAMPLE, SHORT)
-    release.set()
-    queue.drain()
-    assert len(boundaries) == 2 and queue.record(step).status == OperationStatus.COMPLETED
-    for op_id in (long_id, short_id):  # the running operation and the one that joined it
-        op = services.repo.get_operation(op_id)
-        assert op is not None and op.status == OperationStatus.FAILED, op
-        assert op.error_code == INTERNAL_ERROR
-        assert f"(pid {actor}) is gone" in (op.error_message or ""), op.error_message
-
-    monkeypatch.undo()
+    killed_mid_stream(queue, monkeypatch, kill, f"(pid {actor}) is gone")
     restarted = services.scheduler.engine._host(queue.resource)
     assert isinstance(restarted, RayWorker) and restarted.pid not in (None, actor)
-    assert_same(queue.alone(t, SHORT), short_alone)  # the next sample streams on it
-    assert_same(queue.alone(s, SHORT), short_alone)

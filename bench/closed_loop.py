@@ -44,9 +44,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -56,20 +57,49 @@ from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SampleResult, SamplingParams  # noqa: E402
 
-WAYS = ("whole", "joining")
-
 
 @dataclass(frozen=True)
 class Done:
+    """One finished operation of an agent: when it was submitted and finished (perf_counter),
+    the tokens it sampled."""
+
     agent: int
     turn: int
     submitted: float
     finished: float
-    tokens: tuple[int, ...]
+    sequence: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.sequence)
 
     @property
     def latency(self) -> float:
         return self.finished - self.submitted
+
+
+class Finished(Protocol):
+    """What the rates below read of a finished operation (Done here, bench/stream.py's Op)."""
+
+    submitted: float
+    finished: float
+    tokens: int
+
+
+def completed_rate(ops: Sequence[Finished]) -> float:
+    """Operations completed per second: ops / (last result - first submit)."""
+    return len(ops) / (max(o.finished for o in ops) - min(o.submitted for o in ops))
+
+
+def saturated(per_agent: Sequence[Sequence[Finished]]) -> tuple[float, float]:
+    """(operations/s, tokens/s) completed while every agent still had an operation in flight:
+    from the first submit until the first agent's last result. After it fewer clients remain
+    (a finite benchmark's ramp-down, which a running RL loop never has), so the sampler is no
+    longer saturated; a sampler that completes every batch at once has no ramp-down."""
+    start = min(ops[0].submitted for ops in per_agent)
+    end = min(ops[-1].finished for ops in per_agent)
+    done = [o for ops in per_agent for o in ops if o.finished <= end]
+    return len(done) / (end - start), sum(o.tokens for o in done) / (end - start)
 
 
 def agent_requests(
@@ -91,7 +121,7 @@ def agent_requests(
     return requests
 
 
-def _tokens(results: list[SampleResult]) -> tuple[int, ...]:
+def _sequence(results: list[SampleResult]) -> tuple[int, ...]:
     ((sequence,),) = [result.sequences for result in results]
     return tuple(sequence.tokens)
 
@@ -110,7 +140,7 @@ def whole_batches(
         now = time.perf_counter()
         due = {}
         for (agent, (turn, submitted)), result in zip(batch, results, strict=True):
-            done.append(Done(agent, turn, submitted, now, _tokens(result)))
+            done.append(Done(agent, turn, submitted, now, _sequence(result)))
             if turn + 1 < len(requests[agent]):
                 due[agent] = (turn + 1, now)
     return done
@@ -133,12 +163,13 @@ def joining(
                 ids = stream.admit([(session, requests[a][t]) for a, t, _ in due])
                 running.update(zip(ids, due, strict=True))
                 due = []
-            stream.block()
+            if stream.running_rows():  # every row may have ended on its first token
+                stream.block()
             finished = stream.take_finished()
             now = time.perf_counter()
             for item, results in finished:
                 agent, turn, submitted = running.pop(item)
-                done.append(Done(agent, turn, submitted, now, _tokens(results)))
+                done.append(Done(agent, turn, submitted, now, _sequence(results)))
                 if turn + 1 < len(requests[agent]):
                     due.append((agent, turn + 1, now))
     finally:
@@ -147,20 +178,19 @@ def joining(
 
 
 RUNS: dict[str, Callable[..., list[Done]]] = {"whole": whole_batches, "joining": joining}
+WAYS = tuple(RUNS)
 
 
 def rates(done: list[Done]) -> dict[str, float]:
     """ops/s and tokens/s while all agents run and over the whole run; latency median."""
-    start = min(d.submitted for d in done)
-    agents = {d.agent for d in done}
-    window = min(max(d.finished for d in done if d.agent == a) for a in agents) - start
-    whole = max(d.finished for d in done) - start
-    inside = [d for d in done if d.finished - start <= window]
+    per_agent = [[d for d in done if d.agent == a] for a in sorted({d.agent for d in done})]
+    ops_s, tokens_s = saturated(per_agent)  # each agent's in turn order: done is in time order
+    whole_run_ops_s = completed_rate(done)
     return {
-        "ops_s": len(inside) / window,
-        "tokens_s": sum(len(d.tokens) for d in inside) / window,
-        "whole_run_ops_s": len(done) / whole,
-        "whole_run_tokens_s": sum(len(d.tokens) for d in done) / whole,
+        "ops_s": ops_s,
+        "tokens_s": tokens_s,
+        "whole_run_ops_s": whole_run_ops_s,
+        "whole_run_tokens_s": whole_run_ops_s * statistics.mean(d.tokens for d in done),
         "latency_median_s": statistics.median(d.latency for d in done),
     }
 
@@ -202,7 +232,7 @@ def compare(
         for way in WAYS:
             done = RUNS[way](engine, resource, session, requests)
             runs[way].append(rates(done))
-            tokens[way] = {(d.agent, d.turn): d.tokens for d in done}
+            tokens[way] = {(d.agent, d.turn): d.sequence for d in done}
     out: dict[str, object] = {}
     for way in WAYS:
         for key in runs[way][0]:

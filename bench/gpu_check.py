@@ -34,8 +34,9 @@ Section (estimate on an H200): what it prints.
 - agents (~30 s): bench/closed_loop.py's closed loop on the LoRA session, 32 agents x 3
   turns of one-sample operations (256 prompt + 16-160 new tokens): operations joining the
   running generation vs whole batches (the sampler before continuous batching), ops/s and
-  tokens/s while all run and over the whole run, median latency, whether both ways returned
-  the same tokens (they must);
+  tokens/s while all run and over the whole run, median latency, in how many operations both
+  ways returned the same tokens (where not, the first difference is a draw on a CDF boundary
+  within the row-count-dependent rounding: neighbouring ids);
 - weights_sync (~2 s): `publish` of the LoRA adapter (101 MB fp32) and the full weight (1.2 GB);
 - generate_static (child process, <= 150 s): transformers `generate` with
   `cache_implementation="static"`, compiled on CUDA (its default), on the RL shape;

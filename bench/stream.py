@@ -75,7 +75,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from multilora import metrics  # this script's folder is on sys.path
+from closed_loop import completed_rate, saturated  # this script's folder is on sys.path
+from multilora import metrics
 from sdk_loops import served_model
 from together import Together
 from together.post_training import ModelResourcesClient
@@ -183,11 +184,6 @@ class Driver:
             time.sleep(0.005)
 
 
-def completed_rate(ops: list[Op]) -> float:
-    """Operations completed per second: ops / (last result - first submit)."""
-    return len(ops) / (max(o.finished for o in ops) - min(o.submitted for o in ops))
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -234,17 +230,6 @@ def run_agents(driver: Driver, args: argparse.Namespace, agents: int, seed: int)
 
     with ThreadPoolExecutor(max_workers=agents) as pool:
         return list(pool.map(agent, range(agents)))
-
-
-def saturated(per_agent: list[list[Op]]) -> tuple[float, float]:
-    """(operations/s, tokens/s) completed while every agent still had an operation in flight:
-    from the first submit until the first agent's last result. After it fewer clients remain
-    (a finite benchmark's ramp-down, which a running RL loop never has), so the sampler is no
-    longer saturated; a sampler that completes every batch at once has no ramp-down."""
-    start = min(ops[0].submitted for ops in per_agent)
-    end = min(ops[-1].finished for ops in per_agent)
-    done = [o for ops in per_agent for o in ops if o.finished <= end]
-    return len(done) / (end - start), sum(o.tokens for o in done) / (end - start)
 
 
 def agents_section(driver: Driver, args: argparse.Namespace, solo_short: float) -> dict:

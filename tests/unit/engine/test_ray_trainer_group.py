@@ -13,6 +13,7 @@ from test_trainer_group import (  # noqa: F401 - collected again, with this modu
     test_a_stream_on_rank_zero_lets_training_reach_every_rank_between_blocks,
 )
 
+from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.engine.build import placement_for
 from posttrain.engine.hosts.ray_placement import RayWorker
 from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
@@ -34,7 +35,7 @@ def group():
 
 
 def test_the_ranks_are_ray_actors(group):
-    group.load_resource("q", "posttrain/tiny-qwen3", muon_scaling=None)
+    group.load_resource("q", BUILTIN_MODEL_ID, muon_scaling=None)
     host = group._host("q")
     assert host is not None and all(isinstance(rank, RayWorker) for rank in host.ranks)
     assert len(host.ranks) == 2

@@ -27,14 +27,19 @@ from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.types import OptimStepRequest
 
 
-@pytest.fixture(name="services")
-def services_fixture(tmp_path: Path) -> Iterator[Services]:
-    engine = EngineConfig(device="cpu", prefix_cache_mib=0, workers="process")
+def worker_services(tmp_path: Path, ray: str | None = None) -> Iterator[Services]:
+    """Services whose resources live in worker processes (placed by Ray where `ray` says)."""
+    engine = EngineConfig(device="cpu", prefix_cache_mib=0, workers="process", ray=ray)
     built = build_services(
         ServerConfig(data_dir=tmp_path, engine=engine, scheduler=SchedulerConfig())
     )
     yield built
     built.close()
+
+
+@pytest.fixture(name="services")
+def services_fixture(tmp_path: Path) -> Iterator[Services]:
+    yield from worker_services(tmp_path)
 
 
 def process_engine(services: Services) -> ProcessEngine:

@@ -22,24 +22,19 @@ from test_process_streams import (  # noqa: F401 - collected again, with this mo
     test_a_sample_queued_behind_a_running_generation_in_a_worker_joins_it,
     test_a_weights_sync_in_a_worker_runs_between_blocks_and_its_sample_joins_after_it,
     test_another_sessions_forward_backward_runs_in_the_worker_between_blocks,
+    worker_services,
 )
 from test_sample_streams import Queue
 
-from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
 from posttrain.engine.hosts.ray_placement import RayWorker
-from posttrain.service import Services, build_services
+from posttrain.service import Services
 
 ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(name="services")
 def services_fixture(tmp_path: Path) -> Iterator[Services]:
-    engine = EngineConfig(device="cpu", prefix_cache_mib=0, workers="process", ray="local")
-    built = build_services(
-        ServerConfig(data_dir=tmp_path, engine=engine, scheduler=SchedulerConfig())
-    )
-    yield built
-    built.close()
+    yield from worker_services(tmp_path, ray="local")
 
 
 def test_the_stream_runs_in_the_ray_actor(services):
@@ -49,7 +44,7 @@ def test_the_stream_runs_in_the_ray_actor(services):
     assert isinstance(host, RayWorker) and host.pid not in (None, os.getpid())
     stream = services.scheduler.engine.sample_stream(queue.resource, s)
     assert stream is not None  # a stream, not whole batches
-    assert stream.running_rows() == 0  # answered by the actor
+    assert stream.can_join(s)  # a STREAM_CALL the actor answers
     stream.close()
 
 

@@ -70,8 +70,11 @@ class DecodeStream(Protocol):
     def can_join(self, session_id: str) -> bool: ...
 
     # Operations joining at this block boundary: prefilled (prefix cache first) and drawn their
-    # first token; returns their ids in this stream, as take_finished names them.
-    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]: ...
+    # first token; returns their ids in this stream, as take_finished names them. `fence`: on a
+    # generator lane (LanedEngine.lane_stream), the changes staged up to it are applied first
+    # (the scheduler admits only what changes no decoding session); 0 on the trainer's lane,
+    # whose generators serve what was published, with nothing staged.
+    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]: ...
 
     # One decode block of every running sequence.
     def block(self) -> None: ...
@@ -177,8 +180,8 @@ class Engine(Protocol):
     # The step-wise form of sample_batch on the trainer's lane, for operations of sessions
     # sampling what `session_id` samples (a worker process or trainer group keeps it there and
     # is driven by commands: hosts/remote_streams.py); None where the engine cannot hand one
-    # out (generators apart from the trainer, Ray actors): the scheduler then runs
-    # sample_batch over whole batches.
+    # out (generators apart from the trainer: LanedEngine.lane_stream instead): the scheduler
+    # then runs sample_batch over whole batches.
     def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None: ...
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
@@ -256,3 +259,18 @@ class LanedEngine(Engine, Protocol):
         fence: int = 0,
         lane: int = 0,
     ) -> list[list[SampleResult]]: ...
+
+    # The step-wise form on generator lane `lane`, its generator as of `fence` when it starts
+    # (later operations bring theirs to `admit`); None where the lane's generator cannot hand
+    # one out (a vLLM server batches on its own): the lane runs whole batches.
+    def lane_stream(
+        self, resource_id: str, session_id: str, *, fence: int, lane: int
+    ) -> DecodeStream | None: ...
+
+    # Sessions whose served weights (or existence) a change staged after fence `after` up to
+    # `upto` alters, PIPELINE installs excepted (those may land between decode blocks anyway);
+    # None where that is no longer known. A sample may join a lane's stream only where no
+    # session decoding there is among them (service/sample_streams.py).
+    def changed_sessions(
+        self, resource_id: str, after: int, upto: int
+    ) -> frozenset[str] | None: ...

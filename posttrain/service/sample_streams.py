@@ -1,10 +1,11 @@
-"""A sample pass on the trainer's lane as a stream: operations join the running generation at
-decode block boundaries and finish as soon as their last sequence ended, and queued training
-runs between blocks.
+"""A sample pass as a stream: operations join the running generation at decode block
+boundaries and finish as soon as their last sequence ended, and on the trainer's lane queued
+training runs between blocks.
 
 Where the engine hands out a DecodeStream (engine/interface.py: the in-process engine, and process
 workers and trainer groups, as processes or Ray actors, through step-wise commands,
-hosts/remote_streams.py; generator lanes answer None and keep whole-batch passes), the
+hosts/remote_streams.py; on a generator lane, LanedEngine.lane_stream: a replica process's
+stream, hosts/replicas.py; a vLLM lane answers None and keeps whole-batch passes), the
 scheduler's sample group runs here instead of one `sample_batch` call. Before every decode
 block:
 
@@ -22,6 +23,14 @@ block:
 4. Joined operations are marked RUNNING, prefilled and drawn their first token; then one block.
    A stream takes at most STREAM_MAX_OPERATIONS operations, then runs down (fairness: joins
    do not extend one generation without end).
+On a generator lane (`lane`) the boundary differs: publishes reach the lane's generator as
+staged changes (PIPELINE installs land between blocks there), nothing but samples runs on a lane
+(training goes on on the trainer's lane meanwhile), and the samples handed to the lanes join
+(ResourceWorker.lane_joins; a free lane takes one first) under one more rule, the fence: a
+sample's generator state is the changes staged up to its place in the FIFO, which the lane's
+generator applies before it joins, so it joins only where none of the changes between the
+stream's fence and its own alters a session decoding or joining there (`_fence_allows`); else
+it and every later sample wait for the next generation, as whole batches of one fence did.
 When a stream starts (or restarts after running idle), its decode cache is allocated as a pool
 for up to the row limit, as many rows as admission.pool_rows lets fit beside the first
 operations, so joins within it copy none of the running rows' KV.
@@ -43,14 +52,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Protocol, cast
 
 from posttrain.config import SchedulerConfig
-from posttrain.engine.interface import DecodeStream, Engine
+from posttrain.engine.interface import DecodeStream, Engine, LanedEngine
 from posttrain.records import OperationRecord
 from posttrain.service.admission import pool_rows
 from posttrain.service.durability import changed_parts
-from posttrain.service.kinds import InFlight, Outcome, Ready
+from posttrain.service.kinds import InFlight, Lane, Outcome, Ready
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.recording import OperationRecorder
 from posttrain.service.routed_experts import RoutedExpertsStore
@@ -103,11 +112,17 @@ class StreamPass:
         stream: DecodeStream,
         worker: ResourceWorker,
         queued: list[QueuedOperation],
+        lane: Lane | None = None,
     ) -> None:
+        """`lane`: the generator lane whose generator the stream decodes on (LanedEngine.
+        lane_stream), as of the group's fence; None: the trainer's lane."""
         self.scheduler = scheduler
         self.resource_id = resource_id
         self.stream = stream
         self.worker = worker
+        self.lane = lane
+        # A lane's: the fence its generator serves (the latest an admitted operation brought).
+        self.fence = 0 if lane is None else lane.fence
         self._queued = {item.operation_id: item for item in queued}
         self._live: dict[int, Ready] = {}  # stream id -> admitted member
         self._waiting: list[list[Ready]] = []  # passes memory admission split off
@@ -133,7 +148,10 @@ class StreamPass:
                     break
                 self._admit(self._waiting.pop(0))  # each fits alone (plan_passes)
                 continue
-            self.scheduler.mailbox.publish_in_flight(self.resource_id)
+            if self.lane is None:
+                # PIPELINE weights-syncs publish here; on a generator lane their installs
+                # land in the generator between blocks as staged changes (replica_worker.py).
+                self.scheduler.mailbox.publish_in_flight(self.resource_id)
             self._boundary()
             if self.stream.running_rows():
                 self.stream.block()
@@ -165,9 +183,11 @@ class StreamPass:
             nonlocal rows, peaks, taken
             if self._waiting or taken >= STREAM_MAX_OPERATIONS:
                 return False
-            if not self.stream.can_join(op.session_id):
-                return False
             if rows + op.rows > limit:
+                return False
+            if self.lane is not None and not self._fence_allows(op, joining):
+                return False
+            if not self.stream.can_join(op.session_id):
                 return False
             assert isinstance(op.request, SampleRequest)
             item = (op.session_id, op.request)
@@ -179,10 +199,27 @@ class StreamPass:
             rows, peaks, taken = rows + op.rows, peak, taken + 1
             return True
 
-        joined = self.worker.between_blocks(self._sessions(), may_join)
+        if self.lane is None:
+            joined = self.worker.between_blocks(self._sessions(), may_join)
+        else:
+            joined = self.worker.lane_joins(may_join)
         if joined:
             self._queued.update((item.operation_id, item) for item in joined)
             self._admit(self.scheduler.start(joined))
+
+    def _fence_allows(self, op: QueuedOperation, joining: list[tuple[str, SampleRequest]]) -> bool:
+        """On a generator lane: whether the changes staged between the stream's fence and
+        `op`'s (which its generator applies before `op` joins) leave every session decoding
+        or joining now as it is, so running rows keep their weights (a SYNCHRONOUS or
+        BACKGROUND weights-sync of a decoding session staged before `op` keeps it for the
+        next generation: the first sample that may not join keeps every later one behind it)."""
+        if op.fence <= self.fence:
+            return True
+        laned = cast(LanedEngine, self.scheduler.engine)
+        changed = laned.changed_sessions(self.resource_id, self.fence, op.fence)
+        if changed is None:
+            return False
+        return not changed & (self._sessions() | {session_id for session_id, _ in joining})
 
     def _fits(self, members: list[Ready]) -> bool:
         """Whether operations split off by memory admission fit beside the running rows."""
@@ -203,7 +240,9 @@ class StreamPass:
         items = [(session.id, request) for _, session, request in members]
         if not self.stream.running_rows():
             self._reserve_pool(items)
-        ids = self.stream.admit(items)
+        if self.lane is not None:  # each operation's fence, the latest of them for all
+            self.fence = max(self.fence, *(self._queued[op.id].fence for op, _, _ in members))
+        ids = self.stream.admit(items, self.fence)
         self._live.update(zip(ids, members, strict=True))
         self.operations += len(members)
         self._finish_done()  # every sequence may have ended on its first token

@@ -21,10 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from posttrain.config import SchedulerConfig
-from posttrain.engine.interface import Engine
+from posttrain.engine.interface import Engine, LanedEngine
 from posttrain.errors import SessionNotActive, WorkerDied
 from posttrain.records import OperationRecord, SessionRecord
 from posttrain.service.admission import plan_passes
@@ -180,14 +180,22 @@ class Scheduler:
         self.recorder.finish([(ready[i][0], error) for i, error in refused.items()])
         # A generator lane's group: one fence, one lane (service/worker.py).
         index = group[0].lane
-        if kind == OperationKind.SAMPLE and index is None and passes:
-            # The trainer's lane: a stream where the engine offers one (service/sample_streams.py).
-            stream = self.engine.sample_stream(resource_id, passes[0][0][1].id)
+        lane = None if index is None else Lane(index, max(item.fence for item in group))
+        if kind == OperationKind.SAMPLE and passes:
+            # A stream where the engine offers one (service/sample_streams.py): on the
+            # trainer's lane, or on a generator lane's generator as of the group's fence.
+            session_id = passes[0][0][1].id
+            if lane is None:
+                stream = self.engine.sample_stream(resource_id, session_id)
+            else:
+                laned = cast(LanedEngine, self.engine)
+                stream = laned.lane_stream(
+                    resource_id, session_id, fence=lane.fence, lane=lane.index
+                )
             if stream is not None:
                 worker = self.worker(resource_id)
-                StreamPass(self, resource_id, stream, worker, group).run(passes)
+                StreamPass(self, resource_id, stream, worker, group, lane).run(passes)
                 return
-        lane = None if index is None else Lane(index, max(item.fence for item in group))
         for members in passes:
             self._run_pass(resource_id, kind, members, lane)
 

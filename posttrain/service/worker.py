@@ -341,6 +341,34 @@ class ResourceWorker:
             self._run(unit)
         return joined
 
+    def lane_joins(self, may_join: Callable[[QueuedOperation], bool]) -> list[QueuedOperation]:
+        """At a decode block boundary of the sample stream this generator lane runs (its group
+        is the innermost running one): take the samples handed to the lanes that join it, in
+        FIFO order, while `may_join` says they fit; the first that does not keeps every later
+        one waiting (for a free lane, or this lane's next generation). A free lane waiting on
+        the queue takes a sample first, so a stream takes one only while every lane is busy.
+        Nothing else runs on a lane (training runs on the trainer's). Returns them, in order;
+        they become members of the stream's group."""
+        group = self._running()[-1]
+        joined: list[QueuedOperation] = []
+        with self._ready:
+            handed = list(self._samples)
+        for item in handed:
+            if item is None or item.operation is None:
+                break
+            with self._ready:
+                if not any(i is item for i in self._samples):
+                    continue  # another lane took it meanwhile
+            if not may_join(item.operation):  # outside the lock: it may ask the generator
+                break
+            with self._ready:
+                if not any(i is item for i in self._samples):
+                    continue  # taken meanwhile: its rows stay counted (it only joins less)
+                self._samples.remove(item)
+            group.append(item)
+            joined.append(item.operation)
+        return joined
+
     def _await_arrivals(self) -> None:
         """Caller holds the lock. While sample submissions are arriving, wait (up to gather_s)
         until none has been for ARRIVAL_LULL_S: a burst's POSTs reach the server over several

@@ -202,7 +202,9 @@ class SessionSampleStream:
     def can_join(self, session_id: str) -> bool:
         return self.stream.can_join(self._session(session_id))
 
-    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
+    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+        """`fence`: nothing is staged for an engine's own generators (a replica's stream
+        applies its staged changes first: hosts/replica_worker.py)."""
         return self.stream.admit(self._sessions(items))
 
     def block(self) -> None:

@@ -144,8 +144,8 @@ class RemoteStream:
         self._finished.extend(finished)
         return answer
 
-    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
-        return self._step("admit", items)
+    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+        return self._step("admit", items, fence)
 
     def block(self) -> None:
         self._step("block")

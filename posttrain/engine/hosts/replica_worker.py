@@ -9,8 +9,8 @@ final bucket. They arrive in fence order on the staging pipe (a thread here read
 order, receives the bytes of a bucket that come by broadcast (and the group's "join"
 messages), and keeps each change until a sample's fence reaches it.
 
-Imports: config, types, engine (state, generate.generator, optim.optimizer, hosts: in_process,
-weights_broadcast).
+Imports: config, types, engine (state, generate: generator, sample_stream; optim.optimizer;
+hosts: in_process, weights_broadcast).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from posttrain.config import EngineConfig
 from posttrain.engine.generate.generator import generator_key
+from posttrain.engine.generate.sample_stream import SessionSampleStream
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.weights_broadcast import Bucket, Member, buffer_of, unpack
 from posttrain.engine.optim.optimizer import SessionOptimizer
@@ -125,13 +126,28 @@ class ReplicaEngine(LocalEngine):
         PIPELINE installs that arrive meanwhile land between decode passes. The replica is one
         generator lane of a LanedEngine (hosts/replicas.py sends it the sample's fence), so it
         takes no lane; nor a `between_tokens`: its own hook (`_mid_generation`) runs there."""
+        self.advance(fence)
+        return super().sample_batch(resource_id, items, between_tokens=self._mid_generation)
+
+    def open_stream(self, resource_id: str, session_id: str, fence: int = 0) -> int:
+        """A lane's stream (StreamHost.open_stream), its generator as of `fence` (the first
+        operations' place): their sessions exist here from then on."""
+        self.advance(fence)
+        return super().open_stream(resource_id, session_id)
+
+    def sample_stream(self, resource_id: str, session_id: str) -> FencedStream:
+        """The step-wise form (a generator lane's stream, hosts/replicas.py): operations bring
+        their fence to `admit`, and PIPELINE installs land before any block."""
+        return FencedStream(super().sample_stream(resource_id, session_id), self)
+
+    def advance(self, fence: int) -> None:
+        """Apply every change staged up to `fence` (waiting for those not received yet)."""
         self.received(fence)
         with self._arrived:
             due = [c for c in self._staged if c[0] <= fence]
             self._staged = [c for c in self._staged if c[0] > fence]
         for change in due:
             self._apply(change)
-        return super().sample_batch(resource_id, items, between_tokens=self._mid_generation)
 
     def _mid_generation(self) -> None:
         """Between decode passes: apply each session's staged PIPELINE installs that nothing
@@ -172,3 +188,49 @@ class ReplicaEngine(LocalEngine):
             if last:
                 del self._buckets[session_id]
                 self.install_generator(resource_id, session_id, parts, version=version)
+
+
+class FencedStream:
+    """A replica's decode stream (a DecodeStream, engine/interface.py, driven by its lane through
+    hosts/remote_streams.py's commands): operations joining bring the fence of their place in
+    the resource's FIFO, and the changes staged up to it are applied before they are admitted.
+    The lane admits only operations whose fence changes no session decoding here (service/
+    sample_streams.py), so running rows keep their weights; PIPELINE installs land before each
+    block, as between the decode passes of a whole batch (`_mid_generation`), and the running
+    rows of their sessions switch there (policy_segments)."""
+
+    def __init__(self, stream: SessionSampleStream, engine: ReplicaEngine) -> None:
+        self.stream = stream
+        self.engine = engine
+
+    def can_join(self, session_id: str) -> bool:
+        """A replica's sessions all sample the resource's one model (a full-weight session
+        serves the resource's own model, and shares it with no other), so any may join; one
+        whose create is still staged (its fence is ahead of the stream's) is not here yet."""
+        return True
+
+    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+        self.engine.advance(fence)
+        return self.stream.admit(items)
+
+    def block(self) -> None:
+        self.engine._mid_generation()
+        self.stream.block()
+
+    def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
+        return self.stream.take_finished()
+
+    def running_rows(self) -> int:
+        return self.stream.running_rows()
+
+    def reserve_rows(self, rows: int) -> None:
+        self.stream.reserve_rows(rows)
+
+    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self.stream.pool_row_bytes(items)
+
+    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self.stream.join_reserve_bytes(items)
+
+    def close(self) -> None:
+        self.stream.close()

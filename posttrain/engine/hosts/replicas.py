@@ -22,7 +22,14 @@ A PIPELINE weights-sync's install may also land between two decode passes of a g
 is running (`mid_generation`): the replica applies it there, and its rows switch weights at that
 token boundary, which policy_segments record (generate/generator.py).
 
-A replica that dies fails the sample in flight with GeneratorReplicaDied (INTERNAL_ERROR naming
+A lane's samples run as a stream on its replica (`lane_stream`; FencedStream in
+hosts/replica_worker.py, driven step by step as hosts/remote_streams.py describes): a sample
+handed to the lanes while every lane is busy joins a running generation at a block boundary,
+its replica applying the changes staged up to the sample's fence first. The scheduler lets it
+join only where none of those changes alters a session decoding there (`changed_sessions`;
+service/sample_streams.py), so running rows never see a change staged after their own place.
+
+A replica that dies fails the samples in flight with GeneratorReplicaDied (INTERNAL_ERROR naming
 it); the trainer is untouched, and the next sample starts a new replica, rebuilt from what the
 trainer's generators serve.
 
@@ -30,12 +37,14 @@ The replica side (the engine in each replica process, and the staged changes' fo
 hosts/replica_worker.py.
 
 Imports: config, errors, types, model.loader, engine (interface, memory: estimate, headroom;
-hosts: local_placement, messages, placement, replica_channel, weights_broadcast).
+hosts: local_placement, messages, placement, remote_streams, replica_channel,
+weights_broadcast).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +56,7 @@ from posttrain.config import EngineConfig
 from posttrain.engine.hosts.local_placement import LocalPlacement
 from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.placement import Placement
+from posttrain.engine.hosts.remote_streams import RemoteStream
 from posttrain.engine.hosts.replica_channel import Channel, GeneratorReplica, in_buckets
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
 from posttrain.engine.hosts.weights_broadcast import Delivery, Root, pack
@@ -68,6 +78,10 @@ from posttrain.types import (
 # each a staged change of its own (hosts/replica_worker.py), the last one saying so.
 BUCKET_BYTES = 64 << 20
 
+# Staged changes whose sessions a resource remembers for the lanes' join rule: a stream whose
+# fence is older than all of them admits no later sample (it waits for the next generation).
+CHANGES_KEPT = 4096
+
 
 class _Replicas:
     """A resource's replicas and what they must serve."""
@@ -79,6 +93,9 @@ class _Replicas:
         self.replicas: list[GeneratorReplica] = []
         self.sessions: dict[str, LoraConfig | None] = {}  # what the replicas host
         self.fence = 0  # the number of the last staged change
+        # (fence, session, PIPELINE install) of the latest staged changes: which sessions a
+        # lane's stream would change by taking a later fence (ReplicatedEngine.changed_sessions).
+        self.changes: deque[tuple[int, str, bool]] = deque(maxlen=CHANGES_KEPT)
         # Held while the trainer changes what a generator serves and the change is staged,
         # so the fences follow the trainer's order and a rebuild reads no half-made change.
         self.lock = threading.RLock()
@@ -243,14 +260,45 @@ class ReplicatedEngine(TrainerForwarding):
     def _stage(self, state: _Replicas, what: str, args: tuple, buffer: Tensor | None = None):
         """Caller holds state.lock."""
         state.fence += 1
+        state.changes.append((state.fence, args[1], what == "install" and args[4]))
         state.channel.put(state.replicas, (state.fence, what, args), buffer)
+
+    def changed_sessions(self, resource_id: str, after: int, upto: int) -> frozenset[str] | None:
+        state = self._required(resource_id)
+        with state.lock:
+            changes = state.changes
+            if upto > after and (not changes or changes[0][0] > after + 1):
+                return None  # some of them are forgotten
+            return frozenset(
+                session
+                for fence, session, pipeline in changes
+                if after < fence <= upto and not pipeline
+            )
 
     # ------------------------------------------------------------ sampling
 
     def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
-        """None: samples run on generator lanes, whole batches per replica process (training
-        goes on beside them on the trainer's lane)."""
+        """None: samples run on generator lanes (lane_stream; training goes on beside them on
+        the trainer's lane)."""
         return None
+
+    def lane_stream(
+        self, resource_id: str, session_id: str, *, fence: int, lane: int
+    ) -> DecodeStream:
+        """A stream open on the lane's replica (its FencedStream, hosts/replica_worker.py),
+        driven step by step (hosts/remote_streams.py): samples handed to the lane join its
+        running generation, each applying the changes staged up to its fence first. Bound to
+        that replica: if it dies, the stream's operations fail with GeneratorReplicaDied."""
+        state = self._required(resource_id)
+        replica = state.replicas[lane]
+        if not replica.alive:
+            replica = self._restart(resource_id, state, lane, replica)
+        call = Call(Command.OPEN_STREAM, (resource_id, session_id), {"fence": fence})
+        try:
+            stream_id = replica.worker.call(call)
+        except WorkerDied as exc:
+            raise replica_died(exc) from exc
+        return ReplicaStream(replica.worker.call, resource_id, stream_id)
 
     def sample_batch(
         self,
@@ -273,7 +321,7 @@ class ReplicatedEngine(TrainerForwarding):
             call = Call(Command.SAMPLE_BATCH, (resource_id, items), {"fence": fence})
             return replica.worker.call(call)
         except WorkerDied as exc:
-            raise GeneratorReplicaDied(f"{exc}; a new replica starts with the next sample") from exc
+            raise replica_died(exc) from exc
 
     def _restart(
         self, resource_id: str, state: _Replicas, index: int, dead: GeneratorReplica
@@ -334,3 +382,24 @@ class ReplicatedEngine(TrainerForwarding):
         dtype = resolve_dtype(self.config.dtype, resolve_device(self.config.device))
         config, kv = AutoConfig.from_pretrained(path, local_files_only=True), path_kv_shape(path)
         return estimate.model_shape(config, kv, dtype.itemsize)
+
+
+def replica_died(exc: WorkerDied) -> GeneratorReplicaDied:
+    """A replica's death as its lane's operations report it: the trainer lives on."""
+    return GeneratorReplicaDied(f"{exc}; a new replica starts with the next sample")
+
+
+class ReplicaStream(RemoteStream):
+    """A lane's stream on its replica: a RemoteStream whose host's death is the replica's."""
+
+    def _send(self, command: Command, method: str, *args: Any) -> Any:
+        try:
+            return super()._send(command, method, *args)
+        except WorkerDied as exc:
+            raise replica_died(exc) from exc
+
+    def _check(self) -> None:
+        try:
+            super()._check()
+        except WorkerDied as exc:
+            raise replica_died(exc) from exc

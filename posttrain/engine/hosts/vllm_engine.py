@@ -51,7 +51,7 @@ from posttrain.engine.hosts.vllm_replica import FULL_WEIGHTS_FILE, Change, Repli
 from posttrain.engine.hosts.vllm_requests import generate_body, result_of
 from posttrain.engine.hosts.vllm_scoring import LockedEngine, mismatch
 from posttrain.engine.hosts.vllm_server import SERVED_NAME, ServerSpec, VllmServer
-from posttrain.engine.interface import Engine, Headroom, ModelInfo
+from posttrain.engine.interface import DecodeStream, Engine, Headroom, ModelInfo
 from posttrain.errors import NotFound
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -301,6 +301,16 @@ class VllmEngine(TrainerForwarding):
             state.written &= in_use
 
     # ------------------------------------------------------------ sampling
+
+    def lane_stream(
+        self, resource_id: str, session_id: str, *, fence: int, lane: int
+    ) -> DecodeStream | None:
+        """None: a lane sends its whole batch at once, and the vLLM server batches its
+        requests continuously on its own."""
+        return None
+
+    def changed_sessions(self, resource_id: str, after: int, upto: int) -> frozenset[str] | None:
+        return None  # no lane streams
 
     def sample_batch(
         self,

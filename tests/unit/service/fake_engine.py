@@ -179,6 +179,13 @@ class FakeEngine:
         """No decode stream: samples run as whole batches through sample_batch."""
         return None
 
+    def lane_stream(self, resource_id: str, session_id: str, *, fence: int, lane: int) -> None:
+        """Nor on a generator lane."""
+        return None
+
+    def changed_sessions(self, resource_id: str, after: int, upto: int) -> None:
+        return None
+
     def sample_batch(
         self,
         resource_id: str,

@@ -44,7 +44,8 @@ class CountingStream:
     def can_join(self, session_id: str) -> bool:
         return True
 
-    def admit(self, items: list[tuple[str, SampleRequest]]) -> list[int]:
+    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+        assert fence == 0, "the trainer's lane has nothing staged"
         ids = []
         for _, request in items:
             stream_id = len(self.requests)

@@ -76,8 +76,10 @@ class DecodeStream(Protocol):
     # whose generators serve what was published, with nothing staged.
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]: ...
 
-    # One decode block of every running sequence.
-    def block(self) -> None: ...
+    # Up to `most` decode blocks of every running sequence: fewer where a sequence ended in one
+    # (its operation may have finished), or a generator lane's stream was woken
+    # (LanedEngine.wake_lanes: a sample waits to join). The trainer's lane runs one at a time.
+    def block(self, most: int = 1) -> None: ...
 
     # (id, one result per prompt) of the operations completed since the last call.
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]: ...
@@ -266,6 +268,10 @@ class LanedEngine(Engine, Protocol):
     def lane_stream(
         self, resource_id: str, session_id: str, *, fence: int, lane: int
     ) -> DecodeStream | None: ...
+
+    # A sample was handed to the lanes: a lane stream running several blocks in one call
+    # (DecodeStream.block's `most`) stops at its next block boundary, so the sample may join.
+    def wake_lanes(self, resource_id: str) -> None: ...
 
     # Sessions whose served weights (or existence) a change staged after fence `after` up to
     # `upto` alters, PIPELINE installs excepted (those may land between decode blocks anyway);

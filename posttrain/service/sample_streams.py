@@ -74,6 +74,12 @@ log = logging.getLogger("posttrain.scheduler")
 # one run-down per that many operations.
 STREAM_MAX_OPERATIONS = 1024
 
+# Decode blocks a generator lane's stream runs in one call to its replica at most: it stops
+# sooner where a sequence ended or a sample was handed to the lanes (LanedEngine.wake_lanes),
+# so joins and completions wait no longer, and a long generation alone costs a round trip per
+# this many blocks instead of one per block (on the CPU a block is one decode step).
+LANE_BLOCKS_PER_CALL = 8
+
 
 def stream_rows(limits: SchedulerConfig) -> int:
     """Most sequences one stream decodes at once: max_sample_rows, plus the rows only joining
@@ -154,13 +160,14 @@ class StreamPass:
                 self.scheduler.mailbox.publish_in_flight(self.resource_id)
             self._boundary()
             if self.stream.running_rows():
-                self.stream.block()
+                # On the trainer's lane one block at a time: queued training runs between.
+                self.stream.block(1 if self.lane is None else LANE_BLOCKS_PER_CALL)
                 self.blocks += 1
                 self._finish_done()
         if self.operations > 1:
             self.scheduler.metrics.shared_pass(self.operations)
         log.info(
-            "%d sample operations in one stream, %d blocks, %.3fs",
+            "%d sample operations in one stream, %d block calls, %.3fs",
             self.operations,
             self.blocks,
             time.monotonic() - started,

@@ -95,6 +95,9 @@ class Scheduler:
                     gather_s=self.limits.sample_gather_s,
                     generator_lanes=lambda rid=resource_id: self.engine.generator_lanes(rid),
                     fence=lambda rid=resource_id: self.engine.generator_fence(rid),
+                    wake_lanes=lambda rid=resource_id: cast(LanedEngine, self.engine).wake_lanes(
+                        rid
+                    ),
                 )
             return self._workers[resource_id]
 

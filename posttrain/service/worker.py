@@ -102,6 +102,7 @@ class ResourceWorker:
         gather_s: float = 0.0,
         generator_lanes: Callable[[], int] = int,
         fence: Callable[[], int] = int,
+        wake_lanes: Callable[[], None] = lambda: None,
     ) -> None:
         self._items: deque[_Item | None] = deque()
         self._ready = threading.Condition()
@@ -119,6 +120,8 @@ class ResourceWorker:
         # trainer's operations go on meanwhile.
         self._generator_lanes = generator_lanes
         self._fence = fence
+        # Tells lane streams running several blocks a call that a sample waits (lane_joins).
+        self._wake_lanes = wake_lanes
         self._samples: deque[_Item | None] = deque()
         self._lanes: list[threading.Thread] = []
         # Per thread (the trainer's lane and each generator lane), the groups it runs,
@@ -233,6 +236,7 @@ class ResourceWorker:
                 lane.start()
             self._samples.append(_Item(head.future, operation=operation))
             self._ready.notify_all()
+        self._wake_lanes()  # a free lane takes it; else a busy lane's stream may join it
         return True
 
     def _sample_lane(self, lane: int) -> None:

@@ -207,8 +207,23 @@ class SessionSampleStream:
         applies its staged changes first: hosts/replica_worker.py)."""
         return self.stream.admit(self._sessions(items))
 
-    def block(self) -> None:
-        self.stream.block()
+    def block(
+        self,
+        most: int = 1,
+        *,
+        between: Callable[[], None] | None = None,
+        woken: Callable[[], bool] = bool,
+    ) -> None:
+        """Up to `most` blocks (DecodeStream.block), `between` before each; they stop after
+        one where a sequence ended (its operation may have finished) or `woken()` says a
+        sample waits to join (a replica's, hosts/replica_worker.py)."""
+        for _ in range(most):
+            if between is not None:
+                between()
+            rows = self.stream.running_rows()
+            self.stream.block()
+            if self.stream.running_rows() < rows or woken():
+                return
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         return self.stream.take_finished()

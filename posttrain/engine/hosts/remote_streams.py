@@ -147,8 +147,8 @@ class RemoteStream:
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
         return self._step("admit", items, fence)
 
-    def block(self) -> None:
-        self._step("block")
+    def block(self, most: int = 1) -> None:
+        self._step("block", most)
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         self._check()

@@ -4,7 +4,9 @@ generator and nothing else, fed by staged changes.
 A staged change is `(fence, what, args)`: "create" `(resource, session, lora)`, "drop"
 `(resource, session)`, or "install" `(resource, session, bucket, version, mid_generation, last)`,
 one bucket of what a session's generator serves (hosts/weights_broadcast.py), `last` on the
-final bucket. They arrive in fence order on the staging pipe (a thread here reads it) or by
+final bucket. A "wake" (fence 0, no change) says a sample was handed to the lanes: a lane's
+stream running several blocks in one call stops at its next boundary (FencedStream.block).
+They arrive in fence order on the staging pipe (a thread here reads it) or by
 `receive` calls (a Ray actor's, hosts/ray_placement.py); an inbox thread takes them in that
 order, receives the bytes of a bucket that come by broadcast (and the group's "join"
 messages), and keeps each change until a sample's fence reaches it.
@@ -48,6 +50,9 @@ class ReplicaEngine(LocalEngine):
         self._arrived = threading.Condition()
         self._inbox: queue.SimpleQueue[Staged] = queue.SimpleQueue()
         self._member = Member()  # of the resource's weights group, once it forms
+        # Set by a "wake" (a sample was handed to the lanes): a stream's several-block call
+        # stops at its next boundary (FencedStream.block).
+        self._woken = threading.Event()
         threading.Thread(target=self._take, daemon=True).start()
         if staging is not None:
             threading.Thread(target=self._read, args=(staging,), daemon=True).start()
@@ -70,6 +75,9 @@ class ReplicaEngine(LocalEngine):
             fence, what, args = self._inbox.get()
             if what == "join":
                 self._member.join(*args)
+                continue
+            if what == "wake":
+                self._woken.set()
                 continue
             if what == "install":
                 bucket: Bucket = args[2]
@@ -102,6 +110,13 @@ class ReplicaEngine(LocalEngine):
         resource.sessions[session_id] = SessionState(
             session_id, generator_key(session_id), SessionOptimizer([]), generator_model=model
         )
+
+    def woken(self) -> bool:
+        """Whether a wake arrived since the last call that said so."""
+        if not self._woken.is_set():
+            return False
+        self._woken.clear()
+        return True
 
     def rebuilt(self, fence: int) -> None:
         """A new replica was given the state as of `fence` directly: nothing before it is due."""
@@ -213,9 +228,11 @@ class FencedStream:
         self.engine.advance(fence)
         return self.stream.admit(items)
 
-    def block(self) -> None:
-        self.engine._mid_generation()
-        self.stream.block()
+    def block(self, most: int = 1) -> None:
+        """Up to `most` blocks, each after the PIPELINE installs due: fewer where a sequence
+        ended, or a wake arrived (a sample waits to join; one that arrived before this call
+        stops it after one block, which only costs a round trip)."""
+        self.stream.block(most, between=self.engine._mid_generation, woken=self.engine.woken)
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         return self.stream.take_finished()

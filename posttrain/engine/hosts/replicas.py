@@ -263,6 +263,12 @@ class ReplicatedEngine(TrainerForwarding):
         state.changes.append((state.fence, args[1], what == "install" and args[4]))
         state.channel.put(state.replicas, (state.fence, what, args), buffer)
 
+    def wake_lanes(self, resource_id: str) -> None:
+        """A "wake" down every replica's staging channel (after what is staged already)."""
+        state = self._state(resource_id)
+        if state is not None:
+            state.channel.put(state.replicas, (0, "wake", ()), None)
+
     def changed_sessions(self, resource_id: str, after: int, upto: int) -> frozenset[str] | None:
         state = self._required(resource_id)
         with state.lock:

@@ -312,6 +312,9 @@ class VllmEngine(TrainerForwarding):
     def changed_sessions(self, resource_id: str, after: int, upto: int) -> frozenset[str] | None:
         return None  # no lane streams
 
+    def wake_lanes(self, resource_id: str) -> None:
+        pass  # no lane streams
+
     def sample_batch(
         self,
         resource_id: str,

@@ -186,6 +186,9 @@ class FakeEngine:
     def changed_sessions(self, resource_id: str, after: int, upto: int) -> None:
         return None
 
+    def wake_lanes(self, resource_id: str) -> None:
+        pass
+
     def sample_batch(
         self,
         resource_id: str,

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from inprocess import USER
 from test_sample_streams import FB, LONG, SAMPLE, SHORT, STEP, SYNC, Queue, assert_same, fb_request
 
-from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
+from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, SchedulerConfig, ServerConfig
 from posttrain.engine.hosts.replicas import ReplicatedEngine
 from posttrain.errors import INTERNAL_ERROR
-from posttrain.service import Services, build_services
+from posttrain.service import Services, build_services, sample_streams
 from posttrain.service.worker import ResourceWorker
 from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.types import (
@@ -58,12 +60,22 @@ class LaneQueue(Queue):
     """A Queue whose samples run on the resource's one generator lane: `drain` also waits
     for every operation submitted to settle (the trainer's queue hands samples off at once)."""
 
-    def __init__(self, services: Services, sessions: int) -> None:
+    def __init__(self, services: Services, sessions: int, lanes: int = 1) -> None:
         self.submitted: list[str] = []
-        super().__init__(services, sessions)
+        resource = None
+        if lanes > 1:
+            resource = services.resources.create(
+                USER,
+                base_model=BUILTIN_MODEL_ID,
+                lora_enabled=True,
+                num_generator_replicas=lanes,
+                inactive_timeout=300,
+                muon_scaling=None,
+            ).id
+        super().__init__(services, sessions, resource)
         engine = services.scheduler.engine
         assert isinstance(engine, ReplicatedEngine)
-        assert engine.generator_lanes(self.resource) == 1
+        assert engine.generator_lanes(self.resource) == lanes
         self.engine = engine
         self.worker = services.scheduler.worker(self.resource)
 
@@ -82,17 +94,20 @@ class LaneQueue(Queue):
                 assert time.monotonic() < deadline, f"{op_id} did not settle"
                 time.sleep(0.005)
 
-    def at_first_boundary(self, monkeypatch, submit: Callable[[], str]) -> list[str]:
+    def at_first_boundary(
+        self, monkeypatch, submit: Callable[[], str], *, handed: bool = True
+    ) -> list[str]:
         """At the lane stream's first block boundary: `submit` (it returns a sample's id), and
-        once that sample waits for the lanes, the boundary goes on. Returns [its id], filled
-        then."""
+        once that sample waits for the lanes (`handed`; else as soon as `submit` returns), the
+        boundary goes on. Returns [its id], filled then."""
         submitted: list[str] = []
         lane_joins = self.worker.lane_joins
 
         def hooked(may_join):
             if not submitted:
                 submitted.append(submit())
-                handed_off(self.worker)
+                if handed:
+                    handed_off(self.worker)
             return lane_joins(may_join)
 
         monkeypatch.setattr(self.worker, "lane_joins", hooked)
@@ -122,6 +137,76 @@ def test_a_sample_handed_to_a_busy_lane_joins_its_running_generation(services, m
     assert services.scheduler.metrics.shared_pass_operations == 2
     assert_same(queue.output(short_id), short_alone)
     assert_same(queue.output(long_id), long_alone)
+
+
+def test_a_sample_handed_off_during_a_call_of_many_blocks_wakes_it_and_joins(services, monkeypatch):
+    """The lane runs LONG's blocks in calls so long that one would reach LONG's end; a sample
+    handed off while such a call runs wakes the replica (ResourceWorker._hand_off ->
+    wake_lanes): the call stops at the next block and the sample joins, finishing first."""
+    monkeypatch.setattr(sample_streams, "LANE_BLOCKS_PER_CALL", 10_000)
+    queue = LaneQueue(services, 2)
+    s, t = queue.sessions
+    short_alone = queue.alone(t, SHORT)
+    late: list[str] = []
+    submitters: list[threading.Thread] = []
+    lane_stream = queue.engine.lane_stream
+
+    def submitting(*args, **kwargs):
+        """A lane stream whose first block call submits SHORT from another thread."""
+        stream = lane_stream(*args, **kwargs)
+        block = stream.block
+
+        def first_call_submits(most: int = 1) -> None:
+            if not submitters:
+                submit = threading.Thread(
+                    target=lambda: late.append(queue.submit(t, SAMPLE, SHORT))
+                )
+                submit.start()
+                submitters.append(submit)  # started: the test joins it
+            block(most)
+
+        stream.block = first_call_submits  # type: ignore[method-assign]
+        return stream
+
+    monkeypatch.setattr(queue.engine, "lane_stream", submitting)
+    long_id = queue.submit(s, SAMPLE, LONG)
+    deadline = time.monotonic() + SETTLE_S
+    while not submitters:
+        assert time.monotonic() < deadline, "no block call was made"
+        time.sleep(0.001)
+    submitters[0].join()
+    queue.drain()
+    (short_id,) = late
+    assert queue.finished_at(short_id) < queue.finished_at(long_id)
+    assert services.scheduler.metrics.shared_passes == 1
+    assert_same(queue.output(short_id), short_alone)
+
+
+def test_a_free_lane_takes_a_sample_before_a_busy_lanes_stream(services, monkeypatch):
+    """Two replicas: the sample handed off while lane 0 decodes LONG runs on lane 1 at once,
+    in a generation of its own, so the load spreads; a stream joins only while every lane is
+    busy."""
+    queue = LaneQueue(services, 2, lanes=2)
+    s, t = queue.sessions
+    short_alone = queue.alone(t, SHORT)
+
+    def submit_and_start() -> str:
+        op_id = queue.submit(t, SAMPLE, SHORT)
+        deadline = time.monotonic() + SETTLE_S
+        while (op := services.repo.get_operation(op_id)) is None or (
+            op.status == OperationStatus.PENDING
+        ):
+            assert time.monotonic() < deadline, "the free lane did not start it"
+            time.sleep(0.001)
+        return op_id
+
+    late = queue.at_first_boundary(monkeypatch, submit_and_start, handed=False)
+    long_id = queue.submit(s, SAMPLE, LONG)
+    queue.drain()
+    (short_id,) = late
+    assert queue.finished_at(short_id) < queue.finished_at(long_id)
+    assert services.scheduler.metrics.shared_passes == 0  # its own generation, not a join
+    assert_same(queue.output(short_id), short_alone)
 
 
 def test_a_sample_after_another_sessions_weights_sync_joins_with_the_new_weights(

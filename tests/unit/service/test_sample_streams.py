@@ -74,9 +74,10 @@ def services_fixture(tmp_path: Path) -> Iterator[Services]:
 class Queue:
     """Sessions on one resource, and operations submitted to it."""
 
-    def __init__(self, services: Services, sessions: int) -> None:
+    def __init__(self, services: Services, sessions: int, resource: str | None = None) -> None:
+        """`sessions` new sessions on `resource`, or on a new resource (one generator)."""
         self.services = services
-        self.resource = ready_resource(services).id
+        self.resource = resource or ready_resource(services).id
         self.sessions = [open_session(services, self.resource).id for _ in range(sessions)]
         self.drain()
         self.keys = iter(range(1 << 30))

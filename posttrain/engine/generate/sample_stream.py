@@ -197,10 +197,10 @@ class SessionSampleStream:
 
     def __init__(self, stream: SampleStream, session: Callable[[str], SessionState]) -> None:
         self.stream = stream
-        self._session = session
+        self.session = session  # a session's state by id, on the stream's resource
 
     def can_join(self, session_id: str) -> bool:
-        return self.stream.can_join(self._session(session_id))
+        return self.stream.can_join(self.session(session_id))
 
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
         """`fence`: nothing is staged for an engine's own generators (a replica's stream
@@ -246,7 +246,7 @@ class SessionSampleStream:
     def _sessions(
         self, items: list[tuple[str, SampleRequest]]
     ) -> list[tuple[SessionState, SampleRequest]]:
-        return [(self._session(sid), request) for sid, request in items]
+        return [(self.session(sid), request) for sid, request in items]
 
 
 def open_stream(

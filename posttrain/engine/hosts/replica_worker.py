@@ -205,7 +205,7 @@ class ReplicaEngine(LocalEngine):
                 self.install_generator(resource_id, session_id, parts, version=version)
 
 
-class FencedStream:
+class FencedStream(SessionSampleStream):
     """A replica's decode stream (a DecodeStream, engine/interface.py, driven by its lane through
     hosts/remote_streams.py's commands): operations joining bring the fence of their place in
     the resource's FIFO, and the changes staged up to it are applied before they are admitted.
@@ -215,7 +215,7 @@ class FencedStream:
     rows of their sessions switch there (policy_segments)."""
 
     def __init__(self, stream: SessionSampleStream, engine: ReplicaEngine) -> None:
-        self.stream = stream
+        super().__init__(stream.stream, stream.session)
         self.engine = engine
 
     def can_join(self, session_id: str) -> bool:
@@ -226,28 +226,10 @@ class FencedStream:
 
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
         self.engine.advance(fence)
-        return self.stream.admit(items)
+        return super().admit(items)
 
     def block(self, most: int = 1) -> None:
         """Up to `most` blocks, each after the PIPELINE installs due: fewer where a sequence
         ended, or a wake arrived (a sample waits to join; one that arrived before this call
         stops it after one block, which only costs a round trip)."""
-        self.stream.block(most, between=self.engine._mid_generation, woken=self.engine.woken)
-
-    def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
-        return self.stream.take_finished()
-
-    def running_rows(self) -> int:
-        return self.stream.running_rows()
-
-    def reserve_rows(self, rows: int) -> None:
-        self.stream.reserve_rows(rows)
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.pool_row_bytes(items)
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.join_reserve_bytes(items)
-
-    def close(self) -> None:
-        self.stream.close()
+        super().block(most, between=self.engine._mid_generation, woken=self.engine.woken)

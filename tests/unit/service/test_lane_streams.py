@@ -22,12 +22,23 @@ from pathlib import Path
 
 import pytest
 from inprocess import USER
-from test_sample_streams import FB, LONG, SAMPLE, SHORT, STEP, SYNC, Queue, assert_same, fb_request
+from test_sample_streams import (
+    FB,
+    LONG,
+    SAMPLE,
+    SHORT,
+    STEP,
+    SYNC,
+    Queue,
+    assert_same,
+    engine_services,
+    fb_request,
+)
 
-from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, SchedulerConfig, ServerConfig
+from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.engine.hosts.replicas import ReplicatedEngine
 from posttrain.errors import INTERNAL_ERROR
-from posttrain.service import Services, build_services, sample_streams
+from posttrain.service import Services, sample_streams
 from posttrain.service.worker import ResourceWorker
 from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.types import (
@@ -43,12 +54,7 @@ SETTLE_S = 300  # a hang's bound, not a timing assertion
 def replica_services(tmp_path: Path, ray: str | None = None) -> Iterator[Services]:
     """Services whose samples run on generator replica processes (placed by Ray where `ray`
     says)."""
-    engine = EngineConfig(device="cpu", prefix_cache_mib=0, generators="process", ray=ray)
-    built = build_services(
-        ServerConfig(data_dir=tmp_path, engine=engine, scheduler=SchedulerConfig())
-    )
-    yield built
-    built.close()
+    yield from engine_services(tmp_path, generators="process", ray=ray)
 
 
 @pytest.fixture(name="services")
@@ -113,6 +119,17 @@ class LaneQueue(Queue):
         monkeypatch.setattr(self.worker, "lane_joins", hooked)
         return submitted
 
+    def long_and_late(
+        self, monkeypatch, session: str, submit: Callable[[], str], *, handed: bool = True
+    ) -> tuple[str, str]:
+        """LONG of `session`, and at its stream's first boundary what `submit` submits
+        (at_first_boundary); once all settled, (LONG's id, the late sample's id)."""
+        late = self.at_first_boundary(monkeypatch, submit, handed=handed)
+        long_id = self.submit(session, SAMPLE, LONG)
+        self.drain()
+        (short_id,) = late
+        return long_id, short_id
+
 
 def handed_off(worker: ResourceWorker) -> None:
     """Wait until a sample waits for the generator lanes."""
@@ -127,10 +144,7 @@ def test_a_sample_handed_to_a_busy_lane_joins_its_running_generation(services, m
     s, t = queue.sessions
     short_alone, long_alone = queue.alone(t, SHORT), queue.alone(s, LONG)
     assert services.scheduler.metrics.shared_passes == 0
-    late = queue.at_first_boundary(monkeypatch, lambda: queue.submit(t, SAMPLE, SHORT))
-    long_id = queue.submit(s, SAMPLE, LONG)
-    queue.drain()
-    (short_id,) = late
+    long_id, short_id = queue.long_and_late(monkeypatch, s, lambda: queue.submit(t, SAMPLE, SHORT))
     # SHORT joined LONG's generation on the replica and completed while LONG went on.
     assert queue.finished_at(short_id) < queue.finished_at(long_id)
     assert services.scheduler.metrics.shared_passes == 1
@@ -200,10 +214,7 @@ def test_a_free_lane_takes_a_sample_before_a_busy_lanes_stream(services, monkeyp
             time.sleep(0.001)
         return op_id
 
-    late = queue.at_first_boundary(monkeypatch, submit_and_start, handed=False)
-    long_id = queue.submit(s, SAMPLE, LONG)
-    queue.drain()
-    (short_id,) = late
+    long_id, short_id = queue.long_and_late(monkeypatch, s, submit_and_start, handed=False)
     assert queue.finished_at(short_id) < queue.finished_at(long_id)
     assert services.scheduler.metrics.shared_passes == 0  # its own generation, not a join
     assert_same(queue.output(short_id), short_alone)
@@ -224,10 +235,7 @@ def test_a_sample_after_another_sessions_weights_sync_joins_with_the_new_weights
         queue.submit(t, SYNC, WeightsSyncRequest())
         return queue.submit(t, SAMPLE, SHORT)
 
-    late = queue.at_first_boundary(monkeypatch, train_sync_sample)
-    long_id = queue.submit(s, SAMPLE, LONG)
-    queue.drain()
-    (short_id,) = late
+    long_id, short_id = queue.long_and_late(monkeypatch, s, train_sync_sample)
     assert queue.finished_at(short_id) < queue.finished_at(long_id)
     assert services.scheduler.metrics.shared_passes == 1
     assert {r.policy_segments[0] for r in queue.output(short_id).results} == {PolicySegment(0, 1)}
@@ -253,10 +261,7 @@ def test_a_sample_after_a_decoding_sessions_weights_sync_waits_for_the_next_gene
         synced.append(queue.submit(s, SYNC, WeightsSyncRequest()))
         return queue.submit(t, SAMPLE, SHORT)
 
-    late = queue.at_first_boundary(monkeypatch, train_sync_sample)
-    long_id = queue.submit(s, SAMPLE, LONG)
-    queue.drain()
-    (short_id,) = late
+    long_id, short_id = queue.long_and_late(monkeypatch, s, train_sync_sample)
     assert queue.finished_at(synced[0]) < queue.finished_at(long_id)  # the trainer went on
     assert queue.finished_at(long_id) < queue.finished_at(short_id)
     assert services.scheduler.metrics.shared_passes == 0
@@ -281,10 +286,7 @@ def test_a_pipeline_weights_sync_switches_the_running_rows_on_the_replica(servic
         queue.submit(s, SYNC, WeightsSyncRequest(WeightSyncType.PIPELINE))
         return queue.submit(t, SAMPLE, SHORT)
 
-    late = queue.at_first_boundary(monkeypatch, sync_sample)
-    long_id = queue.submit(s, SAMPLE, LONG)
-    queue.drain()
-    (short_id,) = late
+    long_id, short_id = queue.long_and_late(monkeypatch, s, sync_sample)
     assert queue.finished_at(short_id) < queue.finished_at(long_id)
     for result in queue.output(long_id).results:
         first, switched = result.policy_segments

@@ -16,25 +16,29 @@ from pathlib import Path
 
 import pytest
 import test_sample_streams
-from test_sample_streams import FB, LONG, SAMPLE, SHORT, STEP, Queue, assert_same, fb_request
+from test_sample_streams import (
+    FB,
+    LONG,
+    SAMPLE,
+    SHORT,
+    STEP,
+    Queue,
+    assert_same,
+    engine_services,
+    fb_request,
+)
 
-from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
 from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.remote import ProcessEngine
 from posttrain.errors import INTERNAL_ERROR, EngineFailure
-from posttrain.service import Services, build_services
+from posttrain.service import Services
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.types import OptimStepRequest
 
 
 def worker_services(tmp_path: Path, ray: str | None = None) -> Iterator[Services]:
     """Services whose resources live in worker processes (placed by Ray where `ray` says)."""
-    engine = EngineConfig(device="cpu", prefix_cache_mib=0, workers="process", ray=ray)
-    built = build_services(
-        ServerConfig(data_dir=tmp_path, engine=engine, scheduler=SchedulerConfig())
-    )
-    yield built
-    built.close()
+    yield from engine_services(tmp_path, workers="process", ray=ray)
 
 
 @pytest.fixture(name="services")

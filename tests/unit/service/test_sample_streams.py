@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,6 +68,17 @@ def make_services(tmp_path: Path, **scheduler: int) -> Services:
 @pytest.fixture(name="services")
 def services_fixture(tmp_path: Path) -> Iterator[Services]:
     built = make_services(tmp_path)
+    yield built
+    built.close()
+
+
+def engine_services(tmp_path: Path, **engine: Any) -> Iterator[Services]:
+    """Services on the CPU, prefix cache off, with these EngineConfig fields (where the
+    engine runs: worker processes, generator replicas, Ray); closed after."""
+    config = EngineConfig(device="cpu", prefix_cache_mib=0, **engine)
+    built = build_services(
+        ServerConfig(data_dir=tmp_path, engine=config, scheduler=SchedulerConfig())
+    )
     yield built
     built.close()
 

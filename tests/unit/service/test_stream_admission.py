@@ -55,7 +55,8 @@ class CountingStream:
             ids.append(stream_id)
         return ids
 
-    def block(self) -> None:
+    def block(self, most: int = 1) -> None:
+        assert most == 1, "the trainer's lane runs one block a call (training runs between)"
         if self.fail:
             raise RuntimeError("the decode block failed")
         for stream_id in list(self.left):

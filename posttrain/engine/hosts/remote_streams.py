@@ -106,18 +106,27 @@ class RemoteStream:
     """A stream open on a host, driven from the API process: each method one STREAM_CALL on
     `call` (the host's, bound at open: hosts/remote.py), but `admit` and `block`, each one
     STREAM_STEP that also brings back what finished and the rows running after it (only they
-    change either): `take_finished` and `running_rows` answer from it without a round trip."""
+    change either): `take_finished` and `running_rows` answer from it without a round trip.
+    `died` says how the operations report the host's death (a generator replica's:
+    hosts/replicas.py); by default as the host's WorkerDied."""
 
-    def __init__(self, call: Callable[[Call], Any], resource_id: str, stream_id: int) -> None:
+    def __init__(
+        self,
+        call: Callable[[Call], Any],
+        resource_id: str,
+        stream_id: int,
+        died: Callable[[WorkerDied], EngineFailure] | None = None,
+    ) -> None:
         self._host_call = call
+        self._report_death = died
         self.resource_id = resource_id
         self.stream_id = stream_id
         self._closed = False
         self._rows = 0  # as of the last step
         self._finished: list[tuple[int, list[SampleResult]]] = []  # brought by steps, not taken
-        # The host's death, once seen: every later call fails with it (the stream is bound to
-        # that host), also those answered here.
-        self._died: WorkerDied | None = None
+        # The host's death, once seen (as `died` reports it): every later call fails with it
+        # (the stream is bound to that host), also those answered here.
+        self._died: EngineFailure | None = None
 
     def _send(self, command: Command, method: str, *args: Any) -> Any:
         if self._closed:
@@ -126,8 +135,11 @@ class RemoteStream:
         try:
             return self._host_call(Call(command, (self.resource_id, self.stream_id, method, *args)))
         except WorkerDied as exc:
-            self._died = exc
-            raise
+            if self._report_death is None:
+                self._died = exc
+                raise
+            self._died = self._report_death(exc)
+            raise self._died from exc
 
     def _check(self) -> None:
         if self._died is not None:

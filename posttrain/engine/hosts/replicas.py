@@ -295,16 +295,10 @@ class ReplicatedEngine(TrainerForwarding):
         driven step by step (hosts/remote_streams.py): samples handed to the lane join its
         running generation, each applying the changes staged up to its fence first. Bound to
         that replica: if it dies, the stream's operations fail with GeneratorReplicaDied."""
-        state = self._required(resource_id)
-        replica = state.replicas[lane]
-        if not replica.alive:
-            replica = self._restart(resource_id, state, lane, replica)
+        replica = self._lane_replica(resource_id, lane)
         call = Call(Command.OPEN_STREAM, (resource_id, session_id), {"fence": fence})
-        try:
-            stream_id = replica.worker.call(call)
-        except WorkerDied as exc:
-            raise replica_died(exc) from exc
-        return ReplicaStream(replica.worker.call, resource_id, stream_id)
+        stream_id = _on_replica(replica, call)
+        return RemoteStream(replica.worker.call, resource_id, stream_id, died=replica_died)
 
     def sample_batch(
         self,
@@ -319,15 +313,16 @@ class ReplicatedEngine(TrainerForwarding):
         order, so its replica's fences never go back: it never serves weights newer than a
         sample's place. `between_tokens` is not called: publishes reach the replicas as
         staged changes, PIPELINE ones mid-generation."""
+        call = Call(Command.SAMPLE_BATCH, (resource_id, items), {"fence": fence})
+        return _on_replica(self._lane_replica(resource_id, lane), call)
+
+    def _lane_replica(self, resource_id: str, lane: int) -> GeneratorReplica:
+        """The lane's replica, a new one where it died (the lane's next sample starts it)."""
         state = self._required(resource_id)
         replica = state.replicas[lane]
         if not replica.alive:
             replica = self._restart(resource_id, state, lane, replica)
-        try:
-            call = Call(Command.SAMPLE_BATCH, (resource_id, items), {"fence": fence})
-            return replica.worker.call(call)
-        except WorkerDied as exc:
-            raise replica_died(exc) from exc
+        return replica
 
     def _restart(
         self, resource_id: str, state: _Replicas, index: int, dead: GeneratorReplica
@@ -395,17 +390,9 @@ def replica_died(exc: WorkerDied) -> GeneratorReplicaDied:
     return GeneratorReplicaDied(f"{exc}; a new replica starts with the next sample")
 
 
-class ReplicaStream(RemoteStream):
-    """A lane's stream on its replica: a RemoteStream whose host's death is the replica's."""
-
-    def _send(self, command: Command, method: str, *args: Any) -> Any:
-        try:
-            return super()._send(command, method, *args)
-        except WorkerDied as exc:
-            raise replica_died(exc) from exc
-
-    def _check(self) -> None:
-        try:
-            super()._check()
-        except WorkerDied as exc:
-            raise replica_died(exc) from exc
+def _on_replica(replica: GeneratorReplica, call: Call) -> Any:
+    """`call` on the replica; its death reported as the replica's (replica_died)."""
+    try:
+        return replica.worker.call(call)
+    except WorkerDied as exc:
+        raise replica_died(exc) from exc

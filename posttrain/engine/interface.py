@@ -263,8 +263,9 @@ class LanedEngine(Engine, Protocol):
     ) -> list[list[SampleResult]]: ...
 
     # The step-wise form on generator lane `lane`, its generator as of `fence` when it starts
-    # (later operations bring theirs to `admit`); None where the lane's generator cannot hand
-    # one out (a vLLM server batches on its own): the lane runs whole batches.
+    # (later operations bring theirs to `admit`): a replica process's stream, or a vLLM
+    # server's (each operation sent as it joins; the server batches continuously); None where
+    # the lane's generator cannot hand one out: the lane runs whole batches.
     def lane_stream(
         self, resource_id: str, session_id: str, *, fence: int, lane: int
     ) -> DecodeStream | None: ...

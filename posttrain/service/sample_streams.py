@@ -5,7 +5,7 @@ training runs between blocks.
 Where the engine hands out a DecodeStream (engine/interface.py: the in-process engine, and process
 workers and trainer groups, as processes or Ray actors, through step-wise commands,
 hosts/remote_streams.py; on a generator lane, LanedEngine.lane_stream: a replica process's
-stream, hosts/replicas.py; a vLLM lane answers None and keeps whole-batch passes), the
+stream, hosts/replicas.py, or a vLLM server's, hosts/vllm_stream.py), the
 scheduler's sample group runs here instead of one `sample_batch` call. Before every decode
 block:
 

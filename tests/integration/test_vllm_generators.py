@@ -35,6 +35,7 @@ PROMPT = [1, 40, 41, 42, 50]
 TRAIN = [1, 40, 41, 42, 50, 60, 70, 80, 33, 34, 35, 36]
 SYNC = "WEIGHT_SYNC_TYPE_SYNCHRONOUS"
 PIPELINE = "WEIGHT_SYNC_TYPE_PIPELINE"
+LONG_PROMPT = [1] + [(7 * i) % 97 + 2 for i in range(255)]  # whole KV blocks to cache
 
 
 def model_input(tokens: list[int]) -> dict:
@@ -188,14 +189,14 @@ def test_two_sessions_adapters_stay_isolated(lora_resource):
     fresh.stop()
 
 
-def start_long_sample(url: str, session) -> object:
-    """Submit a sample that runs for a while (16 prompts x 4 sequences of up to 400 tokens:
-    the longest of 64 decides) and return once it is running."""
+def start_long_sample(url: str, session, prompts: int = 16) -> object:
+    """Submit a sample that runs for a while (`prompts` prompts x 4 sequences of up to 400
+    tokens: the longest decides) and return once it is running."""
     ops = low_level(url).post_training.operations
     op = ops.sample(
         session.session_id,
         idempotency_key=str(uuid.uuid4()),
-        model_inputs=[model_input(PROMPT)] * 16,
+        model_inputs=[model_input(PROMPT)] * prompts,
         num_samples=4,
         sampling_params={"max_tokens": 400, "temperature": 1.0, "seed": 2},
     )
@@ -228,12 +229,12 @@ def wait_decoding(url: str, session, op, pid: int, sequences: int) -> bool:
     return True
 
 
-def decoding_sample(url: str, session, pid: int, sequences: int) -> object:
+def decoding_sample(url: str, session, pid: int, sequences: int, prompts: int = 16) -> object:
     """A long sample seen decoding at least `sequences` sequences on the server `pid`: the
     precondition of a switch mid-generation, so a sample that ended before it was seen (a CI
     run once missed the gauge) is replaced by another, up to three."""
     for _ in range(3):
-        running = start_long_sample(url, session)
+        running = start_long_sample(url, session, prompts)
         if wait_decoding(url, session, running, pid, sequences):
             return running
     raise AssertionError(f"three long samples ended before {sequences} sequences were seen")
@@ -290,6 +291,143 @@ def test_a_pipeline_sync_switches_a_running_sample_at_a_token_boundary(vllm_serv
     session.stop()
 
 
+def status(url: str, session, op) -> str:
+    ops = low_level(url).post_training.operations
+    return ops.retrieve_sample(op.id, session_id=session.session_id).status
+
+
+def joined_while_running(url: str, pid: int, decoding, then) -> tuple[object, object]:
+    """`then()` (a sample of some session) run while a long sample of `decoding` decodes on
+    the one vLLM server `pid`: its result, once the long one was still running when it came
+    back, and the long one. Up to three tries: the long one's length is drawn (EOS)."""
+    for _ in range(3):
+        running = decoding_sample(url, decoding, pid, sequences=32, prompts=32)
+        result = then()
+        if status(url, decoding, running) == "TRAINING_OPERATION_STATUS_RUNNING":
+            return result, running
+        finished(url, decoding, running)
+    raise AssertionError("three samples came back after the long one ended")
+
+
+def test_a_sample_handed_to_a_busy_vllm_lane_joins_its_generation(vllm_server, lora_resource):
+    """One server, so one lane: a sample handed to it while a long one decodes goes to the
+    server at once (vLLM batches it in) and comes back while the long one still runs; before
+    lanes streamed it waited for the whole running generation. Another session's SYNCHRONOUS
+    sync staged meanwhile lets its sample join on the new weights (its fence changes no
+    decoding session), and the long one keeps its own."""
+    decoding = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 12})
+    other = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 13})
+    train(other, steps=1)
+    (pid,) = vllm_servers(vllm_server.process.pid)
+
+    def synced_then_sampled():
+        other.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+        return sample(other, seed=11)
+
+    joined, running = joined_while_running(vllm_server.base_url, pid, decoding, synced_then_sampled)
+    assert segments(joined) == [(0, 1)]
+    assert mismatch(other, joined) <= 1e-4  # sampled on the synced adapter
+    done = finished(vllm_server.base_url, decoding, running)
+    assert done.status == "TRAINING_OPERATION_STATUS_COMPLETED", done.error
+    assert all(segments(result) == [(0, 0)] for result in done.output.results)
+    decoding.stop()
+    other.stop()
+
+
+def test_a_decoding_sessions_sync_keeps_its_next_sample_for_the_next_generation(
+    vllm_server, lora_resource
+):
+    """A SYNCHRONOUS sync of a session whose long sample decodes on the lane: its next sample
+    may not join (its fence would change the running rows' weights); it runs after the long
+    one, wholly on the synced weights, and the long one wholly on the old."""
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 14})
+    (pid,) = vllm_servers(vllm_server.process.pid)
+    url = vllm_server.base_url
+    for _ in range(3):
+        train(session, steps=1)
+        synced = session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+        train(session, steps=1)
+        running = decoding_sample(url, session, pid, sequences=32, prompts=32)
+        session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+        if status(url, session, running) == "TRAINING_OPERATION_STATUS_RUNNING":
+            break  # the sync was staged while the long one decoded
+        finished(url, session, running)
+    else:
+        raise AssertionError("three long samples ended before the sync")
+    after = sample(session)
+    assert status(url, session, running) == "TRAINING_OPERATION_STATUS_COMPLETED"  # it waited
+    done = finished(url, session, running)
+    old, new = synced.weights_version, synced.weights_version + 1
+    assert all(segments(result) == [(0, old)] for result in done.output.results)
+    assert segments(after) == [(0, new)]
+    assert mismatch(session, after) <= 1e-4
+    session.stop()
+
+
+def test_a_join_after_a_pipeline_switch_keeps_the_running_requests_adapter(
+    vllm_server, lora_resource
+):
+    """A PIPELINE sync loads a decoding session's adapter in place on the server; then another
+    session's sample joins, and applying its fence collects unused adapter files. The long
+    sample's requests were sent with the old adapter's path, which vLLM loads again at its
+    steps: removing it killed the server's engine (every running request failed)."""
+    decoding = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 17})
+    other = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 18})
+    train(decoding, steps=1)
+    train(other, steps=1)
+    (pid,) = vllm_servers(vllm_server.process.pid)
+
+    def pipelined_then_joined():
+        decoding.trainer.weights_sync(weight_sync_type=PIPELINE, interval=FAST)
+        other.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+        return sample(other, seed=12)
+
+    joined, running = joined_while_running(
+        vllm_server.base_url, pid, decoding, pipelined_then_joined
+    )
+    assert segments(joined) == [(0, 1)]
+    assert mismatch(other, joined) <= 1e-4
+    done = finished(vllm_server.base_url, decoding, running)
+    assert done.status == "TRAINING_OPERATION_STATUS_COMPLETED", done.error
+    assert segments(sample(decoding)) == [(0, 1)]
+    decoding.stop()
+    other.stop()
+
+
+def long_prompt_sample(session, prompt: list[int]):
+    return session.generator.sample(
+        model_input(prompt), num_samples=1, sampling_params={"max_tokens": 4, "seed": 1},
+        interval=FAST,
+    )  # fmt: skip
+
+
+def test_a_sync_renews_its_own_sessions_prefix_cache_only(vllm_server, lora_resource):
+    """After a session's sync its cached prompt KV is not read again (a hit would score the
+    old weights: vLLM keys the cache by adapter name and path, and each install has a path of
+    its own, and a salt), while another session's prompts stay cached: nothing resets the
+    whole cache (which vLLM refuses while any request runs, as one does in a lane's stream)."""
+    one = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 15})
+    two = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 16})
+    prompt = LONG_PROMPT
+    for session in (one, two):
+        long_prompt_sample(session, prompt)
+        assert long_prompt_sample(session, prompt).sequences[0].prompt_cache_hit_tokens > 0
+    train(one, steps=1)
+    one.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
+    assert long_prompt_sample(two, prompt).sequences[0].prompt_cache_hit_tokens > 0
+    first = long_prompt_sample(one, prompt)
+    assert first.sequences[0].prompt_cache_hit_tokens == 0
+    assert segments(first) == [(0, 1)]
+    tokens = list(first.sequences[0].tokens)
+    forward = scored(one, prompt, tokens)
+    assert (
+        max(abs(a - b) for a, b in zip(forward, first.sequences[0].logprobs, strict=True)) <= 1e-4
+    )
+    assert long_prompt_sample(one, prompt).sequences[0].prompt_cache_hit_tokens > 0
+    one.stop()
+    two.stop()
+
+
 def test_what_vllm_cannot_do_is_a_400_naming_the_field(vllm_server, lora_resource):
     session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 9})
     url = f"{vllm_server.base_url}/v1/rl/training-sessions/{session.session_id}/operations/sample"
@@ -337,11 +475,21 @@ def test_a_full_weight_session_trains_syncs_and_samples_through_vllm(vllm_server
     session = resources.create_session(interval=0.2)
     before = sample(session)
     assert segments(before) == [(0, 0)] and mismatch(session, before) <= 1e-4
+    long_prompt_sample(session, LONG_PROMPT)
+    assert long_prompt_sample(session, LONG_PROMPT).sequences[0].prompt_cache_hit_tokens > 0
     train(session)
     session.trainer.weights_sync(weight_sync_type=SYNC, interval=FAST)
     after = sample(session)
     assert segments(after) == [(0, 2)]
     assert mismatch(session, after) <= 1e-4  # vLLM reloaded the trained weights
+    # The base model's name is the same before and after the reload: the prompt KV of the
+    # old weights is not read again (the install's new cache salt).
+    fresh = long_prompt_sample(session, LONG_PROMPT)
+    assert fresh.sequences[0].prompt_cache_hit_tokens == 0
+    forward = scored(session, LONG_PROMPT, list(fresh.sequences[0].tokens))
+    assert (
+        max(abs(a - b) for a, b in zip(forward, fresh.sequences[0].logprobs, strict=True)) <= 1e-4
+    )
     assert [s.tokens for s in after.sequences] != [s.tokens for s in before.sequences]
     session.stop()
     resources.stop()

@@ -37,14 +37,13 @@ The replica side (the engine in each replica process, and the staged changes' fo
 hosts/replica_worker.py.
 
 Imports: config, errors, types, model.loader, engine (interface, memory: estimate, headroom;
-hosts: local_placement, messages, placement, remote_streams, replica_channel,
+hosts: local_placement, messages, placement, remote_streams, replica_channel, staged_changes,
 weights_broadcast).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.hosts.placement import Placement
 from posttrain.engine.hosts.remote_streams import RemoteStream
 from posttrain.engine.hosts.replica_channel import Channel, GeneratorReplica, in_buckets
+from posttrain.engine.hosts.staged_changes import StagedChanges
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
 from posttrain.engine.hosts.weights_broadcast import Delivery, Root, pack
 from posttrain.engine.interface import DecodeStream, Engine, Headroom
@@ -78,10 +78,6 @@ from posttrain.types import (
 # each a staged change of its own (hosts/replica_worker.py), the last one saying so.
 BUCKET_BYTES = 64 << 20
 
-# Staged changes whose sessions a resource remembers for the lanes' join rule: a stream whose
-# fence is older than all of them admits no later sample (it waits for the next generation).
-CHANGES_KEPT = 4096
-
 
 class _Replicas:
     """A resource's replicas and what they must serve."""
@@ -93,9 +89,8 @@ class _Replicas:
         self.replicas: list[GeneratorReplica] = []
         self.sessions: dict[str, LoraConfig | None] = {}  # what the replicas host
         self.fence = 0  # the number of the last staged change
-        # (fence, session, PIPELINE install) of the latest staged changes: which sessions a
-        # lane's stream would change by taking a later fence (ReplicatedEngine.changed_sessions).
-        self.changes: deque[tuple[int, str, bool]] = deque(maxlen=CHANGES_KEPT)
+        # Which sessions a lane's stream would change by taking a later fence.
+        self.changes = StagedChanges()
         # Held while the trainer changes what a generator serves and the change is staged,
         # so the fences follow the trainer's order and a rebuild reads no half-made change.
         self.lock = threading.RLock()
@@ -260,7 +255,7 @@ class ReplicatedEngine(TrainerForwarding):
     def _stage(self, state: _Replicas, what: str, args: tuple, buffer: Tensor | None = None):
         """Caller holds state.lock."""
         state.fence += 1
-        state.changes.append((state.fence, args[1], what == "install" and args[4]))
+        state.changes.staged(state.fence, args[1], what == "install" and args[4])
         state.channel.put(state.replicas, (state.fence, what, args), buffer)
 
     def wake_lanes(self, resource_id: str) -> None:
@@ -272,14 +267,7 @@ class ReplicatedEngine(TrainerForwarding):
     def changed_sessions(self, resource_id: str, after: int, upto: int) -> frozenset[str] | None:
         state = self._required(resource_id)
         with state.lock:
-            changes = state.changes
-            if upto > after and (not changes or changes[0][0] > after + 1):
-                return None  # some of them are forgotten
-            return frozenset(
-                session
-                for fence, session, pipeline in changes
-                if after < fence <= upto and not pipeline
-            )
+            return state.changes.sessions(after, upto)
 
     # ------------------------------------------------------------ sampling
 

@@ -3,11 +3,16 @@
 
 `VllmEngine` is a LanedEngine (engine/interface.py): one generator lane per server, so the
 scheduler sends samples to the servers at their place in the resource's FIFO while the trainer
-goes on. What each session's generator serves reaches the servers as staged changes, numbered
-by fence, exactly as for process replicas (hosts/replicas.py): a change is written once, to
-files in shared memory, the moment the trainer makes it; a sample applies every change up to its
-fence, and none after it, before it generates. So SYNCHRONOUS and BACKGROUND_PUBLISH land before
-the samples submitted after them, whichever server runs them.
+goes on. A lane's generation is a stream (hosts/vllm_stream.py): a sample handed to a busy lane
+goes to its server as it comes (vLLM batches its requests continuously), after the server
+applied the changes staged up to the sample's fence, where none of them alters a session
+decoding there (the lanes' join rule, hosts/staged_changes.py).
+
+What each session's generator serves reaches the servers as staged changes, numbered by
+fence, exactly as for process replicas (hosts/replicas.py): a change is written once, to files
+in shared memory, the moment the trainer makes it; a sample applies every change up to its
+fence, and none after it, before it generates. So SYNCHRONOUS and BACKGROUND_PUBLISH land
+before the samples submitted after them, whichever server runs them.
 
 - A LoRA session is a vLLM adapter named by its session id (PEFT format,
   checkpoint/formats.py), loaded and republished with `load_inplace`; dropping the session
@@ -15,8 +20,8 @@ the samples submitted after them, whichever server runs them.
 - A full-weight session's weights go to a safetensors file that each server reloads through
   its worker extension (hosts/vllm_worker_extension.py, vLLM's `reload_weights`).
 - After each set of changes the server's weight-version label moves on (posttrain keeps what
-  every session served under each label) and its prefix cache is reset before the next
-  generation, so no prompt KV of old weights is read again.
+  every session served under each label), and each install gives its session a new prefix
+  cache salt, so no prompt KV of old weights is read again (hosts/vllm_replica.py).
 - PIPELINE (`mid_generation`): a server that is generating pauses at a token boundary
   (`/pause?mode=keep`), takes the install, moves its label and resumes; each choice's
   `weight_versions` spans then give the sample's policy_segments.
@@ -25,33 +30,29 @@ A server that dies fails the sample running on it with GeneratorReplicaDied (INT
 naming it); the next sample on its lane starts a new server, given what every session's
 generator serves on the trainer. Servers stop with their resource.
 
-Imports: config, errors, types, engine (interface, checkpoint.formats, model.loader; hosts:
-trainer_forwarding, vllm_requests, vllm_server).
+Imports: config, errors, types, engine (interface, model.loader; hosts: staged_changes,
+trainer_forwarding, vllm_replica, vllm_requests, vllm_scoring, vllm_server, vllm_stream).
 """
 
 from __future__ import annotations
 
 import random
-import re
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
 from posttrain.config import EngineConfig
-from posttrain.engine.checkpoint import formats
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
-from posttrain.engine.hosts.vllm_replica import FULL_WEIGHTS_FILE, Change, Replica
+from posttrain.engine.hosts.vllm_replica import Change, Replica, Resource, write_install
 from posttrain.engine.hosts.vllm_requests import generate_body, result_of
-from posttrain.engine.hosts.vllm_scoring import LockedEngine, mismatch
+from posttrain.engine.hosts.vllm_scoring import LockedEngine, scored
 from posttrain.engine.hosts.vllm_server import SERVED_NAME, ServerSpec, VllmServer
-from posttrain.engine.interface import DecodeStream, Engine, Headroom, ModelInfo
+from posttrain.engine.hosts.vllm_stream import VllmStream
+from posttrain.engine.interface import Engine, Headroom, ModelInfo
 from posttrain.errors import NotFound
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -73,20 +74,6 @@ REFUSED_ON_CPU = tuple(
 )
 
 
-class _Resource:
-    def __init__(self, base_model: str, spec: ServerSpec, files: Path) -> None:
-        self.base_model = base_model
-        self.spec = spec
-        self.files = files  # where installs are written (shared memory where there is one)
-        self.replicas: list[Replica] = []
-        self.sessions: dict[str, LoraConfig | None] = {}
-        self.fence = 0
-        self.changes: list[Change] = []
-        self.written: set[Path] = set()  # directories of installs not yet removed
-        self.last_change: dict[str, int] = {}  # session -> the fence of its last change
-        self.lock = threading.RLock()  # staging order; a restart reads no half-made change
-
-
 class VllmEngine(TrainerForwarding):
     """A LanedEngine: the trainer engine for everything but sampling, vLLM servers for that."""
 
@@ -97,7 +84,7 @@ class VllmEngine(TrainerForwarding):
         self.config = config
         self.model_paths = model_paths
         self.device = resolve_device(config.device)
-        self._resources: dict[str, _Resource] = {}
+        self._resources: dict[str, Resource] = {}
         self._lock = threading.Lock()
         shm = Path("/dev/shm")  # installs are written to memory where the system has it
         root = tempfile.mkdtemp(prefix="posttrain-vllm-", dir=shm if shm.is_dir() else None)
@@ -133,7 +120,7 @@ class VllmEngine(TrainerForwarding):
                 log_path=self._logs / f"{resource_id}.log",  # one per replica: _server
                 gpu_memory_utilization=0.4 if self.device.type == "cuda" else None,
             )
-            state = _Resource(base_model, spec, self._root / resource_id)
+            state = Resource(base_model, spec, self._root / resource_id)
             self._resources[resource_id] = state
         with state.lock:
             started = [self._server(resource_id, state, i) for i in range(generator_replicas)]
@@ -148,7 +135,7 @@ class VllmEngine(TrainerForwarding):
                 raise
             state.replicas = [Replica(server) for server in started]
 
-    def _server(self, resource_id: str, state: _Resource, index: int) -> VllmServer:
+    def _server(self, resource_id: str, state: Resource, index: int) -> VllmServer:
         spec = replace(state.spec, log_path=self._logs / f"{resource_id}-{index}.log")
         return VllmServer(spec, f"generator replica {index} of model resource {resource_id}")
 
@@ -231,7 +218,7 @@ class VllmEngine(TrainerForwarding):
         return result
 
     def _install(
-        self, resource_id: str, state: _Resource, session_id: str, *, mid_generation: bool = False
+        self, resource_id: str, state: Resource, session_id: str, *, mid_generation: bool = False
     ) -> None:
         """Stage what the session's generator serves on the trainer now. Caller holds the lock."""
         fence = state.fence + 1
@@ -242,40 +229,39 @@ class VllmEngine(TrainerForwarding):
         )
 
     def _written(
-        self, resource_id: str, state: _Resource, session_id: str, directory: Path
+        self, resource_id: str, state: Resource, session_id: str, directory: Path
     ) -> tuple[Path, int]:
         """The session's served weights as files a server loads: a directory holding a PEFT
         adapter, or one safetensors file of the whole model; and their policy version."""
         tensors, version = self.trainer.generator_state(resource_id, session_id)
-        directory.mkdir(parents=True, exist_ok=True)
-        lora = state.sessions[session_id]
         state.written.add(directory)
-        if lora is None:  # checkpoint names: a LoRA-wrapped layer's weight is `<layer>.base.*`
-            tensors = {re.sub(r"\.base(?=\.)", "", n): t.contiguous() for n, t in tensors.items()}
-            save_file(tensors, str(directory / FULL_WEIGHTS_FILE))
-            return directory, version
-        targets = sorted({name.rsplit(".", 1)[0].rsplit(".", 1)[-1] for name in tensors})
-        formats.save_peft_adapter(
-            directory, tensors, lora=lora, base_model=state.base_model, target_modules=targets
-        )
+        write_install(directory, tensors, state.sessions[session_id], state.base_model)
         return directory, version
 
-    def _stage(self, state: _Resource, change: Change) -> None:
+    def _stage(self, state: Resource, change: Change) -> None:
         state.fence = change.fence
         state.last_change[change.session_id] = change.fence
         state.changes.append(change)
+        state.staged.staged(change.fence, change.session_id, change.mid_generation)
 
     # ------------------------------------------------------------ applying, per server
 
-    def _apply_due(self, state: _Resource, replica: Replica, fence: int) -> None:
-        """Apply every staged change up to `fence` not yet applied. Caller holds replica.lock."""
-        with state.lock:
-            due = [c for c in state.changes if replica.applied < c.fence <= fence]
-        replica.apply(due)
-        replica.fresh_cache()
+    def _apply_due(self, state: Resource, replica: Replica, fence: int, running: bool) -> int:
+        """Apply every staged change up to `fence` not yet applied, at a token boundary if
+        requests are `running` (the label then moves with the weights); the fence the server
+        serves now."""
+        with replica.lock:
+            with state.lock:
+                due = [c for c in state.changes if replica.applied < c.fence <= fence]
+            if due and running:
+                replica.apply_between_tokens(due)
+            else:
+                replica.apply(due)
+            applied = replica.applied
         self._collect(state)
+        return applied
 
-    def _apply_mid_generation(self, state: _Resource, replica: Replica) -> None:
+    def _apply_mid_generation(self, state: Resource, replica: Replica) -> None:
         """PIPELINE: a generating server takes the staged installs that are next in its order,
         all PIPELINE, between two tokens; otherwise they wait for its next sample."""
         with replica.lock:
@@ -286,16 +272,20 @@ class VllmEngine(TrainerForwarding):
             if due and all(c.mid_generation for c in due):
                 replica.apply_between_tokens(due)
 
-    def _collect(self, state: _Resource) -> None:
+    def _collect(self, state: Resource) -> None:
         """Forget the changes every server has applied, and the files nothing refers to any
         more: vLLM reads an adapter's files when it first uses it, not when it is loaded, so
-        an adapter's directory stays while a server serves it."""
+        an adapter's directory stays while a server serves it; and a request keeps the path
+        its adapter had when it was sent, which vLLM may load again at any step while the
+        request runs (an adapter loaded in place reloads at each step; a missing directory
+        kills the server's engine), so it stays until that request answered too."""
         with state.lock:
             done = min((r.applied for r in state.replicas), default=state.fence)
             state.changes = [c for c in state.changes if c.fence > done]
             in_use = {c.path for c in state.changes} | {
                 path for r in state.replicas for path in r.files.values()
             }
+            in_use |= set(state.requested)
             for directory in state.written - in_use:
                 shutil.rmtree(directory, ignore_errors=True)
             state.written &= in_use
@@ -304,16 +294,48 @@ class VllmEngine(TrainerForwarding):
 
     def lane_stream(
         self, resource_id: str, session_id: str, *, fence: int, lane: int
-    ) -> DecodeStream | None:
-        """None: a lane sends its whole batch at once, and the vLLM server batches its
-        requests continuously on its own."""
-        return None
+    ) -> VllmStream:
+        """A stream on the lane's server (hosts/vllm_stream.py): each operation's requests go
+        to the server as the operation comes, after the changes staged up to its fence; the
+        server batches them continuously. Bound to that server: if it dies, the stream's
+        operations fail with GeneratorReplicaDied, and the lane's next sample starts another."""
+        state = self._required(resource_id)
+        replica = state.replicas[lane]
+        if not replica.server.alive:
+            replica = self._restart(resource_id, state, lane, replica)
+
+        def closed() -> None:
+            replica.generating = False
+            with state.lock:
+                state.streams.discard(stream)
+
+        stream = VllmStream(
+            lambda session_id, prompt, request: self._generate(
+                state, replica, session_id, prompt, request
+            ),
+            lambda fence, running: self._apply_due(state, replica, fence, running),
+            lambda session_id, request, results, applied: self._finish(
+                resource_id, state, session_id, request, results, applied
+            ),
+            closed,
+        )
+        replica.generating = True  # PIPELINE installs land while it is open
+        with state.lock:
+            state.streams.add(stream)
+        return stream
 
     def changed_sessions(self, resource_id: str, after: int, upto: int) -> frozenset[str] | None:
-        return None  # no lane streams
+        state = self._required(resource_id)
+        with state.lock:
+            return state.staged.sessions(after, upto)
 
     def wake_lanes(self, resource_id: str) -> None:
-        pass  # no lane streams
+        state = self._state(resource_id)
+        if state is not None:
+            with state.lock:
+                streams = list(state.streams)
+            for stream in streams:
+                stream.wake()
 
     def sample_batch(
         self,
@@ -324,69 +346,61 @@ class VllmEngine(TrainerForwarding):
         fence: int = 0,
         lane: int = 0,
     ) -> list[list[SampleResult]]:
-        """One lane's generation as of `fence`: every prompt of every item is one generate
-        request, all sent at once so the server batches them."""
-        state = self._required(resource_id)
-        replica = state.replicas[lane]
-        if not replica.server.alive:
-            replica = self._restart(resource_id, state, lane, replica)
-        with replica.lock:
-            self._apply_due(state, replica, fence)
-            replica.generating = True
-            applied = replica.applied  # what the server serves for this generation
+        """One lane's generation as of `fence`: a stream that admits every item at once and
+        ends with the last of them."""
+        stream = self.lane_stream(resource_id, items[0][0], fence=fence, lane=lane)
         try:
-            calls = [
-                (session_id, prompt, request)
-                for session_id, request in items
-                for prompt in request.prompts
-            ]
-            with ThreadPoolExecutor(max(1, min(len(calls), 64))) as pool:
-                replies = list(pool.map(lambda c: self._generate(state, replica, *c), calls))
+            ids = stream.admit(items, fence)
+            done: dict[int, list[SampleResult]] = {}
+            while len(done) < len(ids):
+                stream.block()
+                done.update(stream.take_finished())
+            return [done[i] for i in ids]
         finally:
-            replica.generating = False
-        results: list[list[SampleResult]] = []
-        for session_id, request in items:
-            mine, replies = replies[: len(request.prompts)], replies[len(request.prompts) :]
-            if random.random() < self.config.vllm_mismatch_rate:
-                mine = self._scored(resource_id, state, session_id, request, mine, applied)
-            results.append(mine)
-        return results
+            stream.close()
 
-    def _scored(
+    def _finish(
         self,
         resource_id: str,
-        state: _Resource,
+        state: Resource,
         session_id: str,
         request: SampleRequest,
         results: list[SampleResult],
         applied: int,
     ) -> list[SampleResult]:
-        """The results with the trainer's scoring of their tokens, where the trainer's
-        generator serves what vLLM sampled with (no change of the session staged after the
-        generation began, none while scoring, one policy version)."""
+        """An operation's results as handed back: at the configured rate (vllm_mismatch_rate)
+        with the trainer's scoring of their tokens, where the trainer's generator serves what
+        vLLM sampled with (no change of the session staged after the generation began, none
+        while scoring)."""
+        if random.random() >= self.config.vllm_mismatch_rate:
+            return results
 
         def current() -> bool:
             with state.lock:
                 return state.last_change.get(session_id, 0) <= applied
 
         context = self.trainer.model_info(state.base_model).context_length
-        scored = []
-        for prompt, result in zip(request.prompts, results, strict=True):
-            found = None
-            if len(result.policy_segments) == 1 and current():
-                found = mismatch(self.trainer, resource_id, session_id, prompt, result, context)
-            scored.append(replace(result, logprob_mismatch=found if current() else None))
-        return scored
+        return scored(self.trainer, resource_id, session_id, request, results, context, current)
 
     def _generate(
-        self, state: _Resource, replica: Replica, session_id: str, prompt: tuple, request
+        self, state: Resource, replica: Replica, session_id: str, prompt: tuple, request
     ) -> SampleResult:
         model = SERVED_NAME if state.sessions.get(session_id) is None else session_id
-        reply = replica.server.call("/inference/v1/generate", generate_body(prompt, request, model))
+        body = generate_body(prompt, request, model, replica.salts.get(session_id))
+        with state.lock:  # its adapter's files stay while it runs (_collect)
+            path = replica.files.get(session_id)
+            state.requested[path] += 1
+        try:
+            reply = replica.server.call("/inference/v1/generate", body)
+        finally:
+            with state.lock:
+                state.requested[path] -= 1
+                if not state.requested[path]:
+                    del state.requested[path]
         fallback = replica.serving.get(session_id, 0)
         return result_of(reply, replica.version_of(session_id), fallback)
 
-    def _restart(self, resource_id: str, state: _Resource, lane: int, dead: Replica) -> Replica:
+    def _restart(self, resource_id: str, state: Resource, lane: int, dead: Replica) -> Replica:
         """A dead server's successor, given what every session's generator serves now."""
         with state.lock:
             if state.replicas[lane] is not dead:
@@ -422,11 +436,11 @@ class VllmEngine(TrainerForwarding):
             return Headroom(free_bytes=1 << 62, bound="the vLLM server's own KV cache")
         return self.trainer.headroom(resource_id, kind)
 
-    def _state(self, resource_id: str) -> _Resource | None:
+    def _state(self, resource_id: str) -> Resource | None:
         with self._lock:
             return self._resources.get(resource_id)
 
-    def _required(self, resource_id: str) -> _Resource:
+    def _required(self, resource_id: str) -> Resource:
         state = self._state(resource_id)
         if state is None:
             raise NotFound(f"model resource {resource_id} is not loaded")

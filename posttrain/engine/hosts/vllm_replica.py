@@ -1,24 +1,37 @@
 """One vLLM server as a generator replica (hosts/vllm_engine.py): the staged changes it has
 applied, what each session's generator serves on it, and the weight-version labels it gave
-those states.
+those states; a resource's servers and staged changes (`Resource`), and an install's files.
 
 A change is an install (a session's served weights, as files) or a drop. The server's label
 moves on after each set of changes (vLLM attaches the label in force to every token it
 samples), and `labels` keeps what each session served under each label, so a choice's
-`weight_versions` spans become policy versions. The prefix cache is reset before the next
-generation after any change: vLLM keys it by adapter, not by the adapter's weights.
+`weight_versions` spans become policy versions. vLLM keys its prefix cache by adapter name and
+path, not by weights: a LoRA install has a path of its own, but a full-weight reload changes the
+base model's weights under the same name. So each install gives its session a new cache salt
+(`salts`, sent with every request): no prompt KV of weights served before reaches a later
+request, and another session's change leaves a session's cached prompts in place (resetting
+the whole cache, as before lanes streamed, is refused while any request runs).
 
-Imports: engine.hosts.vllm_server.
+Imports: types, engine (checkpoint.formats; hosts: staged_changes, vllm_server, vllm_stream).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.engine.hosts.vllm_server import VllmServer
+from safetensors.torch import save_file
+from torch import Tensor
+
+from posttrain.engine.checkpoint import formats
+from posttrain.engine.hosts.staged_changes import StagedChanges
+from posttrain.engine.hosts.vllm_server import ServerSpec, VllmServer
+from posttrain.engine.hosts.vllm_stream import VllmStream
+from posttrain.types import LoraConfig
 
 FULL_WEIGHTS_FILE = "model.safetensors"  # a full-weight install's one file in its directory
 
@@ -39,11 +52,12 @@ class Replica:
     server: VllmServer
     applied: int = 0  # the last fence this server applied
     generating: bool = False
-    cache_stale: bool = False
     labels: dict[str, dict[str, int]] = field(default_factory=lambda: {"default": {}})
     serving: dict[str, int] = field(default_factory=dict)  # session -> policy version
     files: dict[str, Path] = field(default_factory=dict)  # session -> its adapter's directory
+    salts: dict[str, str] = field(default_factory=dict)  # session -> its prefix-cache salt
     counter: itertools.count = field(default_factory=lambda: itertools.count(1))
+    installs: itertools.count = field(default_factory=lambda: itertools.count(1))
     # Held while changes apply or a generation starts (never across a generation).
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,12 +77,6 @@ class Replica:
         finally:
             self.server.call("/resume")
 
-    def fresh_cache(self) -> None:
-        """Before a generation: no prompt KV of weights served before the last change."""
-        if self.cache_stale:
-            self.server.call("/reset_prefix_cache")
-            self.cache_stale = False
-
     def _apply(self, change: Change) -> None:
         server, session_id = self.server, change.session_id
         if change.what == "drop":
@@ -76,6 +84,7 @@ class Replica:
                 server.call("/v1/unload_lora_adapter", {"lora_name": session_id})
             self.serving.pop(session_id, None)
             self.files.pop(session_id, None)
+            self.salts.pop(session_id, None)
         elif change.lora:
             assert change.path is not None
             load = {"lora_name": session_id, "lora_path": str(change.path), "load_inplace": True}
@@ -87,8 +96,9 @@ class Replica:
             reload = {"method": "posttrain_reload", "args": [str(change.path / FULL_WEIGHTS_FILE)]}
             server.call("/collective_rpc", reload)
             self.serving[session_id] = change.version
+        if change.what == "install":  # unique on this server ('@' and '/' are refused)
+            self.salts[session_id] = f"install-{next(self.installs)}"
         self.applied = max(self.applied, change.fence)
-        self.cache_stale = True
 
     def relabel(self) -> None:
         """A new weight-version label for what the server serves now."""
@@ -99,3 +109,38 @@ class Replica:
     def version_of(self, session_id: str):
         """label -> the session's policy version under it (0 before any install)."""
         return lambda label: self.labels.get(label, {}).get(session_id, 0)
+
+
+class Resource:
+    """A model resource's servers (hosts/vllm_engine.py) and what they must serve."""
+
+    def __init__(self, base_model: str, spec: ServerSpec, files: Path) -> None:
+        self.base_model = base_model
+        self.spec = spec
+        self.files = files  # where installs are written (shared memory where there is one)
+        self.replicas: list[Replica] = []
+        self.sessions: dict[str, LoraConfig | None] = {}
+        self.fence = 0
+        self.changes: list[Change] = []
+        self.written: set[Path] = set()  # directories of installs not yet removed
+        self.last_change: dict[str, int] = {}  # session -> the fence of its last change
+        self.staged = StagedChanges()  # the lanes' join rule (changed_sessions)
+        self.streams: set[VllmStream] = set()  # the lanes' open streams (wake_lanes)
+        self.requested: Counter[Path | None] = Counter()  # adapter paths of running requests
+        self.lock = threading.RLock()  # staging order; a restart reads no half-made change
+
+
+def write_install(
+    directory: Path, tensors: dict[str, Tensor], lora: LoraConfig | None, base_model: str
+) -> None:
+    """A session's served weights as files a server loads: a directory holding a PEFT adapter
+    (`lora`), or one safetensors file of the whole model."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if lora is None:  # checkpoint names: a LoRA-wrapped layer's weight is `<layer>.base.*`
+        tensors = {re.sub(r"\.base(?=\.)", "", n): t.contiguous() for n, t in tensors.items()}
+        save_file(tensors, str(directory / FULL_WEIGHTS_FILE))
+        return
+    targets = sorted({name.rsplit(".", 1)[0].rsplit(".", 1)[-1] for name in tensors})
+    formats.save_peft_adapter(
+        directory, tensors, lora=lora, base_model=base_model, target_modules=targets
+    )

@@ -21,8 +21,11 @@ from typing import Any
 from posttrain.types import PolicySegment, SampledSequence, SampleRequest, SampleResult, StopReason
 
 
-def generate_body(prompt: tuple[int, ...], request: SampleRequest, model: str) -> dict[str, Any]:
-    """The /inference/v1/generate body of one prompt of `request`, on adapter (or base) `model`."""
+def generate_body(
+    prompt: tuple[int, ...], request: SampleRequest, model: str, salt: str | None = None
+) -> dict[str, Any]:
+    """The /inference/v1/generate body of one prompt of `request`, on adapter (or base) `model`;
+    `salt`: the prefix-cache salt of the weights it samples (hosts/vllm_replica.py)."""
     params = request.sampling_params
     sampling: dict[str, Any] = {
         "n": request.num_samples,
@@ -40,7 +43,10 @@ def generate_body(prompt: tuple[int, ...], request: SampleRequest, model: str) -
         sampling |= {"stop": list(params.stop), "include_stop_str_in_output": True}
     else:
         sampling["detokenize"] = False  # tokens only: no text work on the server
-    return {"token_ids": list(prompt), "model": model, "sampling_params": sampling}
+    body = {"token_ids": list(prompt), "model": model, "sampling_params": sampling}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
 
 
 def segments_of(spans: list[dict[str, Any]] | None, version_of: Callable[[str], int]) -> list:

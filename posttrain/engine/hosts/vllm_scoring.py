@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import statistics
 import threading
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from posttrain.types import LogprobMismatch, SampleRequest, SampleResult, SamplingParams
@@ -63,3 +65,24 @@ def mismatch(
     if not diffs:
         return None
     return LogprobMismatch(mean=statistics.fmean(diffs), max=max(diffs), tokens=len(diffs))
+
+
+def scored(
+    trainer: Any,
+    resource_id: str,
+    session_id: str,
+    request: SampleRequest,
+    results: list[SampleResult],
+    context_length: int,
+    current: Callable[[], bool],
+) -> list[SampleResult]:
+    """`results` (one per prompt of `request`) with their mismatch: only for a result of one
+    policy version while `current()` says the trainer serves what vLLM sampled with (checked
+    again after scoring: a change meanwhile leaves it None)."""
+    found = []
+    for prompt, result in zip(request.prompts, results, strict=True):
+        diff = None
+        if len(result.policy_segments) == 1 and current():
+            diff = mismatch(trainer, resource_id, session_id, prompt, result, context_length)
+        found.append(replace(result, logprob_mismatch=diff if current() else None))
+    return found

@@ -11,7 +11,7 @@ What the server is started with, and why:
   resource's session limit and the server's largest rank; VLLM_ALLOW_RUNTIME_LORA_UPDATING for
   /v1/load_lora_adapter (republished in place with `load_inplace`).
 - VLLM_SERVER_DEV_MODE: /collective_rpc (full-weight reloads, hosts/vllm_worker_extension.py),
-  /pause, /resume, /update_weight_version and /reset_prefix_cache.
+  /pause, /resume and /update_weight_version.
 - `--worker-extension-cls`: the reload hook; PYTHONPATH holds the directory above the posttrain
   package so the vLLM venv imports that one module (and the package's empty `__init__`s).
 - `--enable-prompt-tokens-details`: usage.prompt_tokens_details.cached_tokens, which becomes

@@ -394,6 +394,47 @@ def test_a_join_after_a_pipeline_switch_keeps_the_running_requests_adapter(
     other.stop()
 
 
+def test_more_sequences_than_a_server_decodes_at_once_go_in_seeded_parts(lora_resource):
+    """vLLM refuses a request of more sequences than its max_num_seqs (256 here): a prompt's
+    300 go as two requests, the second seeded from sequence 256 on, and come back as one
+    result, every sequence scored by the trainer as sampled."""
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 19})
+    prompt = LONG_PROMPT[:40]
+    result = session.generator.sample(
+        model_input(prompt), num_samples=300, interval=FAST,
+        sampling_params={"max_tokens": 6, "seed": 5, "temperature": 1.0},
+    )  # fmt: skip
+    sequences = result.sequences
+    assert len(sequences) == 300 and segments(result) == [(0, 0)]
+    assert len({tuple(s.tokens) for s in sequences}) > 200  # not one seed repeated
+    for index in (0, 255, 256, 299):  # both parts score as sampled
+        forward = scored(session, prompt, list(sequences[index].tokens))
+        diffs = zip(forward, sequences[index].logprobs, strict=True)
+        assert max(abs(a - b) for a, b in diffs) <= 1e-4
+    session.stop()
+
+
+def test_a_seeded_sample_past_a_steps_token_budget_is_served(vllm_server, lora_resource):
+    """64 prompts x 2 sequences of 40 tokens: 5,120 prompt tokens, past a step's default
+    budget (2,048). vLLM 0.32 on the CPU killed its engine when a step prefilled part of a
+    seeded request's prompt (it cannot rewind a CPU generator); servers on the CPU take whole
+    prompts per step."""
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 20})
+    prompts = [LONG_PROMPT[i : i + 40] for i in range(64)]
+    ops = low_level(vllm_server.base_url).post_training.operations
+    op = ops.sample(
+        session.session_id,
+        idempotency_key=str(uuid.uuid4()),
+        model_inputs=[model_input(p) for p in prompts],
+        num_samples=2,
+        sampling_params={"max_tokens": 4, "seed": 9},
+    )
+    done = finished(vllm_server.base_url, session, op)
+    assert done.status == "TRAINING_OPERATION_STATUS_COMPLETED", done.error
+    assert [len(r.sequences) for r in done.output.results] == [2] * 64
+    session.stop()
+
+
 def long_prompt_sample(session, prompt: list[int]):
     return session.generator.sample(
         model_input(prompt), num_samples=1, sampling_params={"max_tokens": 4, "seed": 1},

@@ -50,7 +50,7 @@ from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
 from posttrain.engine.hosts.vllm_replica import Change, Replica, Resource, write_install
 from posttrain.engine.hosts.vllm_requests import generate_body, result_of
 from posttrain.engine.hosts.vllm_scoring import LockedEngine, scored
-from posttrain.engine.hosts.vllm_server import SERVED_NAME, ServerSpec, VllmServer
+from posttrain.engine.hosts.vllm_server import MAX_NUM_SEQS, SERVED_NAME, ServerSpec, VllmServer
 from posttrain.engine.hosts.vllm_stream import VllmStream
 from posttrain.engine.interface import Engine, Headroom, ModelInfo
 from posttrain.errors import NotFound
@@ -318,6 +318,7 @@ class VllmEngine(TrainerForwarding):
                 resource_id, state, session_id, request, results, applied
             ),
             closed,
+            MAX_NUM_SEQS,
         )
         replica.generating = True  # PIPELINE installs land while it is open
         with state.lock:

@@ -1,7 +1,9 @@
 """A sample operation in vLLM's words and back: one /inference/v1/generate body per prompt
 (token ids in, `n` = num_samples), and its reply as a SampleResult.
 
-The sampling API maps one to one: temperature, top_p, top_k (-1: off), seed (vLLM gives each of
+A prompt of more sequences than the server decodes at once goes as several requests (`parts`,
+seeded so each sequence draws as in one), whose results merge (`merged`). The sampling API maps
+one to one: temperature, top_p, top_k (-1: off), seed (vLLM gives each of
 the `n` sequences seed + index, so a seeded request repeats within the engine; its tokens need
 not equal the built-in sampler's), stop strings (detokenized on the server; the token that
 completes one is the last returned, as the built-in sampler does), stop token ids, EOS
@@ -16,6 +18,7 @@ Imports: types.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from posttrain.types import PolicySegment, SampledSequence, SampleRequest, SampleResult, StopReason
@@ -81,3 +84,32 @@ def result_of(reply: dict[str, Any], version_of: Callable[[str], int], fallback:
         if len(found) > len(segments):
             segments = found
     return SampleResult(sequences, segments or [PolicySegment(0, fallback)])
+
+
+def parts(request: SampleRequest, most: int) -> list[SampleRequest]:
+    """`request` as requests of at most `most` sequences each: a server refuses `n` past its
+    max_num_seqs. A seeded part starts at the seed plus its first sequence's index, so every
+    sequence is seeded as in one request (vLLM seeds sequence i of n with seed + i)."""
+    n, params = request.num_samples, request.sampling_params
+    if n <= most:
+        return [request]
+    return [
+        replace(
+            request,
+            num_samples=min(most, n - start),
+            sampling_params=replace(
+                params, seed=None if params.seed is None else params.seed + start
+            ),
+        )
+        for start in range(0, n, most)
+    ]
+
+
+def merged(results: list[SampleResult]) -> SampleResult:
+    """One prompt's parts (`parts`) as one result: their sequences in order, and the policy
+    segments of the part that switched weights most (as among one reply's choices)."""
+    if len(results) == 1:
+        return results[0]
+    segments = max((result.policy_segments for result in results), key=len)
+    sequences = [sequence for result in results for sequence in result.sequences]
+    return replace(results[0], sequences=sequences, policy_segments=segments)

@@ -16,6 +16,12 @@ What the server is started with, and why:
   package so the vLLM venv imports that one module (and the package's empty `__init__`s).
 - `--enable-prompt-tokens-details`: usage.prompt_tokens_details.cached_tokens, which becomes
   each sequence's prompt_cache_hit_tokens.
+- `--max-num-seqs` MAX_NUM_SEQS: set, so a prompt's sequences are split into requests the
+  server takes (it refuses `n` past it).
+- On the CPU `--no-enable-chunked-prefill`, with a token budget of at least a whole context:
+  vLLM 0.32 rewinds a seeded request's generator when a step prefilled only part of its prompt,
+  which a CPU generator cannot do (`set_offset`: "CPU Generator does not use offset"), and the
+  engine dies; prompts of more tokens than a step's budget (2048 by default) came in parts.
 
 Imports: errors (httpx).
 """
@@ -40,6 +46,9 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # the directory holding `p
 SERVED_NAME = "base"  # the base model's name on the server; adapters go by session id
 START_TIMEOUT_S = 900.0  # a cold start on a loaded 2-core machine takes minutes
 CALL_TIMEOUT_S = 3600.0
+# Sequences a server decodes at once (--max-num-seqs); a request asks for at most that many
+# (hosts/vllm_requests.py `parts`).
+MAX_NUM_SEQS = 256
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,10 @@ class ServerSpec:
     # On a GPU the trainer shares the device: vLLM may take this fraction of it (its default,
     # 0.9, would leave the trainer nothing). None on the CPU.
     gpu_memory_utilization: float | None = None
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.gpu_memory_utilization is None
 
 
 def free_port() -> int:
@@ -90,9 +103,12 @@ class VllmServer:
             "--enable-lora", "--max-loras", str(spec.max_loras),
             "--max-lora-rank", str(spec.max_lora_rank),
             "--enable-scale-out", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--worker-extension-cls", EXTENSION,
+            "--worker-extension-cls", EXTENSION, "--max-num-seqs", str(MAX_NUM_SEQS),
         ]  # fmt: skip
-        if spec.gpu_memory_utilization is not None:
+        if spec.on_cpu:  # whole prompts per step: see the module's docstring
+            budget = max(spec.max_model_len, 2048)
+            command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+        else:
             command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with spec.log_path.open("ab") as log:

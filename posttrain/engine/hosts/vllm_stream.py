@@ -16,7 +16,7 @@ changes would alter a session decoding here.
 A request that fails (its server died: GeneratorReplicaDied) fails the stream, as a failing
 request fails a whole-batch pass: the caller fails every operation still in it.
 
-Imports: types.
+Imports: types, engine.hosts.vllm_requests.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from posttrain.engine.hosts.vllm_requests import merged, parts
 from posttrain.types import SampleRequest, SampleResult
 
 # Generate requests a stream has open at once at most: one thread each (a request blocks its
@@ -47,15 +48,29 @@ class _Operation:
         self.request = request
         self.applied = applied  # the fence its requests were sampled at
         self.rows = len(request.prompts) * request.num_samples
-        self.replies: list[Future[SampleResult]] = []
+        self.replies: list[list[Future[SampleResult]]] = []  # per prompt, per part
+
+    def done(self) -> bool:
+        return all(reply.done() for prompt in self.replies for reply in prompt)
+
+    def results(self) -> list[SampleResult]:
+        """One per prompt; raises what a request raised."""
+        return [merged([reply.result() for reply in prompt]) for prompt in self.replies]
 
 
 class VllmStream:
     """One generation on a vLLM server, open to joins until its last operation finished."""
 
     def __init__(
-        self, generate: Generate, apply: Apply, finish: Finish, closed: Callable[[], None]
+        self,
+        generate: Generate,
+        apply: Apply,
+        finish: Finish,
+        closed: Callable[[], None],
+        most_sequences: int,
     ) -> None:
+        """`most_sequences`: the most one request may ask for (the server's max_num_seqs)."""
+        self._most = most_sequences
         self._generate = generate
         self._apply = apply
         self._finish = finish
@@ -75,9 +90,12 @@ class VllmStream:
         for session_id, request in items:
             operation = _Operation(session_id, request, applied)
             for prompt in request.prompts:
-                reply = self._pool.submit(self._generate, session_id, prompt, request)
-                reply.add_done_callback(lambda _: self._event.set())
-                operation.replies.append(reply)
+                replies = []
+                for part in parts(request, self._most):
+                    reply = self._pool.submit(self._generate, session_id, prompt, part)
+                    reply.add_done_callback(lambda _: self._event.set())
+                    replies.append(reply)
+                operation.replies.append(replies)
             stream_id = next(self._ids)
             self._open[stream_id] = operation
             ids.append(stream_id)
@@ -95,14 +113,12 @@ class VllmStream:
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         """The operations whose every request answered; a failed request fails the stream."""
-        done = [i for i, op in self._open.items() if all(r.done() for r in op.replies)]
+        done = [i for i, op in self._open.items() if op.done()]
         finished = []
         for stream_id in done:
             op = self._open.pop(stream_id)
-            results = [reply.result() for reply in op.replies]  # raises what a request raised
-            finished.append(
-                (stream_id, self._finish(op.session_id, op.request, results, op.applied))
-            )
+            results = self._finish(op.session_id, op.request, op.results(), op.applied)
+            finished.append((stream_id, results))
         return finished
 
     def running_rows(self) -> int:

@@ -1,11 +1,19 @@
 """A sample operation in vLLM's words and back (engine/hosts/vllm_requests.py): every sampling
 field reaches the generate body, and a reply's choices, logprobs, stop reasons, cached prompt
-tokens and weight-version spans become the SampleResult the API returns."""
+tokens and weight-version spans become the SampleResult the API returns; a prompt of more
+sequences than a server takes goes as seeded parts whose results merge in order."""
 
 from __future__ import annotations
 
-from posttrain.engine.hosts.vllm_requests import generate_body, result_of
-from posttrain.types import PolicySegment, SampleRequest, SamplingParams, StopReason
+from posttrain.engine.hosts.vllm_requests import generate_body, merged, parts, result_of
+from posttrain.types import (
+    PolicySegment,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    StopReason,
+)
 
 
 def test_every_sampling_field_reaches_the_generate_body():
@@ -55,3 +63,31 @@ def test_a_reply_becomes_the_sample_result_with_policy_versions_from_its_labels(
     labels["2"] = 4  # two labels of one policy version: one segment
     assert result_of(reply([same]), labels.__getitem__, 9).policy_segments == [PolicySegment(0, 4)]
     assert result_of(reply([[]]), labels.__getitem__, 9).policy_segments == [PolicySegment(0, 9)]
+
+
+def test_a_prompt_of_more_sequences_than_a_server_takes_goes_in_seeded_parts():
+    request = SampleRequest(((1, 2),), 300, SamplingParams(max_tokens=3, seed=5))
+    split = parts(request, 256)
+    assert [(p.num_samples, p.sampling_params.seed) for p in split] == [(256, 5), (44, 261)]
+    assert all(p.prompts == request.prompts and p.sampling_params.max_tokens == 3 for p in split)
+    unseeded = SampleRequest(((1,),), 513, SamplingParams(seed=None))
+    assert [(p.num_samples, p.sampling_params.seed) for p in parts(unseeded, 256)] == [
+        (256, None),
+        (256, None),
+        (1, None),
+    ]
+    assert parts(request, 300) == [request]
+
+
+def test_parts_merge_in_order_with_the_segments_of_the_part_that_switched():
+    def result(tokens: list[int], segments: list[PolicySegment]) -> SampleResult:
+        return SampleResult(
+            [SampledSequence(tokens, [0.0] * len(tokens), StopReason.LENGTH)], segments
+        )
+
+    first = result([1], [PolicySegment(0, 2)])
+    second = result([2, 3], [PolicySegment(0, 2), PolicySegment(1, 3)])
+    one = merged([first, second])
+    assert [s.tokens for s in one.sequences] == [[1], [2, 3]]
+    assert one.policy_segments == second.policy_segments
+    assert merged([first]) is first

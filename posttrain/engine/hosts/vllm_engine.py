@@ -133,7 +133,9 @@ class VllmEngine(TrainerForwarding):
                 with self._lock:
                     self._resources.pop(resource_id, None)
                 raise
-            state.replicas = [Replica(server) for server in started]
+            state.replicas = [
+                Replica(server, state.files / f"served-{i}") for i, server in enumerate(started)
+            ]
 
     def _server(self, resource_id: str, state: Resource, index: int) -> VllmServer:
         spec = replace(state.spec, log_path=self._logs / f"{resource_id}-{index}.log")
@@ -407,7 +409,7 @@ class VllmEngine(TrainerForwarding):
             if state.replicas[lane] is not dead:
                 return state.replicas[lane]
             dead.server.stop()
-            new = Replica(self._server(resource_id, state, lane))
+            new = Replica(self._server(resource_id, state, lane), state.files / f"served-{lane}")
             try:
                 new.server.wait_ready()
                 for session_id in state.sessions:

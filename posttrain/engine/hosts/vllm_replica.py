@@ -18,6 +18,7 @@ Imports: types, engine (checkpoint.formats; hosts: staged_changes, vllm_server, 
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import threading
 from collections import Counter
@@ -50,6 +51,9 @@ class Change:
 @dataclass
 class Replica:
     server: VllmServer
+    # Where this server's adapters are loaded from: one link per session to its install
+    # (`_link`), so vLLM reads the installed weights whichever request makes it load them.
+    links: Path
     applied: int = 0  # the last fence this server applied
     generating: bool = False
     labels: dict[str, dict[str, int]] = field(default_factory=lambda: {"default": {}})
@@ -82,13 +86,13 @@ class Replica:
         if change.what == "drop":
             if change.lora:
                 server.call("/v1/unload_lora_adapter", {"lora_name": session_id})
+                (self.links / session_id).unlink(missing_ok=True)
             self.serving.pop(session_id, None)
             self.files.pop(session_id, None)
             self.salts.pop(session_id, None)
         elif change.lora:
             assert change.path is not None
-            load = {"lora_name": session_id, "lora_path": str(change.path), "load_inplace": True}
-            server.call("/v1/load_lora_adapter", load)
+            self._load(session_id, self._link(session_id, change.path), change.mid_generation)
             self.serving[session_id] = change.version
             self.files[session_id] = change.path
         else:  # the worker extension's reload (hosts/vllm_worker_extension.py)
@@ -99,6 +103,31 @@ class Replica:
         if change.what == "install":  # unique on this server ('@' and '/' are refused)
             self.salts[session_id] = f"install-{next(self.installs)}"
         self.applied = max(self.applied, change.fence)
+
+    def _link(self, session_id: str, target: Path) -> Path:
+        """The session's link, now to `target` (replaced atomically: a load through it reads
+        one install or the other, whole)."""
+        self.links.mkdir(parents=True, exist_ok=True)
+        link, new = self.links / session_id, self.links / f".{session_id}.new"
+        new.unlink(missing_ok=True)
+        new.symlink_to(target.resolve())
+        os.replace(new, link)
+        return link
+
+    def _load(self, session_id: str, link: Path, mid_generation: bool) -> None:
+        """Load the session's adapter through its link. vLLM keeps the request it was loaded
+        with on every later sample request and loads the adapter again at every step of one
+        that says `load_inplace` (lora/worker_manager.py `add_adapter`): from the path that
+        request names, which is why it is a link. So an adapter is loaded in place only for a
+        PIPELINE install, whose running requests must switch at once; otherwise it is
+        unloaded and loaded afresh (no running request of the session is affected: the lanes'
+        join rule), and its requests load it once."""
+        load = {"lora_name": session_id, "lora_path": str(link)}
+        if session_id in self.serving and mid_generation:
+            load["load_inplace"] = True
+        elif session_id in self.serving:
+            self.server.call("/v1/unload_lora_adapter", {"lora_name": session_id})
+        self.server.call("/v1/load_lora_adapter", load)
 
     def relabel(self) -> None:
         """A new weight-version label for what the server serves now."""

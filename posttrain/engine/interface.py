@@ -79,6 +79,8 @@ class DecodeStream(Protocol):
     # Up to `most` decode blocks of every running sequence: fewer where a sequence ended in one
     # (its operation may have finished), or a generator lane's stream was woken
     # (LanedEngine.wake_lanes: a sample waits to join). The trainer's lane runs one at a time.
+    # A vLLM server steps on its own: its stream's `block` waits until a request answered or
+    # a wake arrived (hosts/vllm_stream.py).
     def block(self, most: int = 1) -> None: ...
 
     # (id, one result per prompt) of the operations completed since the last call.

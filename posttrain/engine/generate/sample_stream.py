@@ -26,6 +26,7 @@ estimate (nothing within the pool).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -35,6 +36,47 @@ from posttrain.engine.generate.sampler import Decoding, GenerationRequest
 from posttrain.engine.memory.estimate import pool_row_bytes
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
+
+
+@dataclass(frozen=True)
+class JoinRoom:
+    """The running stream's decode cache as a join finds it, between two steps (only `admit`
+    and `block` change it): a stream in another process sends it with each step's answer, so
+    its caller weighs each candidate join without a round trip (hosts/remote_streams.py)."""
+
+    running: bool = False  # not running: the next admit starts a fresh pool
+    own_free_rows: int = 0
+    prefix_free_rows: int = 0
+    prefix_capacity: int = 0  # the longest prompt a pool's prompt row holds
+    kv_bytes: int = 0  # what the cache holds now
+    pool_rows: int = 0
+    pool_tokens: int = 0  # the longest max_tokens the pool's rows were admitted for
+    kv_per_position: int = 0
+
+    def reserve_bytes(self, requests: list[SampleRequest]) -> int:
+        """What `requests` joining now may allocate beyond their own estimate: nothing within
+        the pool's free rows; past them a cache of twice the rows beside the old one (up to
+        twice what it holds now, transiently); and where they decode longer than the pool's
+        rows were admitted for, the pool's growth to that length."""
+        if not self.running:
+            return 0  # a new start: a fresh pool
+        rows = sum(len(request.prompts) * request.num_samples for request in requests)
+        prompts = [len(p) for request in requests for p in request.prompts]
+        fits = (
+            rows <= self.own_free_rows
+            and len(prompts) <= self.prefix_free_rows
+            and max(prompts, default=0) <= self.prefix_capacity
+        )
+        copy = 0 if fits else 2 * self.kv_bytes
+        tokens = max((request.sampling_params.max_tokens for request in requests), default=0)
+        longer = 0
+        if self.pool_rows and tokens > self.pool_tokens:
+            per_position = self.kv_per_position
+            longer = self.pool_rows * (
+                pool_row_bytes(per_position, 0, tokens)
+                - pool_row_bytes(per_position, 0, self.pool_tokens)
+            )
+        return copy + longer
 
 
 class SampleStream:
@@ -100,30 +142,23 @@ class SampleStream:
         return pool_row_bytes(self._kv_per_position(), longest, tokens)
 
     def join_reserve_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
-        """What `items` joining now may allocate beyond their own estimate: nothing within the
-        pool's free rows; past them a cache of twice the rows beside the old one (up to twice
-        what it holds now, transiently); and where they decode longer than the pool's rows
-        were admitted for, the pool's growth to that length."""
+        return self.room().reserve_bytes([request for _, request in items])
+
+    def room(self) -> JoinRoom:
+        """What a join finds now (JoinRoom)."""
         cache = self.decoding.cache
         if cache is None or not self.running:
-            return 0  # a new start: a fresh pool
-        rows = sum(len(request.prompts) * request.num_samples for _, request in items)
-        prompts = [len(p) for _, request in items for p in request.prompts]
-        fits = (
-            rows <= cache.own.free_rows
-            and len(prompts) <= cache.prefix.free_rows
-            and max(prompts, default=0) <= cache.prefix.capacity
+            return JoinRoom()
+        return JoinRoom(
+            running=True,
+            own_free_rows=cache.own.free_rows,
+            prefix_free_rows=cache.prefix.free_rows,
+            prefix_capacity=cache.prefix.capacity,
+            kv_bytes=self.kv_bytes(),
+            pool_rows=self.decoding.pool_rows,
+            pool_tokens=self._pool_tokens,
+            kv_per_position=self._kv_per_position(),
         )
-        copy = 0 if fits else 2 * self.kv_bytes()
-        tokens = max((request.sampling_params.max_tokens for _, request in items), default=0)
-        longer = 0
-        if self.decoding.pool_rows and tokens > self._pool_tokens:
-            per_position = self._kv_per_position()
-            longer = self.decoding.pool_rows * (
-                pool_row_bytes(per_position, 0, tokens)
-                - pool_row_bytes(per_position, 0, self._pool_tokens)
-            )
-        return copy + longer
 
     def can_join(self, session: SessionState) -> bool:
         return sampling_model(self.resource, session) is self.model
@@ -239,6 +274,9 @@ class SessionSampleStream:
 
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
         return self.stream.join_reserve_bytes(self._sessions(items))
+
+    def room(self) -> JoinRoom:
+        return self.stream.room()
 
     def close(self) -> None:
         self.stream.close()

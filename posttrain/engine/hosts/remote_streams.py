@@ -2,9 +2,11 @@
 the host keeps each open stream by id (`StreamHost`, part of LocalEngine), and the API process
 drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through four
 Commands: OPEN_STREAM, STREAM_CALL (one DecodeStream method and its arguments), STREAM_STEP
-(`admit` or `block`, then the operations finished since and the rows running: what the caller
-asks after each, in the same round trip) and CLOSE_STREAM. A round trip costs about a CPU
-decode step's time across Ray (docs/continuous_batching.md trap 21), so a quiet block is one.
+(`admit` or `block`, then the operations finished since, the rows running and the room a join
+finds, sample_stream.JoinRoom: what the caller asks after each, in the same round trip) and
+CLOSE_STREAM. A round trip costs about a CPU decode step's time across Ray
+(docs/continuous_batching.md trap 21), so a quiet block is one, and weighing a candidate join
+at a boundary is none: `join_reserve_bytes` answers from the room, `can_join` once per session.
 
 Between two of a stream's commands the host serves any other (another session's training
 between blocks, a PIPELINE publish), as the in-process engine does between blocks: the
@@ -18,15 +20,16 @@ stream fails with the host's WorkerDied (INTERNAL_ERROR naming the process), eve
 resource was loaded again elsewhere (a new host never saw the stream); closing it then does
 nothing (its pool died with the process).
 
-Imports: errors, types, engine (interface, hosts.messages).
+Imports: errors, types, engine (interface, generate.sample_stream, hosts.messages).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+from posttrain.engine.generate.sample_stream import JoinRoom, SessionSampleStream
 from posttrain.engine.hosts.messages import Call, Command
 from posttrain.engine.interface import DecodeStream
 from posttrain.errors import EngineFailure, WorkerDied
@@ -85,14 +88,16 @@ class StreamHost:
 
     def stream_step(
         self, resource_id: str, stream_id: int, method: str, *args: Any
-    ) -> tuple[Any, list[tuple[int, list[SampleResult]]], int]:
-        """`admit` or `block` on an open stream, then take_finished and running_rows: (its
-        answer, the operations finished since the last take, the rows running now)."""
+    ) -> tuple[Any, list[tuple[int, list[SampleResult]]], int, JoinRoom]:
+        """`admit` or `block` on an open stream, then take_finished, running_rows and room:
+        (its answer, the operations finished since the last take, the rows running now, what
+        a join finds now)."""
         if method not in STEPS:
             raise EngineFailure(f"{method!r} is not a decode stream's step")
         answer = self.stream_call(resource_id, stream_id, method, *args)
         _, stream = self._table()[stream_id]
-        return answer, stream.take_finished(), stream.running_rows()
+        room = cast(SessionSampleStream, stream).room()
+        return answer, stream.take_finished(), stream.running_rows(), room
 
     def close_stream(self, resource_id: str, stream_id: int) -> None:
         """The stream's pass ended: drop its decode state (idempotent)."""
@@ -123,6 +128,8 @@ class RemoteStream:
         self.stream_id = stream_id
         self._closed = False
         self._rows = 0  # as of the last step
+        self._room: JoinRoom | None = None  # as of the last step
+        self._joins: dict[str, bool] = {}  # can_join's answers, by session
         self._finished: list[tuple[int, list[SampleResult]]] = []  # brought by steps, not taken
         # The host's death, once seen (as `died` reports it): every later call fails with it
         # (the stream is bound to that host), also those answered here.
@@ -149,10 +156,14 @@ class RemoteStream:
         return self._send(Command.STREAM_CALL, method, *args)
 
     def can_join(self, session_id: str) -> bool:
-        return self._call("can_join", session_id)
+        """Asked once per session: the model a session samples does not change."""
+        if session_id not in self._joins:
+            self._joins[session_id] = self._call("can_join", session_id)
+        self._check()
+        return self._joins[session_id]
 
     def _step(self, method: str, *args: Any) -> Any:
-        answer, finished, self._rows = self._send(Command.STREAM_STEP, method, *args)
+        answer, finished, self._rows, self._room = self._send(Command.STREAM_STEP, method, *args)
         self._finished.extend(finished)
         return answer
 
@@ -178,7 +189,11 @@ class RemoteStream:
         return self._call("pool_row_bytes", items)
 
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self._call("join_reserve_bytes", items)
+        """From the room the last step brought (before any step, the host's answer)."""
+        if self._room is None:
+            return self._call("join_reserve_bytes", items)
+        self._check()
+        return self._room.reserve_bytes([request for _, request in items])
 
     def close(self) -> None:
         """Free the stream's decode state on its host; nothing to free where the host died."""

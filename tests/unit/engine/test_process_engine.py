@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,49 @@ def test_close_leaves_no_worker_process():
     engine.close()
     assert not any(p.is_alive() for p in processes)
     assert not engine.is_loaded("b")
+
+
+def test_weighing_a_join_asks_the_worker_nothing_after_a_step():
+    """At a block boundary every queued sample is weighed (can_join, join_reserve_bytes):
+    that is no round trip. join_reserve_bytes answers from the room the last step brought,
+    as the worker itself does: nothing within the pool's rows, a copy of the cache past them,
+    the pool's growth for a longer max_tokens; can_join is asked once per session."""
+    engine = ProcessEngine(CONFIG, MODELS)
+    try:
+        engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+        engine.create_session("r", "s", LORA)
+        stream = engine.sample_stream("r", "s")
+        assert stream is not None
+        stream.reserve_rows(4)
+        stream.admit([("s", PROMPT)])  # 2 of the pool's 4 rows
+        params = PROMPT.sampling_params
+        candidates = [
+            [("s", PROMPT)],
+            [("s", replace(PROMPT, num_samples=3))],
+            [("s", replace(PROMPT, sampling_params=replace(params, max_tokens=60)))],
+        ]
+        sent: list[Command] = []
+        host_call = stream._host_call
+
+        def counted(call: Call):
+            sent.append(call.command)
+            return host_call(call)
+
+        stream._host_call = counted
+        local = [stream.join_reserve_bytes(items) for items in candidates]
+        assert stream.can_join("s") and stream.can_join("s")
+        assert sent == [Command.STREAM_CALL]  # the first can_join
+        stream._host_call = host_call
+        worker = [stream._call("join_reserve_bytes", items) for items in candidates]
+        assert local == worker
+        assert local[0] == 0 and local[1] > 0 and local[2] > 0
+        stream.block()
+        assert stream.join_reserve_bytes(candidates[1]) == stream._call(
+            "join_reserve_bytes", candidates[1]
+        )
+        stream.close()
+    finally:
+        engine.close()
 
 
 def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it():

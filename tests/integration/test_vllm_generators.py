@@ -368,9 +368,10 @@ def test_a_join_after_a_pipeline_switch_keeps_the_running_requests_adapter(
     vllm_server, lora_resource
 ):
     """A PIPELINE sync loads a decoding session's adapter in place on the server; then another
-    session's sample joins, and applying its fence collects unused adapter files. The long
-    sample's requests were sent with the old adapter's path, which vLLM loads again at its
-    steps: removing it killed the server's engine (every running request failed)."""
+    session's sample joins, and applying its fence collects unused adapter files. vLLM loads
+    the long sample's adapter again at its steps from the path its requests were sent with;
+    where that was the old install's directory, removing it killed the server's engine (every
+    running request failed)."""
     decoding = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 17})
     other = lora_resource.create_session(interval=0.2, lora_config={"rank": 4, "seed": 18})
     train(decoding, steps=1)

@@ -15,8 +15,8 @@ fence, and none after it, before it generates. So SYNCHRONOUS and BACKGROUND_PUB
 before the samples submitted after them, whichever server runs them.
 
 - A LoRA session is a vLLM adapter named by its session id (PEFT format,
-  checkpoint/formats.py), loaded and republished with `load_inplace`; dropping the session
-  unloads it.
+  checkpoint/formats.py), loaded through a link per server (hosts/vllm_replica.py); dropping
+  the session unloads it.
 - A full-weight session's weights go to a safetensors file that each server reloads through
   its worker extension (hosts/vllm_worker_extension.py, vLLM's `reload_weights`).
 - After each set of changes the server's weight-version label moves on (posttrain keeps what
@@ -277,17 +277,15 @@ class VllmEngine(TrainerForwarding):
     def _collect(self, state: Resource) -> None:
         """Forget the changes every server has applied, and the files nothing refers to any
         more: vLLM reads an adapter's files when it first uses it, not when it is loaded, so
-        an adapter's directory stays while a server serves it; and a request keeps the path
-        its adapter had when it was sent, which vLLM may load again at any step while the
-        request runs (an adapter loaded in place reloads at each step; a missing directory
-        kills the server's engine), so it stays until that request answered too."""
+        an adapter's directory stays while a server serves it. A request names its session's
+        link (Replica._link), never a directory, so whatever vLLM loads for it at a later
+        step is the install the link points to, which stays."""
         with state.lock:
             done = min((r.applied for r in state.replicas), default=state.fence)
             state.changes = [c for c in state.changes if c.fence > done]
             in_use = {c.path for c in state.changes} | {
                 path for r in state.replicas for path in r.files.values()
             }
-            in_use |= set(state.requested)
             for directory in state.written - in_use:
                 shutil.rmtree(directory, ignore_errors=True)
             state.written &= in_use
@@ -390,16 +388,7 @@ class VllmEngine(TrainerForwarding):
     ) -> SampleResult:
         model = SERVED_NAME if state.sessions.get(session_id) is None else session_id
         body = generate_body(prompt, request, model, replica.salts.get(session_id))
-        with state.lock:  # its adapter's files stay while it runs (_collect)
-            path = replica.files.get(session_id)
-            state.requested[path] += 1
-        try:
-            reply = replica.server.call("/inference/v1/generate", body)
-        finally:
-            with state.lock:
-                state.requested[path] -= 1
-                if not state.requested[path]:
-                    del state.requested[path]
+        reply = replica.server.call("/inference/v1/generate", body)
         fallback = replica.serving.get(session_id, 0)
         return result_of(reply, replica.version_of(session_id), fallback)
 

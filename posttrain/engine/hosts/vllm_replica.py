@@ -6,11 +6,11 @@ A change is an install (a session's served weights, as files) or a drop. The ser
 moves on after each set of changes (vLLM attaches the label in force to every token it
 samples), and `labels` keeps what each session served under each label, so a choice's
 `weight_versions` spans become policy versions. vLLM keys its prefix cache by adapter name and
-path, not by weights: a LoRA install has a path of its own, but a full-weight reload changes the
-base model's weights under the same name. So each install gives its session a new cache salt
-(`salts`, sent with every request): no prompt KV of weights served before reaches a later
-request, and another session's change leaves a session's cached prompts in place (resetting
-the whole cache, as before lanes streamed, is refused while any request runs).
+path, not by weights, and both stay through an install (an adapter's path is its session's
+link; a full-weight reload keeps the base model's name). So each install gives its session a
+new cache salt (`salts`, sent with every request): no prompt KV of weights served before
+reaches a later request, and another session's change leaves a session's cached prompts in
+place (resetting the whole cache is refused while any request runs).
 
 Imports: types, engine (checkpoint.formats; hosts: staged_changes, vllm_server, vllm_stream).
 """
@@ -21,7 +21,6 @@ import itertools
 import os
 import re
 import threading
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +154,6 @@ class Resource:
         self.last_change: dict[str, int] = {}  # session -> the fence of its last change
         self.staged = StagedChanges()  # the lanes' join rule (changed_sessions)
         self.streams: set[VllmStream] = set()  # the lanes' open streams (wake_lanes)
-        self.requested: Counter[Path | None] = Counter()  # adapter paths of running requests
         self.lock = threading.RLock()  # staging order; a restart reads no half-made change
 
 

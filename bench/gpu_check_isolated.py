@@ -128,7 +128,8 @@ def static_generate(
 
     device = torch.device(device_name)
     prompts, prompt_tokens, samples, new_tokens = shape
-    model = Qwen3ForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype_name))
+    dtype = getattr(torch, dtype_name)
+    model = Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype, use_kernels=False)
     model = model.to(device).eval()
     generator = torch.Generator().manual_seed(17)
     vocab = model.config.vocab_size

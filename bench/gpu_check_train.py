@@ -129,7 +129,9 @@ class ForwardBackward:
         report: dict[str, object] = {}
         args, device = self.args, self.device
         ids = torch.tensor([s.tokens for s in self.samples], device=device)
-        model = Qwen3ForCausalLM.from_pretrained(directory, dtype=self.dtype).to(device).train()
+        # use_kernels=False: plain transformers; its Hub kernels are fetched online at train()
+        model = Qwen3ForCausalLM.from_pretrained(directory, dtype=self.dtype, use_kernels=False)
+        model = model.to(device).train()
         try:
             seconds, memory = _transformers(model, ids, args, device)
             flops = self.full_flops

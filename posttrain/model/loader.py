@@ -64,7 +64,12 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     whatever the weights' dtype (engine/train/logprobs.py), and so are LoRA adapters
     (model/lora.py)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        # use_kernels=False: transformers (5.2x) otherwise swaps layers for Hugging Face Hub
+        # kernels on CUDA at the first train()/eval(), code fetched at run time whose numerics
+        # the sampler / trainer agreement was never checked against (and, offline, a failure).
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, use_kernels=False
+        )
     # The start-up check (servable_problem) reads no weights, so a missing, truncated or
     # mismatched weight file surfaces here, at resource create: name the directory and the
     # reason (transformers and safetensors raise OSError, SafetensorError, RuntimeError, ...).

@@ -58,3 +58,22 @@ def test_serve_stops_at_start_up_naming_the_directory_and_the_problem(tmp_path, 
     message = capsys.readouterr().err
     assert str(tmp_path.resolve()) in message
     assert "no usable tokenizer" in message
+
+
+def test_a_loaded_model_keeps_its_own_layers_through_train_and_eval():
+    """transformers 5.2x defaults to use_kernels=True: the model's first train()/eval() swaps
+    layers for kernels fetched from the Hugging Face Hub at run time (offline, an error on CUDA;
+    online, code whose numerics the sampler / trainer agreement was never checked against).
+    load_model turns that off, so train() and eval() change no layer."""
+    import torch
+
+    from posttrain.config import BUILTIN_MODEL_DIR
+    from posttrain.model.loader import load_model
+
+    model = load_model(BUILTIN_MODEL_DIR, torch.device("cpu"), torch.float32).model
+    assert model.use_kernels is False
+    layers = [type(module) for module in model.modules()]
+    model.train()
+    model.eval()
+    assert model.kernels_mode is None  # no kernelize ran
+    assert [type(module) for module in model.modules()] == layers

@@ -23,7 +23,7 @@ Section (estimate on an H200): what it prints.
 - sampling (~40 s): the RL shape (16 prompts x 256 tokens x 8 samples x 128 new tokens):
   decode ms/step and tokens/s against the memory-bandwidth bound; sampler vs `generate`
   (dynamic cache, same model and adapter);
-- decode_paths (~70 s): CUDA graphs / static eager / dynamic blocks of 8 (the default) /
+- decode_paths (~70 s): CUDA graphs (the default) / static eager / dynamic blocks of 8 /
   per-token on the RL shape, graphs vs blocks on 4 prompts x 16 new tokens, each path's and
   both `generate`s' whole-call tokens/s as a fraction of the bandwidth limit, and the line
   saying which `--cuda-graphs` default these support;
@@ -82,6 +82,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import EngineConfig  # noqa: E402
+from posttrain.engine.generate import sampler  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
@@ -178,7 +179,12 @@ class Run:
 
 def setup(args, device, dtype_name: str, directory: Path) -> tuple[LocalEngine, int]:
     """The engine with resource r and its trained, published LoRA session s0."""
-    engine = LocalEngine(EngineConfig(device=args.device, dtype=dtype_name), {"bench": directory})
+    # cuda_graphs=False with STATIC_DECODE on: the same default path on CUDA (static passes in
+    # CUDA graphs, --cuda-graphs on), which the decode paths section can switch off for its
+    # dynamic ways (gm.cuda_graphs would keep them static); no effect on the CPU dry run.
+    config = EngineConfig(device=args.device, dtype=dtype_name, cuda_graphs=False)
+    sampler.STATIC_DECODE = True
+    engine = LocalEngine(config, {"bench": directory})
     engine.load_resource("r", "bench", muon_scaling=None)
     engine.create_session("r", "s0", LoraConfig(rank=RANK, alpha=ALPHA, seed=0))
     vocab = engine.model_info("bench").vocab_size

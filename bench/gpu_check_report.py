@@ -76,7 +76,7 @@ def summary(report: dict) -> str:
         f"  decode paths  {get('decode_graphs_tokens_per_s', rate)} tokens/s static"
         " passes in CUDA graphs (eager off CUDA),"
         f" {get('decode_static_eager_tokens_per_s', rate)} static eager,"
-        f" {get('decode_blocks_tokens_per_s', rate)} dynamic blocks (the default),"
+        f" {get('decode_blocks_tokens_per_s', rate)} dynamic blocks (--cuda-graphs off),"
         f" {get('decode_per_token_tokens_per_s', rate)} per-token dynamic"
         f" (graphs / per-token {get('decode_graphs_over_per_token', '{:.2f}')}x)",
         f"  decode paths, short ({report.get('decode_short_shape')})"

@@ -161,7 +161,8 @@ def measure_sampling(engine, config, args, device, dtype, generator, vocab) -> d
 WAYS = {
     "graphs": dict(static=True, graphs=True, block=sampler.DECODE_BLOCK_STEPS),
     "static_eager": dict(static=True, graphs=False, block=sampler.DECODE_BLOCK_STEPS),
-    # the CUDA default (--cuda-graphs off): dynamic passes, one host read per block
+    # --cuda-graphs off (the CUDA default before the H200 run): dynamic passes, one host read
+    # per block
     "blocks": dict(static=False, graphs=False, block=sampler.DECODE_BLOCK_STEPS),
     "per_token": dict(static=False, graphs=False, block=1),
 }
@@ -197,8 +198,8 @@ def _decode_rates(engine, args, device, generator, vocab, ways, prompts, new_tok
 
 def measure_decode_paths(engine, args, device, generator, vocab) -> dict:
     """Sampler tokens/s on the RL shape four ways: static-shape passes in blocks of 8 replayed
-    from CUDA graphs (on CUDA; eager elsewhere; `--cuda-graphs on`), the same passes eager,
-    dynamic passes in blocks of 8 (the CUDA default, `--cuda-graphs off`), and per-token
+    from CUDA graphs (on CUDA, the default; eager elsewhere), the same passes eager,
+    dynamic passes in blocks of 8 (`--cuda-graphs off`), and per-token
     dynamic passes (one host read per token); then graphs vs dynamic blocks on a short
     generation (--short-tokens, a quarter of the prompts), where a capture per call weighs most."""
     rates = _decode_rates(

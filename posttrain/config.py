@@ -121,10 +121,11 @@ class EngineConfig(BaseModel):
         " replica's pipe when the group cannot form), or down each replica's pipe",
         json_schema_extra=flag("scale-out"),
     )
-    # Off until bench/gpu_check.py's "decode paths" line shows a layout's replays winning back
-    # its capture on short generations (tested eagerly on the CPU and by `-m gpu` tests).
+    # On: the H200 run of bench/gpu_check.py (docs/benchmarks.md) measured graphs 5.95x the
+    # dynamic blocks on the RL shape and 3.01x on a 16-token generation, captures included
+    # (tested eagerly on the CPU and by `-m gpu` tests; a failed capture runs eagerly).
     cuda_graphs: bool = Field(
-        False,
+        True,
         description="on CUDA, decode in static-shape passes captured in CUDA graphs and"
         " replayed; off: dynamic passes in blocks of 8, one host read per block. No effect on"
         " other devices",

@@ -162,8 +162,8 @@ def test_memory_limit_config_key_takes_the_same_units():
     assert EngineConfig().memory_limit is None
 
 
-def test_cuda_graphs_flag_becomes_the_engine_setting_and_is_off_by_default():
-    assert EngineConfig().cuda_graphs is False
+def test_cuda_graphs_flag_becomes_the_engine_setting_and_is_on_by_default():
+    assert EngineConfig().cuda_graphs is True
     assert config_of("--cuda-graphs", "on").engine == EngineConfig(cuda_graphs=True)
     assert config_of("--cuda-graphs", "off").engine == EngineConfig(cuda_graphs=False)
 

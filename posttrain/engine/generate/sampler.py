@@ -23,7 +23,7 @@ operations and sessions can share passes) and runs:
    logprobs may in the last bits: a matrix product's rows depend on how many rows it has).
    Finished rows leave the batch at block ends and the cache is compacted (prompts no live
    row continues too), so long rows never pay for finished ones.
-   Static-shape passes (decode_graph.py; on CUDA with `--cuda-graphs on`, where they are
+   Static-shape passes (decode_graph.py; on CUDA unless `--cuda-graphs off`, where they are
    captured in CUDA graphs and replayed) keep finished rows as padding until at most half the
    batch runs.
 4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between blocks `between_tokens` may
@@ -105,8 +105,8 @@ CPU_BLOCK_STEPS = 1
 
 # Static-shape decode passes (generate/decode_graph.py), captured in a CUDA graph on CUDA,
 # where a small model's step is hundreds of kernel launches: asked for by EngineConfig.cuda_graphs
-# (`posttrain serve --cuda-graphs on`; off by default until a GPU run measures capture against
-# replay, config.py says why) or by STATIC_DECODE (benchmarks). On the CPU a static pass
+# (on by default, `posttrain serve --cuda-graphs off` turns it off; config.py gives the GPU
+# run's numbers) or by STATIC_DECODE (benchmarks). On the CPU a static pass
 # attends over the own part's whole capacity and keeps finished rows as padding for nothing a
 # graph gives back, so it runs only when CPU_STATIC_DECODE asks (the tests check it there).
 STATIC_DECODE = False

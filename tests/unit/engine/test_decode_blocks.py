@@ -328,7 +328,7 @@ def test_cuda_graph_replay_equals_the_eager_static_passes(monkeypatch):
 def test_cuda_graphs_setting_reaches_the_sampler_and_picks_static_passes_off_the_cpu(
     monkeypatch,
 ):
-    """EngineConfig.cuda_graphs (`--cuda-graphs on`) travels to the sampler's model, where it
+    """EngineConfig.cuda_graphs (on by default, `--cuda-graphs off`) travels to the sampler's model, where it
     picks static passes (captured in graphs) on CUDA and changes nothing on the CPU."""
     from posttrain.engine.generate import generator
 
@@ -350,4 +350,4 @@ def test_cuda_graphs_setting_reaches_the_sampler_and_picks_static_passes_off_the
     assert sampler.use_static_passes(gm, torch.device("cuda"))
     assert not sampler.use_static_passes(gm, torch.device("cpu"))  # CPU_STATIC_DECODE only
     off = dataclasses.replace(gm, cuda_graphs=False)
-    assert not sampler.use_static_passes(off, torch.device("cuda"))  # the default
+    assert not sampler.use_static_passes(off, torch.device("cuda"))  # --cuda-graphs off

@@ -11,7 +11,8 @@ that fails prints its error in the report and the others still run; one whose es
 by how much slower than estimated the last decode-bound section ran) exceeds the budget left is
 skipped, saying so.
 
-Section (estimate on an H200): what it prints.
+Section (estimate on an H200, written before the first run; ESTIMATE_S holds the times it
+measured): what it prints.
 
 - setup (~25 s): model build and save (1.2 GB), two resources, the full-weight generator copy;
 - correctness (~10 s): sampler vs forward_only logprobs, max abs diff, LoRA and full weight,
@@ -99,21 +100,23 @@ from gpu_check_isolated import optional_section, static_section  # noqa: E402
 from gpu_check_report import summary  # noqa: E402
 from gpu_check_train import ForwardBackward, fb_ratios  # noqa: E402
 
-# Seconds each section is estimated to take on an H200 (the docstring's list): a section is
-# skipped when less than this is left of --budget-s.
+# Seconds each section took on the H200 run of 2026-12-04 (docs/benchmarks.md; the sampler
+# sections at the dynamic-blocks default of then): a section is skipped when less than this,
+# scaled by `pace`, is left of --budget-s. They add up to more than one call's budget, so
+# the children may find none left: a second call with --skip gets them (bench/gpu_run.sh).
 ESTIMATE_S = {
-    "correctness": 10,
-    "full_weight": 15,
-    "fb_lora": 5,
-    "fb_full": 5,
-    "fb_transformers": 15,
-    "sampling": 40,
-    "decode_paths": 70,
-    "multi_lora": 30,
-    "stream": 30,
-    "agents": 30,
-    "weights_sync": 2,
-    "generate_static": 60,
+    "correctness": 6,
+    "full_weight": 5,
+    "fb_lora": 3,
+    "fb_full": 2,
+    "fb_transformers": 5,
+    "sampling": 92,
+    "decode_paths": 137,
+    "multi_lora": 62,
+    "stream": 57,
+    "agents": 62,
+    "weights_sync": 1,
+    "generate_static": 80,
 }
 CHILD_CAP_S = {"generate_static": 150, "fsdp2": 120, "vllm": 240}
 RANK, ALPHA = 32, 64

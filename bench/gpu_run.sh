@@ -7,6 +7,11 @@
 #   bench/gpu_run.sh                     # writes into $OUT if set, else ./gpu_check_out
 #   PYTHON=.venv/bin/python bench/gpu_run.sh --skip vllm      # extra arguments go to gpu_check
 #
+# On this workplace's H200 image: run bench/gpu_wheels.sh here first and carry .whl; then
+# `GPU_WHEELS=.whl PYTHON=python3 bench/gpu_run.sh`. Its sections took 550 s there on
+# 2026-12-04 (more than one call's budget): a second call with `--skip` of what the first
+# measured gets the rest.
+#
 # Writes: gpu_check.json (the report), gpu_check.txt (the printed summary, the JSON its last
 # line), gpu_check.stderr (warnings, tracebacks of failed sections, children's last words),
 # environment.txt (nvidia-smi, torch / transformers / peft / vllm versions).
@@ -19,6 +24,13 @@ LIMIT_S=${GPU_CHECK_LIMIT_S:-470}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-$((LIMIT_S - 25))}
 mkdir -p "$OUT_DIR"
 
+# GPU_WHEELS=.whl: the wheels bench/gpu_wheels.sh downloaded (the device image has no
+# pydantic and older transformers / peft), installed apart, ahead of the image's packages.
+if [ -n "${GPU_WHEELS:-}" ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu_site "$GPU_WHEELS"/*.whl || exit 3
+    export PYTHONPATH="/tmp/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, not an installed copy
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}

@@ -121,9 +121,8 @@ class EngineConfig(BaseModel):
         " replica's pipe when the group cannot form), or down each replica's pipe",
         json_schema_extra=flag("scale-out"),
     )
-    # On: the H200 run of bench/gpu_check.py (docs/benchmarks.md) measured graphs 5.95x the
-    # dynamic blocks on the RL shape and 3.01x on a 16-token generation, captures included
-    # (tested eagerly on the CPU and by `-m gpu` tests; a failed capture runs eagerly).
+    # On: on an H200 (docs/benchmarks.md) graphs ran 5.95x the dynamic blocks on the RL shape,
+    # 3.01x on a 16-token generation, captures included (a failed capture runs eagerly).
     cuda_graphs: bool = Field(
         True,
         description="on CUDA, decode in static-shape passes captured in CUDA graphs and"

@@ -328,8 +328,9 @@ def test_cuda_graph_replay_equals_the_eager_static_passes(monkeypatch):
 def test_cuda_graphs_setting_reaches_the_sampler_and_picks_static_passes_off_the_cpu(
     monkeypatch,
 ):
-    """EngineConfig.cuda_graphs (on by default, `--cuda-graphs off`) travels to the sampler's model, where it
-    picks static passes (captured in graphs) on CUDA and changes nothing on the CPU."""
+    """EngineConfig.cuda_graphs (on by default, `--cuda-graphs off`) travels to the sampler's
+    model, where it picks static passes (captured in graphs) on CUDA and changes nothing on
+    the CPU."""
     from posttrain.engine.generate import generator
 
     engine = LocalEngine(

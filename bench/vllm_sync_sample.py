@@ -8,6 +8,8 @@ here. Run it from two trees, alternated, to compare them:
     PYTHONPATH=/path/to/other/tree python /path/to/other/tree/bench/vllm_sync_sample.py ...
 
 Prints the median over --syncs samples (the first, which warms the server, left out).
+`--pipeline`: PIPELINE syncs, whose install loads the adapter in place (for the requests
+running then); the next sample's admit loads it afresh once none of the session's runs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument(
+        "--pipeline", action="store_true", help="PIPELINE syncs (the adapter loads in place)"
+    )
     args = parser.parse_args()
     config = EngineConfig(device="cpu", dtype="float32")
     vllm = config.model_copy(update={"generators": "vllm", "vllm_python": args.vllm_python})
@@ -50,7 +55,7 @@ def main() -> None:
         request = SampleRequest(((1, 40, 41, 42),) * args.prompts, args.samples, params)
         seconds = []
         for version in range(1, args.syncs + 1):
-            engine.publish("r", "s", version=version)
+            engine.publish("r", "s", version=version, mid_generation=args.pipeline)
             fence = engine.generator_fence("r")
             begin = time.perf_counter()
             engine.sample_batch("r", [("s", request)], fence=fence)
@@ -58,7 +63,8 @@ def main() -> None:
         print(
             f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, {args.prompts} prompts x"
             f" {args.samples} samples x {args.tokens} tokens, LoRA rank {args.rank}: a sample"
-            f" after a sync took {statistics.median(seconds[1:]):.3f} s (median of"
+            f" after a {'PIPELINE ' if args.pipeline else ''}sync took"
+            f" {statistics.median(seconds[1:]):.3f} s (median of"
             f" {len(seconds) - 1}; each: {', '.join(f'{s:.3f}' for s in seconds)})"
         )
     finally:

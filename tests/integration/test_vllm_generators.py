@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -288,6 +289,39 @@ def test_a_pipeline_sync_switches_a_running_sample_at_a_token_boundary(vllm_serv
             assert 0 < each[1][0] <= max(len(s.tokens) for s in result.sequences)
     # The next sample runs wholly on the new weights.
     assert segments(sample(session)) == [(0, new)]
+    session.stop()
+
+
+def session_link(session_id: str) -> Path:
+    """The link through which the vLLM server loads the session's adapter (Replica._link):
+    under the engine's install root, in shared memory where the system has it."""
+    roots = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    (link,) = [p for r in roots for p in r.glob(f"posttrain-vllm-*/*/served-*/{session_id}")]
+    return link
+
+
+def test_after_a_pipeline_switch_the_sessions_adapter_is_loaded_once_again(
+    vllm_server, lora_resource
+):
+    """A PIPELINE sync loads the decoding session's adapter in place. vLLM keeps that flag on
+    every later request naming the adapter and loads it from its path at every step of each:
+    correct, through the link, but a disk read a step long after the switch. The session's
+    next sample, none of its requests running, loads it afresh first; so a sample after that
+    reads the adapter from memory only, and is served with the link gone (with the flag it
+    read the missing path at its first step and the server's engine died)."""
+    session = lora_resource.create_session(interval=0.2, lora_config={"rank": 8, "seed": 21})
+    (pid,) = vllm_servers(vllm_server.process.pid)
+    _, _, new = switched_sample(vllm_server.base_url, session, pid)
+    assert segments(sample(session)) == [(0, new)]  # its admit loads the adapter afresh
+    link = session_link(session.session_id)
+    moved = link.with_name(f".{session.session_id}.moved")
+    link.rename(moved)
+    try:
+        again = sample(session, seed=4)
+    finally:
+        moved.rename(link)
+    assert segments(again) == [(0, new)]
+    assert mismatch(session, again) <= 1e-4
     session.stop()
 
 

@@ -248,17 +248,21 @@ class VllmEngine(TrainerForwarding):
 
     # ------------------------------------------------------------ applying, per server
 
-    def _apply_due(self, state: Resource, replica: Replica, fence: int, running: bool) -> int:
+    def _apply_due(
+        self, state: Resource, replica: Replica, fence: int, busy: frozenset[str]
+    ) -> int:
         """Apply every staged change up to `fence` not yet applied, at a token boundary if
-        requests are `running` (the label then moves with the weights); the fence the server
-        serves now."""
+        requests run (`busy`: their sessions; the label then moves with the weights), then
+        load afresh the in-place adapters of the sessions that are not busy; the fence the
+        server serves now."""
         with replica.lock:
             with state.lock:
                 due = [c for c in state.changes if replica.applied < c.fence <= fence]
-            if due and running:
+            if due and busy:
                 replica.apply_between_tokens(due)
             else:
                 replica.apply(due)
+            replica.settle(busy)
             applied = replica.applied
         self._collect(state)
         return applied
@@ -313,7 +317,7 @@ class VllmEngine(TrainerForwarding):
             lambda session_id, prompt, request: self._generate(
                 state, replica, session_id, prompt, request
             ),
-            lambda fence, running: self._apply_due(state, replica, fence, running),
+            lambda fence, busy: self._apply_due(state, replica, fence, busy),
             lambda session_id, request, results, applied: self._finish(
                 resource_id, state, session_id, request, results, applied
             ),

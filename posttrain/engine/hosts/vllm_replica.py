@@ -59,6 +59,9 @@ class Replica:
     serving: dict[str, int] = field(default_factory=dict)  # session -> policy version
     files: dict[str, Path] = field(default_factory=dict)  # session -> its adapter's directory
     salts: dict[str, str] = field(default_factory=dict)  # session -> its prefix-cache salt
+    # Sessions whose adapter was last loaded in place (a PIPELINE install): `settle` loads
+    # each afresh once none of its requests runs here.
+    inplace: set[str] = field(default_factory=set)
     counter: itertools.count = field(default_factory=lambda: itertools.count(1))
     installs: itertools.count = field(default_factory=lambda: itertools.count(1))
     # Held while changes apply or a generation starts (never across a generation).
@@ -89,6 +92,7 @@ class Replica:
             self.serving.pop(session_id, None)
             self.files.pop(session_id, None)
             self.salts.pop(session_id, None)
+            self.inplace.discard(session_id)
         elif change.lora:
             assert change.path is not None
             self._load(session_id, self._link(session_id, change.path), change.mid_generation)
@@ -118,15 +122,26 @@ class Replica:
         with on every later sample request and loads the adapter again at every step of one
         that says `load_inplace` (lora/worker_manager.py `add_adapter`): from the path that
         request names, which is why it is a link. So an adapter is loaded in place only for a
-        PIPELINE install, whose running requests must switch at once; otherwise it is
-        unloaded and loaded afresh (no running request of the session is affected: the lanes'
-        join rule), and its requests load it once."""
+        PIPELINE install, whose running requests must switch at once (and `settle` loads it
+        afresh later); otherwise it is unloaded and loaded afresh (no running request of the
+        session is affected: the lanes' join rule), and its requests load it once."""
         load = {"lora_name": session_id, "lora_path": str(link)}
         if session_id in self.serving and mid_generation:
             load["load_inplace"] = True
-        elif session_id in self.serving:
-            self.server.call("/v1/unload_lora_adapter", {"lora_name": session_id})
+            self.inplace.add(session_id)
+        else:
+            if session_id in self.serving:
+                self.server.call("/v1/unload_lora_adapter", {"lora_name": session_id})
+            self.inplace.discard(session_id)
         self.server.call("/v1/load_lora_adapter", load)
+
+    def settle(self, busy: frozenset[str]) -> None:
+        """Load afresh, through the same link (the same weights), each adapter loaded in
+        place whose session has no request running here (`busy`: the sessions that have): a
+        request sent after a PIPELINE install would otherwise load it from disk at every
+        step, the install's running requests ended long since."""
+        for session_id in sorted(self.inplace - busy):
+            self._load(session_id, self.links / session_id, mid_generation=False)
 
     def relabel(self) -> None:
         """A new weight-version label for what the server serves now."""

@@ -36,8 +36,9 @@ STREAM_REQUESTS = 256
 
 # (session, prompt, request) -> one prompt's result, sent to the lane's server.
 Generate = Callable[[str, tuple[int, ...], SampleRequest], SampleResult]
-# fence, whether requests are running -> the fence the server serves after applying.
-Apply = Callable[[int, bool], int]
+# fence, the sessions with requests running on the server -> the fence it serves after
+# applying.
+Apply = Callable[[int, frozenset[str]], int]
 # session, request, results, the fence they were sampled at -> the results as handed back.
 Finish = Callable[[str, SampleRequest, list[SampleResult], int], list[SampleResult]]
 
@@ -85,7 +86,8 @@ class VllmStream:
         return True  # every session samples the server's one base model
 
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
-        applied = self._apply(fence, bool(self._open))
+        busy = frozenset(op.session_id for op in self._open.values() if not op.done())
+        applied = self._apply(fence, busy)
         ids = []
         for session_id, request in items:
             operation = _Operation(session_id, request, applied)

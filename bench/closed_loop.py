@@ -30,6 +30,13 @@ over --reps repetitions, the two ways alternated.
 
     OMP_NUM_THREADS=1 python bench/closed_loop.py          # tiny and qwen3-40m, CPU
     python bench/closed_loop.py --quick                    # a smoke run
+    OMP_NUM_THREADS=1 python bench/closed_loop.py --models host-bound --block-steps 8 \
+        --agents 32 --turns 3 8 --agent-tokens 16 160 --prompt-tokens 256 --reps 3
+
+`host-bound` is a 28-layer Qwen3 (the Qwen3-0.6B depth) 64 wide: on the CPU its steps cost
+their dispatch, whatever the rows, as the 0.6B model's eager steps did on an H200 (88 ms a
+step against 0.57 ms of memory traffic; docs/benchmarks.md); with `--block-steps 8` (the
+accelerator's decode blocks) it stands in for gpu_check's `agents` section on this machine.
 
 bench/gpu_check.py runs `compare` on the Qwen3-0.6B shape on a GPU (its `agents` section).
 """
@@ -54,6 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
+from posttrain.engine.generate import sampler  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SampleResult, SamplingParams  # noqa: E402
 
@@ -275,10 +283,28 @@ def model_dir(name: str, scratch: Path) -> tuple[Path, int]:
         ]
     from forward_backward import QWEN3_40M, write_model  # bench/: this script's folder
 
-    assert name == "qwen3-40m", name
     directory = scratch / name
+    if name == "host-bound":
+        from gpu_check_common import build_model
+
+        build_model(directory, HOST_BOUND, torch.device("cpu"), torch.float32)
+        return directory, HOST_BOUND["vocab_size"]
+    assert name == "qwen3-40m", name
     write_model(directory)
     return directory, QWEN3_40M["vocab_size"]
+
+
+# The Qwen3-0.6B depth at a width where a CPU step costs its dispatch (see the docstring).
+HOST_BOUND = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=28,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    tie_word_embeddings=True,
+)
 
 
 def main() -> None:
@@ -287,23 +313,29 @@ def main() -> None:
     )
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-40m"])
     parser.add_argument("--agents", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--turns", type=int, nargs="+", default=[8])
     parser.add_argument(
         "--agent-tokens", type=int, nargs=2, default=[8, 256], metavar=("LOW", "HIGH")
     )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--block-steps", type=int, default=None, help="decode passes per block (CPU: 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny, small, 1 rep")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     if args.quick:
-        args.models, args.agents, args.turns, args.reps = ["tiny"], [3], 2, 1
+        args.models, args.agents, args.turns, args.reps = ["tiny"], [3], [2], 1
         args.agent_tokens = [2, 8]
     token_range = (args.agent_tokens[0], args.agent_tokens[1])
+    if args.block_steps is not None:
+        sampler.CPU_BLOCK_STEPS = args.block_steps
     print(
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads"
         f" {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.2f};"
-        f" {args.prompt_tokens} prompt tokens, medians of {args.reps}, ways alternated",
+        f" {args.prompt_tokens} prompt tokens, decode blocks of {sampler.CPU_BLOCK_STEPS},"
+        f" medians of {args.reps}, ways alternated",
         flush=True,
     )
     report: dict[str, object] = {}
@@ -318,14 +350,14 @@ def main() -> None:
             compare(engine, "r", "s", warm, 1)  # untimed warm-up of both ways
             print(f"\n{name}:", flush=True)
             rows = []
-            for agents in args.agents:
-                requests = agent_requests(
-                    agents, args.turns, token_range, args.prompt_tokens, vocab
-                )
-                row = {"agents": agents} | compare(engine, "r", "s", requests, args.reps)
-                rows.append(row)
-                print(line(agents, args.turns, token_range, row), flush=True)
-            report[name] = {"turns": args.turns, "agent_tokens": list(token_range), "rows": rows}
+            for turns in args.turns:
+                for agents in args.agents:
+                    requests = agent_requests(agents, turns, token_range, args.prompt_tokens, vocab)
+                    row = {"agents": agents, "turns": turns}
+                    row |= compare(engine, "r", "s", requests, args.reps)
+                    rows.append(row)
+                    print(line(agents, turns, token_range, row), flush=True)
+            report[name] = {"agent_tokens": list(token_range), "rows": rows}
     print(f"load average at end {os.getloadavg()[0]:.2f}")
     print(json.dumps(report))
     if args.json is not None:

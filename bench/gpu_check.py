@@ -37,7 +37,8 @@ measured): what it prints.
   running generation vs whole batches (the sampler before continuous batching), ops/s and
   tokens/s while all run and over the whole run, median latency, in how many operations both
   ways returned the same tokens (where not, the first difference is a draw on a CDF boundary
-  within the row-count-dependent rounding: neighbouring ids);
+  within the row-count-dependent rounding: neighbouring ids); both ways again with dynamic
+  passes (`--cuda-graphs off`), since with graphs every join is captured again;
 - weights_sync (~2 s): `publish` of the LoRA adapter (101 MB fp32) and the full weight (1.2 GB);
 - generate_static (child process, <= 150 s): transformers `generate` with
   `cache_implementation="static"`, compiled on CUDA (its default), on the RL shape;
@@ -114,7 +115,7 @@ ESTIMATE_S = {
     "decode_paths": 137,
     "multi_lora": 62,
     "stream": 57,
-    "agents": 62,
+    "agents": 100,  # 62 s with dynamic passes, run twice since: with graphs too
     "weights_sync": 1,
     "generate_static": 80,
 }

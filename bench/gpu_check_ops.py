@@ -11,6 +11,7 @@ import time
 from gpu_check_common import random_tokens, seconds, sync, timed
 
 from posttrain.engine.generate import generator as generators
+from posttrain.engine.generate import sampler
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import SampleRequest, SamplingParams
 
@@ -140,7 +141,10 @@ def measure_agents(engine: LocalEngine, args, vocab) -> dict:
     --agent-tokens new ones, one after another: operations joining the running generation vs
     whole batches (the sampler before continuous batching), one run each after a warm-up.
     The issue's throughput target on a device whose decode step costs about the same at 1 and
-    at 64 rows."""
+    at 64 rows. Both ways run twice: with the default decode (static passes in CUDA graphs,
+    where a join changes the layout and is captured again) and with dynamic passes
+    (`--cuda-graphs off`; keys `agents_eager_*`), and `agents_graphs_over_eager_*` compares
+    each way's ops/s across the two."""
     from closed_loop import agent_requests, compare  # bench/: this script's folder
 
     low, high = args.agent_tokens
@@ -150,6 +154,17 @@ def measure_agents(engine: LocalEngine, args, vocab) -> dict:
     report = {
         f"agents_{key}": value for key, value in compare(engine, "r", "s0", requests, 1).items()
     }
+    saved = sampler.STATIC_DECODE
+    sampler.STATIC_DECODE = False  # the engine's cuda_graphs is off: dynamic passes
+    try:
+        eager = compare(engine, "r", "s0", requests, 1)
+    finally:
+        sampler.STATIC_DECODE = saved
+    report |= {f"agents_eager_{key}": value for key, value in eager.items()}
+    for way in ("whole", "joining"):
+        report[f"agents_graphs_over_eager_{way}_ops_s"] = (
+            report[f"agents_{way}_ops_s"] / eager[f"{way}_ops_s"]
+        )
     report["agents_shape"] = (
         f"{args.agents} agents x {args.agent_turns} turns, {args.prompt_tokens} prompt tokens +"
         f" {low}-{high} new tokens each"

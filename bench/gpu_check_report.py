@@ -118,6 +118,13 @@ def summary(report: dict) -> str:
         f" same tokens in {get('agents_same_tokens_ops', '{}')} of {get('agents_ops', '{}')}"
         f" operations (where not, neighbouring ids at the first difference, a draw on a CDF"
         f" boundary within rounding: {report.get('agents_differences_are_neighbours', 'n/a')})",
+        f"  agents, dynamic passes (--cuda-graphs off)  while all run"
+        f" {get('agents_eager_whole_ops_s')} -> {get('agents_eager_joining_ops_s')} ops/s joining"
+        f" ({get('agents_eager_joining_over_whole_ops_s', '{:.2f}')}x), latency median"
+        f" {get('agents_eager_whole_latency_median_s')} ->"
+        f" {get('agents_eager_joining_latency_median_s')} s; graphs / dynamic: whole batches"
+        f" {get('agents_graphs_over_eager_whole_ops_s', '{:.2f}')}x, joining"
+        f" {get('agents_graphs_over_eager_joining_ops_s', '{:.2f}')}x ops/s",
         f"  weights sync (publish)  LoRA {get('weights_sync_ms')} ms"
         f" ({get('weights_sync_gb_per_s')} GB/s), full weight {get('weights_sync_full_ms')} ms"
         f" ({get('weights_sync_full_gb_per_s')} GB/s)",

@@ -27,7 +27,7 @@ def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
     results = json.loads(out.strip().splitlines()[-1])
     assert set(results) == {"tiny"}
     (found,) = results["tiny"]["rows"]
-    assert found["agents"] == 3 and found["same_tokens"] is True
+    assert found["agents"] == 3 and found["turns"] == 2 and found["same_tokens"] is True
     assert 1 <= found["tokens_per_op"] <= 8  # EOS may end a row before its max_tokens
     for key in ("ops_s", "tokens_s", "whole_run_ops_s"):
         ratio = found[f"joining_{key}"] / found[f"whole_{key}"]

@@ -64,6 +64,9 @@ KEYS = {
     "agents_joining_over_whole_whole_run_ops_s",
     "agents_whole_latency_median_s",
     "agents_joining_latency_median_s",
+    "agents_eager_whole_ops_s",
+    "agents_eager_joining_ops_s",
+    "agents_graphs_over_eager_joining_ops_s",
     "weights_sync_ms",
     "weights_sync_full_ms",
 }
@@ -140,6 +143,9 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
     ratio("sampler_over_generate_static", "sampler_tokens_per_s", "generate_static_tokens_per_s")
     ratio("stream_32_batched_over_one_op", "stream_32_batched_ops_per_s", "stream_one_op_ops_per_s")
     ratio("agents_joining_over_whole_ops_s", "agents_joining_ops_s", "agents_whole_ops_s")
+    for way in ("whole", "joining"):
+        over = f"agents_graphs_over_eager_{way}_ops_s"
+        ratio(over, f"agents_{way}_ops_s", f"agents_eager_{way}_ops_s")
     # the closed loop's two ways return the same tokens, but where a draw lands on a boundary
     # of the CDF within rounding (row-count dependent): the first differing tokens neighbour
     assert report["agents_ops"] == 6 and report["agents_differences_are_neighbours"] is True, out

@@ -12,9 +12,10 @@
 # 2026-12-04 (more than one call's budget): a second call with `--skip` of what the first
 # measured gets the rest.
 #
-# Writes: gpu_check.json (the report), gpu_check.txt (the printed summary, the JSON its last
-# line), gpu_check.stderr (warnings, tracebacks of failed sections, children's last words),
-# environment.txt (nvidia-smi, torch / transformers / peft / vllm versions).
+# Writes: gpu_tests.txt (the `-m gpu` tests' output), gpu_check.json (the report),
+# gpu_check.txt (the printed summary, the JSON its last line), gpu_check.stderr (warnings,
+# tracebacks of failed sections, children's last words), environment.txt (nvidia-smi, torch /
+# transformers / peft / vllm versions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,6 +49,15 @@ import torch
 print("cuda", torch.version.cuda, "available", torch.cuda.is_available())
 EOF
 } >"$OUT_DIR/environment.txt"
+
+# First the `-m gpu` tests (CUDA graph replay equals the eager static passes; the CUDA
+# attention kernel equals the matmuls), whose paths are the CUDA defaults; GPU_TESTS=0 skips.
+if [ "${GPU_TESTS:-1}" != 0 ]; then
+    timeout --kill-after=5 "${GPU_TESTS_LIMIT_S:-90}" "$PYTHON" -m pytest -q -p no:cacheprovider \
+        -m gpu tests/unit/engine/test_decode_blocks.py tests/unit/model/test_attention_kernels.py \
+        >"$OUT_DIR/gpu_tests.txt" 2>&1
+    echo "gpu tests exit $? ($OUT_DIR/gpu_tests.txt): $(tail -n 1 "$OUT_DIR/gpu_tests.txt")"
+fi
 
 timeout --kill-after=10 "$LIMIT_S" "$PYTHON" bench/gpu_check.py --device cuda \
     --budget-s "$BUDGET_S" --json "$OUT_DIR/gpu_check.json" "$@" \

@@ -308,6 +308,8 @@ def test_gpu_run_sh_writes_the_report_into_out(tmp_path: Path):
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert "gpu_check exit 0" in completed.stdout
+    # the `-m gpu` tests ran first: on the CPU each is skipped ("needs CUDA")
+    assert "3 skipped" in (tmp_path / "gpu_tests.txt").read_text(), completed.stdout
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     printed = (tmp_path / "gpu_check.txt").read_text().strip().splitlines()
     assert json.loads(printed[-1]) == report

@@ -20,18 +20,17 @@ stream fails with the host's WorkerDied (INTERNAL_ERROR naming the process), eve
 resource was loaded again elsewhere (a new host never saw the stream); closing it then does
 nothing (its pool died with the process).
 
-Imports: errors, types, engine (interface, generate.sample_stream, hosts.messages).
+Imports: errors, types, engine (generate.sample_stream, hosts.messages).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from posttrain.engine.generate.sample_stream import JoinRoom, SessionSampleStream
 from posttrain.engine.hosts.messages import Call, Command
-from posttrain.engine.interface import DecodeStream
 from posttrain.errors import EngineFailure, WorkerDied
 from posttrain.types import SampleRequest, SampleResult
 
@@ -56,13 +55,13 @@ STEPS = frozenset({"admit", "block"})
 class StreamHost:
     """The host's side (a base of LocalEngine): the streams opened by its caller, by id."""
 
-    _streams: dict[int, tuple[str, DecodeStream]]
+    _streams: dict[int, tuple[str, SessionSampleStream]]
     _stream_ids: itertools.count
 
-    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
+    def sample_stream(self, resource_id: str, session_id: str) -> SessionSampleStream | None:
         raise NotImplementedError
 
-    def _table(self) -> dict[int, tuple[str, DecodeStream]]:
+    def _table(self) -> dict[int, tuple[str, SessionSampleStream]]:
         if not hasattr(self, "_streams"):  # made at first use: the engine's __init__ stays
             self._streams, self._stream_ids = {}, itertools.count(1)
         return self._streams
@@ -96,8 +95,7 @@ class StreamHost:
             raise EngineFailure(f"{method!r} is not a decode stream's step")
         answer = self.stream_call(resource_id, stream_id, method, *args)
         _, stream = self._table()[stream_id]
-        room = cast(SessionSampleStream, stream).room()
-        return answer, stream.take_finished(), stream.running_rows(), room
+        return answer, stream.take_finished(), stream.running_rows(), stream.room()
 
     def close_stream(self, resource_id: str, stream_id: int) -> None:
         """The stream's pass ended: drop its decode state (idempotent)."""

@@ -61,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.generate import sampler  # noqa: E402
+from posttrain.engine.generate import joining_pass, sampler  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SampleResult, SamplingParams  # noqa: E402
 
@@ -185,8 +185,25 @@ def joining(
     return done
 
 
-RUNS: dict[str, Callable[..., list[Done]]] = {"whole": whole_batches, "joining": joining}
-WAYS = tuple(RUNS)
+def joining_apart(
+    engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]]
+) -> list[Done]:
+    """`joining` with each join's prompts prefilled in a pass of their own before the block, as
+    before joins rode in the block's first decode pass (engine/generate/joining_pass.py)."""
+    saved = joining_pass.JOIN_IN_DECODE_PASS
+    joining_pass.JOIN_IN_DECODE_PASS = False
+    try:
+        return joining(engine, resource, session, requests)
+    finally:
+        joining_pass.JOIN_IN_DECODE_PASS = saved
+
+
+RUNS: dict[str, Callable[..., list[Done]]] = {
+    "whole": whole_batches,
+    "joining": joining,
+    "apart": joining_apart,
+}
+WAYS = ("whole", "joining")  # --prefill-apart adds "apart"
 
 
 def rates(done: list[Done]) -> dict[str, float]:
@@ -230,24 +247,35 @@ def differences(
 
 
 def compare(
-    engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]], reps: int
+    engine: LocalEngine,
+    resource: str,
+    session: str,
+    requests: list[list[SampleRequest]],
+    reps: int,
+    ways: tuple[str, ...] = WAYS,
 ) -> dict:
-    """Both ways `reps` times, alternated: each way's median rates, joining / whole, and whether
-    the two returned the same tokens for every operation."""
-    runs: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
+    """The ways `reps` times, alternated: each way's median rates, joining / whole, and whether
+    the two returned the same tokens for every operation; with "apart" in `ways`, joining /
+    apart too (the gain of prefilling joins inside the decode pass)."""
+    runs: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     tokens: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}
     for _ in range(reps):
-        for way in WAYS:
+        for way in ways:
             done = RUNS[way](engine, resource, session, requests)
             runs[way].append(rates(done))
             tokens[way] = {(d.agent, d.turn): d.sequence for d in done}
     out: dict[str, object] = {}
-    for way in WAYS:
+    for way in ways:
         for key in runs[way][0]:
             out[f"{way}_{key}"] = statistics.median(r[key] for r in runs[way])
     for key in ("ops_s", "tokens_s", "whole_run_ops_s"):
         out[f"joining_over_whole_{key}"] = out[f"joining_{key}"] / out[f"whole_{key}"]
     out.update(differences(tokens["whole"], tokens["joining"]))
+    if "apart" in ways:
+        for key in ("ops_s", "tokens_s", "whole_run_ops_s"):
+            out[f"joining_over_apart_{key}"] = out[f"joining_{key}"] / out[f"apart_{key}"]
+        apart = differences(tokens["apart"], tokens["joining"])
+        out["apart_same_tokens_ops"] = apart["same_tokens_ops"]
     out["tokens_per_op"] = statistics.mean(len(t) for t in tokens["whole"].values())
     return out
 
@@ -262,6 +290,14 @@ def line(agents: int, turns: int, token_range: tuple[int, int], row: dict) -> st
         f" {row['joining_over_whole_whole_run_ops_s']:.2f}x; latency median"
         f" {row['whole_latency_median_s'] * 1e3:.0f} -> {row['joining_latency_median_s'] * 1e3:.0f}"
         f" ms; same tokens: {same(row)}"
+    ) + (
+        f"\n    prefill inside the decode pass / apart: ops/s {row['apart_ops_s']:6.2f} ->"
+        f" {row['joining_ops_s']:6.2f} ({row['joining_over_apart_ops_s']:.2f}x), whole run"
+        f" {row['joining_over_apart_whole_run_ops_s']:.2f}x, latency median"
+        f" {row['apart_latency_median_s'] * 1e3:.0f} -> {row['joining_latency_median_s'] * 1e3:.0f}"
+        f" ms; same tokens {row['apart_same_tokens_ops']} of {row['ops']} ops"
+        if "apart_ops_s" in row
+        else ""
     )
 
 
@@ -322,6 +358,11 @@ def main() -> None:
     parser.add_argument(
         "--block-steps", type=int, default=None, help="decode passes per block (CPU: 1)"
     )
+    parser.add_argument(
+        "--prefill-apart",
+        action="store_true",
+        help="also run joining with each join prefilled in a pass of its own (joining / apart)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny, small, 1 rep")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -329,6 +370,7 @@ def main() -> None:
         args.models, args.agents, args.turns, args.reps = ["tiny"], [3], [2], 1
         args.agent_tokens = [2, 8]
     token_range = (args.agent_tokens[0], args.agent_tokens[1])
+    ways = (*WAYS, "apart") if args.prefill_apart else WAYS
     if args.block_steps is not None:
         sampler.CPU_BLOCK_STEPS = args.block_steps
     print(
@@ -354,7 +396,7 @@ def main() -> None:
                 for agents in args.agents:
                     requests = agent_requests(agents, turns, token_range, args.prompt_tokens, vocab)
                     row = {"agents": agents, "turns": turns}
-                    row |= compare(engine, "r", "s", requests, args.reps)
+                    row |= compare(engine, "r", "s", requests, args.reps, ways)
                     rows.append(row)
                     print(line(agents, turns, token_range, row), flush=True)
             report[name] = {"agent_tokens": list(token_range), "rows": rows}

@@ -133,6 +133,42 @@ class SharedPrefixAttention:
         return slots if self.slot_B is None else slots.index_select(0, self.slot_B)
 
 
+@dataclass(frozen=True)
+class JoiningPassAttention:
+    """One pass's attention layout for one layer type when the prompts joining a running decode
+    batch run inside its next decode pass (chunked prefill): the pass's tokens come packed, one
+    per batch row ([N, 1]): first one new position of each of the B decode rows, which attend
+    through `decode` (their shared prefixes and own parts), then the joining prompts' positions,
+    prompt after prompt, written to `prefill_kv` ([N, 2, G, Hkv, T, D], the joining prompts'
+    cache, by model/joining_pass_cache.py before attention runs). Those attend as a prefill
+    does: spread back to one row per prompt (`valid_GQ`: the real positions of the [G, Q]
+    layout, in packing order), sdpa over the prompt's columns with `mask_G1QK`, packed again.
+    One pass through every linear layer serves both, instead of a prefill pass per join."""
+
+    decode: SharedPrefixAttention
+    decode_rows: int
+    prefill_kv: Tensor
+    visible: int  # prefill columns the pass reads
+    valid_GQ: Tensor
+    mask_G1QK: Tensor
+
+    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, **kwargs):
+        """query [N, Hq, 1, D]; key and value the own part of the B decode rows ([B, Hkv, S,
+        D], what the cache's update returned) -> output [N, 1, Hq, D]."""
+        rows = self.decode_rows
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        decoded = self.decode.attend(module.layer_idx, query[:rows], key, value, scale)
+        groups, width = self.valid_GQ.shape
+        _, heads, _, head_dim = query.shape
+        query_GQHD = query.new_zeros(groups, width, heads, head_dim)
+        query_GQHD[self.valid_GQ] = query[rows:, :, 0]
+        kv = self.prefill_kv[module.layer_idx, :, :groups, :, : self.visible]
+        prefilled_GQHD, _ = sdpa_attention_forward(
+            module, query_GQHD.transpose(1, 2), kv[0], kv[1], self.mask_G1QK, **kwargs
+        )
+        return torch.cat([decoded, prefilled_GQHD[self.valid_GQ][:, None]])
+
+
 def _stack_heads(bias_BQK: Tensor, repeat: int) -> Tensor:
     """A per-position bias [B, Q, K] for the stacked query rows [B, 1, r * Q, K]."""
     rows, width, columns = bias_BQK.shape
@@ -188,13 +224,15 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 # `attention_mask`, because families build and hand on masks differently (a per-layer-type
 # mapping only some forwards accept, a 4-D tensor others): each attention call picks its
 # layer's entry here, whatever the family's forward did with the placeholder mask.
-_PASS: ContextVar[list[Tensor | SharedPrefixAttention] | None] = ContextVar(
+_PASS: ContextVar[list[Tensor | SharedPrefixAttention | JoiningPassAttention] | None] = ContextVar(
     "posttrain_pass", default=None
 )
 
 
 @contextmanager
-def pass_layout(masks_per_layer: list[Tensor | SharedPrefixAttention]) -> Iterator[None]:
+def pass_layout(
+    masks_per_layer: list[Tensor | SharedPrefixAttention | JoiningPassAttention],
+) -> Iterator[None]:
     """Attend with masks_per_layer[layer] inside this block (boolean [B, 1, Q, K] masks over
     the cache's visible columns, or SharedPrefixAttention)."""
     token = _PASS.set(masks_per_layer)
@@ -223,6 +261,8 @@ def attention_forward(
     if isinstance(mask, SharedPrefixAttention):
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
         return mask.attend(module.layer_idx, query, key, value, scale), None
+    if isinstance(mask, JoiningPassAttention):
+        return mask.attend(module, query, key, value, **kwargs), None
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
@@ -239,6 +279,7 @@ def eager_forward(
     passes' masks made additive and shared prefixes materialised per row."""
     mask = _layout_mask(module, attention_mask)
     eager = _own_eager(module)
+    assert not isinstance(mask, JoiningPassAttention), "joins prefill apart on eager models"
     if isinstance(mask, SharedPrefixAttention):
         key, value, mask = _materialized(mask, module.layer_idx, query, key, value)
     elif mask is not None and mask.dtype == torch.bool:

@@ -188,16 +188,24 @@ class KVCache:
     ) -> tuple[Tensor, Tensor]:
         """Called by each attention layer: store this pass's real positions, return the keys
         and values of the visible columns ([B, H, K, D] views)."""
-        assert self._rows_W is not None, "update() outside begin()/commit()"
-        for slot, new_BHQD in ((0, key_BHQD), (1, value_BHQD)):
+        flat = []
+        for new_BHQD in (key_BHQD, value_BHQD):
             new_BQHD = new_BHQD.transpose(1, 2)
             if self._valid_BQ is None:
-                new_WHD = new_BQHD.reshape(-1, *new_BQHD.shape[2:])
+                flat.append(new_BQHD.reshape(-1, *new_BQHD.shape[2:]))
             else:
-                new_WHD = new_BQHD[self._valid_BQ]
-            self.kv[layer_idx, slot, self._rows_W, :, self._cols_W] = new_WHD.to(self.kv.dtype)
+                flat.append(new_BQHD[self._valid_BQ])
+        self.store(flat[0], flat[1], layer_idx)
         visible = self.kv[layer_idx, :, : self.num_rows, :, : self._visible]
         return visible[0], visible[1]
+
+    def store(self, key_WHD: Tensor, value_WHD: Tensor, layer_idx: int) -> None:
+        """Store this pass's real positions given flat [W, H, D], row after row in position
+        order (what `update` takes padded; a pass whose tokens come packed, one per batch row,
+        hands them so: model/joining_pass_cache.py)."""
+        assert self._rows_W is not None, "store() outside begin()/commit()"
+        for slot, new_WHD in ((0, key_WHD), (1, value_WHD)):
+            self.kv[layer_idx, slot, self._rows_W, :, self._cols_W] = new_WHD.to(self.kv.dtype)
 
     def commit(self) -> None:
         assert self._num_new_B is not None, "commit() without begin()"

@@ -123,6 +123,18 @@ class Generation:
                 )
         return list(range(first_group, len(self.groups))), list(range(first_row, len(self.rows)))
 
+    def renew(
+        self, group_ids: list[int], row_ids: list[int], versions: Mapping[str, WeightsVersion]
+    ) -> None:
+        """Groups planned but not prefilled yet (joining_pass.py defers a join's prefill to
+        the next decode pass) are served by what their adapters serve now: weights published
+        since `add` (PIPELINE) give their every token, in one policy segment."""
+        for g in group_ids:
+            self.groups[g].generation = versions[self.groups[g].adapter_key].generation
+        for r in dict.fromkeys(self.rows[row].request for row in row_ids):
+            version = versions[self.requests[r].adapter_key].version
+            self.segments[r] = [PolicySegment(0, version)]
+
     def results(self) -> list[SampleResult]:
         return [self.result(r) for r in range(len(self.requests))]
 
@@ -179,17 +191,29 @@ def start_rows(
     """Prefill groups `group_ids` (row i of the returned cache is group group_ids[i]) and draw
     the first token of rows `row_ids` (rows of those groups); returns the prefill and the
     rows still live after their first token, as a batch of their own."""
-    device = gm.model.get_input_embeddings().weight.device
     groups = [generation.groups[g] for g in group_ids]
     prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
     assert first_logits_GV is not None
+    return prefill_cache, first_tokens(gm, generation, group_ids, row_ids, first_logits_GV)
+
+
+def first_tokens(
+    gm: GeneratorModel,
+    generation: Generation,
+    group_ids: list[int],
+    row_ids: list[int],
+    first_logits_GV: Tensor,
+) -> LiveRows:
+    """Draw the first token of rows `row_ids` from their groups' first logits (row i of
+    first_logits_GV is group group_ids[i]'s); returns the rows still live after it."""
+    device = first_logits_GV.device
     batch = LiveRows(generation.rows, list(row_ids), device, first_logits_GV.shape[-1])
     cache_row = {g: i for i, g in enumerate(group_ids)}
     rows_of_R = torch.tensor([cache_row[generation.rows[r].group] for r in row_ids], device=device)
     first_B = draw(batch, first_logits_GV[rows_of_R])
     tokens_1B, logprobs_1B = batch.to_host(first_B[0][None], first_B[1][None])
     batch.keep(record_steps(gm, batch, tokens_1B, logprobs_1B))
-    return prefill_cache, batch
+    return batch
 
 
 def pooled_prefixes(gm: GeneratorModel, prefill_cache: KVCache, rows: int) -> KVCache:

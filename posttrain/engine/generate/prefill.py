@@ -24,6 +24,7 @@ from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.train.logprobs import log_softmax_float32
 from posttrain.model import attention, routing
 from posttrain.model.fanout_kv_cache import FanoutKVCache
+from posttrain.model.joining_pass_cache import JoiningPassCache
 from posttrain.model.kv_cache import KVCache
 from posttrain.model.kv_shape import KVShape
 from posttrain.model.logit_head import output_head
@@ -104,7 +105,7 @@ def layer_types(config: PretrainedConfig) -> list[str]:
 
 def forward_rows(
     gm: GeneratorModel,
-    cache: KVCache | FanoutKVCache | StaticDecodeCache,
+    cache: KVCache | FanoutKVCache | StaticDecodeCache | JoiningPassCache,
     tokens_BQ: Tensor,
     num_new_B: Tensor | None,
     keys_B: list[str],
@@ -196,17 +197,7 @@ def prefill(
     """KV of every group's prompt in row g of a new cache, from the prefix cache where possible;
     the first-token logits [G, V] (float32) when asked; prompt logprobs into groups that want
     them. The computed KV goes back into the prefix cache."""
-    cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
-    for row, group in enumerate(groups):
-        group.cache_hit_tokens = 0
-        if group.wants_prompt_logprobs or group.wants_routes or not gm.prefix_cache.enabled:
-            continue  # prompt logprobs and routes need every position to run
-        namespace = (group.adapter_key, group.generation)
-        # At most len - 1: the last prompt token must run to give the first logits.
-        spans = gm.prefix_cache.lookup(namespace, group.prompt, max_tokens=len(group.prompt) - 1)
-        for span in spans:
-            cache.write_span(row, group.cache_hit_tokens, span)
-            group.cache_hit_tokens += span.shape[3]
+    cache = prompt_cache(gm, groups)
     keys = [g.adapter_key for g in groups]
     suffixes = [g.prompt[g.cache_hit_tokens :] for g in groups]
     last_hidden: list[Tensor | None] = [None] * len(groups)
@@ -223,18 +214,40 @@ def prefill(
                 last_hidden[row] = hidden_BQH[row, counts[row] - 1]
             if group.wants_prompt_logprobs:
                 _harvest_prompt_logprobs(gm, group, hidden_BQH[row, : counts[row]], first)
-    for row, group in enumerate(groups):
-        gm.prefix_cache.insert(
-            (group.adapter_key, group.generation),
-            group.prompt,
-            lambda start, end, row=row: cache.span(row, start, end),
-        )
+    keep_prompts(gm, groups, cache)
     if not with_logits:
         return cache, None
     hidden_GH = torch.stack([h for h in last_hidden if h is not None])
     assert hidden_GH.shape[0] == len(groups), "every prompt has a last position"
     # float32 whatever the model's dtype: sampling and reported logprobs are float32 math.
     return cache, head_logits(gm, hidden_GH, keys).float()
+
+
+def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
+    """A cache of one row per group holding the longest prefix of its prompt the prefix cache
+    has (group.cache_hit_tokens); the rest is what a prefill pass runs."""
+    cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
+    for row, group in enumerate(groups):
+        group.cache_hit_tokens = 0
+        if group.wants_prompt_logprobs or group.wants_routes or not gm.prefix_cache.enabled:
+            continue  # prompt logprobs and routes need every position to run
+        namespace = (group.adapter_key, group.generation)
+        # At most len - 1: the last prompt token must run to give the first logits.
+        spans = gm.prefix_cache.lookup(namespace, group.prompt, max_tokens=len(group.prompt) - 1)
+        for span in spans:
+            cache.write_span(row, group.cache_hit_tokens, span)
+            group.cache_hit_tokens += span.shape[3]
+    return cache
+
+
+def keep_prompts(gm: GeneratorModel, groups: list[PromptGroup], cache: KVCache) -> None:
+    """The prompts' KV (row g of `cache` is groups[g]'s, all computed) into the prefix cache."""
+    for row, group in enumerate(groups):
+        gm.prefix_cache.insert(
+            (group.adapter_key, group.generation),
+            group.prompt,
+            lambda start, end, row=row: cache.span(row, start, end),
+        )
 
 
 def _harvest_prompt_logprobs(

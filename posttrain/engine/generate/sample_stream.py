@@ -114,7 +114,8 @@ class SampleStream:
         self._served = served
 
     def running_rows(self) -> int:
-        return len(self.decoding.running)
+        """Rows decoding, and rows admitted that join in the next block (joining_pass.py)."""
+        return len(self.decoding.running) + self.decoding.joining()[0]
 
     def kv_bytes(self) -> int:
         """Bytes the decode cache holds now (prompts' and generated KV)."""
@@ -149,10 +150,11 @@ class SampleStream:
         cache = self.decoding.cache
         if cache is None or not self.running:
             return JoinRoom()
+        rows, prompts = self.decoding.joining()  # admitted, not in the cache until the block
         return JoinRoom(
             running=True,
-            own_free_rows=cache.own.free_rows,
-            prefix_free_rows=cache.prefix.free_rows,
+            own_free_rows=max(0, cache.own.free_rows - rows),
+            prefix_free_rows=max(0, cache.prefix.free_rows - prompts),
             prefix_capacity=cache.prefix.capacity,
             kv_bytes=self.kv_bytes(),
             pool_rows=self.decoding.pool_rows,

@@ -69,6 +69,7 @@ from torch import Tensor
 from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
 from posttrain.engine.generate.decode_rows import LiveRows
 from posttrain.engine.generate.draws import draw, record_steps
+from posttrain.engine.generate.joining_pass import Joining, decode_and_prefill, joins_in_pass
 from posttrain.engine.generate.joins import (
     Generation,
     GenerationRequest,
@@ -85,7 +86,7 @@ from posttrain.engine.generate.prefill import (
 from posttrain.engine.state import WeightsVersion
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
-from posttrain.model.kv_cache import fill_holes
+from posttrain.model.kv_cache import KVCache, fill_holes
 from posttrain.model.static_decode_cache import StaticDecodeCache
 from posttrain.types import (
     SampleResult,
@@ -204,13 +205,21 @@ class Decoding:
         # sample stream's pool, so rows joining later take free rows and the running rows'
         # KV is never copied for them (joins.pooled_prefixes). 0: the batch's rows exactly.
         self.pool_rows = 0
+        # Requests admitted whose prompts run inside the next decode pass (joining_pass.py).
+        self._joining: Joining | None = None
         self.admit(requests)
 
     def close(self) -> None:
         """Drop the decode state (rows, decode cache and its pool, the static pass): a
         sample stream's pass ended. An `admit` after it starts a new batch."""
-        self.batch = self.cache = self.step = None
+        self.batch = self.cache = self.step = self._joining = None
         self.running, self.own_lengths = [], []
+
+    def joining(self) -> tuple[int, int]:
+        """(rows, prompts) admitted that join at the end of the next block."""
+        if self._joining is None:
+            return 0, 0
+        return len(self._joining.row_ids), len(self._joining.group_ids)
 
     def take_finished(self) -> list[tuple[int, SampleResult]]:
         """(index, result) of the requests completed since the last call."""
@@ -226,47 +235,77 @@ class Decoding:
             self._finished.append((r, self.generation.result(r)))
 
     def admit(self, requests: list[GenerationRequest]) -> None:
-        """Requests joining between blocks: planned, prefilled and drawn their first token
-        (joins.start_rows); their live rows join the batch and the cache (a new batch when
-        none runs)."""
+        """Requests joining between blocks: planned, prefilled and drawn their first token;
+        their live rows join the batch and the cache (a new batch when none runs). Beside a
+        running dynamic batch the prefill rides in the next block's first pass and the rows
+        join at its end (joining_pass.py); otherwise it runs now (joins.start_rows)."""
         if not requests:
             return
         with torch.no_grad():
+            self._prefill_apart()  # an earlier admit's, not run yet: first come, first served
             gm, generation = self.gm, self.generation
             group_ids, row_ids = generation.add(gm, requests, self.versions)
+            if (
+                self.running
+                and not self.static
+                and self.batch is not None
+                and not self.batch.wants_routes
+                and joins_in_pass(gm, generation, group_ids)
+            ):
+                self._joining = Joining(group_ids, row_ids)
+                return
             prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
-            self._settle(row_ids)
-            if not fresh.live:
-                return
-            rows = generation.rows
-            if not self.running:
-                longest = max(rows[r].max_tokens for r in fresh.live)
-                capacity = min(longest, DECODE_POSITIONS_PER_GROWTH)
-                own = new_cache(gm, len(fresh.live), capacity, self.pool_rows)
-                if self.pool_rows:
-                    prefill_cache = pooled_prefixes(gm, prefill_cache, self.pool_rows)
-                groups_B = [rows[r].group for r in fresh.live]
-                self.cache = FanoutKVCache(prefill_cache, group_ids, own, groups_B)
-                # Frees the prompts whose every sample already ended on its first token.
-                self.cache.keep(torch.arange(len(fresh.live), device=self.device))
-                self.batch, self.own_lengths = fresh, [0] * len(fresh.live)
-                self.running = list(range(len(fresh.live)))
-                self.step = None
-                return
-            assert self.batch is not None and self.cache is not None
-            live_groups = sorted({rows[r].group for r in fresh.live})
-            cache_row = {g: i for i, g in enumerate(group_ids)}
-            self.cache.join(
-                prefill_cache,
-                [cache_row[g] for g in live_groups],
-                live_groups,
-                [rows[r].group for r in fresh.live],
-            )
-            start = len(self.batch.live)
-            self.batch.join(fresh)
-            self.own_lengths += [0] * len(fresh.live)
-            self.running += range(start, len(self.batch.live))
+            self._start(group_ids, row_ids, prefill_cache, fresh)
+
+    def _prefill_apart(self) -> None:
+        """Run the join waiting for the next decode pass in a prefill pass of its own."""
+        if self._joining is None:
+            return
+        joining, self._joining = self._joining, None
+        self.generation.renew(joining.group_ids, joining.row_ids, self.versions)
+        prefill_cache, fresh = start_rows(
+            self.gm, self.generation, joining.group_ids, joining.row_ids
+        )
+        self._start(joining.group_ids, joining.row_ids, prefill_cache, fresh)
+
+    def _start(
+        self, group_ids: list[int], row_ids: list[int], prefill_cache: KVCache, fresh: LiveRows
+    ) -> None:
+        """Rows `row_ids` drew their first token (`fresh` the live ones, groups `group_ids`
+        prefilled in rows of `prefill_cache`): they start a batch, or join the running one."""
+        gm, generation = self.gm, self.generation
+        self._settle(row_ids)
+        if not fresh.live:
+            return
+        rows = generation.rows
+        if not self.running:
+            longest = max(rows[r].max_tokens for r in fresh.live)
+            capacity = min(longest, DECODE_POSITIONS_PER_GROWTH)
+            own = new_cache(gm, len(fresh.live), capacity, self.pool_rows)
+            if self.pool_rows:
+                prefill_cache = pooled_prefixes(gm, prefill_cache, self.pool_rows)
+            groups_B = [rows[r].group for r in fresh.live]
+            self.cache = FanoutKVCache(prefill_cache, group_ids, own, groups_B)
+            # Frees the prompts whose every sample already ended on its first token.
+            self.cache.keep(torch.arange(len(fresh.live), device=self.device))
+            self.batch, self.own_lengths = fresh, [0] * len(fresh.live)
+            self.running = list(range(len(fresh.live)))
             self.step = None
+            return
+        assert self.batch is not None and self.cache is not None
+        live_groups = sorted({rows[r].group for r in fresh.live})
+        cache_row = {g: i for i, g in enumerate(group_ids)}
+        self.cache.join(
+            prefill_cache,
+            [cache_row[g] for g in live_groups],
+            live_groups,
+            [rows[r].group for r in fresh.live],
+        )
+        start = len(self.batch.live)
+        self.batch.join(fresh)
+        self.own_lengths += [0] * len(fresh.live)
+        self.running += range(start, len(self.batch.live))
+        self.step = None
 
     def weights_published(self, served_changed: bool) -> None:
         """After a possible publish (PIPELINE weights-sync): running rows whose adapter's
@@ -298,6 +337,7 @@ class Decoding:
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, longest + steps))
             self.step = None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
+        joining, self._joining = self._joining, None  # never set beside static passes
         if self.static:
             if self.step is None:
                 graphs = _use_graphs(self.device)
@@ -305,13 +345,18 @@ class Decoding:
                 self.step = DecodeStep(gm, static_cache, batch, graphs)
             tokens_KB, logprobs_KB = _static_block(self.step, batch, steps)
         else:
+            if joining is not None:
+                longest = self._join_in_first_pass(joining, batch, cache, longest)
+                steps -= 1
             ragged = len(set(self.own_lengths)) > 1  # rows joined: per-row own masks
             tokens_KB, logprobs_KB = _dynamic_block(
                 gm, batch, cache, steps, longest, ragged, routes_K
             )
         self.own_lengths = [length + steps for length in self.own_lengths]
-        tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
-        running = record_steps(gm, batch, tokens, logprobs, routes_K)
+        if tokens_KB:
+            tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
+            record_steps(gm, batch, tokens, logprobs, routes_K)
+        running = [i for i, r in enumerate(batch.live) if rows[r].stop_reason is None]
         self._settle(batch.live)
         if running and not (self.static and _keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
@@ -322,6 +367,23 @@ class Decoding:
                 running = list(range(len(order)))
                 self.step = None
         self.running = running
+
+    def _join_in_first_pass(
+        self, joining: Joining, batch: LiveRows, cache: FanoutKVCache, longest: int
+    ) -> int:
+        """The block's first pass, which also prefills the joining prompts (joining_pass.py):
+        the running rows' tokens are recorded now (a row that stopped rides along until the
+        block ends, as within any block) and the joining rows join for the block's other
+        passes (it keeps the length it was given). Returns the longest own part after it."""
+        ragged = len(set(self.own_lengths)) > 1
+        token_B, logprob_B, prompts, fresh = decode_and_prefill(
+            self.gm, batch, cache, longest, ragged, self.generation, joining, self.versions
+        )
+        tokens, logprobs = batch.to_host(token_B[None], logprob_B[None])
+        record_steps(self.gm, batch, tokens, logprobs)
+        self.own_lengths = [length + 1 for length in self.own_lengths]
+        self._start(joining.group_ids, joining.row_ids, prompts, fresh)
+        return max(self.own_lengths)
 
 
 def _dynamic_block(

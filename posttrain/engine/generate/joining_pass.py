@@ -64,11 +64,15 @@ class Joining:
     row_ids: list[int]
 
 
-def joins_in_pass(gm: GeneratorModel, generation: Generation, group_ids: list[int]) -> bool:
-    """Whether these (new) groups may prefill inside a decode pass of a running dynamic batch
-    (the caller knows the batch runs dynamic passes and wants no routes)."""
+def joins_in_pass(
+    gm: GeneratorModel, generation: Generation, group_ids: list[int], batch: LiveRows | None
+) -> bool:
+    """Whether these (new) groups may prefill inside a decode pass of `batch`, the running
+    batch of dynamic passes (None: none runs, or its passes are static)."""
     if not JOIN_IN_DECODE_PASS or gm.model.config._attn_implementation != attention.IMPLEMENTATION:
         return False
+    if batch is None or batch.wants_routes:
+        return False  # routes are recorded per decode pass, [B, 1, L, K]
     groups = [generation.groups[g] for g in group_ids]
     if any(g.wants_prompt_logprobs or g.wants_routes for g in groups):
         return False

@@ -32,15 +32,14 @@ operations and sessions can share passes) and runs:
    segment starting at the next generated token, so every token after the switch is exactly what
    the new weights give.
 5. Joins: between blocks (after `between_tokens`) `admit` may return new requests. They are
-   planned, prefilled and drawn their first token like the first batch's (joins.py), and their
-   live rows are appended to the batch and the cache (FanoutKVCache.join); their results follow
-   the first requests'. A joined row's own part starts empty while the others' do not: the
-   host keeps every row's own length, so dynamic passes build per-row own masks without
-   reading anything back (the `uniform` fast path while all are equal), and static passes
-   keep one own length per row (a join is a new layout). A request completed at a block end
-   is reported then (`finished`), not at the generation's end. The loop itself is a Decoding,
-   run one block at a time; `generate` drives it with callbacks, a scheduler may drive it
-   directly and do other work between blocks.
+   planned, prefilled and drawn their first token like the first batch's (joins.py; beside
+   dynamic passes their prompts ride in the block's first decode pass: joining_pass.py), and
+   their live rows are appended to the batch and the cache (FanoutKVCache.join). A joined
+   row's own part starts empty: the host keeps every row's own length, so dynamic passes
+   build per-row own masks without reading anything back (the `uniform` fast path while all
+   are equal); static passes keep one own length per row (a join is a new layout). A request
+   completed at a block end is reported then (`finished`). The loop is a Decoding, run one
+   block at a time; `generate` drives it with callbacks, a scheduler may drive it directly.
 
 Sampling (sampling_math.py): temperature, top-k, top-p, then one inverse-CDF draw per row from
 its own torch.Generator. Sample j of a prompt seeds its generator from (seed, j), so the same
@@ -245,13 +244,8 @@ class Decoding:
             self._prefill_apart()  # an earlier admit's, not run yet: first come, first served
             gm, generation = self.gm, self.generation
             group_ids, row_ids = generation.add(gm, requests, self.versions)
-            if (
-                self.running
-                and not self.static
-                and self.batch is not None
-                and not self.batch.wants_routes
-                and joins_in_pass(gm, generation, group_ids)
-            ):
+            dynamic = None if self.static or not self.running else self.batch
+            if joins_in_pass(gm, generation, group_ids, dynamic):
                 self._joining = Joining(group_ids, row_ids)
                 return
             prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)

@@ -236,31 +236,25 @@ class Decoding:
     def admit(self, requests: list[GenerationRequest]) -> None:
         """Requests joining between blocks: planned, prefilled and drawn their first token;
         their live rows join the batch and the cache (a new batch when none runs). Beside a
-        running dynamic batch the prefill rides in the next block's first pass and the rows
-        join at its end (joining_pass.py); otherwise it runs now (joins.start_rows)."""
+        running dynamic batch the prefill rides in the next block's first pass, the rows join
+        for its other passes, and admits before it share it (joining_pass.py); otherwise it
+        runs now (joins.start_rows)."""
         if not requests:
             return
         with torch.no_grad():
-            self._prefill_apart()  # an earlier admit's, not run yet: first come, first served
             gm, generation = self.gm, self.generation
             group_ids, row_ids = generation.add(gm, requests, self.versions)
+            if self._joining is not None:  # an earlier admit's, waiting for the next pass
+                group_ids = self._joining.group_ids + group_ids
+                row_ids = self._joining.row_ids + row_ids
+                self._joining = None
+                generation.renew(group_ids, row_ids, self.versions)  # a publish since?
             dynamic = None if self.static or not self.running else self.batch
             if joins_in_pass(gm, generation, group_ids, dynamic):
                 self._joining = Joining(group_ids, row_ids)
                 return
             prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
             self._start(group_ids, row_ids, prefill_cache, fresh)
-
-    def _prefill_apart(self) -> None:
-        """Run the join waiting for the next decode pass in a prefill pass of its own."""
-        if self._joining is None:
-            return
-        joining, self._joining = self._joining, None
-        self.generation.renew(joining.group_ids, joining.row_ids, self.versions)
-        prefill_cache, fresh = start_rows(
-            self.gm, self.generation, joining.group_ids, joining.row_ids
-        )
-        self._start(joining.group_ids, joining.row_ids, prefill_cache, fresh)
 
     def _start(
         self, group_ids: list[int], row_ids: list[int], prefill_cache: KVCache, fresh: LiveRows

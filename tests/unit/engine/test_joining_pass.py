@@ -194,3 +194,29 @@ def test_a_stream_counts_admitted_rows_running_and_taken_from_its_pool():
     stream.block()
     assert stream.decoding.joining() == (0, 0)
     assert 4 <= cache.own.num_rows == stream.running_rows() <= 7
+
+
+def test_admits_before_a_block_share_its_first_pass(engine):
+    """Two admits between the same blocks (a scheduler's boundary may admit more than once):
+    their prompts run in one pass, and each request gets what it gets alone."""
+    resource, gm = generator_of(engine)
+    first = longest()
+    b = request((11, 12, 13), 3, SamplingParams(max_tokens=8, temperature=0.7, seed=3))
+    c = request((31, 32), 2, SamplingParams(max_tokens=6, seed=9), session="t")
+    decoding = sampler.Decoding(gm, [first], resource.served, block_steps=2)
+    decoding.block()
+    passes = []
+    handle = gm.model.base_model.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        decoding.admit([b])
+        decoding.admit([c])
+        assert decoding.joining() == (5, 2)
+        decoding.block()
+    finally:
+        handle.remove()
+    assert len(passes) == 2  # the block's two passes, the first with both prompts
+    while decoding.running:
+        decoding.block()
+    for ours, q in zip(decoding.results(), [first, b, c], strict=True):
+        (alone,) = run(engine, [q])
+        assert_same(ours, alone)

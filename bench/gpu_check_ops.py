@@ -144,7 +144,9 @@ def measure_agents(engine: LocalEngine, args, vocab) -> dict:
     at 64 rows. Both ways run twice: with the default decode (static passes in CUDA graphs,
     where a join changes the layout and is captured again) and with dynamic passes
     (`--cuda-graphs off`; keys `agents_eager_*`), and `agents_graphs_over_eager_*` compares
-    each way's ops/s across the two."""
+    each way's ops/s across the two. Dynamic passes carry the joining prompts in a block's
+    first decode pass (engine/generate/joining_pass.py); they also run with each join's
+    prefill in a pass of its own (`agents_eager_joining_over_apart_*`)."""
     from closed_loop import agent_requests, compare  # bench/: this script's folder
 
     low, high = args.agent_tokens
@@ -157,7 +159,7 @@ def measure_agents(engine: LocalEngine, args, vocab) -> dict:
     saved = sampler.STATIC_DECODE
     sampler.STATIC_DECODE = False  # the engine's cuda_graphs is off: dynamic passes
     try:
-        eager = compare(engine, "r", "s0", requests, 1)
+        eager = compare(engine, "r", "s0", requests, 1, ("whole", "joining", "apart"))
     finally:
         sampler.STATIC_DECODE = saved
     report |= {f"agents_eager_{key}": value for key, value in eager.items()}

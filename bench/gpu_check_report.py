@@ -124,7 +124,8 @@ def summary(report: dict) -> str:
         f" {get('agents_eager_whole_latency_median_s')} ->"
         f" {get('agents_eager_joining_latency_median_s')} s; graphs / dynamic: whole batches"
         f" {get('agents_graphs_over_eager_whole_ops_s', '{:.2f}')}x, joining"
-        f" {get('agents_graphs_over_eager_joining_ops_s', '{:.2f}')}x ops/s",
+        f" {get('agents_graphs_over_eager_joining_ops_s', '{:.2f}')}x ops/s; joins inside the"
+        f" decode pass / apart {get('agents_eager_joining_over_apart_ops_s', '{:.2f}')}x ops/s",
         f"  weights sync (publish)  LoRA {get('weights_sync_ms')} ms"
         f" ({get('weights_sync_gb_per_s')} GB/s), full weight {get('weights_sync_full_ms')} ms"
         f" ({get('weights_sync_full_gb_per_s')} GB/s)",

@@ -141,15 +141,16 @@ class JoiningPassAttention:
     through `decode` (their shared prefixes and own parts), then the joining prompts' positions,
     prompt after prompt, written to `prefill_kv` ([N, 2, G, Hkv, T, D], the joining prompts'
     cache, by model/joining_pass_cache.py before attention runs). Those attend as a prefill
-    does: spread back to one row per prompt (`valid_GQ`: the real positions of the [G, Q]
-    layout, in packing order), sdpa over the prompt's columns with `mask_G1QK`, packed again.
-    One pass through every linear layer serves both, instead of a prefill pass per join."""
+    does: spread back to one row per prompt (`real_W`: the real positions of the [G, Q]
+    layout flattened, in packing order), sdpa over the prompt's columns with `mask_G1QK`,
+    packed again. One pass through every linear layer serves both, instead of a prefill pass
+    per join."""
 
     decode: SharedPrefixAttention
     decode_rows: int
     prefill_kv: Tensor
     visible: int  # prefill columns the pass reads
-    valid_GQ: Tensor
+    real_W: Tensor  # index, not a boolean mask: indexing by a mask reads the device back
     mask_G1QK: Tensor
 
     def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, **kwargs):
@@ -158,15 +159,17 @@ class JoiningPassAttention:
         rows = self.decode_rows
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
         decoded = self.decode.attend(module.layer_idx, query[:rows], key, value, scale)
-        groups, width = self.valid_GQ.shape
+        groups, _, width, _ = self.mask_G1QK.shape
         _, heads, _, head_dim = query.shape
-        query_GQHD = query.new_zeros(groups, width, heads, head_dim)
-        query_GQHD[self.valid_GQ] = query[rows:, :, 0]
+        query_XHD = query.new_zeros(groups * width, heads, head_dim)
+        query_XHD.index_copy_(0, self.real_W, query[rows:, :, 0])
+        query_GHQD = query_XHD.view(groups, width, heads, head_dim).transpose(1, 2)
         kv = self.prefill_kv[module.layer_idx, :, :groups, :, : self.visible]
         prefilled_GQHD, _ = sdpa_attention_forward(
-            module, query_GQHD.transpose(1, 2), kv[0], kv[1], self.mask_G1QK, **kwargs
+            module, query_GHQD, kv[0], kv[1], self.mask_G1QK, **kwargs
         )
-        return torch.cat([decoded, prefilled_GQHD[self.valid_GQ][:, None]])
+        prefilled_XHD = prefilled_GQHD.reshape(groups * width, heads, head_dim)
+        return torch.cat([decoded, prefilled_XHD.index_select(0, self.real_W)[:, None]])
 
 
 def _stack_heads(bias_BQK: Tensor, repeat: int) -> Tensor:

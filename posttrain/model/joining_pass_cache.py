@@ -44,7 +44,7 @@ class JoiningPassCache:
         self._decode_positions, self._ragged = decode_positions, ragged
         self.counts_G = counts_G
         self._positions_GQ: Tensor | None = None
-        self._valid_GQ: Tensor | None = None
+        self._real_W: Tensor | None = None
 
     @property
     def last_positions(self) -> list[int]:
@@ -65,15 +65,18 @@ class JoiningPassCache:
         num_new_G = torch.tensor(self.counts_G, dtype=torch.int64, device=device)
         self._positions_GQ = self.prefill.begin(num_new_G)
         width = self._positions_GQ.shape[1]
-        self._valid_GQ = torch.arange(width, device=device)[None, :] < num_new_G[:, None]
-        packed_N = torch.cat([decode_B1[:, 0], self._positions_GQ[self._valid_GQ]])
+        # The real positions of the [G, Q] layout, flattened, known on the host.
+        real = [g * width + q for g, count in enumerate(self.counts_G) for q in range(count)]
+        self._real_W = torch.tensor(real, dtype=torch.int64, device=device)
+        positions_W = self._positions_GQ.reshape(-1).index_select(0, self._real_W)
+        packed_N = torch.cat([decode_B1[:, 0], positions_W])
         assert packed_N.shape == num_new_N.shape, "one packed row per new position"
         return packed_N[:, None]
 
     def attention_masks(
         self, positions_N1: Tensor, layer_types: list[str], sliding_window: int | None
     ) -> dict[str, JoiningPassAttention]:
-        assert self._positions_GQ is not None and self._valid_GQ is not None, "after begin()"
+        assert self._positions_GQ is not None and self._real_W is not None, "after begin()"
         decode = self.decode.attention_masks(
             positions_N1[: self.decode_rows], layer_types, sliding_window
         )
@@ -84,7 +87,7 @@ class JoiningPassCache:
                 self.decode_rows,
                 self.prefill.kv,
                 self.prefill.visible_columns(),
-                self._valid_GQ,
+                self._real_W,
                 prefill[kind],
             )
             for kind in decode
@@ -110,7 +113,7 @@ class JoiningPassCache:
     def commit(self) -> None:
         self.decode.commit()
         self.prefill.commit()
-        self._positions_GQ = self._valid_GQ = None
+        self._positions_GQ = self._real_W = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Hugging Face Cache protocol (models only ask when no position ids are given)."""

@@ -1,6 +1,7 @@
 """bench/closed_loop.py runs end to end on its smoke settings: it states its threads, prints a
-row per agent count with both ways and their ratios, finds that joining and whole batches
-returned the same tokens for every operation, and prints JSON of every number.
+row per agent count with both ways and their ratios (and, with --prefill-apart, joining with
+each join prefilled apart), finds that the ways returned the same tokens for every operation,
+and prints JSON of every number.
 
 A smoke test of the script, not of its numbers: nothing here asserts on wall-clock times.
 """
@@ -16,7 +17,7 @@ from helpers import run_bench
 
 @pytest.mark.slow
 def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
-    out = run_bench("closed_loop.py", "--quick")
+    out = run_bench("closed_loop.py", "--quick", "--prefill-apart")
     assert "OMP_NUM_THREADS=1, torch threads 1," in out, out
     row = (
         r"^  3 agents x 2 turns \(2-8 new tokens, \d+ per op\): while all run +\d+\.\d\d -> +"
@@ -24,6 +25,12 @@ def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
         r" median \d+ -> \d+ ms; same tokens: yes$"
     )
     assert re.search(row, out, re.M), out
+    apart = (
+        r"^    prefill inside the decode pass / apart: ops/s +\d+\.\d\d -> +\d+\.\d\d"
+        r" \(\d+\.\d\dx\), whole run \d+\.\d\dx, latency median \d+ -> \d+ ms; same tokens"
+        r" 6 of 6 ops$"
+    )
+    assert re.search(apart, out, re.M), out
     results = json.loads(out.strip().splitlines()[-1])
     assert set(results) == {"tiny"}
     (found,) = results["tiny"]["rows"]
@@ -32,3 +39,5 @@ def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
     for key in ("ops_s", "tokens_s", "whole_run_ops_s"):
         ratio = found[f"joining_{key}"] / found[f"whole_{key}"]
         assert found[f"joining_over_whole_{key}"] == pytest.approx(ratio, rel=1e-12), key
+        ratio = found[f"joining_{key}"] / found[f"apart_{key}"]
+        assert found[f"joining_over_apart_{key}"] == pytest.approx(ratio, rel=1e-12), key

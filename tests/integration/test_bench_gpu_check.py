@@ -67,6 +67,8 @@ KEYS = {
     "agents_eager_whole_ops_s",
     "agents_eager_joining_ops_s",
     "agents_graphs_over_eager_joining_ops_s",
+    "agents_eager_apart_ops_s",
+    "agents_eager_joining_over_apart_ops_s",
     "weights_sync_ms",
     "weights_sync_full_ms",
 }
@@ -146,6 +148,11 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
     for way in ("whole", "joining"):
         over = f"agents_graphs_over_eager_{way}_ops_s"
         ratio(over, f"agents_{way}_ops_s", f"agents_eager_{way}_ops_s")
+    ratio(
+        "agents_eager_joining_over_apart_ops_s",
+        "agents_eager_joining_ops_s",
+        "agents_eager_apart_ops_s",
+    )
     # the closed loop's two ways return the same tokens, but where a draw lands on a boundary
     # of the CDF within rounding (row-count dependent): the first differing tokens neighbour
     assert report["agents_ops"] == 6 and report["agents_differences_are_neighbours"] is True, out

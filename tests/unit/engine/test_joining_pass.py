@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_stream_joins import assert_same, engine_for, generator_of, request, run
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.generate import joining_pass, sampler
@@ -220,3 +221,38 @@ def test_admits_before_a_block_share_its_first_pass(engine):
     for ours, q in zip(decoding.results(), [first, b, c], strict=True):
         (alone,) = run(engine, [q])
         assert_same(ours, alone)
+
+
+class _Reads(TorchDispatchMode):
+    """Operations that read the device back (on CUDA, each a synchronisation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_join_inside_the_decode_pass_reads_back_no_more_than_a_prefill_apart(engine, monkeypatch):
+    """The packed pass spreads and gathers the prompts' positions by an index made on the host,
+    not by a boolean mask (whose indexing reads the device back, once per layer and way)."""
+    resource, gm = generator_of(engine)
+    reads = {}
+    for inside in (False, True):
+        monkeypatch.setattr(joining_pass, "JOIN_IN_DECODE_PASS", inside)
+        decoding = sampler.Decoding(gm, [longest()], resource.served, block_steps=2)
+        decoding.block()
+        mode = _Reads()
+        with mode:
+            decoding.admit(
+                [
+                    request((11, 12, 13), 2, SamplingParams(max_tokens=8, seed=2)),
+                    request((1, 2), 1, SamplingParams(max_tokens=8, seed=3), session="t"),
+                ]
+            )
+            decoding.block()
+        reads[inside] = mode.reads
+    assert gm.model.config.num_hidden_layers >= 2
+    assert 0 < reads[True] <= reads[False], reads

@@ -18,10 +18,14 @@ own random streams) and its logprobs within the last bits (a matrix product's ro
 the row count, as for any join). A publish between the admit and that pass (PIPELINE) serves
 the operation wholly on the new weights (Generation.renew).
 
+A batch decoding in static passes (CUDA graphs, the GPU's default) runs that first pass as a
+dynamic one (a graph replays a fixed pass; the join makes a new layout, captured for the
+block's other passes, as a join always did), so there too a join costs one eager pass, not two.
+
 Joins that need what a prefill pass gives apart take it (joins.start_rows): prompt logprobs and
-routed experts (every position's hidden state and routes), a batch decoding in static passes
-(a CUDA graph replays a fixed pass), models on the eager attention path (Gemma 2's soft-capped
-scores: JoiningPassAttention is sdpa's), and more prompt positions than one prefill pass takes.
+routed experts (every position's hidden state and routes), models on the eager attention path
+(Gemma 2's soft-capped scores: JoiningPassAttention is sdpa's), and more prompt positions than
+one prefill pass takes.
 
 Legend: B = decode rows, G = joining prompts, N = B + the prompts' positions, V = vocab.
 """
@@ -67,8 +71,8 @@ class Joining:
 def joins_in_pass(
     gm: GeneratorModel, generation: Generation, group_ids: list[int], batch: LiveRows | None
 ) -> bool:
-    """Whether these (new) groups may prefill inside a decode pass of `batch`, the running
-    batch of dynamic passes (None: none runs, or its passes are static)."""
+    """Whether these (new) groups may prefill inside the next decode pass of `batch`, the
+    running batch (None: none runs)."""
     if not JOIN_IN_DECODE_PASS or gm.model.config._attn_implementation != attention.IMPLEMENTATION:
         return False
     if batch is None or batch.wants_routes:

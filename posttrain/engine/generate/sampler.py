@@ -32,8 +32,8 @@ operations and sessions can share passes) and runs:
    segment starting at the next generated token, so every token after the switch is exactly what
    the new weights give.
 5. Joins: between blocks (after `between_tokens`) `admit` may return new requests. They are
-   planned, prefilled and drawn their first token like the first batch's (joins.py; beside
-   dynamic passes their prompts ride in the block's first decode pass: joining_pass.py), and
+   planned, prefilled and drawn their first token like the first batch's (joins.py; their
+   prompts ride in the block's first decode pass where they can: joining_pass.py), and
    their live rows are appended to the batch and the cache (FanoutKVCache.join). A joined
    row's own part starts empty: the host keeps every row's own length, so dynamic passes
    build per-row own masks without reading anything back (the `uniform` fast path while all
@@ -236,7 +236,7 @@ class Decoding:
     def admit(self, requests: list[GenerationRequest]) -> None:
         """Requests joining between blocks: planned, prefilled and drawn their first token;
         their live rows join the batch and the cache (a new batch when none runs). Beside a
-        running dynamic batch the prefill rides in the next block's first pass, the rows join
+        running batch the prefill rides in the next block's first pass, the rows join
         for its other passes, and admits before it share it (joining_pass.py); otherwise it
         runs now (joins.start_rows)."""
         if not requests:
@@ -249,8 +249,7 @@ class Decoding:
                 row_ids = self._joining.row_ids + row_ids
                 self._joining = None
                 generation.renew(group_ids, row_ids, self.versions)  # a publish since?
-            dynamic = None if self.static or not self.running else self.batch
-            if joins_in_pass(gm, generation, group_ids, dynamic):
+            if joins_in_pass(gm, generation, group_ids, self.batch if self.running else None):
                 self._joining = Joining(group_ids, row_ids)
                 return
             prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
@@ -325,17 +324,17 @@ class Decoding:
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, longest + steps))
             self.step = None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
-        joining, self._joining = self._joining, None  # never set beside static passes
-        if self.static:
+        joining, self._joining = self._joining, None
+        if joining is not None:  # the block's first pass prefills them too
+            longest = self._join_in_first_pass(joining, batch, cache, longest)
+            steps -= 1
+        if self.static and steps:
             if self.step is None:
                 graphs = _use_graphs(self.device)
                 static_cache = StaticDecodeCache(cache, self.own_lengths)
                 self.step = DecodeStep(gm, static_cache, batch, graphs)
             tokens_KB, logprobs_KB = _static_block(self.step, batch, steps)
         else:
-            if joining is not None:
-                longest = self._join_in_first_pass(joining, batch, cache, longest)
-                steps -= 1
             ragged = len(set(self.own_lengths)) > 1  # rows joined: per-row own masks
             tokens_KB, logprobs_KB = _dynamic_block(
                 gm, batch, cache, steps, longest, ragged, routes_K
@@ -359,10 +358,11 @@ class Decoding:
     def _join_in_first_pass(
         self, joining: Joining, batch: LiveRows, cache: FanoutKVCache, longest: int
     ) -> int:
-        """The block's first pass, which also prefills the joining prompts (joining_pass.py):
-        the running rows' tokens are recorded now (a row that stopped rides along until the
-        block ends, as within any block) and the joining rows join for the block's other
-        passes (it keeps the length it was given). Returns the longest own part after it."""
+        """The block's first pass, a dynamic one, which also prefills the joining prompts
+        (joining_pass.py): the running rows' tokens are recorded now (a row that stopped rides
+        along until the block ends, as within any block) and the joining rows join for the
+        block's other passes (it keeps the length it was given), static ones in a new layout.
+        Returns the longest own part after it."""
         ragged = len(set(self.own_lengths)) > 1
         token_B, logprob_B, prompts, fresh = decode_and_prefill(
             self.gm, batch, cache, longest, ragged, self.generation, joining, self.versions
@@ -370,6 +370,7 @@ class Decoding:
         tokens, logprobs = batch.to_host(token_B[None], logprob_B[None])
         record_steps(self.gm, batch, tokens, logprobs)
         self.own_lengths = [length + 1 for length in self.own_lengths]
+        self.step = None  # its own lengths and last tokens moved on outside it
         self._start(joining.group_ids, joining.row_ids, prompts, fresh)
         return max(self.own_lengths)
 

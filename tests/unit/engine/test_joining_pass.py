@@ -1,4 +1,4 @@
-"""Prompts joining a running dynamic decode batch run inside the block's first decode pass
+"""Prompts joining a running decode batch run inside the block's first decode pass
 (engine/generate/joining_pass.py, model/joining_pass_cache.py): no prefill pass of their own,
 and every request still gets what it gets alone (tokens, stop reasons, policy segments;
 logprobs within 1e-5), on every decoder family whose attention is sdpa's; joins that need a
@@ -73,9 +73,12 @@ def counted(engine: LocalEngine, requests, joins) -> tuple[list, int]:
         handle.remove()
 
 
-@pytest.mark.parametrize("steps", [1, 4])
-def test_a_join_beside_dynamic_passes_runs_no_prefill_pass_of_its_own(engine, monkeypatch, steps):
+@pytest.mark.parametrize(("steps", "static"), [(1, False), (4, False), (3, True)])
+def test_a_join_runs_no_prefill_pass_of_its_own(engine, monkeypatch, steps, static):
+    """Beside dynamic passes, and beside static ones (CUDA graphs on a GPU; here on the CPU)
+    whose block then starts with a dynamic pass."""
     monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", steps)
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", static)
     first, joins = longest(), short_joins()
     results, passes = counted(engine, [first], joins)
     monkeypatch.setattr(joining_pass, "JOIN_IN_DECODE_PASS", False)

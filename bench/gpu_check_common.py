@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,6 +51,20 @@ def build_model(directory: Path, config: dict, device: torch.device, dtype: torc
         ).to(dtype)
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR).save_pretrained(directory)
+
+
+@contextmanager
+def switched(module: object, **values: object) -> Iterator[None]:
+    """A module's switches (the sampler's STATIC_DECODE, CUDA_GRAPHS, block steps, ...) set
+    inside the block and restored after it, however it ends."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def sync(device: torch.device) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from gpu_check_common import random_tokens, seconds, sync, timed
+from gpu_check_common import random_tokens, seconds, switched, sync, timed
 
 from posttrain.engine.generate import generator as generators
 from posttrain.engine.generate import sampler
@@ -156,12 +156,8 @@ def measure_agents(engine: LocalEngine, args, vocab) -> dict:
     report = {
         f"agents_{key}": value for key, value in compare(engine, "r", "s0", requests, 1).items()
     }
-    saved = sampler.STATIC_DECODE
-    sampler.STATIC_DECODE = False  # the engine's cuda_graphs is off: dynamic passes
-    try:
+    with switched(sampler, STATIC_DECODE=False):  # the engine's cuda_graphs is off: dynamic
         eager = compare(engine, "r", "s0", requests, 1, ("whole", "joining", "apart"))
-    finally:
-        sampler.STATIC_DECODE = saved
     report |= {f"agents_eager_{key}": value for key, value in eager.items()}
     for way in ("whole", "joining"):
         report[f"agents_graphs_over_eager_{way}_ops_s"] = (

@@ -15,6 +15,7 @@ from gpu_check_common import (
     random_tokens,
     rl_prompts,
     seconds,
+    switched,
     timed,
 )
 
@@ -171,28 +172,24 @@ WAYS = {
 def _decode_rates(engine, args, device, generator, vocab, ways, prompts, new_tokens) -> dict:
     """Per way, the tokens/s of --repeats whole sample calls (prefill and captures included),
     the ways alternated, after one warm-up round (which also captures)."""
-    saved = {
-        name: getattr(sampler, name)
-        for name in ("STATIC_DECODE", "CPU_STATIC_DECODE", "CUDA_GRAPHS")
-        + ("DECODE_BLOCK_STEPS", "CPU_BLOCK_STEPS")
-    }
     params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=5)
     rates: dict[str, list[float]] = {way: [] for way in ways}
-    try:
-        for repeat in range(args.repeats + 1):
-            batch = [random_tokens(generator, args.prompt_tokens, vocab) for _ in range(prompts)]
-            for way in ways:
-                setting = WAYS[way]
-                sampler.STATIC_DECODE = sampler.CPU_STATIC_DECODE = setting["static"]
-                sampler.CUDA_GRAPHS = setting["graphs"]
-                sampler.DECODE_BLOCK_STEPS = sampler.CPU_BLOCK_STEPS = setting["block"]
-                request = SampleRequest(tuple(batch), args.samples, params)
+    for repeat in range(args.repeats + 1):
+        batch = [random_tokens(generator, args.prompt_tokens, vocab) for _ in range(prompts)]
+        for way in ways:
+            setting = WAYS[way]
+            request = SampleRequest(tuple(batch), args.samples, params)
+            with switched(
+                sampler,
+                STATIC_DECODE=setting["static"],
+                CPU_STATIC_DECODE=setting["static"],
+                CUDA_GRAPHS=setting["graphs"],
+                DECODE_BLOCK_STEPS=setting["block"],
+                CPU_BLOCK_STEPS=setting["block"],
+            ):
                 elapsed, tokens = seconds(lambda: _sample_tokens(engine, [("s0", request)]), device)  # noqa: B023
-                if repeat:
-                    rates[way].append(tokens / elapsed)
-    finally:
-        for name, value in saved.items():
-            setattr(sampler, name, value)
+            if repeat:
+                rates[way].append(tokens / elapsed)
     return rates
 
 

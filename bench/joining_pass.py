@@ -11,8 +11,7 @@ the median time of a block with its join, each way, in pass / apart; and, counte
 with a TorchDispatchMode (machine-independent), the aten operations a block with its join
 dispatches, which on a device whose every operation costs its launch (a GPU running eager
 passes: ~16 us each on an H200) are what the block costs. Medians over --reps runs, the ways
-alternated. --static runs static-shape passes (on a GPU the CUDA graphs' layouts; here on the
-CPU, without graphs), where the block's first pass is a dynamic one when prompts join.
+alternated. Dynamic passes: beside static ones (CUDA graphs) joins prefill apart.
 
     OMP_NUM_THREADS=1 python bench/joining_pass.py            # tiny and host-bound, CPU
     python bench/joining_pass.py --quick                       # a smoke run
@@ -140,17 +139,15 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--static", action="store_true", help="static-shape passes (CPU)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny, small, 1 rep")
     args = parser.parse_args()
     if args.quick:
         args.models, args.rows, args.joins, args.reps, args.blocks = ["tiny"], 4, [2], 1, 4
         args.prompt_tokens, args.block_steps = [8], [1, 2]
-    sampler.CPU_STATIC_DECODE = args.static
     print(
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads"
         f" {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.2f};"
-        f" {args.rows} rows decoding, {'static' if args.static else 'dynamic'} passes,"
+        f" {args.rows} rows decoding, dynamic passes,"
         f" medians of {args.reps}, ways alternated",
         flush=True,
     )

@@ -1,4 +1,4 @@
-"""bench/joining_pass.py runs end to end on its smoke settings, dynamic and static passes: it
+"""bench/joining_pass.py runs end to end on its smoke settings: it
 states its threads, prints a row per setting with both ways, and its operation counts
 (machine-independent) pin what joining_pass.py is for: a block whose joins ride in its first
 decode pass dispatches fewer aten operations than one whose joins ran a prefill pass apart.
@@ -15,11 +15,9 @@ from helpers import run_bench
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_a_join_inside_the_decode_pass_dispatches_fewer_operations(static):
-    out = run_bench("joining_pass.py", "--quick", *(["--static"] if static else []))
-    passes = "static" if static else "dynamic"
-    assert "OMP_NUM_THREADS=1, torch threads 1," in out and f"{passes} passes" in out, out
+def test_a_join_inside_the_decode_pass_dispatches_fewer_operations():
+    out = run_bench("joining_pass.py", "--quick")
+    assert "OMP_NUM_THREADS=1, torch threads 1," in out and "dynamic passes" in out, out
     line = (
         r"^  2 join\(s\) of 8 prompt tokens a block of {} pass\(es\): +\d+\.\d -> +\d+\.\d ms a"
         r" block \(\d+\.\d\dx\), aten operations \d+ -> \d+ \(\d+\.\d\dx\)$"

@@ -18,14 +18,13 @@ own random streams) and its logprobs within the last bits (a matrix product's ro
 the row count, as for any join). A publish between the admit and that pass (PIPELINE) serves
 the operation wholly on the new weights (Generation.renew).
 
-A batch decoding in static passes (CUDA graphs, the GPU's default) runs that first pass as a
-dynamic one (a graph replays a fixed pass; the join makes a new layout, captured for the
-block's other passes, as a join always did), so there too a join costs one eager pass, not two.
-
 Joins that need what a prefill pass gives apart take it (joins.start_rows): prompt logprobs and
 routed experts (every position's hidden state and routes), models on the eager attention path
-(Gemma 2's soft-capped scores: JoiningPassAttention is sdpa's), and more prompt positions than
-one prefill pass takes.
+(Gemma 2's soft-capped scores: JoiningPassAttention is sdpa's), more prompt positions than one
+prefill pass takes, and a batch decoding in static passes. There (CUDA graphs, the GPU's
+default) a decode pass is a replayed graph of a few launches: the joining pass would run it
+eagerly, a pass's ~5,400 dispatched operations plus the prompts' ~1,200, to save a prefill
+pass of ~4,900 (bench/joining_pass.py counts them on the Qwen3-0.6B depth): no gain.
 
 Legend: B = decode rows, G = joining prompts, N = B + the prompts' positions, V = vocab.
 """
@@ -72,7 +71,7 @@ def joins_in_pass(
     gm: GeneratorModel, generation: Generation, group_ids: list[int], batch: LiveRows | None
 ) -> bool:
     """Whether these (new) groups may prefill inside the next decode pass of `batch`, the
-    running batch (None: none runs)."""
+    running batch of dynamic passes (None: none runs, or its passes are static)."""
     if not JOIN_IN_DECODE_PASS or gm.model.config._attn_implementation != attention.IMPLEMENTATION:
         return False
     if batch is None or batch.wants_routes:

@@ -32,8 +32,8 @@ operations and sessions can share passes) and runs:
    segment starting at the next generated token, so every token after the switch is exactly what
    the new weights give.
 5. Joins: between blocks (after `between_tokens`) `admit` may return new requests. They are
-   planned, prefilled and drawn their first token like the first batch's (joins.py; their
-   prompts ride in the block's first decode pass where they can: joining_pass.py), and
+   planned, prefilled and drawn their first token like the first batch's (joins.py; beside
+   dynamic passes their prompts ride in the block's first decode pass: joining_pass.py), and
    their live rows are appended to the batch and the cache (FanoutKVCache.join). A joined
    row's own part starts empty: the host keeps every row's own length, so dynamic passes
    build per-row own masks without reading anything back (the `uniform` fast path while all
@@ -236,7 +236,7 @@ class Decoding:
     def admit(self, requests: list[GenerationRequest]) -> None:
         """Requests joining between blocks: planned, prefilled and drawn their first token;
         their live rows join the batch and the cache (a new batch when none runs). Beside a
-        running batch the prefill rides in the next block's first pass, the rows join
+        running dynamic batch the prefill rides in the next block's first pass, the rows join
         for its other passes, and admits before it share it (joining_pass.py); otherwise it
         runs now (joins.start_rows)."""
         if not requests:
@@ -249,7 +249,8 @@ class Decoding:
                 row_ids = self._joining.row_ids + row_ids
                 self._joining = None
                 generation.renew(group_ids, row_ids, self.versions)  # a publish since?
-            if joins_in_pass(gm, generation, group_ids, self.batch if self.running else None):
+            dynamic = None if self.static or not self.running else self.batch
+            if joins_in_pass(gm, generation, group_ids, dynamic):
                 self._joining = Joining(group_ids, row_ids)
                 return
             prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
@@ -324,11 +325,11 @@ class Decoding:
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, longest + steps))
             self.step = None
         routes_K: list[Tensor] | None = [] if batch.wants_routes else None
-        joining, self._joining = self._joining, None
+        joining, self._joining = self._joining, None  # never beside static passes
         if joining is not None:  # the block's first pass prefills them too
             longest = self._join_in_first_pass(joining, batch, cache, longest)
             steps -= 1
-        if self.static and steps:
+        if self.static:
             if self.step is None:
                 graphs = _use_graphs(self.device)
                 static_cache = StaticDecodeCache(cache, self.own_lengths)
@@ -358,11 +359,10 @@ class Decoding:
     def _join_in_first_pass(
         self, joining: Joining, batch: LiveRows, cache: FanoutKVCache, longest: int
     ) -> int:
-        """The block's first pass, a dynamic one, which also prefills the joining prompts
-        (joining_pass.py): the running rows' tokens are recorded now (a row that stopped rides
-        along until the block ends, as within any block) and the joining rows join for the
-        block's other passes (it keeps the length it was given), static ones in a new layout.
-        Returns the longest own part after it."""
+        """The block's first pass, which also prefills the joining prompts (joining_pass.py):
+        the running rows' tokens are recorded now (a row that stopped rides along until the
+        block ends, as within any block) and the joining rows join for the block's other
+        passes (it keeps the length it was given). Returns the longest own part after it."""
         ragged = len(set(self.own_lengths)) > 1
         token_B, logprob_B, prompts, fresh = decode_and_prefill(
             self.gm, batch, cache, longest, ragged, self.generation, joining, self.versions
@@ -370,7 +370,6 @@ class Decoding:
         tokens, logprobs = batch.to_host(token_B[None], logprob_B[None])
         record_steps(self.gm, batch, tokens, logprobs)
         self.own_lengths = [length + 1 for length in self.own_lengths]
-        self.step = None  # its own lengths and last tokens moved on outside it
         self._start(joining.group_ids, joining.row_ids, prompts, fresh)
         return max(self.own_lengths)
 

@@ -215,7 +215,7 @@ class Decoding:
         self.running, self.own_lengths = [], []
 
     def joining(self) -> tuple[int, int]:
-        """(rows, prompts) admitted that join at the end of the next block."""
+        """(rows, prompts) admitted whose prompts run in the next block's first pass."""
         if self._joining is None:
             return 0, 0
         return len(self._joining.row_ids), len(self._joining.group_ids)

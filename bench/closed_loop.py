@@ -51,7 +51,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -206,6 +207,43 @@ RUNS: dict[str, Callable[..., list[Done]]] = {
 WAYS = ("whole", "joining")  # --prefill-apart adds "apart"
 
 
+@dataclass
+class Blocks:
+    """The decode blocks a run's generations ran (whole batches and joining alike: both are
+    sampler.Decoding blocks), the rows each held when it started, and their time: where the
+    two ways' times differ, in how many blocks and in what a block costs."""
+
+    count: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+
+    def report(self) -> dict[str, float]:
+        return {
+            "blocks": self.count,
+            "rows_per_block": self.rows / self.count,
+            "block_ms": self.seconds / self.count * 1e3,
+        }
+
+
+@contextmanager
+def counting(blocks: Blocks) -> Iterator[None]:
+    """Count every sampler.Decoding block run inside the `with` into `blocks`."""
+    original = sampler.Decoding.block
+
+    def block(decoding: sampler.Decoding) -> None:
+        blocks.rows += len(decoding.batch.live) if decoding.batch is not None else 0
+        start = time.perf_counter()
+        original(decoding)
+        blocks.seconds += time.perf_counter() - start
+        blocks.count += 1
+
+    sampler.Decoding.block = block  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        sampler.Decoding.block = original  # type: ignore[method-assign]
+
+
 def rates(done: list[Done]) -> dict[str, float]:
     """ops/s and tokens/s while all agents run and over the whole run; latency median."""
     per_agent = [[d for d in done if d.agent == a] for a in sorted({d.agent for d in done})]
@@ -261,14 +299,16 @@ def compare(
     tokens: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}
     for _ in range(reps):
         for way in ways:
-            done = RUNS[way](engine, resource, session, requests)
-            runs[way].append(rates(done))
+            blocks = Blocks()
+            with counting(blocks):
+                done = RUNS[way](engine, resource, session, requests)
+            runs[way].append(rates(done) | blocks.report())
             tokens[way] = {(d.agent, d.turn): d.sequence for d in done}
     out: dict[str, object] = {}
     for way in ways:
         for key in runs[way][0]:
             out[f"{way}_{key}"] = statistics.median(r[key] for r in runs[way])
-    for key in ("ops_s", "tokens_s", "whole_run_ops_s"):
+    for key in ("ops_s", "tokens_s", "whole_run_ops_s", "blocks", "block_ms"):
         out[f"joining_over_whole_{key}"] = out[f"joining_{key}"] / out[f"whole_{key}"]
     out.update(differences(tokens["whole"], tokens["joining"]))
     if "apart" in ways:
@@ -290,6 +330,11 @@ def line(agents: int, turns: int, token_range: tuple[int, int], row: dict) -> st
         f" {row['joining_over_whole_whole_run_ops_s']:.2f}x; latency median"
         f" {row['whole_latency_median_s'] * 1e3:.0f} -> {row['joining_latency_median_s'] * 1e3:.0f}"
         f" ms; same tokens: {same(row)}"
+        f"\n    decode blocks whole -> joining {row['whole_blocks']:.0f} ->"
+        f" {row['joining_blocks']:.0f} ({row['joining_over_whole_blocks']:.2f}x) of"
+        f" {row['whole_rows_per_block']:.1f} -> {row['joining_rows_per_block']:.1f} rows,"
+        f" {row['whole_block_ms']:.1f} -> {row['joining_block_ms']:.1f} ms a block"
+        f" ({row['joining_over_whole_block_ms']:.2f}x)"
     ) + (
         f"\n    prefill inside the decode pass / apart: ops/s {row['apart_ops_s']:6.2f} ->"
         f" {row['joining_ops_s']:6.2f} ({row['joining_over_apart_ops_s']:.2f}x), whole run"

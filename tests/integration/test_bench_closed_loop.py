@@ -31,6 +31,11 @@ def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
         r" 6 of 6 ops$"
     )
     assert re.search(apart, out, re.M), out
+    blocks = (
+        r"^    decode blocks whole -> joining \d+ -> \d+ \(\d+\.\d\dx\) of \d+\.\d -> \d+\.\d"
+        r" rows, \d+\.\d -> \d+\.\d ms a block \(\d+\.\d\dx\)$"
+    )
+    assert re.search(blocks, out, re.M), out
     results = json.loads(out.strip().splitlines()[-1])
     assert set(results) == {"tiny"}
     (found,) = results["tiny"]["rows"]
@@ -41,3 +46,7 @@ def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
         assert found[f"joining_over_whole_{key}"] == pytest.approx(ratio, rel=1e-12), key
         ratio = found[f"joining_{key}"] / found[f"apart_{key}"]
         assert found[f"joining_over_apart_{key}"] == pytest.approx(ratio, rel=1e-12), key
+    # Every operation's first token and every later one come from sampler.Decoding blocks:
+    # each way ran some, over at most the agents' rows.
+    for way in ("whole", "joining", "apart"):
+        assert found[f"{way}_blocks"] >= 1 and 0 < found[f"{way}_rows_per_block"] <= 3, way

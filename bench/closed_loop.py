@@ -189,14 +189,12 @@ def joining(
 def joining_apart(
     engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]]
 ) -> list[Done]:
-    """`joining` with each join's prompts prefilled in a pass of their own before the block, as
-    before joins rode in the block's first decode pass (engine/generate/joining_pass.py)."""
-    saved = joining_pass.JOIN_IN_DECODE_PASS
-    joining_pass.JOIN_IN_DECODE_PASS = False
-    try:
+    """`joining` with each join's prompts prefilled in a pass of their own before the block,
+    instead of in the block's first decode pass (engine/generate/joining_pass.py)."""
+    from gpu_check_common import switched  # bench/: this script's folder
+
+    with switched(joining_pass, JOIN_IN_DECODE_PASS=False):
         return joining(engine, resource, session, requests)
-    finally:
-        joining_pass.JOIN_IN_DECODE_PASS = saved
 
 
 RUNS: dict[str, Callable[..., list[Done]]] = {

@@ -1,6 +1,7 @@
 """What a join costs a decode block: its prompts prefilled inside the block's first decode pass
 (engine/generate/joining_pass.py, chunked prefill) vs in a prefill pass of their own before the
-block (the sampler before it), in one process (a benchmark, not a timed test; issue 30).
+block (joins.start_rows, as the sampler keeps for static passes), in one process (a benchmark,
+not a timed test; issue 30).
 
 A sampler.Decoding runs --rows one-sample rows (--prompt-tokens random prompt ids each, no EOS)
 and, before each of --blocks decode blocks of --block-steps passes, admits --joins one-sample
@@ -37,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout
 
 from closed_loop import model_dir  # noqa: E402
+from gpu_check_common import switched  # noqa: E402
 
 from posttrain.config import BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.generate import generator, joining_pass, sampler  # noqa: E402
@@ -74,8 +76,7 @@ def requests(count: int, prompt_tokens: int, vocab: int, seed: int) -> list[Gene
 
 def run(gm, served, args, vocab: int, in_pass: bool, count_ops: bool) -> tuple[float, int]:
     """(median seconds of a block with its join, aten operations of one such block)."""
-    joining_pass.JOIN_IN_DECODE_PASS = in_pass
-    with torch.no_grad():
+    with torch.no_grad(), switched(joining_pass, JOIN_IN_DECODE_PASS=in_pass):
         decoding = sampler.Decoding(
             gm, requests(args.rows, args.prompt_tokens, vocab, 1), served, args.block_steps
         )

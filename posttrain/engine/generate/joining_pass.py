@@ -1,21 +1,21 @@
 """Prompts joining a running decode batch prefilled inside its next decode pass (chunked
 prefill), instead of in a prefill pass of their own before it.
 
-A join at a block boundary used to cost a whole pass through the model for its prompts
-(joins.start_rows) beside the block's decode pass. Where a pass costs about the same whatever
-its rows (a GPU launching one kernel after another: an eager pass of the Qwen3-0.6B shape is
-~5,400 operations, 88 ms on an H200, whether it decodes 8 rows or prefills 32 prompts), and on
-the CPU, where a small model's pass is mostly per-operation overhead, the join's pass is nearly
-all waste. Here the joining prompts' uncached positions ride in the block's first decode pass,
-packed after the decode rows' tokens, one per batch row (model/joining_pass_cache.py): that
-pass gives the running rows their next token and the joining rows their first, and the joining
-rows join the batch at the block's end (sampler.Decoding). So a stream that admits at every
-block runs one pass per step, not two.
+A join prefilled apart costs a whole pass through the model for its prompts (joins.start_rows)
+beside the block's decode pass. Where a pass costs about the same whatever its rows (a GPU
+launching one kernel after another: an eager pass of the Qwen3-0.6B shape is ~5,400 operations,
+88 ms on an H200, whether it decodes 8 rows or prefills 32 prompts), and on the CPU, where a
+small model's pass is mostly per-operation overhead, the join's pass is nearly all waste. Here
+the joining prompts' uncached positions ride in the block's first decode pass, packed after the
+decode rows' tokens, one per batch row (model/joining_pass_cache.py): that pass gives the
+running rows their next token and the joining rows their first, and the joining rows join the
+batch for the block's other passes (sampler.Decoding). So a stream that admits at every block
+runs one pass per step, not two.
 
 What changes for a joining operation: its first token comes out of the next decode pass rather
-than before it, so at most one block later; its tokens are the same (its rows draw from their
-own random streams) and its logprobs within the last bits (a matrix product's rows depend on
-the row count, as for any join). A publish between the admit and that pass (PIPELINE) serves
+than out of a pass before it, so one pass later; its tokens are the same (its rows draw from
+their own random streams) and its logprobs within the last bits (a matrix product's rows depend
+on the row count, as for any join). A publish between the admit and that pass (PIPELINE) serves
 the operation wholly on the new weights (Generation.renew).
 
 Joins that need what a prefill pass gives apart take it (joins.start_rows): prompt logprobs and

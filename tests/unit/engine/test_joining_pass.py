@@ -106,7 +106,7 @@ def test_joins_inside_the_decode_pass_get_what_they_get_alone_on_every_family(
     """Fused projections (Phi-3, GPT-NeoX), partial rotary (GPT-NeoX), sliding and global
     layers (Qwen2, Gemma 3), multipliers (Granite), experts (Qwen3-MoE): the packed pass gives
     each family's joining rows what they get alone. Gemma 2's soft-capped attention is eager:
-    its joins run a prefill pass apart, as before."""
+    its joins run a prefill pass apart."""
     monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 2)
     engine = engine_for({"m": families.build(family, tmp_path / family)}, "m")
     first = request(
@@ -153,7 +153,8 @@ def test_a_join_whose_prompt_the_prefix_cache_holds_runs_only_the_rest_in_the_pa
 def test_a_publish_between_the_admit_and_its_pass_serves_the_join_on_the_new_weights(engine):
     """The admitted request's prompt has not run when the publish lands (PIPELINE, between
     blocks): it runs on the new weights, and its result has one policy segment, of the new
-    version, as if it had arrived after the publish; the running rows switch as before."""
+    version, as if it had arrived after the publish; the running rows switch at their next
+    token."""
     resource, gm = generator_of(engine)
     first = longest()
     joined = request((11, 12, 13), 2, SamplingParams(max_tokens=8, temperature=0.7, seed=3))

@@ -11,7 +11,8 @@ A forward pass appends to the own part (`begin` / `update` / `commit`, the KVCac
 with absolute position ids) and attends through SharedPrefixAttention (model/attention.py),
 which `attention_masks` returns per layer type. `keep` frees finished rows like KVCache.keep and
 also frees the prefixes no live row reads any more, so attention never reads a dead prompt;
-`join` appends the prefixes and rows of requests joining a running decode batch.
+`join` appends the prefixes and rows of requests joining a running decode batch; `refill` puts
+one in the place of a prefix whose rows all ended (static passes keep them as padding).
 
 Prefix groups are named by the caller's ids (`group_ids_B`); `prefix_row` maps them to rows of
 the prefix cache, which move when dead prefixes are freed.
@@ -115,15 +116,18 @@ class FanoutKVCache:
             self._prefix_columns = int(self.prefix.lengths_B[: self.prefix.num_rows].max())
         return self._prefix_columns
 
-    def prefix_layout(self) -> tuple[Tensor, Tensor | None, int, Tensor, Tensor | None]:
+    def prefix_layout(self, round_up: int = 0) -> tuple[Tensor, Tensor | None, int, Tensor]:
         """What a decode pass's prefix part reads, fixed until rows change: (the live prefix
         keys and values [N, 2, G, Hkv, P, D], slot_B and M of the group layout, the prefix
-        length of each row [B], the full-attention prefix bias of one query per row
-        [B, 1, P] or None). For static-shape passes (model/static_decode_cache.py)."""
+        length of each row [B]). P is the longest prefix, or with `round_up` the next power of
+        two at least that large, as far as the prefix cache holds (model/static_decode_cache.py:
+        a longer prompt joining later fits). For static-shape passes."""
         slot_B, m, prefix_lengths_B = self._group_layout()
         columns = self._longest_prefix()
+        if round_up:
+            columns = min(self.prefix.capacity, max(round_up, 1 << (columns - 1).bit_length()))
         prefix_kv = self.prefix.kv[:, :, : self.prefix.num_rows, :, :columns]
-        return prefix_kv, slot_B, m, prefix_lengths_B, self._full_prefix_bias_of(1)
+        return prefix_kv, slot_B, m, prefix_lengths_B
 
     def _full_prefix_bias_of(self, width: int) -> Tensor | None:
         """The full-attention prefix bias [B, width, P] of a pass of `width` queries per row
@@ -239,6 +243,28 @@ class FanoutKVCache:
             self.prefix_row[gid] = start + offset
         self.own.add_rows(len(group_ids_B))
         self.group_ids_B += group_ids_B
+        self._reset_layout()
+
+    def refill(self, readers: list[int], prefix_id: int, prefix: KVCache, prefix_row: int) -> None:
+        """Rows `readers`, every row that reads one prefix (rows that ended, kept as padding
+        by static passes), restart on a new one: row prefix_row of `prefix` (a joining prompt's
+        prefill) is copied over the prefix they read, which is named prefix_id now, and their
+        own parts restart empty. Nothing moves, so a static pass's tensors stay where they are
+        (engine/generate/padding_joins.py)."""
+        (old_id,) = {self.group_ids_B[b] for b in readers}
+        assert readers == [b for b, g in enumerate(self.group_ids_B) if g == old_id]
+        assert prefix_id not in self.prefix_row, "a joining prefix is new"
+        row = self.prefix_row.pop(old_id)
+        self.prefix_row[prefix_id] = row
+        device = self.own.kv.device
+        self.prefix.copy_rows(
+            prefix,
+            torch.tensor([prefix_row], device=device),
+            torch.tensor([row], device=device),
+        )
+        for b in readers:
+            self.group_ids_B[b] = prefix_id
+        self.own.lengths_B[torch.tensor(readers, device=device)] = 0
         self._reset_layout()
 
     def replace_prefix(self, group_id: int, source: KVCache, source_row: int) -> None:

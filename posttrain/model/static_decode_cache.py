@@ -11,13 +11,15 @@ in a persistent tensor, advanced in place by the pass itself:
   keys and values at its column (an index_put_ with device indices, no host index) and then adds
   one to every row;
 - attention reads the own part's full capacity, hiding each row's columns past its
-  `own_length_B` with an additive bias built in the pass from it; the prefix part and its
-  bias are the layout's;
+  `own_length_B` with an additive bias built in the pass from it; the prefix part (each
+  prefix row up to a power of two of columns, PREFIX_COLUMNS_AT_LEAST) and its bias are the
+  layout's;
 - position ids are the prefix lengths plus `own_length_B`.
 
-The capacity and rows are the FanoutKVCache's at construction: a grow, a compaction or a new
-prefix makes a new StaticDecodeCache. Full-attention layers only (a sliding window would need
-per-pass prefix biases too): static_decode_supported says when it applies.
+The capacity and rows are the FanoutKVCache's at construction: a grow, a compaction or a
+join that appends rows makes a new StaticDecodeCache. Rows that restart on a new prompt in
+place (`refill`: a join into padding rows) keep it. Full-attention layers only (a sliding
+window would need per-pass prefix biases too): static_decode_supported says when it applies.
 
 Legend: B = rows, S = own capacity, P = prefix columns, Q = new positions per row (1).
 """
@@ -29,6 +31,13 @@ from torch import Tensor
 
 from posttrain.model.attention import SharedPrefixAttention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
+
+# A layout reads each prefix row up to a power of two of columns, at least this many (as far as
+# the prefix cache holds), not only up to the longest prompt's: a prompt joining into padding
+# rows (engine/generate/padding_joins.py) up to that long keeps the layout and its CUDA graph,
+# whose capture costs about 13 replayed passes on the H200. The columns past a row's prompt are
+# masked; what attention reads of them a launch-bound pass does not notice (docs/benchmarks.md).
+PREFIX_COLUMNS_AT_LEAST = 64
 
 
 def static_decode_supported(layer_types: list[str]) -> bool:
@@ -51,18 +60,25 @@ class StaticDecodeCache:
         self.own_length_B = torch.tensor(own_lengths, dtype=torch.int64, device=device)
         self._rows_B = torch.arange(self.rows, device=device)
         self._columns_S = torch.arange(self.capacity, device=device)
-        (self._prefix_kv, self._slot_B, self._per_group, self._prefix_lengths_B, bias) = (
-            fanout.prefix_layout()
+        (self._prefix_kv, self._slot_B, self._per_group, self._prefix_lengths_B) = (
+            fanout.prefix_layout(round_up=PREFIX_COLUMNS_AT_LEAST)
         )
-        self._prefix_bias_BQP = bias
-        self._prefix_columns = self._prefix_kv.shape[4]
+        self.prefix_columns = self._prefix_kv.shape[4]
+        self._prefix_P = torch.arange(self.prefix_columns, device=device)
+        self._prefix_bias_BQP = torch.zeros(self.rows, 1, self.prefix_columns, device=device)
+        self._hide_past_prefixes()
+
+    def _hide_past_prefixes(self) -> None:
+        """The prefix bias [B, 1, P]: each row sees its prompt's columns (-inf past them)."""
+        past_BP = self._prefix_P[None, :] >= self._prefix_lengths_B[:, None]
+        self._prefix_bias_BQP.zero_().masked_fill_(past_BP[:, None, :], float("-inf"))
 
     def begin(self, num_new_B: Tensor | None = None, uniform: object = None) -> Tensor:
         """Position ids [B, 1] of this pass's token of every row."""
         return (self._prefix_lengths_B + self.own_length_B)[:, None]
 
     def placeholder_columns(self, positions_BQ: Tensor) -> int:
-        return self._prefix_columns + self.capacity
+        return self.prefix_columns + self.capacity
 
     def attention_masks(
         self, positions_BQ: Tensor, layer_types: list[str], sliding_window: int | None
@@ -83,6 +99,16 @@ class StaticDecodeCache:
                 fused=device_type in ("cpu", "cuda"),
             )
         }
+
+    def refill(self, rows: list[int], prefix_length: int) -> None:
+        """Rows `rows` restart empty on a prefix of `prefix_length` positions, which the
+        FanoutKVCache's refill put in the prefix row they read: their own lengths, positions
+        and prefix bias change in place (the addresses a captured pass reads stay)."""
+        assert prefix_length <= self.prefix_columns, "the prefix fits the layout's columns"
+        rows_R = torch.tensor(rows, dtype=torch.int64, device=self.own_length_B.device)
+        self.own_length_B[rows_R] = 0
+        self._prefix_lengths_B[rows_R] = prefix_length
+        self._hide_past_prefixes()
 
     def update(
         self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args: object, **kwargs: object

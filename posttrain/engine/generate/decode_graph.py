@@ -63,7 +63,10 @@ class DecodeStep:
         self.cache = cache
         self.keys = batch.keys
         self.routing = routing_of(batch.keys, batch.device)
-        self.settings = (batch.temperature_B, batch.top_k_B, batch.top_p_B)
+        # Copies: a join into padding rows (padding_joins.py) writes new rows' settings here.
+        self.settings = tuple(
+            t.clone() for t in (batch.temperature_B, batch.top_k_B, batch.top_p_B)
+        )
         self.kind = batch.kind
         # Persistent inputs and outputs: the last tokens (overwritten with the new ones), the
         # uniforms, the new tokens' logprobs.
@@ -79,6 +82,34 @@ class DecodeStep:
             self.graph.replay()
         else:
             self._pass()
+
+    def block(self, batch: LiveRows, steps: int) -> tuple[list[Tensor], list[Tensor]]:
+        """`steps` passes (replayed graphs on CUDA): each step's tokens and logprobs [B],
+        on the device."""
+        tokens_KB: list[Tensor] = []
+        logprobs_KB: list[Tensor] = []
+        for _ in range(steps):
+            self.run(batch.uniforms())
+            tokens_KB.append(self.tokens_B.clone())
+            logprobs_KB.append(self.logprobs_B.clone())
+        batch.last_tokens_B = self.tokens_B
+        return tokens_KB, logprobs_KB
+
+    def refill(self, batch: LiveRows, restarted: list[tuple[list[int], int]]) -> None:
+        """Rows joined into padding rows of this layout (padding_joins.py): `batch` holds
+        them now, and each (positions, prompt length) of `restarted` names rows that restart
+        empty on a prompt of that length. The persistent tensors take the new rows' last
+        tokens and settings in place, so the captured pass replays on."""
+        assert batch.last_tokens_B is not None
+        if batch.last_tokens_B is not self.tokens_B:
+            self.tokens_B.copy_(batch.last_tokens_B)
+            batch.last_tokens_B = self.tokens_B
+        for mine, theirs in zip(
+            self.settings, (batch.temperature_B, batch.top_k_B, batch.top_p_B), strict=True
+        ):
+            mine.copy_(theirs)
+        for positions, prompt_length in restarted:
+            self.cache.refill(positions, prompt_length)
 
     def _pass(self) -> None:
         hidden_B1H = forward_rows(

@@ -107,14 +107,7 @@ class LiveRows:
         running row: a stream joins at almost every block beside hundreds of rows."""
         assert other.rows is self.rows, "rows of one call"
         width = self._columns_left()
-        joining_NC = torch.zeros(len(other.live), width)
-        for j, (r, pending) in enumerate(zip(other.live, other._pending(), strict=True)):
-            taken = min(width, len(pending))
-            joining_NC[j, :taken] = pending[:taken]
-            if len(pending) > width:
-                self._carry[r] = pending[width:]
-            elif taken < width and (generator := self.rows[r].generator) is not None:
-                torch.rand(width - taken, generator=generator, out=joining_NC[j, taken:])
+        joining_NC = self._joining_columns(other, width)
         if width:
             assert self._ahead_BC is not None
             running_BC = self._ahead_BC[:, self._column :]
@@ -126,6 +119,41 @@ class LiveRows:
         assert self.last_tokens_B is not None and other.last_tokens_B is not None
         self.last_tokens_B = torch.cat([self.last_tokens_B, other.last_tokens_B])
         self._refresh()
+
+    def refill(self, positions: list[int], other: LiveRows) -> None:
+        """The live rows of `other` take batch positions `positions` (padding rows of a
+        static layout: rows that ended; engine/generate/padding_joins.py), in order, keeping
+        their own streams as in `join`; nothing else moves."""
+        assert other.rows is self.rows, "rows of one call"
+        assert self.last_tokens_B is not None and other.last_tokens_B is not None
+        width = self._columns_left()
+        joining_NC = self._joining_columns(other, width)
+        index = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        if width:
+            assert self._ahead_BC is not None
+            self._ahead_BC[index, self._column :] = joining_NC.to(self.device)
+        else:  # all used, or a greedy batch (none drawn): every row draws afresh next
+            self._ahead_BC = None
+        self.live = list(self.live)
+        for b, r in zip(positions, other.live, strict=True):
+            self._carry.pop(self.live[b], None)
+            self.live[b] = r
+        self.last_tokens_B[index] = other.last_tokens_B
+        self._refresh()
+
+    def _joining_columns(self, other: LiveRows, width: int) -> Tensor:
+        """The next `width` uniforms of each of `other`'s live rows [N, width] (on the CPU):
+        its uniforms drawn and not used, topped up from its own generator if it has fewer (what
+        it would have drawn next alone); if it has more, the rest wait in its carry."""
+        joining_NC = torch.zeros(len(other.live), width)
+        for j, (r, pending) in enumerate(zip(other.live, other._pending(), strict=True)):
+            taken = min(width, len(pending))
+            joining_NC[j, :taken] = pending[:taken]
+            if len(pending) > width:
+                self._carry[r] = pending[width:]
+            elif taken < width and (generator := self.rows[r].generator) is not None:
+                torch.rand(width - taken, generator=generator, out=joining_NC[j, taken:])
+        return joining_NC
 
     def _columns_left(self) -> int:
         """Columns drawn ahead that the live rows have not used yet (0 for a greedy batch,

@@ -76,6 +76,7 @@ from posttrain.engine.generate.joins import (
     start_rows,
     switch_weights,
 )
+from posttrain.engine.generate.padding_joins import join_into_padding, keeps_layout
 from posttrain.engine.generate.prefill import (
     GeneratorModel,
     forward_rows,
@@ -281,6 +282,22 @@ class Decoding:
             self.step = None
             return
         assert self.batch is not None and self.cache is not None
+        if self.step is not None and (
+            placed := join_into_padding(
+                generation,
+                self.batch,
+                self.cache,
+                self.step,
+                self.running,
+                group_ids,
+                prefill_cache,
+                fresh,
+            )
+        ):  # static passes: the rows took padding rows of the layout, whose pass stays
+            for b in placed[1]:
+                self.own_lengths[b] = 0
+            self.running = sorted({*self.running, *placed[0]})
+            return
         live_groups = sorted({rows[r].group for r in fresh.live})
         cache_row = {g: i for i, g in enumerate(group_ids)}
         self.cache.join(
@@ -334,7 +351,7 @@ class Decoding:
                 graphs = _use_graphs(self.device)
                 static_cache = StaticDecodeCache(cache, self.own_lengths)
                 self.step = DecodeStep(gm, static_cache, batch, graphs)
-            tokens_KB, logprobs_KB = _static_block(self.step, batch, steps)
+            tokens_KB, logprobs_KB = self.step.block(batch, steps)
         else:
             ragged = len(set(self.own_lengths)) > 1  # rows joined: per-row own masks
             tokens_KB, logprobs_KB = _dynamic_block(
@@ -346,7 +363,7 @@ class Decoding:
             record_steps(gm, batch, tokens, logprobs, routes_K)
         running = [i for i, r in enumerate(batch.live) if rows[r].stop_reason is None]
         self._settle(batch.live)
-        if running and not (self.static and _keeps_layout(len(running), len(batch.live))):
+        if running and not (self.static and keeps_layout(len(running), len(batch.live))):
             if len(running) < len(batch.live):
                 order = fill_holes(running)
                 cache.keep(torch.tensor(order, dtype=torch.int64, device=self.device))
@@ -410,20 +427,6 @@ def _dynamic_block(
     return tokens_KB, logprobs_KB
 
 
-def _static_block(
-    step: DecodeStep, batch: LiveRows, steps: int
-) -> tuple[list[Tensor], list[Tensor]]:
-    """`steps` static passes (replayed graphs on CUDA): the same, out of persistent tensors."""
-    tokens_KB: list[Tensor] = []
-    logprobs_KB: list[Tensor] = []
-    for _ in range(steps):
-        step.run(batch.uniforms())
-        tokens_KB.append(step.tokens_B.clone())
-        logprobs_KB.append(step.logprobs_B.clone())
-    batch.last_tokens_B = step.tokens_B
-    return tokens_KB, logprobs_KB
-
-
 def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
     """Static-shape decode passes (decode_graph.py) for this model on this device."""
     wanted = CPU_STATIC_DECODE if device.type == "cpu" else (STATIC_DECODE or gm.cuda_graphs)
@@ -432,11 +435,3 @@ def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
 
 def _use_graphs(device: torch.device) -> bool:
     return device.type == "cuda" and CUDA_GRAPHS
-
-
-def _keeps_layout(running: int, rows: int) -> bool:
-    """With static passes, whether the batch stays as it is although only `running` of its
-    `rows` still run: the finished rows ride along as padding (their tokens are dropped)
-    until at most half the rows run, so a batch changes shape, and a new pass is captured,
-    at most log2(rows) times instead of at every finished row."""
-    return running > rows // 2

@@ -62,7 +62,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.generate import joining_pass, sampler  # noqa: E402
+from posttrain.engine.generate import joining_pass, padding_joins, sampler  # noqa: E402
+from posttrain.engine.generate.decode_graph import DecodeStep  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SampleResult, SamplingParams  # noqa: E402
 
@@ -197,12 +198,25 @@ def joining_apart(
         return joining(engine, resource, session, requests)
 
 
+def joining_appending(
+    engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]]
+) -> list[Done]:
+    """`joining` beside static passes with every join appending its rows (a new layout, on
+    CUDA a new capture) instead of taking the padding rows of the running layout where they
+    fit (engine/generate/padding_joins.py)."""
+    from gpu_check_common import switched  # bench/: this script's folder
+
+    with switched(padding_joins, JOIN_INTO_PADDING=False):
+        return joining(engine, resource, session, requests)
+
+
 RUNS: dict[str, Callable[..., list[Done]]] = {
     "whole": whole_batches,
     "joining": joining,
     "apart": joining_apart,
+    "append": joining_appending,
 }
-WAYS = ("whole", "joining")  # --prefill-apart adds "apart"
+WAYS = ("whole", "joining")  # --prefill-apart adds "apart", --static "append"
 
 
 @dataclass
@@ -214,9 +228,11 @@ class Blocks:
     count: int = 0
     rows: int = 0
     seconds: float = 0.0
+    layouts: int = 0  # static passes' layouts made (DecodeSteps): on CUDA, graph captures
 
     def report(self) -> dict[str, float]:
         return {
+            "layouts": self.layouts,
             "blocks": self.count,
             "rows_per_block": self.rows / self.count,
             "block_ms": self.seconds / self.count * 1e3,
@@ -225,8 +241,14 @@ class Blocks:
 
 @contextmanager
 def counting(blocks: Blocks) -> Iterator[None]:
-    """Count every sampler.Decoding block run inside the `with` into `blocks`."""
+    """Count every sampler.Decoding block run inside the `with` into `blocks`, and every
+    static layout made."""
     original = sampler.Decoding.block
+    made = DecodeStep.__init__
+
+    def layout(step: DecodeStep, *args, **kwargs) -> None:
+        blocks.layouts += 1
+        made(step, *args, **kwargs)
 
     def block(decoding: sampler.Decoding) -> None:
         blocks.rows += len(decoding.batch.live) if decoding.batch is not None else 0
@@ -236,10 +258,12 @@ def counting(blocks: Blocks) -> Iterator[None]:
         blocks.count += 1
 
     sampler.Decoding.block = block  # type: ignore[method-assign]
+    DecodeStep.__init__ = layout  # type: ignore[method-assign]
     try:
         yield
     finally:
         sampler.Decoding.block = original  # type: ignore[method-assign]
+        DecodeStep.__init__ = made  # type: ignore[method-assign]
 
 
 def rates(done: list[Done]) -> dict[str, float]:
@@ -292,7 +316,8 @@ def compare(
 ) -> dict:
     """The ways `reps` times, alternated: each way's median rates, joining / whole, and whether
     the two returned the same tokens for every operation; with "apart" in `ways`, joining /
-    apart too (the gain of prefilling joins inside the decode pass)."""
+    apart too (the gain of prefilling joins inside the decode pass); with "append", joining /
+    append (the gain of joins into a static layout's padding rows, and its layouts made)."""
     runs: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     tokens: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}
     for _ in range(reps):
@@ -314,13 +339,18 @@ def compare(
             out[f"joining_over_apart_{key}"] = out[f"joining_{key}"] / out[f"apart_{key}"]
         apart = differences(tokens["apart"], tokens["joining"])
         out["apart_same_tokens_ops"] = apart["same_tokens_ops"]
+    if "append" in ways:
+        for key in ("ops_s", "tokens_s", "whole_run_ops_s", "layouts", "block_ms"):
+            out[f"joining_over_append_{key}"] = out[f"joining_{key}"] / max(out[f"append_{key}"], 1)
+        append = differences(tokens["append"], tokens["joining"])
+        out["append_same_tokens_ops"] = append["same_tokens_ops"]
     out["tokens_per_op"] = statistics.mean(len(t) for t in tokens["whole"].values())
     return out
 
 
 def line(agents: int, turns: int, token_range: tuple[int, int], row: dict) -> str:
     low, high = token_range
-    return (
+    text = (
         f"{agents:3d} agents x {turns} turns ({low}-{high} new tokens, {row['tokens_per_op']:.0f}"
         f" per op): while all run {row['whole_ops_s']:6.2f} -> {row['joining_ops_s']:6.2f} ops/s"
         f" ({row['joining_over_whole_ops_s']:.2f}x), tokens/s"
@@ -333,15 +363,25 @@ def line(agents: int, turns: int, token_range: tuple[int, int], row: dict) -> st
         f" {row['whole_rows_per_block']:.1f} -> {row['joining_rows_per_block']:.1f} rows,"
         f" {row['whole_block_ms']:.1f} -> {row['joining_block_ms']:.1f} ms a block"
         f" ({row['joining_over_whole_block_ms']:.2f}x)"
-    ) + (
-        f"\n    prefill inside the decode pass / apart: ops/s {row['apart_ops_s']:6.2f} ->"
-        f" {row['joining_ops_s']:6.2f} ({row['joining_over_apart_ops_s']:.2f}x), whole run"
-        f" {row['joining_over_apart_whole_run_ops_s']:.2f}x, latency median"
-        f" {row['apart_latency_median_s'] * 1e3:.0f} -> {row['joining_latency_median_s'] * 1e3:.0f}"
-        f" ms; same tokens {row['apart_same_tokens_ops']} of {row['ops']} ops"
-        if "apart_ops_s" in row
-        else ""
     )
+    if "apart_ops_s" in row:
+        text += (
+            f"\n    prefill inside the decode pass / apart: ops/s {row['apart_ops_s']:6.2f} ->"
+            f" {row['joining_ops_s']:6.2f} ({row['joining_over_apart_ops_s']:.2f}x), whole run"
+            f" {row['joining_over_apart_whole_run_ops_s']:.2f}x, latency median"
+            f" {row['apart_latency_median_s'] * 1e3:.0f} ->"
+            f" {row['joining_latency_median_s'] * 1e3:.0f} ms; same tokens"
+            f" {row['apart_same_tokens_ops']} of {row['ops']} ops"
+        )
+    if "append_ops_s" in row:
+        text += (
+            f"\n    static layouts made (on CUDA: graph captures) whole {row['whole_layouts']:.0f},"
+            f" joining {row['joining_layouts']:.0f}, joins appending {row['append_layouts']:.0f};"
+            f" joining / appending: ops/s {row['joining_over_append_ops_s']:.2f}x, ms a block"
+            f" {row['joining_over_append_block_ms']:.2f}x; same tokens"
+            f" {row['append_same_tokens_ops']} of {row['ops']} ops"
+        )
+    return text
 
 
 def same(row: dict) -> str:
@@ -406,6 +446,12 @@ def main() -> None:
         action="store_true",
         help="also run joining with each join prefilled in a pass of its own (joining / apart)",
     )
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="static decode passes (the GPU default's, eager on the CPU), and joins that always"
+        " append beside them (joining / append: layouts made)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny, small, 1 rep")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -413,13 +459,15 @@ def main() -> None:
         args.models, args.agents, args.turns, args.reps = ["tiny"], [3], [2], 1
         args.agent_tokens = [2, 8]
     token_range = (args.agent_tokens[0], args.agent_tokens[1])
-    ways = (*WAYS, "apart") if args.prefill_apart else WAYS
+    ways = (*WAYS, *(["apart"] if args.prefill_apart else []), *(["append"] if args.static else []))
+    sampler.CPU_STATIC_DECODE = args.static
     if args.block_steps is not None:
         sampler.CPU_BLOCK_STEPS = args.block_steps
     print(
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads"
         f" {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.2f};"
         f" {args.prompt_tokens} prompt tokens, decode blocks of {sampler.CPU_BLOCK_STEPS},"
+        f" {'static' if args.static else 'dynamic'} passes,"
         f" medians of {args.reps}, ways alternated",
         flush=True,
     )

@@ -38,8 +38,9 @@ measured): what it prints.
   tokens/s while all run and over the whole run, median latency, in how many operations both
   ways returned the same tokens (where not, the first difference is a draw on a CDF boundary
   within the row-count-dependent rounding: neighbouring ids); both ways again with dynamic
-  passes (`--cuda-graphs off`), since with graphs every join is captured again, and joining
-  with each join prefilled apart (dynamic passes carry joins in their first pass);
+  passes (`--cuda-graphs off`), and joining with each join prefilled apart (dynamic passes
+  carry joins in their first pass); with graphs, joining against joins that always append
+  (a capture each; joins take a layout's padding rows where they fit) and the captures made;
 - weights_sync (~2 s): `publish` of the LoRA adapter (101 MB fp32) and the full weight (1.2 GB);
 - generate_static (child process, <= 150 s): transformers `generate` with
   `cache_implementation="static"`, compiled on CUDA (its default), on the RL shape;
@@ -116,7 +117,7 @@ ESTIMATE_S = {
     "decode_paths": 137,
     "multi_lora": 62,
     "stream": 57,
-    "agents": 125,  # 62 s with dynamic passes, run since with graphs too, and joins apart
+    "agents": 150,  # 62 s with dynamic passes, run since with graphs too, joins apart, appending
     "weights_sync": 1,
     "generate_static": 80,
 }

@@ -142,7 +142,9 @@ def measure_agents(engine: LocalEngine, args, vocab) -> dict:
     whole batches (the sampler before continuous batching), one run each after a warm-up.
     The issue's throughput target on a device whose decode step costs about the same at 1 and
     at 64 rows. Both ways run twice: with the default decode (static passes in CUDA graphs,
-    where a join changes the layout and is captured again) and with dynamic passes
+    where a join takes the padding rows of the running layout when it fits, and otherwise
+    changes the layout, captured again; `agents_joining_over_append_*` compares with joins
+    that always append, and `agents_*_layouts` counts the captures) and with dynamic passes
     (`--cuda-graphs off`; keys `agents_eager_*`), and `agents_graphs_over_eager_*` compares
     each way's ops/s across the two. Dynamic passes carry the joining prompts in a block's
     first decode pass (engine/generate/joining_pass.py); they also run with each join's
@@ -153,8 +155,10 @@ def measure_agents(engine: LocalEngine, args, vocab) -> dict:
     warm = agent_requests(2, 1, (2, 4), args.prompt_tokens, vocab)
     compare(engine, "r", "s0", warm, 1)
     requests = agent_requests(args.agents, args.agent_turns, (low, high), args.prompt_tokens, vocab)
+    ways = ("whole", "joining", "append")
     report = {
-        f"agents_{key}": value for key, value in compare(engine, "r", "s0", requests, 1).items()
+        f"agents_{key}": value
+        for key, value in compare(engine, "r", "s0", requests, 1, ways).items()
     }
     with switched(sampler, STATIC_DECODE=False):  # the engine's cuda_graphs is off: dynamic
         eager = compare(engine, "r", "s0", requests, 1, ("whole", "joining", "apart"))

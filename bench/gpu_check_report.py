@@ -126,6 +126,10 @@ def summary(report: dict) -> str:
         f" {get('agents_graphs_over_eager_whole_ops_s', '{:.2f}')}x, joining"
         f" {get('agents_graphs_over_eager_joining_ops_s', '{:.2f}')}x ops/s; joins inside the"
         f" decode pass / apart {get('agents_eager_joining_over_apart_ops_s', '{:.2f}')}x ops/s",
+        f"  agents, joins into padding rows / always appending (graphs)"
+        f" {get('agents_joining_over_append_ops_s', '{:.2f}')}x ops/s, captures"
+        f" {get('agents_append_layouts', '{:.0f}')} -> {get('agents_joining_layouts', '{:.0f}')}"
+        f" (whole batches {get('agents_whole_layouts', '{:.0f}')})",
         f"  weights sync (publish)  LoRA {get('weights_sync_ms')} ms"
         f" ({get('weights_sync_gb_per_s')} GB/s), full weight {get('weights_sync_full_ms')} ms"
         f" ({get('weights_sync_full_gb_per_s')} GB/s)",

@@ -1,7 +1,7 @@
 """bench/closed_loop.py runs end to end on its smoke settings: it states its threads, prints a
 row per agent count with both ways and their ratios (and, with --prefill-apart, joining with
-each join prefilled apart), finds that the ways returned the same tokens for every operation,
-and prints JSON of every number.
+each join prefilled apart; with --static, the layouts each way made), finds that the ways
+returned the same tokens for every operation, and prints JSON of every number.
 
 A smoke test of the script, not of its numbers: nothing here asserts on wall-clock times.
 """
@@ -50,3 +50,22 @@ def test_closed_loop_quick_run_prints_both_ways_the_same_tokens_and_json():
     # each way ran some, over at most the agents' rows.
     for way in ("whole", "joining", "apart"):
         assert found[f"{way}_blocks"] >= 1 and 0 < found[f"{way}_rows_per_block"] <= 3, way
+
+
+@pytest.mark.slow
+def test_closed_loop_on_static_passes_counts_the_layouts_each_way_makes():
+    """--static: the GPU default's decode passes (eager here), joins into padding rows against
+    joins that always append; every way counts its layouts (on CUDA, graph captures)."""
+    out = run_bench("closed_loop.py", "--quick", "--static")
+    assert "decode blocks of 1, static passes," in out, out
+    layouts = (
+        r"^    static layouts made \(on CUDA: graph captures\) whole \d+, joining \d+, joins"
+        r" appending \d+; joining / appending: ops/s \d+\.\d\dx, ms a block \d+\.\d\dx; same"
+        r" tokens 6 of 6 ops$"
+    )
+    assert re.search(layouts, out, re.M), out
+    (found,) = json.loads(out.strip().splitlines()[-1])["tiny"]["rows"]
+    assert found["same_tokens"] is True
+    # Each way made a layout at least for its first batch; appending joins make one per join.
+    assert 1 <= found["joining_layouts"] <= found["append_layouts"], found
+    assert found["whole_layouts"] >= 1

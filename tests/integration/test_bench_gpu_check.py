@@ -69,6 +69,10 @@ KEYS = {
     "agents_graphs_over_eager_joining_ops_s",
     "agents_eager_apart_ops_s",
     "agents_eager_joining_over_apart_ops_s",
+    "agents_append_ops_s",
+    "agents_joining_over_append_ops_s",
+    "agents_joining_layouts",
+    "agents_append_layouts",
     "weights_sync_ms",
     "weights_sync_full_ms",
 }
@@ -150,6 +154,10 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
         ratio(over, f"agents_{way}_ops_s", f"agents_eager_{way}_ops_s")
     ratio(
         "agents_eager_joining_over_apart_ops_s",
+        "agents_append_ops_s",
+        "agents_joining_over_append_ops_s",
+        "agents_joining_layouts",
+        "agents_append_layouts",
         "agents_eager_joining_ops_s",
         "agents_eager_apart_ops_s",
     )

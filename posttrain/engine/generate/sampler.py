@@ -83,6 +83,7 @@ from posttrain.engine.generate.prefill import (
     head_logits,
     new_cache,
 )
+from posttrain.engine.generate.prefill_graph import PrefillSteps
 from posttrain.engine.state import WeightsVersion
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
@@ -207,6 +208,7 @@ class Decoding:
         self.pool_rows = 0
         # Requests admitted whose prompts run inside the next decode pass (joining_pass.py).
         self._joining: Joining | None = None
+        self._prefills = PrefillSteps(_use_graphs(self.device))  # joins' beside static passes
         self.admit(requests)
 
     def close(self) -> None:
@@ -214,6 +216,7 @@ class Decoding:
         sample stream's pass ended. An `admit` after it starts a new batch."""
         self.batch = self.cache = self.step = self._joining = None
         self.running, self.own_lengths = [], []
+        self._prefills.clear()  # weights may be published before the next pass
 
     def joining(self) -> tuple[int, int]:
         """(rows, prompts) admitted whose prompts run in the next block's first pass."""
@@ -254,7 +257,10 @@ class Decoding:
             if joins_in_pass(gm, generation, group_ids, dynamic):
                 self._joining = Joining(group_ids, row_ids)
                 return
-            prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
+            started = None
+            if self.static and self.running:  # a join beside static passes (prefill_graph.py)
+                started = self._prefills.start_rows(gm, generation, group_ids, row_ids)
+            prefill_cache, fresh = started or start_rows(gm, generation, group_ids, row_ids)
             self._start(group_ids, row_ids, prefill_cache, fresh)
 
     def _start(
@@ -320,6 +326,8 @@ class Decoding:
         assert self.batch is not None and self.cache is not None
         with torch.no_grad():
             gm, batch, cache = self.gm, self.batch, self.cache
+            if served_changed:
+                self._prefills.clear()
             if switch_weights(gm, batch, cache, self.generation, self.versions) or served_changed:
                 self.step = None
 

@@ -1,0 +1,180 @@
+"""The prefill of prompts joining a running batch of static passes, run over persistent tensors
+and, on CUDA, replayed from a CUDA graph: the join's counterpart of decode_graph.py.
+
+Beside static passes (CUDA graphs) a join's prompts cannot ride in a decode pass
+(joining_pass.py: it would turn a replayed pass into an eager one), so each join ran an eager
+prefill pass: on the H200 about 88 ms of launches for a 28-layer model, about what a replayed
+block of 8 decode passes costs, at almost every block of a stream. Here a join's prefill is a
+PrefillStep of a bucket (the adapter, rows rounded up to a power of two, prompt positions
+rounded up to a power of two of at least MIN_WIDTH), made once and reused by every later join
+of that bucket: its prompts are copied into a persistent token tensor (right-padded: causal
+attention keeps a real position from seeing the padding after it), the pass writes a
+persistent KVCache whose lengths it resets itself, and the head's logits at each prompt's
+last real position land in a persistent tensor. On CUDA the pass is captured after a warm-up
+and replayed; elsewhere it runs eagerly (how the CPU tests check it).
+
+It serves joins whose prompts all run whole on one adapter: not when a prompt wants prompt
+logprobs or routed experts, nor when the prefix cache holds part of one (prefill.py serves
+those; `start_rows` returns None), nor past PREFILL_TOKENS_PER_PASS positions. A publish of
+new weights drops the steps (a capture holds the addresses of the weights it read).
+
+Legend: B = rows of the bucket, Q = its positions, V = vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from posttrain.engine.generate.decode_rows import LiveRows
+from posttrain.engine.generate.joins import Generation, first_tokens
+from posttrain.engine.generate.prefill import (
+    PREFILL_TOKENS_PER_PASS,
+    GeneratorModel,
+    PromptGroup,
+    forward_rows,
+    head_logits,
+    keep_prompts,
+    prompt_cache,
+    routing_of,
+)
+from posttrain.model.kv_cache import KVCache
+
+log = logging.getLogger("posttrain")
+
+# The fewest prompt positions of a bucket: short prompts share one step.
+MIN_WIDTH = 16
+# Benchmarks turn it off to compare with eager prefill passes for every join.
+JOIN_PREFILL_STEPS = True
+
+
+class _PaddedPromptCache(KVCache):
+    """A KVCache whose passes all start empty and fill every row to its capacity: the mask's
+    columns are known on the host (the base class reads the last position back, which a
+    capture cannot)."""
+
+    def placeholder_columns(self, positions_BQ: Tensor) -> int:
+        return self.capacity
+
+
+class PrefillStep:
+    """The prefill pass of one bucket: `run` prefills up to `rows` prompts of up to `width`
+    positions on adapter `key`."""
+
+    def __init__(self, gm: GeneratorModel, key: str, rows: int, width: int, graph: bool) -> None:
+        self.gm = gm
+        embedding = gm.model.get_input_embeddings().weight
+        device = embedding.device
+        self.cache = _PaddedPromptCache.for_model(
+            gm.kv, num_rows=rows, capacity=width, dtype=embedding.dtype, device=device
+        )
+        self.keys = [key] * rows
+        self.routing = routing_of(self.keys, device)
+        self.width = width
+        # Persistent inputs and outputs: the prompts' tokens, each row's last real position,
+        # the first-token logits.
+        self.tokens_BQ = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.last_B = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.rows_B = torch.arange(rows, device=device)
+        self.width_B = torch.full((rows,), width, dtype=torch.int64, device=device)
+        self.logits_BV: Tensor | None = None
+        self.graph = self._captured() if graph else None
+
+    def run(self, prompts: list[tuple[int, ...]]) -> tuple[KVCache, Tensor]:
+        """Prefill `prompts` (at most the bucket's rows, each at most its width): (the cache,
+        row g holding prompt g's KV and length; the first-token logits [G, V], float32)."""
+        tokens_BQ = torch.zeros(self.tokens_BQ.shape, dtype=torch.int64)
+        for row, prompt in enumerate(prompts):
+            tokens_BQ[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+        lengths = [len(p) for p in prompts] + [1] * (len(self.rows_B) - len(prompts))
+        self.tokens_BQ.copy_(tokens_BQ)
+        self.last_B.copy_(torch.tensor(lengths) - 1)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits_BV = self._pass()
+        assert self.logits_BV is not None
+        self.cache.lengths_B.copy_(torch.tensor(lengths))
+        return self.cache, self.logits_BV[: len(prompts)]
+
+    def _pass(self) -> Tensor:
+        self.cache.lengths_B.zero_()
+        hidden_BQH = forward_rows(
+            self.gm,
+            self.cache,
+            self.tokens_BQ,
+            self.width_B,
+            self.keys,
+            uniform=(self.width, self.width),
+            adapter_routing=self.routing,
+        )
+        last_BH = hidden_BQH[self.rows_B, self.last_B]
+        return head_logits(self.gm, last_BH, self.keys, self.routing).float()
+
+    def _captured(self) -> torch.cuda.CUDAGraph | None:
+        """The captured pass, or None (eager passes) when capture fails (decode_graph.py).
+        A warm-up pass on a side stream first (lazy set-up must not happen in a capture); it
+        also makes the output tensor. Each pass resets the cache's lengths, so nothing of the
+        warm-up needs undoing."""
+        try:
+            device = self.tokens_BQ.device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self.logits_BV = self._pass()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits_BV.copy_(self._pass())
+            return graph
+        except RuntimeError as error:
+            log.warning("prefill pass not captured in a CUDA graph, running it eagerly: %s", error)
+            return None
+
+
+def _bucket(count: int, least: int = 1) -> int:
+    return max(least, 1 << (count - 1).bit_length())
+
+
+class PrefillSteps:
+    """The PrefillSteps of one decoding, by bucket; `start_rows` is joins.start_rows through
+    them where they serve (see the module docstring)."""
+
+    def __init__(self, graphs: bool) -> None:
+        self.graphs = graphs
+        self._steps: dict[tuple[str, int, int], PrefillStep] = {}
+
+    def clear(self) -> None:
+        self._steps = {}
+
+    def start_rows(
+        self, gm: GeneratorModel, generation: Generation, group_ids: list[int], row_ids: list[int]
+    ) -> tuple[KVCache, LiveRows] | None:
+        """Prefill groups `group_ids` and draw the first token of rows `row_ids` (as
+        joins.start_rows), or None when a PrefillStep does not serve them."""
+        if not JOIN_PREFILL_STEPS:
+            return None
+        groups = [generation.groups[g] for g in group_ids]
+        keys = {g.adapter_key for g in groups}
+        if len(keys) > 1 or any(g.wants_prompt_logprobs or g.wants_routes for g in groups):
+            return None
+        rows = _bucket(len(groups))
+        width = _bucket(max(len(g.prompt) for g in groups), MIN_WIDTH)
+        if rows * width > PREFILL_TOKENS_PER_PASS or _cached(gm, groups):
+            return None
+        key = (keys.pop(), rows, width)
+        if key not in self._steps:
+            self._steps[key] = PrefillStep(gm, key[0], rows, width, self.graphs)
+        cache, logits_GV = self._steps[key].run([g.prompt for g in groups])
+        keep_prompts(gm, groups, cache)
+        return cache, first_tokens(gm, generation, group_ids, row_ids, logits_GV)
+
+
+def _cached(gm: GeneratorModel, groups: list[PromptGroup]) -> bool:
+    """Whether the prefix cache holds part of a prompt (prefill.prompt_cache's lookup)."""
+    if not gm.prefix_cache.enabled:
+        return False
+    prompt_cache(gm, groups)
+    return any(g.cache_hit_tokens for g in groups)

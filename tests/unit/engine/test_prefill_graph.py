@@ -1,0 +1,152 @@
+"""Joins beside static passes prefill through a PrefillStep of their bucket, made once and
+reused (engine/generate/prefill_graph.py; a CUDA graph on a GPU, eager on the CPU): its KV and
+first-token logits are a prefill pass's (within 1e-5), every pass of a step runs the same
+operations on the same shapes and reads nothing back (what a capture needs), and every
+request still gets what it gets alone. Prompt logprobs and prefix-cache hits prefill apart.
+Built-in model, CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_padding_joins import agent_turn, closed_loop, sampler_alone
+from test_stream_joins import assert_same, engine_for, generator_of, request
+
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
+from posttrain.engine.generate import prefill_graph, sampler
+from posttrain.engine.generate.joins import Generation
+from posttrain.engine.generate.prefill import prefill
+from posttrain.engine.generate.prefill_graph import PrefillStep
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.types import LoraConfig, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_decode_blocks import _Trace as Trace  # noqa: E402  (the dispatch trace of a pass)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LocalEngine:
+    return engine_for({BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}, BUILTIN_MODEL_ID)
+
+
+@pytest.fixture(autouse=True)
+def static_blocks(monkeypatch):
+    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", True)
+    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 2)
+
+
+def counted_steps(monkeypatch) -> tuple[list[PrefillStep], list[list[tuple[int, ...]]]]:
+    """The PrefillSteps made, and the prompts of each run of one."""
+    made: list[PrefillStep] = []
+    runs: list[list[tuple[int, ...]]] = []
+    init, run = PrefillStep.__init__, PrefillStep.run
+
+    def counted_init(step, *args, **kwargs) -> None:
+        made.append(step)
+        init(step, *args, **kwargs)
+
+    def counted_run(step, prompts):
+        runs.append(list(prompts))
+        return run(step, prompts)
+
+    monkeypatch.setattr(PrefillStep, "__init__", counted_init)
+    monkeypatch.setattr(PrefillStep, "run", counted_run)
+    return made, runs
+
+
+def test_a_prefill_step_gives_a_prefill_passs_kv_and_first_logits(engine):
+    """Three prompts of different lengths in a bucket of 4 rows x 16 positions: each row's
+    KV over its prompt, its length and its first-token logits are a prefill pass's; a second
+    run of other prompts overwrites them all."""
+    _, gm = generator_of(engine)
+    generation = Generation()
+    prompts = [(5, 6, 7), tuple(range(10, 22)), (40,)]
+    params = SamplingParams(max_tokens=4, seed=1)
+    requests = [request(p, 1, params) for p in prompts]
+    group_ids, _ = generation.add(gm, requests, engine._resource("r").served)
+    groups = [generation.groups[g] for g in group_ids]
+    step = PrefillStep(gm, "s@generator", 4, 16, graph=False)
+    with torch.no_grad():
+        step.run([(1, 2, 3, 4, 5, 6, 7, 8, 9)] * 4)  # an earlier join's prompts, overwritten
+        cache, logits_GV = step.run(prompts)
+        expected_cache, expected_GV = prefill(gm, groups, with_logits=True)
+    assert expected_GV is not None
+    assert cache.lengths_B[:3].tolist() == [len(p) for p in prompts]
+    torch.testing.assert_close(logits_GV, expected_GV, atol=1e-5, rtol=0)
+    for row, prompt in enumerate(prompts):
+        ours = cache.kv[:, :, row, :, : len(prompt)]
+        theirs = expected_cache.kv[:, :, row, :, : len(prompt)]
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_every_pass_of_a_prefill_step_runs_the_same_operations_and_reads_nothing_back(
+    engine, monkeypatch
+):
+    """What a CUDA graph needs, checked on the CPU: whatever prompts a bucket's step prefills,
+    its pass dispatches the same operations on the same shapes, none a read to the host."""
+    _, gm = generator_of(engine)
+    traces = []
+    run_pass = PrefillStep._pass
+
+    def traced(step):
+        with Trace() as trace:
+            logits = run_pass(step)
+        traces.append(trace.ops)
+        return logits
+
+    monkeypatch.setattr(PrefillStep, "_pass", traced)
+    step = PrefillStep(gm, "s@generator", 2, 16, graph=False)
+    for prompts in ([(5, 6, 7)], [(1,) * 16, (2, 3)], [(9,) * 11, (4,) * 5]):
+        with torch.no_grad():
+            step.run(prompts)
+    assert len(traces) == 3
+    assert all(ops == traces[0] for ops in traces)
+    assert not any("_local_scalar_dense" in name for name, _ in traces[0])
+
+
+def test_joins_beside_static_passes_reuse_one_prefill_step_per_bucket(engine, monkeypatch):
+    """8 agents x 4 turns of 6-token prompts: every join prefills through a step, one per
+    bucket of rows (joins that come at one boundary share a run), and every request gets what
+    it gets alone; with the steps off, every join runs a prefill pass of its own."""
+    made, runs = counted_steps(monkeypatch)
+    results, requests, _ = closed_loop(engine, 8, 4)
+    joined = sum(map(len, runs))
+    assert joined == 24  # every later turn (3 of each agent's 4) joined through a step
+    assert len(made) <= 3 < len(runs)  # rows buckets 1, 2, 4 at most
+    monkeypatch.setattr(prefill_graph, "JOIN_PREFILL_STEPS", False)
+    apart, apart_requests, _ = closed_loop(engine, 8, 4)
+    assert sum(map(len, runs)) == joined  # no step ran
+    theirs = dict(zip(apart_requests, apart, strict=True))
+    for ours, q in zip(results, requests, strict=True):
+        assert_same(ours, theirs[q])
+        (alone,) = sampler_alone(engine, q)
+        assert_same(ours, alone)
+
+
+def test_joins_wanting_prompt_logprobs_or_hitting_the_prefix_cache_prefill_apart(monkeypatch):
+    """A join that wants prompt logprobs needs every position's logits; one whose prompt the
+    prefix cache holds in part runs only the rest: both take the prefill pass, not a step;
+    other joins still take one."""
+    engine = LocalEngine(
+        EngineConfig(device="cpu", logprob_chunk_tokens=5), {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
+    )
+    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    for session, seed in (("s", 1), ("t", 2)):
+        engine.create_session("r", session, LoraConfig(rank=4, alpha=8, seed=seed))
+    _, runs = counted_steps(monkeypatch)
+    first_prompt = agent_turn(0, 0).prompt
+
+    def turn(agent: int, number: int):
+        q = agent_turn(agent, number)
+        if agent == 0 and number:  # agent 0 extends its first prompt: a prefix-cache hit
+            return request(first_prompt + (number,), 1, q.params)
+        return request(q.prompt, 1, q.params, prompt_logprobs=agent == 1 and number > 0)
+
+    results, requests, _ = closed_loop(engine, 3, 3, turn)
+    stepped = {prompt for run in runs for prompt in run}
+    assert stepped == {agent_turn(2, n).prompt for n in (1, 2)}, stepped
+    for result, q in zip(results, requests, strict=True):
+        assert (result.prompt_logprobs is not None) == q.prompt_logprobs

@@ -62,8 +62,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
-from posttrain.engine.generate import joining_pass, padding_joins, sampler  # noqa: E402
+from posttrain.engine.generate import (  # noqa: E402
+    joining_pass,
+    joins,
+    padding_joins,
+    prefill_graph,
+    sampler,
+)
 from posttrain.engine.generate.decode_graph import DecodeStep  # noqa: E402
+from posttrain.engine.generate.prefill_graph import PrefillStep  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SampleResult, SamplingParams  # noqa: E402
 
@@ -201,12 +208,16 @@ def joining_apart(
 def joining_appending(
     engine: LocalEngine, resource: str, session: str, requests: list[list[SampleRequest]]
 ) -> list[Done]:
-    """`joining` beside static passes with every join appending its rows (a new layout, on
-    CUDA a new capture) instead of taking the padding rows of the running layout where they
-    fit (engine/generate/padding_joins.py)."""
+    """`joining` beside static passes as it was before joins took padding rows: every join
+    appends its rows (a new layout, on CUDA a new capture) instead of taking the padding rows
+    of the running layout where they fit (engine/generate/padding_joins.py), and runs an eager
+    prefill pass instead of its bucket's PrefillStep (engine/generate/prefill_graph.py)."""
     from gpu_check_common import switched  # bench/: this script's folder
 
-    with switched(padding_joins, JOIN_INTO_PADDING=False):
+    with (
+        switched(padding_joins, JOIN_INTO_PADDING=False),
+        switched(prefill_graph, JOIN_PREFILL_STEPS=False),
+    ):
         return joining(engine, resource, session, requests)
 
 
@@ -229,10 +240,14 @@ class Blocks:
     rows: int = 0
     seconds: float = 0.0
     layouts: int = 0  # static passes' layouts made (DecodeSteps): on CUDA, graph captures
+    prefills: int = 0  # prefill passes run eagerly (a first batch's, or joins' without a step)
+    prefill_steps: int = 0  # joins' prefills through a PrefillStep (on CUDA, replayed)
 
     def report(self) -> dict[str, float]:
         return {
             "layouts": self.layouts,
+            "prefills": self.prefills,
+            "prefill_steps": self.prefill_steps,
             "blocks": self.count,
             "rows_per_block": self.rows / self.count,
             "block_ms": self.seconds / self.count * 1e3,
@@ -241,14 +256,24 @@ class Blocks:
 
 @contextmanager
 def counting(blocks: Blocks) -> Iterator[None]:
-    """Count every sampler.Decoding block run inside the `with` into `blocks`, and every
-    static layout made."""
+    """Count every sampler.Decoding block run inside the `with` into `blocks`, every static
+    layout made, and the prefills run eagerly and through PrefillSteps."""
     original = sampler.Decoding.block
     made = DecodeStep.__init__
 
     def layout(step: DecodeStep, *args, **kwargs) -> None:
         blocks.layouts += 1
         made(step, *args, **kwargs)
+
+    eager_prefill, stepped = joins.prefill, PrefillStep.run
+
+    def prefill(*args, **kwargs):
+        blocks.prefills += 1
+        return eager_prefill(*args, **kwargs)
+
+    def prefill_step(step: PrefillStep, *args):
+        blocks.prefill_steps += 1
+        return stepped(step, *args)
 
     def block(decoding: sampler.Decoding) -> None:
         blocks.rows += len(decoding.batch.live) if decoding.batch is not None else 0
@@ -259,11 +284,15 @@ def counting(blocks: Blocks) -> Iterator[None]:
 
     sampler.Decoding.block = block  # type: ignore[method-assign]
     DecodeStep.__init__ = layout  # type: ignore[method-assign]
+    joins.prefill = prefill
+    PrefillStep.run = prefill_step  # type: ignore[method-assign]
     try:
         yield
     finally:
         sampler.Decoding.block = original  # type: ignore[method-assign]
         DecodeStep.__init__ = made  # type: ignore[method-assign]
+        joins.prefill = eager_prefill
+        PrefillStep.run = stepped  # type: ignore[method-assign]
 
 
 def rates(done: list[Done]) -> dict[str, float]:
@@ -377,7 +406,10 @@ def line(agents: int, turns: int, token_range: tuple[int, int], row: dict) -> st
         text += (
             f"\n    static layouts made (on CUDA: graph captures) whole {row['whole_layouts']:.0f},"
             f" joining {row['joining_layouts']:.0f}, joins appending {row['append_layouts']:.0f};"
-            f" joining / appending: ops/s {row['joining_over_append_ops_s']:.2f}x, ms a block"
+            f" eager prefill passes whole {row['whole_prefills']:.0f}, joining"
+            f" {row['joining_prefills']:.0f} (+ {row['joining_prefill_steps']:.0f} through"
+            f" prefill steps), appending {row['append_prefills']:.0f}; joining / appending:"
+            f" ops/s {row['joining_over_append_ops_s']:.2f}x, ms a block"
             f" {row['joining_over_append_block_ms']:.2f}x; same tokens"
             f" {row['append_same_tokens_ops']} of {row['ops']} ops"
         )

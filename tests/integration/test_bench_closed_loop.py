@@ -60,8 +60,9 @@ def test_closed_loop_on_static_passes_counts_the_layouts_each_way_makes():
     assert "decode blocks of 1, static passes," in out, out
     layouts = (
         r"^    static layouts made \(on CUDA: graph captures\) whole \d+, joining \d+, joins"
-        r" appending \d+; joining / appending: ops/s \d+\.\d\dx, ms a block \d+\.\d\dx; same"
-        r" tokens 6 of 6 ops$"
+        r" appending \d+; eager prefill passes whole \d+, joining \d+ \(\+ \d+ through prefill"
+        r" steps\), appending \d+; joining / appending: ops/s \d+\.\d\dx, ms a block"
+        r" \d+\.\d\dx; same tokens 6 of 6 ops$"
     )
     assert re.search(layouts, out, re.M), out
     (found,) = json.loads(out.strip().splitlines()[-1])["tiny"]["rows"]
@@ -69,3 +70,6 @@ def test_closed_loop_on_static_passes_counts_the_layouts_each_way_makes():
     # Each way made a layout at least for its first batch; appending joins make one per join.
     assert 1 <= found["joining_layouts"] <= found["append_layouts"], found
     assert found["whole_layouts"] >= 1
+    # Joins beside a running batch prefill through steps; appending, each prefills eagerly.
+    assert found["joining_prefill_steps"] >= 1 and found["append_prefill_steps"] == 0, found
+    assert found["joining_prefills"] < found["append_prefills"], found

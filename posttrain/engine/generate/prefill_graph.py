@@ -5,18 +5,20 @@ Beside static passes (CUDA graphs) a join's prompts cannot ride in a decode pass
 (joining_pass.py: it would turn a replayed pass into an eager one), so each join ran an eager
 prefill pass: on the H200 about 88 ms of launches for a 28-layer model, about what a replayed
 block of 8 decode passes costs, at almost every block of a stream. Here a join's prefill is a
-PrefillStep of a bucket (the adapter, rows rounded up to a power of two, prompt positions
-rounded up to a power of two of at least MIN_WIDTH), made once and reused by every later join
-of that bucket: its prompts are copied into a persistent token tensor (right-padded: causal
-attention keeps a real position from seeing the padding after it), the pass writes a
-persistent KVCache whose lengths it resets itself, and the head's logits at each prompt's
-last real position land in a persistent tensor. On CUDA the pass is captured after a warm-up
-and replayed; elsewhere it runs eagerly (how the CPU tests check it).
+PrefillStep of a bucket (the adapter; rows, positions run and cache columns each rounded up
+to a power of two, positions to at least MIN_WIDTH), made once and reused by every later join
+of that bucket. What the prefix cache holds of each prompt is copied into the step's
+persistent KVCache and the pass starts each row there (`start_B`, which the pass copies into
+the cache's lengths itself); the rest of each prompt is copied into a persistent token tensor
+(right-padded: causal attention keeps a real position from seeing the padding after it); the
+head's logits at each prompt's last real position land in a persistent tensor. On CUDA the
+pass is captured after a warm-up and replayed; elsewhere it runs eagerly (how the CPU tests
+check it).
 
-It serves joins whose prompts all run whole on one adapter: not when a prompt wants prompt
-logprobs or routed experts, nor when the prefix cache holds part of one (prefill.py serves
-those; `start_rows` returns None), nor past PREFILL_TOKENS_PER_PASS positions. A publish of
-new weights drops the steps (a capture holds the addresses of the weights it read).
+It serves joins whose prompts are all on one adapter, within PREFILL_TOKENS_PER_PASS
+positions; not a prompt that wants prompt logprobs or routed experts (prefill.py serves those:
+`start_rows` returns None). A publish of new weights drops the steps (a capture holds the
+addresses of the weights it read).
 
 Legend: B = rows of the bucket, Q = its positions, V = vocab.
 """
@@ -60,54 +62,66 @@ class _PaddedPromptCache(KVCache):
 
 
 class PrefillStep:
-    """The prefill pass of one bucket: `run` prefills up to `rows` prompts of up to `width`
-    positions on adapter `key`."""
+    """The prefill pass of one bucket: `run` prefills up to `rows` prompts on adapter `key`,
+    each running up to `width` positions after what the prefix cache held of it, all within
+    `capacity` positions."""
 
-    def __init__(self, gm: GeneratorModel, key: str, rows: int, width: int, graph: bool) -> None:
+    def __init__(
+        self, gm: GeneratorModel, key: str, rows: int, width: int, capacity: int, graph: bool
+    ) -> None:
         self.gm = gm
         embedding = gm.model.get_input_embeddings().weight
         device = embedding.device
         self.cache = _PaddedPromptCache.for_model(
-            gm.kv, num_rows=rows, capacity=width, dtype=embedding.dtype, device=device
+            gm.kv, num_rows=rows, capacity=capacity, dtype=embedding.dtype, device=device
         )
         self.keys = [key] * rows
         self.routing = routing_of(self.keys, device)
         self.width = width
-        # Persistent inputs and outputs: the prompts' tokens, each row's last real position,
-        # the first-token logits.
+        # Persistent inputs and outputs: the tokens run, the positions each row starts at (its
+        # prefix-cache hit) and its last real one, the first-token logits.
         self.tokens_BQ = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.start_B = torch.zeros(rows, dtype=torch.int64, device=device)
         self.last_B = torch.zeros(rows, dtype=torch.int64, device=device)
         self.rows_B = torch.arange(rows, device=device)
         self.width_B = torch.full((rows,), width, dtype=torch.int64, device=device)
         self.logits_BV: Tensor | None = None
         self.graph = self._captured() if graph else None
 
-    def run(self, prompts: list[tuple[int, ...]]) -> tuple[KVCache, Tensor]:
-        """Prefill `prompts` (at most the bucket's rows, each at most its width): (the cache,
-        row g holding prompt g's KV and length; the first-token logits [G, V], float32)."""
+    def run(self, groups: list[PromptGroup], hits: KVCache) -> tuple[KVCache, Tensor]:
+        """Prefill the prompts of `groups` (at most the bucket's rows), row g of `hits` holding
+        the group.cache_hit_tokens positions the prefix cache had of group g's prompt: (the
+        cache, row g holding prompt g's KV and length; the first-token logits [G, V],
+        float32)."""
         tokens_BQ = torch.zeros(self.tokens_BQ.shape, dtype=torch.int64)
-        for row, prompt in enumerate(prompts):
-            tokens_BQ[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
-        lengths = [len(p) for p in prompts] + [1] * (len(self.rows_B) - len(prompts))
+        starts = [g.cache_hit_tokens for g in groups]
+        for row, group in enumerate(groups):
+            suffix = group.prompt[starts[row] :]
+            tokens_BQ[row, : len(suffix)] = torch.tensor(suffix, dtype=torch.int64)
+        if cached := max(starts):
+            self.cache.kv[:, :, : len(groups), :, :cached] = hits.kv[:, :, :, :, :cached]
+        starts += [0] * (len(self.rows_B) - len(groups))  # padding rows: one position
+        lengths = [len(g.prompt) for g in groups] + [1] * (len(starts) - len(groups))
         self.tokens_BQ.copy_(tokens_BQ)
-        self.last_B.copy_(torch.tensor(lengths) - 1)
+        self.start_B.copy_(torch.tensor(starts))
+        self.last_B.copy_(torch.tensor(lengths) - torch.tensor(starts) - 1)
         if self.graph is not None:
             self.graph.replay()
         else:
             self.logits_BV = self._pass()
         assert self.logits_BV is not None
         self.cache.lengths_B.copy_(torch.tensor(lengths))
-        return self.cache, self.logits_BV[: len(prompts)]
+        return self.cache, self.logits_BV[: len(groups)]
 
     def _pass(self) -> Tensor:
-        self.cache.lengths_B.zero_()
+        self.cache.lengths_B.copy_(self.start_B)
         hidden_BQH = forward_rows(
             self.gm,
             self.cache,
             self.tokens_BQ,
             self.width_B,
             self.keys,
-            uniform=(self.width, self.width),
+            uniform=(self.width, self.cache.capacity),
             adapter_routing=self.routing,
         )
         last_BH = hidden_BQH[self.rows_B, self.last_B]
@@ -160,21 +174,15 @@ class PrefillSteps:
         keys = {g.adapter_key for g in groups}
         if len(keys) > 1 or any(g.wants_prompt_logprobs or g.wants_routes for g in groups):
             return None
+        hits = prompt_cache(gm, groups)  # sets each group's cache_hit_tokens
         rows = _bucket(len(groups))
-        width = _bucket(max(len(g.prompt) for g in groups), MIN_WIDTH)
-        if rows * width > PREFILL_TOKENS_PER_PASS or _cached(gm, groups):
+        width = _bucket(max(len(g.prompt) - g.cache_hit_tokens for g in groups), MIN_WIDTH)
+        capacity = _bucket(max(g.cache_hit_tokens for g in groups) + width)
+        if rows * width > PREFILL_TOKENS_PER_PASS:
             return None
-        key = (keys.pop(), rows, width)
+        key = (keys.pop(), rows, width, capacity)
         if key not in self._steps:
-            self._steps[key] = PrefillStep(gm, key[0], rows, width, self.graphs)
-        cache, logits_GV = self._steps[key].run([g.prompt for g in groups])
+            self._steps[key] = PrefillStep(gm, *key, self.graphs)
+        cache, logits_GV = self._steps[key].run(groups, hits)
         keep_prompts(gm, groups, cache)
         return cache, first_tokens(gm, generation, group_ids, row_ids, logits_GV)
-
-
-def _cached(gm: GeneratorModel, groups: list[PromptGroup]) -> bool:
-    """Whether the prefix cache holds part of a prompt (prefill.prompt_cache's lookup)."""
-    if not gm.prefix_cache.enabled:
-        return False
-    prompt_cache(gm, groups)
-    return any(g.cache_hit_tokens for g in groups)

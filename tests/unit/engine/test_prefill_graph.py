@@ -1,9 +1,9 @@
 """Joins beside static passes prefill through a PrefillStep of their bucket, made once and
 reused (engine/generate/prefill_graph.py; a CUDA graph on a GPU, eager on the CPU): its KV and
-first-token logits are a prefill pass's (within 1e-5), every pass of a step runs the same
-operations on the same shapes and reads nothing back (what a capture needs), and every
-request still gets what it gets alone. Prompt logprobs and prefix-cache hits prefill apart.
-Built-in model, CPU."""
+first-token logits are a prefill pass's (within 1e-5), from the prefix cache's hit on as a
+prefill pass's are, every pass of a step runs the same operations on the same shapes and reads
+nothing back (what a capture needs), and every request still gets what it gets alone. Prompt
+logprobs prefill apart. Built-in model, CPU."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from test_stream_joins import assert_same, engine_for, generator_of, request
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.generate import prefill_graph, sampler
 from posttrain.engine.generate.joins import Generation
-from posttrain.engine.generate.prefill import prefill
+from posttrain.engine.generate.prefill import PromptGroup, prefill, prompt_cache
 from posttrain.engine.generate.prefill_graph import PrefillStep
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.types import LoraConfig, SamplingParams
@@ -48,31 +48,60 @@ def counted_steps(monkeypatch) -> tuple[list[PrefillStep], list[list[tuple[int, 
         made.append(step)
         init(step, *args, **kwargs)
 
-    def counted_run(step, prompts):
-        runs.append(list(prompts))
-        return run(step, prompts)
+    def counted_run(step, groups, hits):
+        runs.append([g.prompt for g in groups])
+        return run(step, groups, hits)
 
     monkeypatch.setattr(PrefillStep, "__init__", counted_init)
     monkeypatch.setattr(PrefillStep, "run", counted_run)
     return made, runs
 
 
-def test_a_prefill_step_gives_a_prefill_passs_kv_and_first_logits(engine):
-    """Three prompts of different lengths in a bucket of 4 rows x 16 positions: each row's
-    KV over its prompt, its length and its first-token logits are a prefill pass's; a second
-    run of other prompts overwrites them all."""
+def prefix_caching_engine(mib: int) -> LocalEngine:
+    """The built-in model with sessions s and t, its prefix cache `mib` MiB (0: off)."""
+    config = EngineConfig(device="cpu", logprob_chunk_tokens=5, prefix_cache_mib=mib)
+    engine = LocalEngine(config, {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR})
+    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
+    for session, seed in (("s", 1), ("t", 2)):
+        engine.create_session("r", session, LoraConfig(rank=4, alpha=8, seed=seed))
+    return engine
+
+
+def planned(engine: LocalEngine, prompts: list[tuple[int, ...]]) -> list[PromptGroup]:
+    """The prompt groups of one-sample requests of `prompts` on session s."""
     _, gm = generator_of(engine)
     generation = Generation()
-    prompts = [(5, 6, 7), tuple(range(10, 22)), (40,)]
     params = SamplingParams(max_tokens=4, seed=1)
     requests = [request(p, 1, params) for p in prompts]
     group_ids, _ = generation.add(gm, requests, engine._resource("r").served)
-    groups = [generation.groups[g] for g in group_ids]
-    step = PrefillStep(gm, "s@generator", 4, 16, graph=False)
+    return [generation.groups[g] for g in group_ids]
+
+
+def stepped(gm, step: PrefillStep, prompts: list[tuple[int, ...]], engine) -> tuple:
+    groups = planned(engine, prompts)
     with torch.no_grad():
-        step.run([(1, 2, 3, 4, 5, 6, 7, 8, 9)] * 4)  # an earlier join's prompts, overwritten
-        cache, logits_GV = step.run(prompts)
+        return step.run(groups, prompt_cache(gm, groups))
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-prefix-cache", "prefix-cache-hits"])
+def test_a_prefill_step_gives_a_prefill_passs_kv_and_first_logits(cached):
+    """Three prompts of different lengths in a bucket of 4 rows x 16 positions: each row's
+    KV over its prompt, its length and its first-token logits are a prefill pass's; a second
+    run of other prompts overwrites them all. With the prefix cache holding the first 8
+    positions of two of them, the step runs the rest, as a prefill pass does."""
+    engine = prefix_caching_engine(64 if cached else 0)
+    _, gm = generator_of(engine)
+    prompts = [(5, 6, 7), tuple(range(10, 22)), tuple(range(30, 44))]
+    if cached:  # the prefix cache learns the first 8 positions of the longer two
+        with torch.no_grad():
+            prefill(gm, planned(engine, [p[:8] for p in prompts[1:]]), with_logits=False)
+    step = PrefillStep(gm, "s@generator", 4, 16, 32, graph=False)
+    stepped(gm, step, [(1, 2, 3, 4, 5, 6, 7, 8, 9)] * 4, engine)  # overwritten next
+    cache, logits_GV = stepped(gm, step, prompts, engine)
+    groups = planned(engine, prompts)
+    with torch.no_grad():
         expected_cache, expected_GV = prefill(gm, groups, with_logits=True)
+    assert [g.cache_hit_tokens for g in groups] == ([0, 8, 8] if cached else [0, 0, 0])
     assert expected_GV is not None
     assert cache.lengths_B[:3].tolist() == [len(p) for p in prompts]
     torch.testing.assert_close(logits_GV, expected_GV, atol=1e-5, rtol=0)
@@ -98,10 +127,9 @@ def test_every_pass_of_a_prefill_step_runs_the_same_operations_and_reads_nothing
         return logits
 
     monkeypatch.setattr(PrefillStep, "_pass", traced)
-    step = PrefillStep(gm, "s@generator", 2, 16, graph=False)
+    step = PrefillStep(gm, "s@generator", 2, 16, 16, graph=False)
     for prompts in ([(5, 6, 7)], [(1,) * 16, (2, 3)], [(9,) * 11, (4,) * 5]):
-        with torch.no_grad():
-            step.run(prompts)
+        stepped(gm, step, prompts, engine)
     assert len(traces) == 3
     assert all(ops == traces[0] for ops in traces)
     assert not any("_local_scalar_dense" in name for name, _ in traces[0])
@@ -126,16 +154,14 @@ def test_joins_beside_static_passes_reuse_one_prefill_step_per_bucket(engine, mo
         assert_same(ours, alone)
 
 
-def test_joins_wanting_prompt_logprobs_or_hitting_the_prefix_cache_prefill_apart(monkeypatch):
-    """A join that wants prompt logprobs needs every position's logits; one whose prompt the
-    prefix cache holds in part runs only the rest: both take the prefill pass, not a step;
-    other joins still take one."""
-    engine = LocalEngine(
-        EngineConfig(device="cpu", logprob_chunk_tokens=5), {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}
-    )
-    engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
-    for session, seed in (("s", 1), ("t", 2)):
-        engine.create_session("r", session, LoraConfig(rank=4, alpha=8, seed=seed))
+def test_joins_wanting_prompt_logprobs_prefill_apart_and_prefix_cache_hits_take_a_step(
+    monkeypatch,
+):
+    """A join that wants prompt logprobs needs every position's logits: it takes a prefill
+    pass, not a step (so does the rest of its admit). One whose prompt the prefix cache holds
+    in part takes a step that runs the rest; other joins take one too. Each gets what it gets
+    alone."""
+    engine = prefix_caching_engine(64)
     _, runs = counted_steps(monkeypatch)
     first_prompt = agent_turn(0, 0).prompt
 
@@ -146,7 +172,12 @@ def test_joins_wanting_prompt_logprobs_or_hitting_the_prefix_cache_prefill_apart
         return request(q.prompt, 1, q.params, prompt_logprobs=agent == 1 and number > 0)
 
     results, requests, _ = closed_loop(engine, 3, 3, turn)
-    stepped = {prompt for run in runs for prompt in run}
-    assert stepped == {agent_turn(2, n).prompt for n in (1, 2)}, stepped
+    through_steps = {prompt for run in runs for prompt in run}
+    hits = {first_prompt + (1,), first_prompt + (2,)}
+    # (An admit with a prompt-logprobs join in it prefills apart as a whole.)
+    assert through_steps & hits
+    assert through_steps <= hits | {agent_turn(2, n).prompt for n in (1, 2)}
     for result, q in zip(results, requests, strict=True):
         assert (result.prompt_logprobs is not None) == q.prompt_logprobs
+        (alone,) = sampler_alone(engine, q)
+        assert_same(result, alone)

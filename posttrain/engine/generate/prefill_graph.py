@@ -15,10 +15,11 @@ head's logits at each prompt's last real position land in a persistent tensor. O
 pass is captured after a warm-up and replayed; elsewhere it runs eagerly (how the CPU tests
 check it).
 
-It serves joins whose prompts are all on one adapter, within PREFILL_TOKENS_PER_PASS
-positions; not a prompt that wants prompt logprobs or routed experts (prefill.py serves those:
-`start_rows` returns None). A publish of new weights drops the steps (a capture holds the
-addresses of the weights it read).
+It serves joins whose prompts are all on one adapter, within STEP_POSITIONS positions; not a
+prompt that wants prompt logprobs or routed experts (prefill.py serves those: `start_rows`
+returns None). A step serves one generation of its adapter's weights (a capture holds the
+addresses of the weights it read): publishing new ones drops the steps, and a step is keyed by
+the generation too. KEPT_STEPS bounds what they hold.
 
 Legend: B = rows of the bucket, Q = its positions, V = vocab.
 """
@@ -33,7 +34,6 @@ from torch import Tensor
 from posttrain.engine.generate.decode_rows import LiveRows
 from posttrain.engine.generate.joins import Generation, first_tokens
 from posttrain.engine.generate.prefill import (
-    PREFILL_TOKENS_PER_PASS,
     GeneratorModel,
     PromptGroup,
     forward_rows,
@@ -48,6 +48,10 @@ log = logging.getLogger("posttrain")
 
 # The fewest prompt positions of a bucket: short prompts share one step.
 MIN_WIDTH = 16
+# What the kept steps may hold: each keeps its KV cache (rows x columns) and, on CUDA, its
+# graph's memory between joins, outside the memory estimate; a bucket past it prefills eagerly.
+STEP_POSITIONS = 4096
+KEPT_STEPS = 4  # the most recently used
 # Benchmarks turn it off to compare with eager prefill passes for every join.
 JOIN_PREFILL_STEPS = True
 
@@ -158,7 +162,7 @@ class PrefillSteps:
 
     def __init__(self, graphs: bool) -> None:
         self.graphs = graphs
-        self._steps: dict[tuple[str, int, int], PrefillStep] = {}
+        self._steps: dict[tuple[str, int, int, int, int], PrefillStep] = {}
 
     def clear(self) -> None:
         self._steps = {}
@@ -178,11 +182,16 @@ class PrefillSteps:
         rows = _bucket(len(groups))
         width = _bucket(max(len(g.prompt) - g.cache_hit_tokens for g in groups), MIN_WIDTH)
         capacity = _bucket(max(g.cache_hit_tokens for g in groups) + width)
-        if rows * width > PREFILL_TOKENS_PER_PASS:
+        if rows * capacity > STEP_POSITIONS:
             return None
-        key = (keys.pop(), rows, width, capacity)
-        if key not in self._steps:
-            self._steps[key] = PrefillStep(gm, *key, self.graphs)
-        cache, logits_GV = self._steps[key].run(groups, hits)
+        adapter = keys.pop()
+        key = (adapter, groups[0].generation, rows, width, capacity)
+        step = self._steps.pop(key, None)  # re-inserted last: the most recently used
+        if step is None:
+            step = PrefillStep(gm, adapter, rows, width, capacity, self.graphs)
+            if len(self._steps) >= KEPT_STEPS:
+                del self._steps[next(iter(self._steps))]
+        self._steps[key] = step
+        cache, logits_GV = step.run(groups, hits)
         keep_prompts(gm, groups, cache)
         return cache, first_tokens(gm, generation, group_ids, row_ids, logits_GV)

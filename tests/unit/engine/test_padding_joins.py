@@ -46,7 +46,7 @@ def agent_turn(agent: int, turn: int, **options) -> GenerationRequest:
     return request(prompt, 1, params, **options)
 
 
-def closed_loop(engine, agents: int, turns: int | list[int], turn=agent_turn):
+def closed_loop(engine, agents: int, turns: int | list[int], turn=agent_turn, between_tokens=None):
     """`agents` agents, each sending its next turn as soon as its last one finished (it joins
     at the next block boundary), `turns` turns each (or agent a turns[a]): the results in
     arrival order, their requests, and how many layouts (DecodeSteps) the generation made."""
@@ -79,7 +79,12 @@ def closed_loop(engine, agents: int, turns: int | list[int], turn=agent_turn):
     DecodeStep.__init__ = counted
     try:
         results = sampler.generate(
-            gm, list(requests), versions=resource.served, admit=admit, finished=finished
+            gm,
+            list(requests),
+            versions=resource.served,
+            admit=admit,
+            finished=finished,
+            between_tokens=between_tokens,
         )
     finally:
         DecodeStep.__init__ = made

@@ -181,3 +181,27 @@ def test_joins_wanting_prompt_logprobs_prefill_apart_and_prefix_cache_hits_take_
         assert (result.prompt_logprobs is not None) == q.prompt_logprobs
         (alone,) = sampler_alone(engine, q)
         assert_same(result, alone)
+
+
+def test_a_publish_makes_the_joins_after_it_prefill_through_a_new_step(engine, monkeypatch):
+    """A step's capture holds the weights it read: after a publish (PIPELINE, between blocks)
+    the joins prefill through a step made for the new generation, and every request's tokens
+    are those of no publish (the same weights are published)."""
+    made, runs = counted_steps(monkeypatch)
+    boundaries = []
+
+    def publish_at_the_sixth_boundary() -> None:
+        boundaries.append(1)
+        if len(boundaries) == 6:
+            engine.publish("r", "s", version=40)
+
+    results, requests, _ = closed_loop(engine, 4, 4, between_tokens=publish_at_the_sixth_boundary)
+    assert len(boundaries) > 6
+    buckets = [(step.cache.kv.shape[2], step.width) for step in made]
+    assert len(buckets) > len(set(buckets))  # one bucket's step made again for the new weights
+    for result, q in zip(results, requests, strict=True):
+        (alone,) = sampler_alone(engine, q)
+        assert len(result.sequences) == len(alone.sequences)
+        for x, y in zip(result.sequences, alone.sequences, strict=True):
+            assert x.tokens == y.tokens
+            torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)

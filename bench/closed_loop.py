@@ -38,6 +38,13 @@ their dispatch, whatever the rows, as the 0.6B model's eager steps did on an H20
 step against 0.57 ms of memory traffic; docs/benchmarks.md); with `--block-steps 8` (the
 accelerator's decode blocks) it stands in for gpu_check's `agents` section on this machine.
 
+`--static` runs every way on static passes (the GPU's default decode, CUDA graphs there,
+eager here) and adds a third way, "append": joins as they ran beside static passes before
+they took padding rows and prefill steps, each appending its rows (a new layout: on CUDA a
+capture) after an eager prefill pass (engine/generate/padding_joins.py, prefill_graph.py).
+Every way counts the layouts it made and its eager prefill passes: what a GPU pays per
+capture and per eager pass is in docs/benchmarks.md, so the counts give its cost there.
+
 bench/gpu_check.py runs `compare` on the Qwen3-0.6B shape on a GPU (its `agents` section).
 """
 

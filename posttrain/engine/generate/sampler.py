@@ -37,7 +37,8 @@ operations and sessions can share passes) and runs:
    their live rows are appended to the batch and the cache (FanoutKVCache.join). A joined
    row's own part starts empty: the host keeps every row's own length, so dynamic passes
    build per-row own masks without reading anything back (the `uniform` fast path while all
-   are equal); static passes keep one own length per row (a join is a new layout). A request
+   are equal); static passes keep one own length per row (a join takes padding rows of the
+   layout, or makes a new one: padding_joins.py). A request
    completed at a block end is reported then (`finished`). The loop is a Decoding, run one
    block at a time; `generate` drives it with callbacks, a scheduler may drive it directly.
 
@@ -241,8 +242,9 @@ class Decoding:
         """Requests joining between blocks: planned, prefilled and drawn their first token;
         their live rows join the batch and the cache (a new batch when none runs). Beside a
         running dynamic batch the prefill rides in the next block's first pass, the rows join
-        for its other passes, and admits before it share it (joining_pass.py); otherwise it
-        runs now (joins.start_rows)."""
+        for its other passes, and admits before it share it (joining_pass.py); beside a
+        static one it runs now through a reused step (prefill_graph.py), and the rows take
+        padding rows where they fit (padding_joins.py); else now (joins.start_rows)."""
         if not requests:
             return
         with torch.no_grad():

@@ -377,7 +377,9 @@ def compare(
         out["apart_same_tokens_ops"] = apart["same_tokens_ops"]
     if "append" in ways:
         for key in ("ops_s", "tokens_s", "whole_run_ops_s", "layouts", "block_ms"):
-            out[f"joining_over_append_{key}"] = out[f"joining_{key}"] / max(out[f"append_{key}"], 1)
+            # (No layout at all on dynamic passes, where the ways are the same: a ratio of 1.)
+            below = out[f"append_{key}"] or 1
+            out[f"joining_over_append_{key}"] = (out[f"joining_{key}"] or 1) / below
         append = differences(tokens["append"], tokens["joining"])
         out["append_same_tokens_ops"] = append["same_tokens_ops"]
     out["tokens_per_op"] = statistics.mean(len(t) for t in tokens["whole"].values())

@@ -127,8 +127,13 @@ def measure_stream(engine: LocalEngine, args, device, generator, vocab) -> dict:
         assert len(latencies) == count, (len(latencies), count)
         return count / (time.perf_counter() - start), latencies
 
+    from closed_loop import Blocks, counting  # bench/: this script's folder
+
     joined(2)  # warm-up
-    rate, latencies = joined(STREAM_OPS)  # one run: 32 + a generation's blocks
+    blocks = Blocks()
+    with counting(blocks):  # its layouts (captures with graphs) and eager prefill passes
+        rate, latencies = joined(STREAM_OPS)  # one run: 32 + a generation's blocks
+    report |= {f"stream_join_{key}": value for key, value in blocks.report().items()}
     report["stream_join_ops_per_s"] = rate
     report["stream_join_op_latency_s"] = statistics.median(latencies)
     report["stream_join_over_one_op"] = report["stream_join_ops_per_s"] / statistics.median(alone)

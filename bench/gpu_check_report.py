@@ -105,7 +105,10 @@ def summary(report: dict) -> str:
         + (
             f"{get('stream_join_ops_per_s', '{:.3g}')} ops/s"
             f" ({get('stream_join_over_one_op', '{:.2f}')}x one per call),"
-            f" median latency {get('stream_join_op_latency_s', '{:.3g}')} s"
+            f" median latency {get('stream_join_op_latency_s', '{:.3g}')} s;"
+            f" {get('stream_join_layouts', '{:.0f}')} layouts (captures with graphs),"
+            f" {get('stream_join_prefills', '{:.0f}')} eager prefill passes and"
+            f" {get('stream_join_prefill_steps', '{:.0f}')} through prefill steps"
             if "stream_join_ops_per_s" in report
             else str(report.get("stream_join", "n/a"))
         ),

@@ -116,8 +116,9 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
     numbers = [k for k in KEYS if k not in ("mfu",) and "diff" not in k]
     assert all(report[k] > 0 for k in numbers), out
     # Captures and prefill steps: on the CPU the agents' passes are dynamic, so none.
-    for way in ("whole", "joining", "append"):
-        assert report[f"agents_{way}_layouts"] == report[f"agents_{way}_prefill_steps"] == 0
+    for way in ("agents_whole", "agents_joining", "agents_append", "stream_join"):
+        assert report[f"{way}_layouts"] == report[f"{way}_prefill_steps"] == 0
+    assert 1 <= report["stream_join_prefills"] <= 32  # joins ride in the decode pass here
 
     # FLOPs: the small model's matmul and adapter parameters, 2 x 32 tokens; each
     # implementation of one variant is credited the same work

@@ -205,3 +205,24 @@ def test_a_publish_makes_the_joins_after_it_prefill_through_a_new_step(engine, m
         for x, y in zip(result.sequences, alone.sequences, strict=True):
             assert x.tokens == y.tokens
             torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "gpt_neox", "granite"])
+def test_joins_beside_static_passes_get_what_they_get_alone_on_every_family(
+    tmp_path, monkeypatch, family
+):
+    """The families whose decode runs static passes (full attention, sdpa, dense): fused
+    projections and partial rotary (GPT-NeoX), multipliers (Granite), norms after attention
+    (OLMo 2), Gemma's scaled embeddings: joins into padding rows through prefill steps give
+    each family's requests what they get alone."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+    import families
+
+    engine = engine_for({"m": families.build(family, tmp_path / family)}, "m")
+    made, runs = counted_steps(monkeypatch)
+    results, requests, layouts = closed_loop(engine, 4, 3)
+    assert runs and made  # the joins prefilled through steps
+    assert layouts < 8  # and took padding rows (8 joins)
+    for result, q in zip(results, requests, strict=True):
+        (alone,) = sampler_alone(engine, q)
+        assert_same(result, alone)

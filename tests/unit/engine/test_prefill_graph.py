@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_padding_joins import agent_turn, closed_loop, sampler_alone
+from test_padding_joins import (
+    agent_turn,
+    closed_loop,
+    sampler_alone,
+    static_blocks,  # noqa: F401  (autouse: static blocks of 2 passes)
+)
 from test_stream_joins import assert_same, engine_for, generator_of, request
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.generate import prefill_graph, sampler
+from posttrain.engine.generate import prefill_graph
 from posttrain.engine.generate.joins import Generation
 from posttrain.engine.generate.prefill import PromptGroup, prefill, prompt_cache
 from posttrain.engine.generate.prefill_graph import PrefillStep
@@ -30,12 +35,6 @@ from test_decode_blocks import _Trace as Trace  # noqa: E402  (the dispatch trac
 @pytest.fixture(scope="module")
 def engine() -> LocalEngine:
     return engine_for({BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}, BUILTIN_MODEL_ID)
-
-
-@pytest.fixture(autouse=True)
-def static_blocks(monkeypatch):
-    monkeypatch.setattr(sampler, "CPU_STATIC_DECODE", True)
-    monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 2)
 
 
 def counted_steps(monkeypatch) -> tuple[list[PrefillStep], list[list[tuple[int, ...]]]]:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from posttrain.model.attention import SharedPrefixAttention
-from posttrain.model.kv_cache import KVCache, fill_holes
+from posttrain.model.kv_cache import KVCache, fill_holes, power_of_two_at_least
 
 
 def _bias(visible_BQK: Tensor, width: int, *, check: bool = True) -> Tensor | None:
@@ -125,7 +125,7 @@ class FanoutKVCache:
         slot_B, m, prefix_lengths_B = self._group_layout()
         columns = self._longest_prefix()
         if round_up:
-            columns = min(self.prefix.capacity, max(round_up, 1 << (columns - 1).bit_length()))
+            columns = min(self.prefix.capacity, power_of_two_at_least(columns, round_up))
         prefix_kv = self.prefix.kv[:, :, : self.prefix.num_rows, :, :columns]
         return prefix_kv, slot_B, m, prefix_lengths_B
 

@@ -38,6 +38,12 @@ from torch import Tensor
 from posttrain.model.kv_shape import KVShape
 
 
+def power_of_two_at_least(count: int, least: int = 1) -> int:
+    """`count` rounded up to a power of two, and to at least `least`: a size that changes
+    rarely as `count` grows, so what is made for it (a captured pass) is reused."""
+    return max(least, 1 << (count - 1).bit_length())
+
+
 def fill_holes(keep: list[int]) -> list[int]:
     """A new order of the batch positions in `keep` (ascending) that leaves every kept position
     below len(keep) in place and moves the ones beyond into the holes: the fewest row copies."""

@@ -42,7 +42,7 @@ from posttrain.engine.generate.prefill import (
     prompt_cache,
     routing_of,
 )
-from posttrain.model.kv_cache import KVCache
+from posttrain.model.kv_cache import KVCache, power_of_two_at_least
 
 log = logging.getLogger("posttrain")
 
@@ -152,10 +152,6 @@ class PrefillStep:
             return None
 
 
-def _bucket(count: int, least: int = 1) -> int:
-    return max(least, 1 << (count - 1).bit_length())
-
-
 class PrefillSteps:
     """The PrefillSteps of one decoding, by bucket; `start_rows` is joins.start_rows through
     them where they serve (see the module docstring)."""
@@ -179,9 +175,11 @@ class PrefillSteps:
         if len(keys) > 1 or any(g.wants_prompt_logprobs or g.wants_routes for g in groups):
             return None
         hits = prompt_cache(gm, groups)  # sets each group's cache_hit_tokens
-        rows = _bucket(len(groups))
-        width = _bucket(max(len(g.prompt) - g.cache_hit_tokens for g in groups), MIN_WIDTH)
-        capacity = _bucket(max(g.cache_hit_tokens for g in groups) + width)
+        rows = power_of_two_at_least(len(groups))
+        width = power_of_two_at_least(
+            max(len(g.prompt) - g.cache_hit_tokens for g in groups), MIN_WIDTH
+        )
+        capacity = power_of_two_at_least(max(g.cache_hit_tokens for g in groups) + width)
         if rows * capacity > STEP_POSITIONS:
             return None
         adapter = keys.pop()

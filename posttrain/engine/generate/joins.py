@@ -186,13 +186,18 @@ class Generation:
 
 
 def start_rows(
-    gm: GeneratorModel, generation: Generation, group_ids: list[int], row_ids: list[int]
+    gm: GeneratorModel,
+    generation: Generation,
+    group_ids: list[int],
+    row_ids: list[int],
+    hits: KVCache | None = None,
 ) -> tuple[KVCache, LiveRows]:
     """Prefill groups `group_ids` (row i of the returned cache is group group_ids[i]) and draw
     the first token of rows `row_ids` (rows of those groups); returns the prefill and the
-    rows still live after their first token, as a batch of their own."""
+    rows still live after their first token, as a batch of their own. `hits`: the groups'
+    prompt_cache, when the caller has already looked them up."""
     groups = [generation.groups[g] for g in group_ids]
-    prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True)
+    prefill_cache, first_logits_GV = prefill(gm, groups, with_logits=True, cache=hits)
     assert first_logits_GV is not None
     return prefill_cache, first_tokens(gm, generation, group_ids, row_ids, first_logits_GV)
 

@@ -192,12 +192,17 @@ def extend_rows(
 
 
 def prefill(
-    gm: GeneratorModel, groups: list[PromptGroup], *, with_logits: bool
+    gm: GeneratorModel,
+    groups: list[PromptGroup],
+    *,
+    with_logits: bool,
+    cache: KVCache | None = None,
 ) -> tuple[KVCache, Tensor | None]:
     """KV of every group's prompt in row g of a new cache, from the prefix cache where possible;
     the first-token logits [G, V] (float32) when asked; prompt logprobs into groups that want
-    them. The computed KV goes back into the prefix cache."""
-    cache = prompt_cache(gm, groups)
+    them. The computed KV goes back into the prefix cache. `cache`: the groups' prompt_cache,
+    when the caller has already looked them up."""
+    cache = cache or prompt_cache(gm, groups)
     keys = [g.adapter_key for g in groups]
     suffixes = [g.prompt[g.cache_hit_tokens :] for g in groups]
     last_hidden: list[Tensor | None] = [None] * len(groups)

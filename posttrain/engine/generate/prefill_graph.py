@@ -16,10 +16,11 @@ pass is captured after a warm-up and replayed; elsewhere it runs eagerly (how th
 check it).
 
 It serves joins whose prompts are all on one adapter, within STEP_POSITIONS positions; not a
-prompt that wants prompt logprobs or routed experts (prefill.py serves those: `start_rows`
-returns None). A step serves one generation of its adapter's weights (a capture holds the
-addresses of the weights it read): publishing new ones drops the steps, and a step is keyed by
-the generation too. KEPT_STEPS bounds what they hold.
+prompt that wants prompt logprobs or routed experts. `start_rows` gives the others a prefill
+pass (joins.start_rows, with what the prefix cache was already asked). A step serves one
+generation of its adapter's weights (a capture holds the addresses of the weights it read):
+publishing new ones drops the steps, and a step is keyed by the generation too. KEPT_STEPS
+bounds what they hold.
 
 Legend: B = rows of the bucket, Q = its positions, V = vocab.
 """
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from posttrain.engine.generate.decode_rows import LiveRows
-from posttrain.engine.generate.joins import Generation, first_tokens
+from posttrain.engine.generate.joins import Generation, first_tokens, start_rows
 from posttrain.engine.generate.prefill import (
     GeneratorModel,
     PromptGroup,
@@ -165,15 +166,17 @@ class PrefillSteps:
 
     def start_rows(
         self, gm: GeneratorModel, generation: Generation, group_ids: list[int], row_ids: list[int]
-    ) -> tuple[KVCache, LiveRows] | None:
-        """Prefill groups `group_ids` and draw the first token of rows `row_ids` (as
-        joins.start_rows), or None when a PrefillStep does not serve them."""
-        if not JOIN_PREFILL_STEPS:
-            return None
+    ) -> tuple[KVCache, LiveRows]:
+        """joins.start_rows (prefill groups `group_ids`, draw the first token of rows
+        `row_ids`) through a PrefillStep where one serves them, else by a prefill pass."""
         groups = [generation.groups[g] for g in group_ids]
         keys = {g.adapter_key for g in groups}
-        if len(keys) > 1 or any(g.wants_prompt_logprobs or g.wants_routes for g in groups):
-            return None
+        if (
+            not JOIN_PREFILL_STEPS
+            or len(keys) > 1
+            or any(g.wants_prompt_logprobs or g.wants_routes for g in groups)
+        ):
+            return start_rows(gm, generation, group_ids, row_ids)
         hits = prompt_cache(gm, groups)  # sets each group's cache_hit_tokens
         rows = power_of_two_at_least(len(groups))
         width = power_of_two_at_least(
@@ -181,7 +184,7 @@ class PrefillSteps:
         )
         capacity = power_of_two_at_least(max(g.cache_hit_tokens for g in groups) + width)
         if rows * capacity > STEP_POSITIONS:
-            return None
+            return start_rows(gm, generation, group_ids, row_ids, hits)
         adapter = keys.pop()
         key = (adapter, groups[0].generation, rows, width, capacity)
         step = self._steps.pop(key, None)  # re-inserted last: the most recently used

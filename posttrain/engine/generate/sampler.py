@@ -259,10 +259,10 @@ class Decoding:
             if joins_in_pass(gm, generation, group_ids, dynamic):
                 self._joining = Joining(group_ids, row_ids)
                 return
-            started = None
             if self.static and self.running:  # a join beside static passes (prefill_graph.py)
-                started = self._prefills.start_rows(gm, generation, group_ids, row_ids)
-            prefill_cache, fresh = started or start_rows(gm, generation, group_ids, row_ids)
+                prefill_cache, fresh = self._prefills.start_rows(gm, generation, group_ids, row_ids)
+            else:
+                prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
             self._start(group_ids, row_ids, prefill_cache, fresh)
 
     def _start(

@@ -60,9 +60,11 @@ class StaticDecodeCache:
         self.own_length_B = torch.tensor(own_lengths, dtype=torch.int64, device=device)
         self._rows_B = torch.arange(self.rows, device=device)
         self._columns_S = torch.arange(self.capacity, device=device)
-        (self._prefix_kv, self._slot_B, self._per_group, self._prefix_lengths_B) = (
-            fanout.prefix_layout(round_up=PREFIX_COLUMNS_AT_LEAST)
+        (self._prefix_kv, self._slot_B, self._per_group, prefix_lengths_B) = fanout.prefix_layout(
+            round_up=PREFIX_COLUMNS_AT_LEAST
         )
+        # Its own copy: `refill` writes it, and the fanout keeps the one it lent per layout.
+        self._prefix_lengths_B = prefix_lengths_B.clone()
         self.prefix_columns = self._prefix_kv.shape[4]
         self._prefix_P = torch.arange(self.prefix_columns, device=device)
         self._prefix_bias_BQP = torch.zeros(self.rows, 1, self.prefix_columns, device=device)

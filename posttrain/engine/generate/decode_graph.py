@@ -98,12 +98,10 @@ class DecodeStep:
     def refill(self, batch: LiveRows, restarted: list[tuple[list[int], int]]) -> None:
         """Rows joined into padding rows of this layout (padding_joins.py): `batch` holds
         them now, and each (positions, prompt length) of `restarted` names rows that restart
-        empty on a prompt of that length. The persistent tensors take the new rows' last
-        tokens and settings in place, so the captured pass replays on."""
-        assert batch.last_tokens_B is not None
-        if batch.last_tokens_B is not self.tokens_B:
-            self.tokens_B.copy_(batch.last_tokens_B)
-            batch.last_tokens_B = self.tokens_B
+        empty on a prompt of that length. The persistent tensors take the new rows' settings
+        in place (their last tokens LiveRows.refill wrote), so the captured pass replays on."""
+        # A block of this layout ran (`block`), so the new rows' tokens went in place.
+        assert batch.last_tokens_B is self.tokens_B
         for mine, theirs in zip(
             self.settings, (batch.temperature_B, batch.top_k_B, batch.top_p_B), strict=True
         ):

@@ -289,17 +289,15 @@ def counting(blocks: Blocks) -> Iterator[None]:
         blocks.seconds += time.perf_counter() - start
         blocks.count += 1
 
-    sampler.Decoding.block = block  # type: ignore[method-assign]
-    DecodeStep.__init__ = layout  # type: ignore[method-assign]
-    joins.prefill = prefill
-    PrefillStep.run = prefill_step  # type: ignore[method-assign]
-    try:
+    from gpu_check_common import switched  # bench/: this script's folder
+
+    with (
+        switched(sampler.Decoding, block=block),
+        switched(DecodeStep, __init__=layout),
+        switched(joins, prefill=prefill),
+        switched(PrefillStep, run=prefill_step),
+    ):
         yield
-    finally:
-        sampler.Decoding.block = original  # type: ignore[method-assign]
-        DecodeStep.__init__ = made  # type: ignore[method-assign]
-        joins.prefill = eager_prefill
-        PrefillStep.run = stepped  # type: ignore[method-assign]
 
 
 def rates(done: list[Done]) -> dict[str, float]:

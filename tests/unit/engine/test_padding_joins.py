@@ -76,8 +76,8 @@ def closed_loop(engine, agents: int, turns: int | list[int], turn=agent_turn, be
         layouts.append(step)
         made(step, *args, **kwargs)
 
-    DecodeStep.__init__ = counted
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeStep, "__init__", counted)
         results = sampler.generate(
             gm,
             list(requests),
@@ -86,8 +86,6 @@ def closed_loop(engine, agents: int, turns: int | list[int], turn=agent_turn, be
             finished=finished,
             between_tokens=between_tokens,
         )
-    finally:
-        DecodeStep.__init__ = made
     assert len(results) == sum(turns_of)
     return results, requests, len(layouts)
 

@@ -2,10 +2,10 @@
 CUDA) serves them without being made again.
 
 Static passes (decode_graph.py) keep the rows that ended as padding until at most half of the
-layout's rows run (`keeps_layout`). A join that appended its rows made a new layout, and on
+layout's rows run (`keeps_layout`). A join that appends its rows makes a new layout, and on
 CUDA a new capture: a warm-up pass and a captured pass, each costing an eager pass's launches
 (about 88 ms each on the H200 beside a replayed pass of about 13 ms), at almost every block of
-a stream. Here a joining prompt whose rows fit in the rows of a prompt group that no running
+a stream. So a joining prompt whose rows fit in the rows of a prompt group that no running
 row reads any more takes them instead (`join_into_padding`): its prompt's KV is copied over
 that group's prefix row (FanoutKVCache.refill), those rows' own parts restart empty, and the
 pass's persistent tensors (last tokens, settings, position and prefix-bias rows) are written in

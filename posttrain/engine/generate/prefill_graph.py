@@ -2,9 +2,9 @@
 and, on CUDA, replayed from a CUDA graph: the join's counterpart of decode_graph.py.
 
 Beside static passes (CUDA graphs) a join's prompts cannot ride in a decode pass
-(joining_pass.py: it would turn a replayed pass into an eager one), so each join ran an eager
-prefill pass: on the H200 about 88 ms of launches for a 28-layer model, about what a replayed
-block of 8 decode passes costs, at almost every block of a stream. Here a join's prefill is a
+(joining_pass.py: it would turn a replayed pass into an eager one). An eager prefill pass
+costs on the H200 about 88 ms of launches for a 28-layer model, about what a replayed block of
+8 decode passes costs, at almost every block of a stream. So a join's prefill is a
 PrefillStep of a bucket (the adapter; rows, positions run and cache columns each rounded up
 to a power of two, positions to at least MIN_WIDTH), made once and reused by every later join
 of that bucket. What the prefix cache holds of each prompt is copied into the step's

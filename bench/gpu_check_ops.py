@@ -10,13 +10,18 @@ import time
 
 from gpu_check_common import random_tokens, seconds, switched, sync, timed
 
+from posttrain.config import SchedulerConfig
 from posttrain.engine.generate import generator as generators
 from posttrain.engine.generate import sampler
 from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.service.sample_streams import stream_rows
 from posttrain.types import SampleRequest, SamplingParams
 
 ADAPTERS = 8  # sessions a0..a7 on resource r (gpu_check.setup makes them)
 STREAM_OPS = 32
+# A sample stream's pool as the server reserves it by default (its row limit, memory permitting:
+# service/sample_streams.py): a stream's static layouts hold placeholder rows within it.
+POOL_ROWS = stream_rows(SchedulerConfig())
 
 
 def _tokens(results) -> int:
@@ -110,6 +115,7 @@ def measure_stream(engine: LocalEngine, args, device, generator, vocab) -> dict:
 
     def joined(count: int) -> tuple[float, list[float]]:
         stream = SampleStream(engine.config, resource, resource.loaded.model)
+        stream.reserve_rows(POOL_ROWS)  # the server's pool, by default and room permitting
         admitted_at: dict[int, float] = {}
         latencies: list[float] = []
         sync(device)

@@ -12,7 +12,8 @@ with absolute position ids) and attends through SharedPrefixAttention (model/att
 which `attention_masks` returns per layer type. `keep` frees finished rows like KVCache.keep and
 also frees the prefixes no live row reads any more, so attention never reads a dead prompt;
 `join` appends the prefixes and rows of requests joining a running decode batch; `refill` puts
-one in the place of a prefix whose rows all ended (static passes keep them as padding).
+one in the place of a prefix whose rows all ended (static passes keep them as padding) or of a
+placeholder's (`add_placeholders`: rows a stream's static layout holds for joins).
 
 Prefix groups are named by the caller's ids (`group_ids_B`); `prefix_row` maps them to rows of
 the prefix cache, which move when dead prefixes are freed.
@@ -243,6 +244,21 @@ class FanoutKVCache:
             self.prefix_row[gid] = start + offset
         self.own.add_rows(len(group_ids_B))
         self.group_ids_B += group_ids_B
+        self._reset_layout()
+
+    def add_placeholders(self, prefix_ids: list[int]) -> None:
+        """Rows appended after the running ones, each continuing a prefix of its own named by
+        prefix_ids: one position of zero keys and values, so every part of their attention
+        sees a column and what they compute (and store) stays finite. They start no sequence:
+        a static layout's rows for joins to take (`refill`), allocated rows only."""
+        assert not set(prefix_ids) & set(self.prefix_row), "placeholder prefixes are new"
+        start = self.prefix.num_rows
+        self.prefix.add_rows(len(prefix_ids))  # zeroed, length 0
+        self.prefix.lengths_B[start : start + len(prefix_ids)] = 1
+        for offset, gid in enumerate(prefix_ids):
+            self.prefix_row[gid] = start + offset
+        self.own.add_rows(len(prefix_ids))
+        self.group_ids_B += prefix_ids
         self._reset_layout()
 
     def refill(self, readers: list[int], prefix_id: int, prefix: KVCache, prefix_row: int) -> None:

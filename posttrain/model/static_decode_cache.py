@@ -107,10 +107,16 @@ class StaticDecodeCache:
         FanoutKVCache's refill put in the prefix row they read: their own lengths, positions
         and prefix bias change in place (the addresses a captured pass reads stay)."""
         assert prefix_length <= self.prefix_columns, "the prefix fits the layout's columns"
+        self.restart(rows)
         rows_R = torch.tensor(rows, dtype=torch.int64, device=self.own_length_B.device)
-        self.own_length_B[rows_R] = 0
         self._prefix_lengths_B[rows_R] = prefix_length
         self._hide_past_prefixes()
+
+    def restart(self, rows: list[int]) -> None:
+        """Rows `rows` hold no own position any more (in place, as `commit` advances them)."""
+        rows_R = torch.tensor(rows, dtype=torch.int64, device=self.own_length_B.device)
+        self.own_length_B[rows_R] = 0
+        self.fanout.own.lengths_B[rows_R] = 0
 
     def update(
         self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args: object, **kwargs: object

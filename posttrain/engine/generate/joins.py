@@ -45,6 +45,7 @@ from posttrain.types import (
     SampledSequence,
     SampleResult,
     SamplingParams,
+    StopReason,
     TopkPromptLogprobs,
 )
 
@@ -122,6 +123,24 @@ class Generation:
                     SampledRow(r, g, request.adapter_key, params, generator, routes=routes)
                 )
         return list(range(first_group, len(self.groups))), list(range(first_row, len(self.rows)))
+
+    def placeholders(self, count: int, like: SampledRow) -> tuple[list[int], list[int]]:
+        """`count` rows of no request, each with an empty prompt group of its own, ended from
+        the start: rows a static layout holds for joins to take (padding_joins.py). They take
+        the adapter and settings of the running row `like`, so a join into them keeps the
+        layout's routing and sampling kind. Returns (their group ids, their row ids)."""
+        group_ids, row_ids = [], []
+        generation = self.groups[like.group].generation
+        for _ in range(count):
+            group_ids.append(len(self.groups))
+            self.groups.append(PromptGroup(like.adapter_key, (), generation))
+            row_ids.append(len(self.rows))
+            # Ended from the start: whatever it computes is dropped (draws.record_steps).
+            row = SampledRow(-1, group_ids[-1], like.adapter_key, like.params, None)
+            row.stop_reason = StopReason.LENGTH
+            self.rows.append(row)
+            self._ended.add(row_ids[-1])  # no request to settle
+        return group_ids, row_ids
 
     def renew(
         self, group_ids: list[int], row_ids: list[int], versions: Mapping[str, WeightsVersion]

@@ -21,28 +21,81 @@ group with at least as many rows and:
 - the batch's sampling kind stays one the layout's draw serves (its code path is fixed).
 Otherwise the join appends its rows and the layout is made again, as for any other change.
 
+Rows end only as a stream runs, so while it ramps up, or grows past its layout, no padding is
+free and every join would append. So a stream's layout (a Decoding with a pool) is made with
+placeholder rows (`add_placeholders`): rows of no request, each on an empty prompt of its own,
+up to a power of two of rows at least PLACEHOLDER_ROWS_AT_LEAST, within the pool's allocated
+rows. Joins take them like any padding, and a layout grows by doubling: about log2 of the rows
+captures while a stream ramps up, where appending made one per join. It shrinks only once at
+most a quarter of its rows run (`keeps_layout`), so a stream whose rows hover about a power of
+two does not capture at every crossing. A join that appends anyway drops the padding first
+(sampler.Decoding._start): the layout is made again in any case, so padding rows are free pool
+rows to a join (SampleStream.room).
+
 Legend: B = rows of the layout.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+
+import torch
 
 from posttrain.engine.generate.decode_graph import DecodeStep
 from posttrain.engine.generate.decode_rows import LiveRows
 from posttrain.engine.generate.joins import Generation
 from posttrain.engine.generate.sampling_math import batch_kind
 from posttrain.model.fanout_kv_cache import FanoutKVCache
-from posttrain.model.kv_cache import KVCache
+from posttrain.model.kv_cache import KVCache, power_of_two_at_least
 
-# Benchmarks turn it off to compare with joins that always append (a new layout each).
+# Benchmarks turn them off to compare with joins that always append (a new layout each), and
+# with stream layouts made for their rows only (no placeholders).
 JOIN_INTO_PADDING = True
+PLACEHOLDERS = True
+# A stream's static layout holds at least this many rows: on a GPU a decode pass of 8 rows
+# costs what one of 1 row does (its weights' reads), and a capture about 13 replayed passes.
+PLACEHOLDER_ROWS_AT_LEAST = 8
 
 
-def keeps_layout(running: int, rows: int) -> bool:
+def stream_layout_rows(running: int) -> int:
+    """Rows of a stream's static layout made for `running` rows (placeholders included)."""
+    return power_of_two_at_least(running, PLACEHOLDER_ROWS_AT_LEAST)
+
+
+def keeps_layout(running: int, rows: int, stream: bool) -> bool:
     """With static passes, whether the batch stays as it is although only `running` of its
     `rows` still run: the finished rows ride along as padding (their tokens are dropped, and
     joins may take them) until at most half the rows run, so a batch changes shape, and a new
-    pass is captured, at most log2(rows) times instead of at every finished row."""
+    pass is captured, at most log2(rows) times instead of at every finished row. A `stream`'s
+    layout (made with room: see the module docstring) stays until the one made for its
+    running rows would have at most a quarter of its rows."""
+    if stream:
+        return stream_layout_rows(running) > rows // 4
     return running > rows // 2
+
+
+def add_placeholders(
+    generation: Generation, batch: LiveRows, cache: FanoutKVCache, running: list[int]
+) -> int:
+    """Placeholder rows after the batch's (see the module docstring), up to
+    stream_layout_rows of the `running` rows in all, as far as the cache's allocated rows go:
+    rows of no request (Generation.placeholders), each on a prefix of its own
+    (FanoutKVCache.add_placeholders), their last token 0. Returns how many were added (their
+    own parts start empty)."""
+    rows = generation.rows
+    wanted = stream_layout_rows(len(running)) - len(batch.live)
+    count = min(wanted, cache.own.free_rows, cache.prefix.free_rows)
+    if count <= 0 or not (JOIN_INTO_PADDING and PLACEHOLDERS):
+        return 0
+    # The most common adapter among the running rows: joins of that adapter fit them.
+    key = Counter(rows[batch.live[b]].adapter_key for b in running).most_common(1)[0][0]
+    like = next(rows[batch.live[b]] for b in running if rows[batch.live[b]].adapter_key == key)
+    group_ids, row_ids = generation.placeholders(count, like)
+    cache.add_placeholders(group_ids)
+    placeholders = LiveRows(rows, row_ids, batch.device, batch.vocab)
+    placeholders.last_tokens_B = torch.zeros(count, dtype=torch.int64, device=batch.device)
+    batch.join(placeholders)
+    return count
 
 
 def join_into_padding(
@@ -102,3 +155,19 @@ def join_into_padding(
     restarted = sorted(b for positions in places.values() for b in positions)
     step.refill(batch, [(places[g], len(generation.groups[g].prompt)) for g in places])
     return taken, restarted
+
+
+def rewind_padding(
+    step: DecodeStep, own_lengths: list[int], running: list[int], steps: int
+) -> None:
+    """Padding rows of the layout `step` runs whose own part would pass its capacity in the
+    next `steps` passes restart empty in place (their tokens are dropped, the pass's tensors
+    stay): a stream's placeholders ride along for many passes, and only running rows should
+    make the decode cache grow (a new layout). `own_lengths`: every row's, updated."""
+    live = set(running)
+    capacity = step.cache.capacity
+    full = [b for b, n in enumerate(own_lengths) if b not in live and n + steps > capacity]
+    if full:
+        step.cache.restart(full)
+        for b in full:
+            own_lengths[b] = 0

@@ -151,10 +151,11 @@ class SampleStream:
         if cache is None or not self.running:
             return JoinRoom()
         rows, prompts = self.decoding.joining()  # admitted, not in the cache until the block
+        padding_rows, padding_prompts = self.decoding.padding()  # joins take or free them
         return JoinRoom(
             running=True,
-            own_free_rows=max(0, cache.own.free_rows - rows),
-            prefix_free_rows=max(0, cache.prefix.free_rows - prompts),
+            own_free_rows=max(0, cache.own.free_rows + padding_rows - rows),
+            prefix_free_rows=max(0, cache.prefix.free_rows + padding_prompts - prompts),
             prefix_capacity=cache.prefix.capacity,
             kv_bytes=self.kv_bytes(),
             pool_rows=self.decoding.pool_rows,

@@ -25,7 +25,8 @@ operations and sessions can share passes) and runs:
    row continues too), so long rows never pay for finished ones.
    Static-shape passes (decode_graph.py; on CUDA unless `--cuda-graphs off`, where they are
    captured in CUDA graphs and replayed) keep finished rows as padding until at most half the
-   batch runs.
+   batch runs (a quarter in a stream, whose layouts hold placeholder rows for joins to take:
+   padding_joins.py).
 4. In-flight weight updates (WEIGHT_SYNC_TYPE_PIPELINE): between blocks `between_tokens` may
    publish new generator weights. Rows whose adapter changed get their KV recomputed with the new
    weights (their prompt's once, then each row's tokens so far), and their result gains a policy
@@ -68,7 +69,8 @@ from torch import Tensor
 
 from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
 from posttrain.engine.generate.decode_rows import LiveRows
-from posttrain.engine.generate.draws import draw, record_steps
+from posttrain.engine.generate.draws import record_steps
+from posttrain.engine.generate.dynamic_passes import dynamic_block
 from posttrain.engine.generate.joining_pass import Joining, decode_and_prefill, joins_in_pass
 from posttrain.engine.generate.joins import (
     Generation,
@@ -77,22 +79,20 @@ from posttrain.engine.generate.joins import (
     start_rows,
     switch_weights,
 )
-from posttrain.engine.generate.padding_joins import join_into_padding, keeps_layout
-from posttrain.engine.generate.prefill import (
-    GeneratorModel,
-    forward_rows,
-    head_logits,
-    new_cache,
+from posttrain.engine.generate.padding_joins import (
+    add_placeholders,
+    join_into_padding,
+    keeps_layout,
+    rewind_padding,
 )
+from posttrain.engine.generate.prefill import GeneratorModel, new_cache
 from posttrain.engine.generate.prefill_graph import PrefillSteps
 from posttrain.engine.state import WeightsVersion
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache, fill_holes
 from posttrain.model.static_decode_cache import StaticDecodeCache
-from posttrain.types import (
-    SampleResult,
-)
+from posttrain.types import SampleResult
 
 # Decode positions allocated at a time: memory follows the longest live row instead of being
 # reserved for every row's max_tokens up front.
@@ -200,12 +200,13 @@ class Decoding:
         # leaving), passes take the `uniform` fast path and nothing is read back.
         self.own_lengths: list[int] = []
         # Batch positions of the rows still running; with static passes, finished rows may
-        # stay in the batch as padding (see _keeps_layout).
+        # stay in the batch as padding (padding_joins.keeps_layout).
         self.running: list[int] = []
         self.step: DecodeStep | None = None  # the static pass of the current layout
         # Rows the decode cache of a new batch is allocated for (its own and prompt parts): a
         # sample stream's pool, so rows joining later take free rows and the running rows'
         # KV is never copied for them (joins.pooled_prefixes). 0: the batch's rows exactly.
+        # With a pool, static layouts hold placeholder rows for joins (padding_joins.py).
         self.pool_rows = 0
         # Requests admitted whose prompts run inside the next decode pass (joining_pass.py).
         self._joining: Joining | None = None
@@ -224,6 +225,16 @@ class Decoding:
         if self._joining is None:
             return 0, 0
         return len(self._joining.row_ids), len(self._joining.group_ids)
+
+    def padding(self) -> tuple[int, int]:
+        """(rows, prompt rows) of the decode cache that no running row uses: a static
+        layout's finished rows and placeholders, which a join takes (padding_joins.py) or,
+        appending, frees first (_start), so they are as free as the pool's free rows."""
+        if self.batch is None or self.cache is None:
+            return 0, 0
+        rows = self.generation.rows
+        read = {rows[self.batch.live[b]].group for b in self.running}
+        return len(self.batch.live) - len(self.running), self.cache.prefix.num_rows - len(read)
 
     def take_finished(self) -> list[tuple[int, SampleResult]]:
         """(index, result) of the requests completed since the last call."""
@@ -306,6 +317,8 @@ class Decoding:
                 self.own_lengths[b] = 0
             self.running = sorted({*self.running, *placed[0]})
             return
+        if len(self.running) < len(self.batch.live):  # static padding: made again anyway
+            self._keep_running()
         live_groups = sorted({rows[r].group for r in fresh.live})
         cache_row = {g: i for i, g in enumerate(group_ids)}
         self.cache.join(
@@ -347,6 +360,8 @@ class Decoding:
             self.steps_per_block,
             max(rows[batch.live[i]].max_tokens - len(rows[batch.live[i]].tokens) for i in running),
         )
+        if self.step is not None:
+            rewind_padding(self.step, self.own_lengths, running, steps)
         longest = max(self.own_lengths)
         if longest + steps > cache.capacity:
             cache.grow(max(cache.capacity + DECODE_POSITIONS_PER_GROWTH, longest + steps))
@@ -358,30 +373,40 @@ class Decoding:
             steps -= 1
         if self.static:
             if self.step is None:
+                if self.pool_rows:  # a stream's: rows for joins to take (padding_joins.py)
+                    added = add_placeholders(self.generation, batch, cache, running)
+                    self.own_lengths += [0] * added
                 graphs = _use_graphs(self.device)
                 static_cache = StaticDecodeCache(cache, self.own_lengths)
                 self.step = DecodeStep(gm, static_cache, batch, graphs)
             tokens_KB, logprobs_KB = self.step.block(batch, steps)
         else:
             ragged = len(set(self.own_lengths)) > 1  # rows joined: per-row own masks
-            tokens_KB, logprobs_KB = _dynamic_block(
+            tokens_KB, logprobs_KB = dynamic_block(
                 gm, batch, cache, steps, longest, ragged, routes_K
             )
         self.own_lengths = [length + steps for length in self.own_lengths]
         if tokens_KB:
             tokens, logprobs = batch.to_host(torch.stack(tokens_KB), torch.stack(logprobs_KB))
             record_steps(gm, batch, tokens, logprobs, routes_K)
-        running = [i for i, r in enumerate(batch.live) if rows[r].stop_reason is None]
+        self.running = [i for i, r in enumerate(batch.live) if rows[r].stop_reason is None]
         self._settle(batch.live)
-        if running and not (self.static and keeps_layout(len(running), len(batch.live))):
-            if len(running) < len(batch.live):
-                order = fill_holes(running)
-                cache.keep(torch.tensor(order, dtype=torch.int64, device=self.device))
-                batch.keep(order)
-                self.own_lengths = [self.own_lengths[i] for i in order]
-                running = list(range(len(order)))
-                self.step = None
-        self.running = running
+        still = len(self.running)
+        if 0 < still < len(batch.live) and not (
+            self.static and keeps_layout(still, len(batch.live), stream=bool(self.pool_rows))
+        ):
+            self._keep_running()
+
+    def _keep_running(self) -> None:
+        """The running rows stay, in as few row moves as may be; finished rows (and a
+        stream's placeholders, padding_joins.py) leave. A new layout follows."""
+        assert self.batch is not None and self.cache is not None
+        order = fill_holes(self.running)
+        self.cache.keep(torch.tensor(order, dtype=torch.int64, device=self.device))
+        self.batch.keep(order)
+        self.own_lengths = [self.own_lengths[i] for i in order]
+        self.running = list(range(len(order)))
+        self.step = None
 
     def _join_in_first_pass(
         self, joining: Joining, batch: LiveRows, cache: FanoutKVCache, longest: int
@@ -399,42 +424,6 @@ class Decoding:
         self.own_lengths = [length + 1 for length in self.own_lengths]
         self._start(joining.group_ids, joining.row_ids, prompts, fresh)
         return max(self.own_lengths)
-
-
-def _dynamic_block(
-    gm: GeneratorModel,
-    batch: LiveRows,
-    cache: FanoutKVCache,
-    steps: int,
-    own_positions: int,
-    ragged: bool,
-    routes_K: list[Tensor] | None,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """`steps` passes of every row of the batch, shapes following the rows' lengths; each
-    step's tokens and logprobs [B] stay on the device (routes appended to routes_K).
-    `own_positions`: what every row holds, or with `ragged` (rows that joined) the longest."""
-    tokens_KB: list[Tensor] = []
-    logprobs_KB: list[Tensor] = []
-    for k in range(steps):
-        assert batch.last_tokens_B is not None
-        routes_out = [] if routes_K is not None else None
-        hidden_B1H = forward_rows(
-            gm,
-            cache,
-            batch.last_tokens_B[:, None],
-            batch.ones_B,
-            batch.keys,
-            routes_out,
-            uniform=(1, own_positions + k + 1),
-            ragged=ragged,
-        )
-        if routes_K is not None:
-            assert routes_out is not None
-            routes_K.append(routes_out[0])
-        tokens_B, logprobs_B = draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
-        tokens_KB.append(tokens_B)
-        logprobs_KB.append(logprobs_B)
-    return tokens_KB, logprobs_KB
 
 
 def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:

@@ -170,8 +170,9 @@ def test_joins_keep_each_rows_random_stream_whatever_the_batchs_sampling_kind(
 
     calls = traced_fits(monkeypatch)
     results, requests, _ = closed_loop(engine, 3, [3, 1, 1], turn)
-    # Greedy layout: the tempered turn appends (then the layout compacts: no padding left).
-    assert calls == ([False] if first == 0.0 else [True, True]), calls
+    # Greedy layout: the tempered turn appends (the padding left first), and the next turn
+    # takes its row in the new layout, a mixed one.
+    assert calls == ([False, True] if first == 0.0 else [True, True]), calls
     for ours, q in zip(results, requests, strict=True):
         (alone,) = sampler_alone(engine, q)
         assert_same(ours, alone)
@@ -214,7 +215,8 @@ def test_a_longer_prompt_joins_a_streams_padding_within_the_layouts_prefix_colum
     decoding = stream.decoding
     step, rows = decoding.step, len(decoding.batch.live)
     assert step is not None and step.cache.prefix_columns == PREFIX_COLUMNS_AT_LEAST
-    assert len(decoding.running) == 3 and rows == 4  # the short one's row is padding now
+    # The short one's row is padding now, beside 4 placeholders (the layout fills the pool).
+    assert len(decoding.running) == 3 and rows == 8
     stream.admit([(s, joining)])
     assert decoding.step is step and len(decoding.batch.live) == rows
     assert len(decoding.running) == 4

@@ -30,16 +30,20 @@ JOINING = SampleRequest(
 
 
 def running_kv(stream: SampleStream) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """(the data pointers of the own and prompt parts, copies of the running rows' KV in each)."""
+    """(the data pointers of the own and prompt parts, copies of the running rows' KV in each
+    and of their prompts'). The running rows and their prompts come first (a static layout's
+    placeholder rows, and their prompts, after them)."""
     cache = stream.decoding.cache
     assert cache is not None
     own, prefix = cache.own, cache.prefix
-    own_used = int(own.lengths_B[: own.num_rows].max())
-    prefix_used = int(prefix.lengths_B[: prefix.num_rows].max())
+    rows = len(stream.decoding.running)
+    prompts = len(set(cache.group_ids_B[:rows]))
+    own_used = int(own.lengths_B[:rows].max())
+    prefix_used = int(prefix.lengths_B[:prompts].max())
     return (
         [own.kv.data_ptr(), prefix.kv.data_ptr()],
-        own.kv[:, :, : own.num_rows, :, :own_used].clone(),
-        prefix.kv[:, :, : prefix.num_rows, :, :prefix_used].clone(),
+        own.kv[:, :, :rows, :, :own_used].clone(),
+        prefix.kv[:, :, :prompts, :, :prefix_used].clone(),
     )
 
 

@@ -124,14 +124,15 @@ class Generation:
                 )
         return list(range(first_group, len(self.groups))), list(range(first_row, len(self.rows)))
 
-    def placeholders(self, count: int, like: SampledRow) -> tuple[list[int], list[int]]:
-        """`count` rows of no request, each with an empty prompt group of its own, ended from
-        the start: rows a static layout holds for joins to take (padding_joins.py). They take
-        the adapter and settings of the running row `like`, so a join into them keeps the
-        layout's routing and sampling kind. Returns (their group ids, their row ids)."""
+    def placeholders(self, likes: list[SampledRow]) -> tuple[list[int], list[int]]:
+        """A row of no request per running row of `likes`, each with an empty prompt group of
+        its own, ended from the start: rows a static layout holds for joins to take
+        (padding_joins.py). Each takes the adapter and settings of its `like`, so a join into
+        it keeps the layout's routing and sampling kind. Returns (their group ids, their row
+        ids)."""
         group_ids, row_ids = [], []
-        generation = self.groups[like.group].generation
-        for _ in range(count):
+        for like in likes:
+            generation = self.groups[like.group].generation
             group_ids.append(len(self.groups))
             self.groups.append(PromptGroup(like.adapter_key, (), generation))
             row_ids.append(len(self.rows))

@@ -80,17 +80,26 @@ def add_placeholders(
     """Placeholder rows after the batch's (see the module docstring), up to
     stream_layout_rows of the `running` rows in all, as far as the cache's allocated rows go:
     rows of no request (Generation.placeholders), each on a prefix of its own
-    (FanoutKVCache.add_placeholders), their last token 0. Returns how many were added (their
-    own parts start empty)."""
+    (FanoutKVCache.add_placeholders), their last token 0, each routed to an adapter of the
+    running rows. Returns how many were added (their own parts start empty)."""
     rows = generation.rows
     wanted = stream_layout_rows(len(running)) - len(batch.live)
     count = min(wanted, cache.own.free_rows, cache.prefix.free_rows)
     if count <= 0 or not (JOIN_INTO_PADDING and PLACEHOLDERS):
         return 0
-    # The most common adapter among the running rows: joins of that adapter fit them.
-    key = Counter(rows[batch.live[b]].adapter_key for b in running).most_common(1)[0][0]
-    like = next(rows[batch.live[b]] for b in running if rows[batch.live[b]].adapter_key == key)
-    group_ids, row_ids = generation.placeholders(count, like)
+    # Each adapter of the running rows gets placeholders in proportion to its rows (largest
+    # remainders first), routed to it: joins of each adapter then find some (many LoRA
+    # sessions sampling in one stream).
+    running_rows = [rows[batch.live[b]] for b in running]
+    per_key = Counter(row.adapter_key for row in running_rows)
+    shares = {key: count * n // len(running) for key, n in per_key.items()}
+    by_remainder = sorted(per_key, key=lambda key: -(count * per_key[key] % len(running)))
+    for key in by_remainder[: count - sum(shares.values())]:
+        shares[key] += 1
+    like = {row.adapter_key: row for row in reversed(running_rows)}  # its first running row
+    group_ids, row_ids = generation.placeholders(
+        [like[k] for k in per_key for _ in range(shares[k])]
+    )
     cache.add_placeholders(group_ids)
     placeholders = LiveRows(rows, row_ids, batch.device, batch.vocab)
     placeholders.last_tokens_B = torch.zeros(count, dtype=torch.int64, device=batch.device)

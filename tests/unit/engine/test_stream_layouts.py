@@ -39,7 +39,8 @@ def one_sample(index: int, max_tokens: int) -> SampleRequest:
 def stream_of(engine, ops, sessions, *, per_block: int = 1, watch=None):
     """The operations admitted `per_block` at a block boundary into one stream (a pool of
     POOL rows, blocks of 2 passes) on sessions `sessions[i]`, until all finish: their results
-    by index, and the layouts (DecodeSteps) made. `watch(stream)` runs after every block."""
+    by index, the layouts (DecodeSteps) made, and per admit whether it kept the running
+    layout (joined into its padding). `watch(stream)` runs after every block."""
     resource = engine._resource("r")
     stream = SampleStream(engine.config, resource, resource.loaded.model, block_steps=2)
     stream.reserve_rows(POOL)
@@ -51,19 +52,22 @@ def stream_of(engine, ops, sessions, *, per_block: int = 1, watch=None):
         made(step, *args, **kwargs)
 
     finished: dict[int, list] = {}
+    kept: list[bool] = []
     queue = list(zip(sessions, ops, strict=True))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DecodeStep, "__init__", counted)
         while queue or stream.running:
             if queue:
                 joining, queue = queue[:per_block], queue[per_block:]
+                step = stream.decoding.step
                 stream.admit([(engine._session("r", s)[1], op) for s, op in joining])
+                kept.append(step is not None and stream.decoding.step is step)
             stream.block()
             finished.update(stream.take_finished())
             if watch is not None:
                 watch(stream)
     assert sorted(finished) == list(range(len(ops)))
-    return finished, len(layouts)
+    return finished, len(layouts), kept
 
 
 def assert_alone(engine, finished, ops, sessions, atol: float = 1e-5) -> None:
@@ -93,11 +97,11 @@ def test_a_ramping_stream_joins_into_placeholder_rows_a_layout_per_doubling(engi
             rows_seen.add(len(decoding.batch.live))
             assert decoding.cache.own.kv.shape[2] == POOL  # placeholders allocate nothing
 
-    finished, layouts = stream_of(engine, ops, sessions, per_block=2, watch=watch)
+    finished, layouts, _ = stream_of(engine, ops, sessions, per_block=2, watch=watch)
     assert layouts <= 4, layouts
     assert {8, 16} <= rows_seen, rows_seen
     monkeypatch.setattr(padding_joins, "JOIN_INTO_PADDING", False)
-    appended, layouts_appending = stream_of(engine, ops, sessions, per_block=2)
+    appended, layouts_appending, _ = stream_of(engine, ops, sessions, per_block=2)
     assert layouts_appending >= len(ops) // 2, layouts_appending
     for item in range(len(ops)):
         for ours, theirs in zip(finished[item], appended[item], strict=True):
@@ -121,20 +125,22 @@ def test_placeholders_riding_past_the_capacity_restart_instead_of_growing_the_ca
         if stream.running:
             capacities.add(stream.decoding.cache.capacity)
 
-    finished, layouts = stream_of(engine, ops, sessions, per_block=2, watch=watch)
+    finished, layouts, _ = stream_of(engine, ops, sessions, per_block=2, watch=watch)
     assert capacities == {6}, capacities
     assert layouts <= 3, layouts
     assert_alone(engine, finished, ops, sessions)
 
 
-def test_another_adapters_join_appends_beside_placeholders_and_stays_exact(engine):
-    """Placeholders route to the running rows' most common adapter; an operation of the other
-    session's adapter appends its rows (a new layout) and every operation gets what it gets
-    alone."""
+def test_placeholders_follow_the_running_rows_adapters(engine):
+    """Placeholders route to the running rows' adapters in proportion: the first operation of
+    session t (beside placeholders all of s) appends its rows (a new layout), whose placeholders
+    then include one of t's, so the next t operation joins without a new layout. Every
+    operation gets what it gets alone."""
     ops = [one_sample(i, 19 - 3 * (i % 4)) for i in range(12)]
     sessions = ["t" if i % 4 == 3 else "s" for i in range(len(ops))]
-    finished, layouts = stream_of(engine, ops, sessions)
-    assert layouts >= 3, layouts  # each "t" joining beside "s" placeholders appended
+    finished, _, kept = stream_of(engine, ops, sessions)
+    assert kept[3] is False  # the first t operation: no placeholder of t yet
+    assert kept[7] is True, kept  # the next one takes one
     assert_alone(engine, finished, ops, sessions)
 
 

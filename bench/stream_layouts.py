@@ -17,7 +17,8 @@ appends its rows and makes a new layout. Three ways, the same operations:
 The operations are one-sample, `--prompt-tokens` random ids each, `max_tokens` uniform in
 --new-tokens (EOS ends a row sooner), temperature 1, seeded; `--per-block` of them join at each
 decode block boundary (arrivals counted in blocks, not seconds, so the counts do not depend on
-the machine), in one SampleStream with the server's default pool. Printed per way: layouts,
+the machine), operation i sampling the i-th of `--sessions` LoRA sessions in turn, in one
+SampleStream with the server's default pool. Printed per way: layouts,
 eager prefills, prefill-step runs and steps made, decode blocks and their rows, the CPU's
 seconds, and the estimate
 
@@ -80,7 +81,8 @@ def operations(count: int, prompt_tokens: int, new_tokens: tuple[int, int], voca
 def run_stream(engine: LocalEngine, ops: list[SampleRequest], per_block: int) -> dict:
     """The operations joining `per_block` at each block boundary until all finish: the counts,
     the CPU's seconds and each operation's tokens."""
-    resource, session = engine._session("r", "s")
+    resource = engine._resource("r")
+    sessions = [engine._session("r", s)[1] for s in sorted(resource.sessions)]
     stream = SampleStream(engine.config, resource, resource.loaded.model)
     stream.reserve_rows(stream_rows(SchedulerConfig()))  # the server's pool by default
     blocks = Blocks()
@@ -98,7 +100,8 @@ def run_stream(engine: LocalEngine, ops: list[SampleRequest], per_block: int) ->
         while queue or stream.running:
             if queue:
                 joining, queue = queue[:per_block], queue[per_block:]
-                stream.admit([(session, op) for _, op in joining])
+                # Operation i samples the i-th session in turn (LoRA adapters of one model).
+                stream.admit([(sessions[i % len(sessions)], op) for i, op in joining])
             if stream.running:
                 stream.block()
             for item, (result,) in stream.take_finished():
@@ -147,6 +150,9 @@ def main() -> None:
         "--new-tokens", type=int, nargs=2, default=[16, 160], metavar=("LOW", "HIGH")
     )
     parser.add_argument("--block-steps", type=int, default=8, help="decode passes per block")
+    parser.add_argument(
+        "--sessions", type=int, default=1, help="LoRA sessions, sampled in turn by the operations"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny, small")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -160,10 +166,10 @@ def main() -> None:
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads"
         f" {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.2f};"
         f" {args.model}, static passes, blocks of {args.block_steps}, {args.prompt_tokens}"
-        f" prompt tokens, {low}-{high} new",
+        f" prompt tokens, {low}-{high} new, {args.sessions} LoRA session(s)",
         flush=True,
     )
-    report: dict[str, object] = {"model": args.model, "rows": []}
+    report: dict[str, object] = {"model": args.model, "sessions": args.sessions, "rows": []}
     with tempfile.TemporaryDirectory(prefix="stream-layouts-") as scratch:
         directory, vocab = model_dir(args.model, Path(scratch))
         model_id = BUILTIN_MODEL_ID if args.model == "tiny" else args.model
@@ -171,7 +177,8 @@ def main() -> None:
         config = EngineConfig(device="cpu", prefix_cache_mib=0)
         engine = LocalEngine(config, {model_id: directory})
         engine.load_resource("r", model_id, muon_scaling=None)
-        engine.create_session("r", "s", LoraConfig(rank=8, alpha=16, seed=1))
+        for index in range(args.sessions):
+            engine.create_session("r", f"s{index}", LoraConfig(rank=8, alpha=16, seed=index))
         compare(engine, operations(2, args.prompt_tokens, (2, 4), vocab), 1)  # warm-up
         for count in args.ops:
             for per_block in args.per_block:

@@ -19,7 +19,7 @@ from helpers import run_bench
 def test_stream_layouts_quick_run_counts_each_ways_layouts_and_prints_json():
     out = run_bench("stream_layouts.py", "--quick")
     assert "OMP_NUM_THREADS=1, torch threads 1," in out, out
-    assert "tiny, static passes, blocks of 2, 8 prompt tokens, 4-12 new" in out, out
+    assert "tiny, static passes, blocks of 2, 8 prompt tokens, 4-12 new, 1 LoRA session(s)" in out
     for way in ("placeholders", "padding", "append"):
         line = (
             rf"^ +{way}: +\d+ layouts, +\d+ eager prefills, +\d+ step runs \(\d+ made\), +\d+"

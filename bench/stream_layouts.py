@@ -179,7 +179,8 @@ def main() -> None:
         engine.load_resource("r", model_id, muon_scaling=None)
         for index in range(args.sessions):
             engine.create_session("r", f"s{index}", LoraConfig(rank=8, alpha=16, seed=index))
-        compare(engine, operations(2, args.prompt_tokens, (2, 4), vocab), 1)  # warm-up
+        warm = operations(max(2, args.sessions), args.prompt_tokens, (2, 4), vocab)
+        compare(engine, warm, 1)  # warm-up, every session served
         for count in args.ops:
             for per_block in args.per_block:
                 ops = operations(count, args.prompt_tokens, (low, high), vocab)

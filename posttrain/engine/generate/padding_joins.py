@@ -57,9 +57,9 @@ PLACEHOLDERS = True
 PLACEHOLDER_ROWS_AT_LEAST = 8
 
 
-def stream_layout_rows(running: int) -> int:
-    """Rows of a stream's static layout made for `running` rows (placeholders included)."""
-    return power_of_two_at_least(running, PLACEHOLDER_ROWS_AT_LEAST)
+def stream_layout_rows(rows: int) -> int:
+    """Rows of a stream's static layout made to hold `rows` (placeholders included)."""
+    return power_of_two_at_least(rows, PLACEHOLDER_ROWS_AT_LEAST)
 
 
 def keeps_layout(running: int, rows: int, stream: bool) -> bool:
@@ -77,23 +77,27 @@ def keeps_layout(running: int, rows: int, stream: bool) -> bool:
 def add_placeholders(
     generation: Generation, batch: LiveRows, cache: FanoutKVCache, running: list[int]
 ) -> int:
-    """Placeholder rows after the batch's (see the module docstring), up to
-    stream_layout_rows of the `running` rows in all, as far as the cache's allocated rows go:
-    rows of no request (Generation.placeholders), each on a prefix of its own
-    (FanoutKVCache.add_placeholders), their last token 0, each routed to an adapter of the
-    running rows. Returns how many were added (their own parts start empty)."""
-    rows = generation.rows
-    wanted = stream_layout_rows(len(running)) - len(batch.live)
+    """Placeholder rows after the batch's (see the module docstring), up to stream_layout_rows
+    of the `running` rows and a join of each of their adapters in all, as far as the cache's
+    allocated rows go: rows of no request (Generation.placeholders), each on a prefix of its
+    own (FanoutKVCache.add_placeholders), their last token 0, each routed to an adapter of
+    the running rows. Returns how many were added (their own parts start empty)."""
+    running_rows = [generation.rows[batch.live[b]] for b in running]
+    per_key = Counter(row.adapter_key for row in running_rows)
+    # Room for a join of each adapter at least: a layout made exactly full would be made
+    # again at the next join.
+    wanted = stream_layout_rows(len(running) + len(per_key)) - len(batch.live)
     count = min(wanted, cache.own.free_rows, cache.prefix.free_rows)
     if count <= 0 or not (JOIN_INTO_PADDING and PLACEHOLDERS):
         return 0
-    # Each adapter of the running rows gets placeholders in proportion to its rows (largest
-    # remainders first), routed to it: joins of each adapter then find some (many LoRA
-    # sessions sampling in one stream).
-    running_rows = [rows[batch.live[b]] for b in running]
-    per_key = Counter(row.adapter_key for row in running_rows)
-    shares = {key: count * n // len(running) for key, n in per_key.items()}
-    by_remainder = sorted(per_key, key=lambda key: -(count * per_key[key] % len(running)))
+    # Each adapter of the running rows gets one placeholder routed to it, and the rest in
+    # proportion to its rows (largest remainders first): joins of each adapter find some
+    # (many LoRA sessions sampling in one stream).
+    shares = dict.fromkeys(per_key, 1) if count >= len(per_key) else dict.fromkeys(per_key, 0)
+    spare = count - sum(shares.values())
+    for key, n in per_key.items():
+        shares[key] += spare * n // len(running)
+    by_remainder = sorted(per_key, key=lambda key: -(spare * per_key[key] % len(running)))
     for key in by_remainder[: count - sum(shares.values())]:
         shares[key] += 1
     like = {row.adapter_key: row for row in reversed(running_rows)}  # its first running row
@@ -101,7 +105,7 @@ def add_placeholders(
         [like[k] for k in per_key for _ in range(shares[k])]
     )
     cache.add_placeholders(group_ids)
-    placeholders = LiveRows(rows, row_ids, batch.device, batch.vocab)
+    placeholders = LiveRows(generation.rows, row_ids, batch.device, batch.vocab)
     placeholders.last_tokens_B = torch.zeros(count, dtype=torch.int64, device=batch.device)
     batch.join(placeholders)
     return count

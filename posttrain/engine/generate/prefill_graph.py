@@ -15,12 +15,12 @@ head's logits at each prompt's last real position land in a persistent tensor. O
 pass is captured after a warm-up and replayed; elsewhere it runs eagerly (how the CPU tests
 check it).
 
-It serves joins whose prompts are all on one adapter, within STEP_POSITIONS positions; not a
-prompt that wants prompt logprobs or routed experts. `start_rows` gives the others a prefill
-pass (joins.start_rows, with what the prefix cache was already asked). A step serves one
-generation of its adapter's weights (a capture holds the addresses of the weights it read):
-publishing new ones drops the steps, and a step is keyed by the generation too. KEPT_STEPS
-bounds what they hold.
+It serves joins whose prompts are all on one adapter (`by_adapter` splits a join of several),
+within STEP_POSITIONS positions; not a prompt that wants prompt logprobs or routed experts.
+`start_rows` gives the others a prefill pass (joins.start_rows, with what the prefix cache was
+already asked). A step serves one generation of its adapter's weights (a capture holds the
+addresses of the weights it read): publishing new ones drops the steps, and a step is keyed by
+the generation too. KEPT_POSITIONS bounds what they hold.
 
 Legend: B = rows of the bucket, Q = its positions, V = vocab.
 """
@@ -49,10 +49,13 @@ log = logging.getLogger("posttrain")
 
 # The fewest prompt positions of a bucket: short prompts share one step.
 MIN_WIDTH = 16
-# What the kept steps may hold: each keeps its KV cache (rows x columns) and, on CUDA, its
-# graph's memory between joins, outside the memory estimate; a bucket past it prefills eagerly.
+# What a step may hold: it keeps its KV cache (rows x columns) and, on CUDA, its graph's
+# memory between joins, outside the memory estimate; a bucket past it prefills eagerly.
 STEP_POSITIONS = 4096
-KEPT_STEPS = 4  # the most recently used
+# What the kept steps hold in all (the most recently used): as much as 4 of the largest, or a
+# step per bucket of each of many adapters (a stream sampling many LoRA sessions), each made
+# once where a bound by count would remake them round after round.
+KEPT_POSITIONS = 4 * STEP_POSITIONS
 # Benchmarks turn it off to compare with eager prefill passes for every join.
 JOIN_PREFILL_STEPS = True
 
@@ -92,6 +95,11 @@ class PrefillStep:
         self.width_B = torch.full((rows,), width, dtype=torch.int64, device=device)
         self.logits_BV: Tensor | None = None
         self.graph = self._captured() if graph else None
+
+    @property
+    def positions(self) -> int:
+        """What its cache holds: rows x columns (PrefillSteps keeps KEPT_POSITIONS in all)."""
+        return self.cache.num_rows * self.cache.capacity
 
     def run(self, groups: list[PromptGroup], hits: KVCache) -> tuple[KVCache, Tensor]:
         """Prefill the prompts of `groups` (at most the bucket's rows), row g of `hits` holding
@@ -190,9 +198,23 @@ class PrefillSteps:
         step = self._steps.pop(key, None)  # re-inserted last: the most recently used
         if step is None:
             step = PrefillStep(gm, adapter, rows, width, capacity, self.graphs)
-            if len(self._steps) >= KEPT_STEPS:
-                del self._steps[next(iter(self._steps))]
         self._steps[key] = step
+        while sum(s.positions for s in self._steps.values()) > KEPT_POSITIONS:
+            del self._steps[next(iter(self._steps))]  # the least recently used
         cache, logits_GV = step.run(groups, hits)
         keep_prompts(gm, groups, cache)
         return cache, first_tokens(gm, generation, group_ids, row_ids, logits_GV)
+
+
+def by_adapter(
+    generation: Generation, group_ids: list[int], row_ids: list[int]
+) -> list[tuple[list[int], list[int]]]:
+    """A join's groups and rows split by adapter, in order of first appearance: a step prefills
+    one adapter's prompts (its routing is made once), so a join of several runs a step for
+    each instead of an eager pass for all."""
+    parts: dict[str, tuple[list[int], list[int]]] = {}
+    for g in group_ids:
+        parts.setdefault(generation.groups[g].adapter_key, ([], []))[0].append(g)
+    for r in row_ids:
+        parts[generation.rows[r].adapter_key][1].append(r)
+    return list(parts.values())

@@ -107,9 +107,12 @@ class SampleStream:
         return {key: version.generation for key, version in self.resource.served.items()}
 
     def _catch_up(self) -> None:
-        """Running rows continue on weights published since the last block (PIPELINE)."""
+        """Running rows continue on weights published since the last block (PIPELINE). A
+        session served for the first time (its first operation joining) changes no weights a
+        running row or a captured pass reads: the layout and the prefill steps stay."""
         served = self._generations()
-        if served != self._served and self.running:
+        changed = any(served.get(key) != generation for key, generation in self._served.items())
+        if changed and self.running:
             self.decoding.weights_published(True)
         self._served = served
 

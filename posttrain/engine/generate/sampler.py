@@ -86,7 +86,7 @@ from posttrain.engine.generate.padding_joins import (
     rewind_padding,
 )
 from posttrain.engine.generate.prefill import GeneratorModel, new_cache
-from posttrain.engine.generate.prefill_graph import PrefillSteps
+from posttrain.engine.generate.prefill_graph import PrefillSteps, by_adapter
 from posttrain.engine.state import WeightsVersion
 from posttrain.model import attention
 from posttrain.model.fanout_kv_cache import FanoutKVCache
@@ -270,11 +270,13 @@ class Decoding:
             if joins_in_pass(gm, generation, group_ids, dynamic):
                 self._joining = Joining(group_ids, row_ids)
                 return
-            if self.static and self.running:  # a join beside static passes (prefill_graph.py)
-                prefill_cache, fresh = self._prefills.start_rows(gm, generation, group_ids, row_ids)
-            else:
-                prefill_cache, fresh = start_rows(gm, generation, group_ids, row_ids)
-            self._start(group_ids, row_ids, prefill_cache, fresh)
+            if self.static and self.running:  # beside static passes: steps, one per adapter
+                for groups, rows in by_adapter(generation, group_ids, row_ids):
+                    self._start(
+                        groups, rows, *self._prefills.start_rows(gm, generation, groups, rows)
+                    )
+                return
+            self._start(group_ids, row_ids, *start_rows(gm, generation, group_ids, row_ids))
 
     def _start(
         self, group_ids: list[int], row_ids: list[int], prefill_cache: KVCache, fresh: LiveRows

@@ -11,15 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from test_padding_joins import static_blocks  # noqa: F401  (autouse: static passes)
+from test_prefill_graph import counted_steps
 from test_stream_joins import assert_same, engine_for
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
-from posttrain.engine.generate import padding_joins
+from posttrain.engine.generate import joins, padding_joins
 from posttrain.engine.generate.decode_graph import DecodeStep
 from posttrain.engine.generate.padding_joins import keeps_layout
 from posttrain.engine.generate.sample_stream import SampleStream
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.types import SampleRequest, SamplingParams
+from posttrain.types import LoraConfig, SampleRequest, SamplingParams
 
 POOL = 64
 
@@ -180,3 +181,34 @@ def test_a_join_counts_padding_rows_as_free(engine):
 )
 def test_a_streams_layout_shrinks_only_to_a_quarter(running, rows, stream, keeps):
     assert keeps_layout(running, rows, stream) is keeps
+
+
+def test_many_sessions_joining_one_stream_prefill_through_steps_made_once(engine, monkeypatch):
+    """Operations of 6 LoRA sessions joining in turn, 1 and then 2 a block, sessions u0..u5
+    served for the first time as their first operation joins: each session's joins prefill
+    through one step of its own, made once (a session served for the first time is no weights
+    change, and the steps kept are bounded by positions, not by 4 of them), and an admit of
+    two sessions' operations runs a step for each, with no eager prefill pass. Every operation
+    gets what it gets alone."""
+    for index in range(6):
+        if f"u{index}" not in engine._resource("r").sessions:
+            engine.create_session("r", f"u{index}", LoraConfig(rank=4, alpha=8, seed=10 + index))
+    made, runs = counted_steps(monkeypatch)
+    eager: list[int] = []
+    prefill = joins.prefill
+
+    def counted_prefill(*args, **kwargs):
+        eager.append(1)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(joins, "prefill", counted_prefill)
+    ops = [one_sample(i, 14 - i % 3) for i in range(24)]
+    sessions = [f"u{i % 6}" for i in range(len(ops))]
+    finished, _, _ = stream_of(engine, ops[:12], sessions[:12])
+    assert len(made) == 6 and len(runs) == 11 and len(eager) == 1, (len(made), len(runs), eager)
+    made.clear(), runs.clear(), eager.clear()
+    finished_pairs, _, _ = stream_of(engine, ops[12:], sessions[12:], per_block=2)
+    assert len(eager) == 1  # the first operations', which start the stream
+    assert len(made) == 6 and len(runs) == 10, (len(made), len(runs))
+    assert_alone(engine, finished, ops[:12], sessions[:12])
+    assert_alone(engine, finished_pairs, ops[12:], sessions[12:])

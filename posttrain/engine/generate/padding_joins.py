@@ -23,14 +23,17 @@ Otherwise the join appends its rows and the layout is made again, as for any oth
 
 Rows end only as a stream runs, so while it ramps up, or grows past its layout, no padding is
 free and every join would append. So a stream's layout (a Decoding with a pool) is made with
-placeholder rows (`add_placeholders`): rows of no request, each on an empty prompt of its own,
-up to a power of two of rows at least PLACEHOLDER_ROWS_AT_LEAST, within the pool's allocated
-rows. Joins take them like any padding, and a layout grows by doubling: about log2 of the rows
-captures while a stream ramps up, where appending made one per join. It shrinks only once at
-most a quarter of its rows run (`keeps_layout`), so a stream whose rows hover about a power of
-two does not capture at every crossing. A join that appends anyway drops the padding first
-(sampler.Decoding._start): the layout is made again in any case, so padding rows are free pool
-rows to a join (SampleStream.room).
+placeholder rows (`add_placeholders`): rows of no request, each on a prompt of its own (one
+position of zero keys and values), up to a power of two (at least PLACEHOLDER_ROWS_AT_LEAST)
+of the running rows and a join of each of their adapters, within the pool's allocated rows,
+routed to the running rows' adapters in proportion. Joins take them like any padding, and a
+layout grows by doubling: about log2 of the rows captures while a stream ramps up, where
+appending made one per join. It shrinks only once the layout made for its running rows would
+be at most a quarter of it (`keeps_layout`), so a stream whose rows hover about a power of two
+does not capture at every crossing; padding rows restart in place before they pass the own
+part's capacity (`rewind_padding`), so they never make the cache grow. A join that appends
+anyway drops the padding first (sampler.Decoding._start): the layout is made again in any case,
+so padding rows are free pool rows to a join (SampleStream.room).
 
 Legend: B = rows of the layout.
 """

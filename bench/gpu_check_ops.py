@@ -84,7 +84,8 @@ def measure_stream(engine: LocalEngine, args, device, generator, vocab) -> dict:
     each is run as it comes), 32 in one call (the ceiling a stream can reach: every operation
     shares every pass), as operations/s; and, where posttrain.engine.generate.sample_stream
     exists, a SampleStream that admits one operation per decode block, 32 in all, run until
-    the last finishes (operations/s and each operation's median latency)."""
+    the last finishes (operations/s and each operation's median latency), on session s0 and,
+    where the multi_lora section made them, on the 8 adapters in turn."""
     params = SamplingParams(max_tokens=args.stream_tokens, temperature=1.0, seed=13)
 
     def op() -> SampleRequest:
@@ -113,7 +114,7 @@ def measure_stream(engine: LocalEngine, args, device, generator, vocab) -> dict:
         return report
     resource, session = engine._session("r", "s0")
 
-    def joined(count: int) -> tuple[float, list[float]]:
+    def joined(count: int, sessions=(session,)) -> tuple[float, list[float]]:
         stream = SampleStream(engine.config, resource, resource.loaded.model)
         stream.reserve_rows(POOL_ROWS)  # the server's pool, by default and room permitting
         admitted_at: dict[int, float] = {}
@@ -122,7 +123,8 @@ def measure_stream(engine: LocalEngine, args, device, generator, vocab) -> dict:
         start = time.perf_counter()
         while len(admitted_at) < count or stream.running:
             if len(admitted_at) < count:
-                (item,) = stream.admit([(session, op())])
+                turn = sessions[len(admitted_at) % len(sessions)]  # the sessions in turn
+                (item,) = stream.admit([(turn, op())])
                 admitted_at[item] = time.perf_counter()
             stream.block()
             finished = stream.take_finished()
@@ -143,6 +145,16 @@ def measure_stream(engine: LocalEngine, args, device, generator, vocab) -> dict:
     report["stream_join_ops_per_s"] = rate
     report["stream_join_op_latency_s"] = statistics.median(latencies)
     report["stream_join_over_one_op"] = report["stream_join_ops_per_s"] / statistics.median(alone)
+    # The same stream sampling the 8 adapters in turn (the multi_lora section's sessions, where
+    # it made them): many LoRA sessions in one stream, each join on an adapter of its own.
+    names = [f"a{index}" for index in range(ADAPTERS)]
+    if all(name in resource.sessions for name in names):
+        blocks = Blocks()
+        with counting(blocks):
+            rate, latencies = joined(STREAM_OPS, [engine._session("r", n)[1] for n in names])
+        report |= {f"stream_adapters_{key}": value for key, value in blocks.report().items()}
+        report["stream_adapters_ops_per_s"] = rate
+        report["stream_adapters_op_latency_s"] = statistics.median(latencies)
     return report
 
 

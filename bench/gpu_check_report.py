@@ -112,6 +112,16 @@ def summary(report: dict) -> str:
             if "stream_join_ops_per_s" in report
             else str(report.get("stream_join", "n/a"))
         ),
+        "  stream, the 8 adapters in turn  "
+        + (
+            f"{get('stream_adapters_ops_per_s', '{:.3g}')} ops/s, median latency"
+            f" {get('stream_adapters_op_latency_s', '{:.3g}')} s;"
+            f" {get('stream_adapters_layouts', '{:.0f}')} layouts,"
+            f" {get('stream_adapters_prefills', '{:.0f}')} eager prefill passes and"
+            f" {get('stream_adapters_prefill_steps', '{:.0f}')} through prefill steps"
+            if "stream_adapters_ops_per_s" in report
+            else "n/a (no multi_lora sessions)"
+        ),
         f"  agents in a closed loop ({report.get('agents_shape')})  while all run"
         f" {get('agents_whole_ops_s')} -> {get('agents_joining_ops_s')} ops/s joining"
         f" ({get('agents_joining_over_whole_ops_s', '{:.2f}')}x; tokens/s"

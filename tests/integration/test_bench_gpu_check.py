@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from argparse import Namespace
@@ -119,6 +120,11 @@ def test_gpu_check_dry_run_reports_every_number_and_exact_logprobs():
     for way in ("agents_whole", "agents_joining", "agents_append", "stream_join"):
         assert report[f"{way}_layouts"] == report[f"{way}_prefill_steps"] == 0
     assert 1 <= report["stream_join_prefills"] <= 32  # joins ride in the decode pass here
+    # The same stream on the multi_lora section's 8 adapters in turn, all 32 operations.
+    assert report["stream_adapters_layouts"] == report["stream_adapters_prefill_steps"] == 0
+    assert 1 <= report["stream_adapters_prefills"] <= 32
+    assert report["stream_adapters_ops_per_s"] > 0 and report["stream_adapters_op_latency_s"] > 0
+    assert re.search(r"^  stream, the 8 adapters in turn  \d", out, re.M), out
 
     # FLOPs: the small model's matmul and adapter parameters, 2 x 32 tokens; each
     # implementation of one variant is credited the same work

@@ -199,6 +199,9 @@ class SampleStream:
                     )
                 )
         self.decoding.admit(requests)
+        # What the admitted rows were planned with, sessions served for the first time included:
+        # a publish of theirs before the next block is a change (_catch_up), not a new key.
+        self._served = self._generations()
         return ids
 
     def weights_published(self, served_changed: bool) -> None:

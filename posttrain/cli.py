@@ -18,6 +18,7 @@ from typing import Any, Literal, NoReturn, get_args, get_origin
 from posttrain.config import BUILTIN_MODELS, ServerConfig
 from posttrain.config_sources import FLAG_GROUPS, Setting, build_config, settings, stay_offline
 from posttrain.demo.command import add_demo_arguments, run_demo_command
+from posttrain.engine.hosts.threads import passive_openmp_waits
 from posttrain.errors import ConfigError
 
 DESCRIPTION = """\
@@ -169,6 +170,7 @@ def serve(args: argparse.Namespace) -> NoReturn:
 
     config = serve_config(args)
     stay_offline()  # before transformers is imported
+    passive_openmp_waits()  # before torch is imported (engine/hosts/threads.py says why)
     # Listening before torch is imported: clients that retry across a restart queue instead of
     # being refused (api/listen.py).
     try:

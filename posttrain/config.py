@@ -70,15 +70,15 @@ class EngineConfig(BaseModel):
         description="torch device: auto (cuda when present, else cpu), cpu, cuda or cuda:N",
         json_schema_extra=flag("basics"),
     )
-    # Why half the cores: engine/hosts/threads.py (docs/benchmarks.md, "Beside a busy process").
+    # Why all the cores, and why that is safe beside a busy neighbour: engine/hosts/threads.py.
     threads: int | None = Field(
         None,
         ge=1,
-        description="torch intra-op threads of each engine process; by default half the cores"
-        " the process may use, split between a trainer group's ranks, at least one: a busy"
-        " neighbour then stalls no operator, and the count, fixed per machine, keeps runs"
+        description="torch intra-op threads of each engine process; by default every core the"
+        " process may use, split between a trainer group's ranks (idle OpenMP threads sleep, so"
+        " a busy neighbour stalls no operator); the count, fixed per machine, keeps runs"
         " reproducible",
-        json_schema_extra=flag("performance", env=True, metavar="N", default="half the cores"),
+        json_schema_extra=flag("performance", env=True, metavar="N", default="all the cores"),
     )
     # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs ~0.5 ms a call,
     # noise to every operation but a publish; a worker process costs a start (seconds) and its

@@ -12,9 +12,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import pytest
-from tinker_env import tinker_python  # noqa: F401  (the fixture, for every test module)
+from posttrain.engine.hosts.threads import passive_openmp_waits
+
+# This process computes references and runs in-process engines beside the servers it starts:
+# its idle OpenMP threads sleep, as theirs do (engine/hosts/threads.py), before torch loads.
+passive_openmp_waits()
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+from tinker_env import tinker_python  # noqa: E402, F401  (the fixture, for every test module)
 
 API_KEY = "test-key"
 BASE_MODEL = "posttrain/tiny-qwen3"

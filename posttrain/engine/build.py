@@ -21,6 +21,7 @@ from posttrain.engine.hosts.local_placement import LocalPlacement
 from posttrain.engine.hosts.placement import Placement
 from posttrain.engine.hosts.remote import ProcessEngine
 from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.threads import intra_op_threads, openmp_wait_policy
 from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
 from posttrain.engine.hosts.vllm_engine import VllmEngine
 from posttrain.engine.interface import Engine
@@ -42,6 +43,12 @@ def build_engine(config: EngineConfig, model_paths: dict[str, Path]) -> Engine:
     elif config.generators == "vllm":
         engine = VllmEngine(engine, config, model_paths)  # vLLM servers, always local
     return engine
+
+
+def cpu_threads(config: EngineConfig) -> tuple[int, str]:
+    """The torch intra-op threads each engine process computes with (a trainer group's ranks
+    split the cores) and how their idle OpenMP threads wait (engine/hosts/threads.py)."""
+    return intra_op_threads(config.threads, processes=config.trainer_ranks), openmp_wait_policy()
 
 
 def placement_for(config: EngineConfig, model_paths: dict[str, Path]) -> Placement:

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from posttrain.config import ServerConfig
-from posttrain.engine.build import build_engine
+from posttrain.engine.build import build_engine, cpu_threads
 from posttrain.engine.interface import Engine
 from posttrain.service.arrivals import Arrivals
 from posttrain.service.checkpoints import CheckpointService
@@ -137,6 +137,7 @@ def wire_services(config: ServerConfig) -> Services:
             busy_seconds=scheduler.busy_seconds,
             held_polls=watch.waiting,
             unanswered_samples=scheduler.arrivals.unanswered,
+            cpu_threads=cpu_threads(config.engine),
         ),
         watch=watch,
         polls=PollHold(watch, operations, hold_s=config.poll_hold_seconds),

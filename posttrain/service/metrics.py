@@ -168,6 +168,7 @@ class MetricsService:
         busy_seconds: Callable[[], dict[str, float]],
         held_polls: Callable[[], int],
         unanswered_samples: Callable[[], int],
+        cpu_threads: tuple[int, str],
     ):
         self.repo = repo
         self.operations = operations
@@ -175,6 +176,7 @@ class MetricsService:
         self.busy_seconds = busy_seconds
         self.held_polls = held_polls
         self.unanswered_samples = unanswered_samples
+        self.cpu_threads = cpu_threads
 
     def render(self) -> str:
         """The whole exposition, one family after another, ending with a newline."""
@@ -303,5 +305,13 @@ class MetricsService:
                 f"posttrain_model_resources{_labels(status=_short(status))} {count}"
                 for status, count in self.repo.count_resources()
             ),
+        )
+        threads, wait_policy = self.cpu_threads
+        lines += _family(
+            "posttrain_engine_threads",
+            "gauge",
+            "torch intra-op threads of each engine process, labelled by how idle OpenMP"
+            " threads wait.",
+            [f"posttrain_engine_threads{_labels(wait_policy=wait_policy)} {threads}"],
         )
         return "\n".join(lines) + "\n"

@@ -57,6 +57,7 @@ from posttrain.engine.hosts.placement import (
     bundle_index,
     processes_per_resource,
 )
+from posttrain.engine.hosts.threads import WAIT_SETTINGS
 from posttrain.errors import ConfigError, EngineFailure, ResourceExhausted, WorkerDied
 from posttrain.model.loader import resolve_device
 
@@ -186,12 +187,14 @@ class RayPlacement:
             here = str(Path(posttrain.__file__).resolve().parents[1])
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
             threads = str(torch.get_num_threads())
+            # ... and whose idle OpenMP threads wait as this process's do (hosts/threads.py).
+            waits = {name: os.environ[name] for name in WAIT_SETTINGS if name in os.environ}
             cpus = max(os.cpu_count() or 1, LOCAL_RESOURCES * (1 + config.max_generator_replicas))
             ray.init(
                 num_cpus=cpus,
                 include_dashboard=False,
                 namespace=NAMESPACE,
-                runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": threads}},
+                runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": threads, **waits}},
             )
         else:
             try:

@@ -1,24 +1,30 @@
-"""How many intra-op threads an engine process gives torch, decided once where the engine starts.
+"""How an engine process uses the machine's cores: how many intra-op threads torch gets, and
+how OpenMP's idle threads wait. Both are decided once, where the process starts.
 
-Why not torch's default (one thread per core): torch's CPU kernels run each operator as an
-OpenMP parallel region whose threads meet at a barrier when it ends, so an operator takes as
-long as its slowest thread. Beside another busy process, one of those threads shares its core
-and runs at half speed or less, and every operator waits for it: on the 2-core machine a
-busy neighbour made the demo's warm-up 5-10x slower, far more than the half of the machine it
-took (docs/benchmarks.md, "Beside a busy process"). With fewer threads than cores, the kernel's
-scheduler gives every thread a core of its own while the neighbours fit on the rest, so a
-neighbour costs the process its share of the cores and not more.
+The thread count: every core this process may run on (`os.sched_getaffinity`), split between
+the engine processes that share them (a trainer group's ranks), at least one. That is torch's
+own default and every peer's: a server owns its machine, and half the cores would halve its
+throughput on a quiet one. EngineConfig.threads overrides it; OMP_NUM_THREADS does not, since
+it would be read before this applies.
 
-The rule: half the cores this process may run on (`os.sched_getaffinity`), at least one,
-split between the engine processes that share them (a trainer group's ranks). On 2 cores that
-is one thread per process; on a GPU host the CPU threads only feed the device.
+The wait policy, and why all cores are safe beside a busy neighbour: torch's CPU kernels run
+each operator as an OpenMP parallel region, and by default libgomp's idle threads spin for a
+while at the end of a region and before the next one. Beside another busy process, one of the
+threads shares its core; spinning, it is never asleep, so the kernel's scheduler gives it no
+wake-up preference over the neighbour and time-slices the two, and every region waits
+milliseconds for it: the demo's steps ran 36-49x slower (docs/benchmarks.md, "Beside a busy
+process"). With OMP_WAIT_POLICY=PASSIVE idle threads sleep at once; a thread that wakes into a
+region preempts the neighbour as a sleeper, and the region ends in about its compute time.
+Quiet, sleeping costs a wake-up per region, which is noise to a real model's operators.
+The policy is read once, when libgomp loads with torch, so `passive_openmp_waits` must run
+before torch is imported (the `serve` command does); worker processes and Ray actors inherit
+the environment. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 
-Why not follow the load (os.getloadavg) instead: the thread count is part of the numerics.
-A CPU kernel's reduction order may depend on how many threads split it, so a count that
-followed the load would let a busy neighbour change a run's losses. This count depends only
-on the machine and the settings, so two runs with the same seed on the same machine compute
-the same numbers, quiet or not. EngineConfig.threads overrides it (a measured choice for a
-dedicated machine); OMP_NUM_THREADS does not, since it would be read before this applies.
+Why not follow the load (os.getloadavg) instead of a fixed count: the thread count is part of
+the numerics. A CPU kernel's reduction order may depend on how many threads split it, so a
+count that followed the load would let a busy neighbour change a run's losses. This count
+depends only on the machine and the settings, so two runs with the same seed on the same
+machine compute the same numbers, quiet or not. The wait policy changes no number.
 
 Inter-op threads (torch.set_num_interop_threads) are left alone: the engine runs no
 inter-op parallel work (no torch.jit.fork), and torch allows setting them only before the
@@ -29,9 +35,15 @@ Not here: which processes exist (engine/hosts/worker_process.py, trainer_group.p
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
-import torch
+log = logging.getLogger(__name__)
+
+# The settings that say how libgomp's (torch's OpenMP runtime's) idle threads wait; a user who
+# set any of them chose for themselves.
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def usable_cores() -> int:
@@ -44,15 +56,47 @@ def usable_cores() -> int:
 
 def intra_op_threads(requested: int | None, *, processes: int = 1) -> int:
     """The intra-op thread count of one of `processes` engine processes sharing this
-    machine's cores: `requested` when given, else half the usable cores split between them,
-    at least one."""
+    machine's cores: `requested` when given, else the usable cores split between them, at
+    least one."""
     if requested is not None:
         return requested
-    return max(1, usable_cores() // (2 * processes))
+    return max(1, usable_cores() // processes)
 
 
 def use_intra_op_threads(requested: int | None, *, processes: int = 1) -> int:
     """Set this process's torch intra-op threads (see intra_op_threads); returns the count."""
+    import torch
+
     threads = intra_op_threads(requested, processes=processes)
     torch.set_num_threads(threads)
+    log.debug(
+        "torch intra-op threads %d (usable cores %d), OpenMP wait policy %s",
+        threads,
+        usable_cores(),
+        openmp_wait_policy(),
+    )
     return threads
+
+
+def passive_openmp_waits() -> bool:
+    """Make OpenMP's idle threads sleep instead of spin (the module docstring says why),
+    unless the user set a wait setting. True when the policy will apply: torch is not imported
+    yet, so libgomp reads it when it loads."""
+    if any(name in os.environ for name in WAIT_SETTINGS):
+        return False
+    if "torch" in sys.modules:
+        log.debug("torch already imported: OpenMP's wait policy stays as it loaded")
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
+def openmp_wait_policy() -> str:
+    """How this process's OpenMP threads wait, as its environment set it: `passive`,
+    `spin N` (a user's GOMP_SPINCOUNT) or `active` (libgomp's default spinning)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().lower()
+    if policy in ("passive", "active"):
+        return policy
+    if "GOMP_SPINCOUNT" in os.environ:
+        return f"spin {os.environ['GOMP_SPINCOUNT']}"
+    return "active"

@@ -1,9 +1,12 @@
-"""The engine's intra-op thread count: half the usable cores split between processes, the
-config's count when given, and applied where an engine starts."""
+"""The engine's intra-op thread count: the usable cores split between processes, the config's
+count when given, and applied where an engine starts; idle OpenMP threads wait passively
+unless the user chose otherwise, as libgomp itself reports."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -28,9 +31,9 @@ def test_usable_cores_is_this_process_affinity():
 
 @pytest.mark.parametrize(
     ("cores", "processes", "expected"),
-    [(1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 1, 2), (16, 1, 8), (16, 2, 4), (16, 3, 2), (2, 2, 1)],
+    [(1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (16, 1, 16), (16, 2, 8), (16, 3, 5), (2, 4, 1)],
 )
-def test_the_default_is_half_the_cores_split_between_processes_at_least_one(
+def test_the_default_is_all_the_cores_split_between_processes_at_least_one(
     monkeypatch, cores, processes, expected
 ):
     monkeypatch.setattr(threads, "usable_cores", lambda: cores)
@@ -51,7 +54,51 @@ def test_an_engine_sets_torch_threads_from_its_config():
     LocalEngine(EngineConfig(device="cpu", threads=2), paths)
     assert torch.get_num_threads() == 2
     LocalEngine(EngineConfig(device="cpu"), paths)
-    assert torch.get_num_threads() == max(1, usable_cores() // 2)
+    assert torch.get_num_threads() == usable_cores()
+
+
+def openmp_environment(program: str, **env: str) -> str:
+    """What libgomp says it read (OMP_DISPLAY_ENV) in a fresh interpreter running `program`
+    and then a parallel operator, with `env` and no wait setting of this process's. libgomp
+    shows its unset default as PASSIVE too; what tells them apart is how long idle threads spin
+    before they sleep: GOMP_SPINCOUNT 0 when passive, 300000 by default."""
+    base = {k: v for k, v in os.environ.items() if k not in threads.WAIT_SETTINGS}
+    script = f"{program}\nimport torch\ntorch.randn(512, 512) @ torch.randn(512, 512)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**base, "OMP_DISPLAY_ENV": "VERBOSE", **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stderr
+
+
+CALL = "from posttrain.engine.hosts.threads import passive_openmp_waits as p\nprint(p())"
+
+
+def test_passive_waits_reach_libgomp_when_set_before_torch_loads():
+    assert "GOMP_SPINCOUNT = '0'" in openmp_environment(CALL)
+    # Without the call libgomp spins (its default), so the check above can fail.
+    assert "GOMP_SPINCOUNT = '300000'" in openmp_environment("pass")
+
+
+def test_a_users_wait_setting_wins():
+    told = openmp_environment(CALL, OMP_WAIT_POLICY="ACTIVE")
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in told
+    assert "GOMP_SPINCOUNT = '1000'" in openmp_environment(CALL, GOMP_SPINCOUNT="1000")
+
+
+def test_after_torch_is_imported_the_policy_is_not_claimed(monkeypatch):
+    for name in threads.WAIT_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert "torch" in sys.modules  # this module imported it
+    assert threads.passive_openmp_waits() is False
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5000")
+    assert threads.openmp_wait_policy() == "spin 5000"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert threads.openmp_wait_policy() == "passive"
 
 
 def test_threads_below_one_are_refused_naming_the_field():

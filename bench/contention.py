@@ -13,7 +13,8 @@ drifting load). The server's intra-op threads are stated (engine/hosts/threads.p
 passes `--threads N` to `posttrain serve`).
 
     python bench/contention.py                       # 40 warm-up + 6 GRPO steps x 3 reps
-    python bench/contention.py --server-threads 2    # torch's default on 2 cores, to compare
+    python bench/contention.py --server-threads 1    # one thread (the default before), to compare
+    OMP_WAIT_POLICY=ACTIVE python bench/contention.py  # libgomp's spinning waits, to compare
     python bench/contention.py --quick               # smoke run: a few small steps, 1 rep
 
 Target (2-core CPU): beside one busy process the demo runs within 1.6x of its quiet time.
@@ -46,7 +47,7 @@ from posttrain.demo.loop import (
 )
 from posttrain.demo.server import local_server
 from posttrain.demo.task import Problem
-from posttrain.engine.hosts.threads import intra_op_threads, usable_cores
+from posttrain.engine.hosts.threads import intra_op_threads, server_wait_policy, usable_cores
 
 API_KEY = "local-key"
 
@@ -133,7 +134,8 @@ def main() -> None:
     threads = intra_op_threads(args.server_threads)
     print(
         f"usable cores {usable_cores()}, server intra-op threads {threads}"
-        f" ({'--threads' if args.server_threads else 'its default'}), load average at start"
+        f" ({'--threads' if args.server_threads else 'its default'}), OpenMP waits"
+        f" {server_wait_policy()}, load average at start"
         f" {os.getloadavg()[0]:.2f}; busy neighbour: {args.busy} on one core"
     )
     print(

@@ -5,8 +5,9 @@ One run, per model (`tiny`: the built-in posttrain/tiny-qwen3; `qwen3-40m`: the 
 Qwen3 config of bench/sampling.py, vocab 32k, seed 0, saved to a temporary directory). Both
 sides load the same model directory in float32; posttrain is a real `posttrain serve`
 subprocess driven by the unmodified SDK at its default polling, peft runs in this process.
-The server runs with `--threads` set to this process's torch thread count (the server's own
-rule would take half the cores), so both sides use the same threads (printed).
+Both sides run at their defaults: the server with its own thread count and OpenMP wait policy
+(every usable core, idle threads sleeping: engine/hosts/threads.py), transformers + peft with
+torch's (one thread per core, libgomp's spinning); both are printed.
 LoRA rank 32, alpha 32, every rows' step is forward-backward + AdamW optim-step:
 
 - fixed, head frozen: 8 x 256 tokens of cross-entropy; posttrain `train_unembed: false`,
@@ -60,6 +61,11 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
 from posttrain.demo.server import local_server
+from posttrain.engine.hosts.threads import (
+    intra_op_threads,
+    openmp_wait_policy,
+    server_wait_policy,
+)
 
 RANK = 32
 ALPHA = 32
@@ -340,9 +346,7 @@ ROWS = ("fixed-frozen", "fixed-head", "variable-rl", "sampling")
 def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     with (
         served_model(name) as (base_model, extra_args, vocab),
-        local_server(
-            extra_args=(*extra_args, "--threads", str(torch.get_num_threads()))
-        ) as base_url,
+        local_server(extra_args=extra_args) as base_url,
     ):
         with contextlib.redirect_stdout(io.StringIO()):
             resources = ModelResourcesClient.create(
@@ -378,7 +382,8 @@ def main() -> None:
     omp = os.environ.get("OMP_NUM_THREADS", "unset")
     print(
         f"torch {torch.__version__}, peft {peft.__version__}; OMP_NUM_THREADS={omp}, torch"
-        f" threads {torch.get_num_threads()} here and in the server (--threads); float32,"
+        f" threads {torch.get_num_threads()} here ({openmp_wait_policy()} waits), server at its"
+        f" defaults ({intra_op_threads(None)} threads, {server_wait_policy()} waits); float32,"
         f" LoRA rank {RANK}; load average {os.getloadavg()[0]:.2f}; sizes {args.sizes}"
     )
     lines = []

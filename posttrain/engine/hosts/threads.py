@@ -100,3 +100,11 @@ def openmp_wait_policy() -> str:
     if "GOMP_SPINCOUNT" in os.environ:
         return f"spin {os.environ['GOMP_SPINCOUNT']}"
     return "active"
+
+
+def server_wait_policy() -> str:
+    """The wait policy a `posttrain serve` started with this process's environment computes
+    with (its own passive default unless a wait setting is set); for benchmarks to state."""
+    if any(name in os.environ for name in WAIT_SETTINGS):
+        return openmp_wait_policy()
+    return "passive"

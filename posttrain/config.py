@@ -383,14 +383,14 @@ class ServerConfig(BaseModel):
     user_id: str = Field("user_local", description="the user of single-user mode and of --api-key")
     models: tuple[ModelSpec, ...] = Field(
         default_factory=builtin_model_specs,
-        description="add a local Hugging Face causal-LM directory, served as base_model"
-        " <directory name> beside the built-in posttrain/tiny-qwen3 and posttrain/tiny-qwen3-moe;"
-        " NAME=PATH serves it as base_model NAME (a hub name such as Qwen/Qwen3-8B), and"
-        " NAME=posttrain/tiny-qwen3 serves a built-in model under NAME too (repeatable)",
+        description="add a Hugging Face Hub id ORG/NAME[@REV] (from the HF cache, HF_HOME;"
+        " downloaded if not cached, unless HF_HUB_OFFLINE=1), served as base_model ORG/NAME, or a"
+        " causal-LM directory, served as <directory name>; NAME=PATH serves it as NAME (a hub name"
+        " such as Qwen/Qwen3-8B), NAME=posttrain/tiny-qwen3 a built-in model (repeatable)",
         json_schema_extra=flag(
             "models",
             name="--model",
-            metavar="[NAME=]PATH",
+            metavar="ORG/NAME|[NAME=]PATH",
             default="none: the built-in models only",
         ),
     )

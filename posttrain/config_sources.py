@@ -1,8 +1,9 @@
 """Where a ServerConfig's values come from: POSTTRAIN_* environment variables, `posttrain
 serve` flags (`settings()`: the fields config.py declares as flags), the keys file and the
-model directories a user names.
+model directories a user names, directly or by Hugging Face Hub id.
 
-The only module that reads or writes os.environ. Imports: config, errors.
+The only module that reads or writes os.environ. Imports: config, errors, model.hub (the
+snapshot directory of a hub id).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic.fields import FieldInfo
 
 from posttrain.config import BUILTIN_MODELS, ModelSpec, ServerConfig, builtin_model_specs
 from posttrain.errors import ConfigError
+from posttrain.model.hub import parse_hub_id, snapshot_dir
 
 ENV_PREFIX = "POSTTRAIN_"
 
@@ -73,11 +75,18 @@ def settings(
 
 
 def stay_offline() -> None:
-    """Every model is a local directory: transformers must never reach for a hub, and a
-    server's output is its log lines, not download or loading progress bars. Set before
-    transformers is imported (it reads both then); worker processes inherit them."""
+    """Every model is a local directory by now (a hub id was resolved to its snapshot while
+    the config was built): transformers must never reach for a hub, and a server's output is
+    its log lines, not download or loading progress bars. Set before transformers is imported
+    (it reads both then); worker processes inherit them."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def hub_is_offline() -> bool:
+    """huggingface_hub's offline mode, read as it reads it (constants.HF_HUB_OFFLINE)."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return (value or "").upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def model_spec_from_path(path: str | Path, *, given: str | None = None) -> ModelSpec:
@@ -91,12 +100,19 @@ def model_spec_from_path(path: str | Path, *, given: str | None = None) -> Model
 
 
 def model_spec_from_flag(value: str) -> ModelSpec:
-    """One `--model` value: `PATH` (served under its directory name), or `NAME=PATH` and
-    `NAME=BUILTIN` (PATH, or a built-in model's directory, served as base_model NAME: a hub
-    name such as `Qwen/Qwen3-8B`, which clients that look models up by name know).
+    """One `--model` value: `PATH` (served under its directory name), `ORG/NAME[@REVISION]`
+    (a Hugging Face Hub id: its snapshot in the HF cache, downloaded unless offline, served
+    under ORG/NAME), or `NAME=PATH` and `NAME=BUILTIN` (PATH, or a built-in model's
+    directory, served as base_model NAME: a hub name such as `Qwen/Qwen3-8B`, which clients
+    that look models up by name know).
 
-    A value that is itself a directory is a PATH, even with a `=` in it."""
-    if "=" not in value or Path(value).expanduser().is_dir():
+    A value that is itself a directory is a PATH, even with a `=` in it; one that names
+    nothing on disk and reads `ORG/NAME` is a hub id."""
+    given = Path(value).expanduser()
+    if not given.exists() and (hub_id := parse_hub_id(value)):
+        path = snapshot_dir(hub_id, is_offline=hub_is_offline())
+        return ModelSpec(id=hub_id.repo_id, path=path)
+    if "=" not in value or given.is_dir():
         return model_spec_from_path(value)
     name, _, target = value.partition("=")
     # Tinker clients cut a model name at `:` (`name:checkpoint`), so a NAME holds none.

@@ -109,6 +109,8 @@ def model_spec_from_flag(value: str) -> ModelSpec:
     A value that is itself a directory is a PATH, even with a `=` in it; one that names
     nothing on disk and reads `ORG/NAME` is a hub id."""
     given = Path(value).expanduser()
+    if value in BUILTIN_MODELS:  # read as ORG/NAME, it would send the user to the hub
+        raise ConfigError(f"--model {value}: built in and always served", param="models")
     if not given.exists() and (hub_id := parse_hub_id(value)):
         path = snapshot_dir(hub_id, is_offline=hub_is_offline())
         return ModelSpec(id=hub_id.repo_id, path=path)

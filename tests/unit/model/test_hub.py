@@ -11,7 +11,7 @@ import pytest
 from hub_cache import COMMIT, seed_hub_model
 
 from posttrain.cli import parser, serve_config
-from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
 from posttrain.errors import ConfigError
 from posttrain.model.hub import HubId, parse_hub_id, snapshot_dir
 
@@ -96,3 +96,10 @@ def test_an_existing_directory_shaped_like_a_hub_id_is_a_directory(tmp_path, mon
     config = serve_config(parser().parse_args(["serve", "--model", "my-org/tiny"]))
     assert config.models[-1].id == "tiny"
     assert config.models[-1].path == (tmp_path / "my-org" / "tiny").resolve()
+
+
+def test_a_built_in_id_is_not_sent_to_the_hub():
+    from posttrain.config_sources import model_spec_from_flag
+
+    with pytest.raises(ConfigError, match="built in and always served"):
+        model_spec_from_flag(BUILTIN_MODEL_ID)

@@ -367,7 +367,7 @@ class ServerConfig(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info",
-        description="least severe log lines shown; debug adds tracebacks to logged errors",
+        description="least severe log lines shown; debug adds one per engine pass and tracebacks",
         json_schema_extra=flag("basics"),
     )
     access_log: bool = Field(

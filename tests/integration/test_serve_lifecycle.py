@@ -1,7 +1,7 @@
 """A real `posttrain serve`: it introduces itself once ready (URL, dashboard, data directory,
-models), keeps uvicorn's start lines and the per-request log off unless `--access-log`, and a
-SIGINT or SIGTERM, even mid-operation, stops it with one line, no traceback, and exit status
-130 or 0."""
+models), keeps uvicorn's start lines and the per-request log off unless `--access-log`, logs
+no line per operation or engine pass at info, and a SIGINT or SIGTERM, even mid-operation,
+stops it with one line, no traceback, and exit status 130 or 0."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port
-from helpers import API_KEY, open_session
+from helpers import API_KEY, open_session, sft_sample
 
 from posttrain.config import BUILTIN_MODELS
 
@@ -117,3 +117,25 @@ def test_access_log_shows_each_request(tmp_path):
     assert code == 0, output
     assert '"GET /healthz HTTP/1.1" 200' in output, output
     assert "Application startup complete" in output, output
+
+
+def test_a_training_loop_logs_nothing_at_info_after_the_introduction(tmp_path):
+    server = Serve(tmp_path / "data", "--log-level", "info")
+    try:
+        server.wait_ready()
+        _, session = open_session(f"http://127.0.0.1:{server.port}", lora_config={"rank": 4})
+        samples = [sft_sample([3, 4, 5, 6, 7, 8], 3)]
+        for _ in range(10):  # 20 operations
+            session.trainer.forward_backward(
+                samples=samples, loss={"type": "LOSS_TYPE_CROSS_ENTROPY"}
+            )
+            session.trainer.optim_step(adam_params={"learning_rate": 1e-3})
+        code = server.stop(signal.SIGTERM)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    output = server.output()
+    assert code == 0, output
+    lines = output.splitlines()
+    assert lines[0].startswith("posttrain: serving") and lines[-1] == "posttrain: stopped (SIGTERM)"
+    assert lines[1:-1] == [], output

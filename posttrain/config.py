@@ -4,16 +4,17 @@ Every field has a default or is required, and a description, which is also the h
 `posttrain serve` flag: a field is a flag when its `json_schema_extra` is `flag(...)` (its help
 group, and where it differs from the rule: its name, hidden, an environment variable). Each
 setting is declared here once; config_sources.py turns the declarations into flags, reads the
-environment and builds the tree. Imports: errors, units.
+environment and builds the tree. Imports: config_flags, errors, units.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from posttrain.config_flags import flag
 from posttrain.errors import ConfigError
 from posttrain.units import parse_bytes
 
@@ -26,30 +27,6 @@ BUILTIN_MODELS: dict[str, Path] = {
 }
 BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
 BUILTIN_MODEL_DIR = BUILTIN_MODELS[BUILTIN_MODEL_ID]
-
-
-# The groups of `posttrain serve --help` (config_sources.FLAG_GROUPS says what each holds).
-FlagGroup = Literal["basics", "models", "limits and auth", "scale-out", "performance"]
-
-
-def flag(
-    group: FlagGroup,
-    *,
-    name: str | None = None,
-    hidden: bool = False,
-    env: bool | str = False,
-    metavar: str | None = None,
-    default: str | None = None,
-    switch: bool = False,
-) -> dict[str, Any]:
-    """The `json_schema_extra` of a field `posttrain serve` takes as a flag in help `group`.
-
-    `name`: the flag when not `--` plus the field's name with dashes; `hidden`: kept out of
-    --help (test knobs); `env`: also read from POSTTRAIN_<FIELD NAME> (a str: that variable);
-    `default`: what --help says for the default when the value alone would not tell a user;
-    `switch`: a bool given as a bare `--flag` (bools are otherwise `on|off`)."""
-    spec = {"group": group, "name": name, "hidden": hidden, "env": env, "metavar": metavar}
-    return {"flag": {**spec, "default": default, "switch": switch}}
 
 
 class ModelSpec(BaseModel):

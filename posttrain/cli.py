@@ -11,6 +11,7 @@ start-up checks of --device and --model dirs).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import sys
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args, get_origin
@@ -164,10 +165,34 @@ def check_data_dir(path: Path) -> None:
         raise ConfigError(f"--data-dir {path}: {exc.strerror}", param="data_dir") from None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine: localhost, 127.0.0.0/8 or ::1. A name
+    that is not an address could resolve anywhere, so it is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(config: ServerConfig) -> None:
+    """Listening beyond loopback without an API key needs --insecure-no-auth."""
+    if config.api_keys or config.insecure_no_auth or is_loopback(config.host):
+        return
+    raise ConfigError(
+        f"--host {config.host} listens beyond loopback without an API key: give --api-key KEY"
+        " or --keys-file PATH (env POSTTRAIN_API_KEY, POSTTRAIN_KEYS_FILE), or"
+        " --insecure-no-auth to let anyone who reaches the port train and sample",
+        param="host",
+    )
+
+
 def serve(args: argparse.Namespace) -> NoReturn:
     from posttrain.api.listen import listening_socket
 
     config = serve_config(args)
+    check_exposure(config)
     stay_offline()  # before transformers is imported
     # Listening before torch is imported: clients that retry across a restart queue instead of
     # being refused (api/listen.py).

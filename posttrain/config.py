@@ -358,6 +358,14 @@ class ServerConfig(BaseModel):
         " accepts any non-empty key as `user_id` (single user)",
     )
     user_id: str = Field("user_local", description="the user of single-user mode and of --api-key")
+    # Without a key anyone who reaches the port trains and samples here (api/deps.py): fine
+    # on loopback, an accident beyond it unless asked for by name.
+    insecure_no_auth: bool = Field(
+        False,
+        description="with a --host beyond loopback, serve without an API key: anyone who"
+        " reaches the port may train and sample on this machine",
+        json_schema_extra=flag("limits and auth", env=True, switch=True),
+    )
     models: tuple[ModelSpec, ...] = Field(
         default_factory=builtin_model_specs,
         description="add a local Hugging Face causal-LM directory, served as base_model"

@@ -76,6 +76,7 @@ def test_serve_help_cites_no_file_the_user_does_not_have(capsys):
         (("--no-such-flag",), "posttrain: unrecognized arguments: --no-such-flag"),
         (("--ray", "local"), "posttrain: --ray places worker processes"),
         (("--device", "tpu9"), "posttrain: --device tpu9: "),
+        (("--host", "0.0.0.0"), "posttrain: --host 0.0.0.0 listens beyond loopback without an"),
     ],
 )
 def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypatch, flags, message):

@@ -11,11 +11,13 @@ start-up checks of --device and --model dirs).
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import sys
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
+from posttrain import __version__
 from posttrain.config import BUILTIN_MODELS, ServerConfig
 from posttrain.config_sources import FLAG_GROUPS, Setting, build_config, settings, stay_offline
 from posttrain.demo.command import add_demo_arguments, run_demo_command
@@ -113,6 +115,7 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    root.add_argument("--version", action="version", version=f"posttrain {__version__}")
     commands = root.add_subparsers(
         title="commands", dest="command", required=True, metavar="COMMAND"
     )
@@ -199,9 +202,12 @@ def serve(args: argparse.Namespace) -> NoReturn:
     try:
         sock = listening_socket(config.host, config.port)
     except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {config.host}:{config.port}: {exc}", param="port"
-        ) from exc
+        where = f"{config.host}:{config.port}"
+        if exc.errno == errno.EADDRINUSE:
+            message = f"--port {config.port}: {where} is in use; give another --port (0: any)"
+        else:
+            message = f"cannot listen on {where}: {exc.strerror}"
+        raise ConfigError(message, param="port") from None
 
     from posttrain.api.app import create_app
     from posttrain.api.server import leave
@@ -226,7 +232,14 @@ def serve(args: argparse.Namespace) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    root = parser()
+    args, unknown = root.parse_known_args(argv)
+    if unknown:  # the command's help lists its flags, not the top level's
+        root.exit(
+            2,
+            f"posttrain: unrecognized arguments: {' '.join(unknown)}; run"
+            f" `posttrain {args.command} --help` for its flags\n",
+        )
     try:
         if args.command == "serve":
             try:

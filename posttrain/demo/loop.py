@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.demo.task import Problem, group_advantages, reward, split_problems
@@ -92,6 +92,16 @@ class StepRecord:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class HeldoutExample(TypedDict):
+    """One held-out answer after RL, as summary.json and the closing printout show it: judged
+    once, here, by the reward the accuracy counts."""
+
+    prompt: str  # "12+34="
+    completion: str
+    expected: str  # "46"
+    correct: bool
+
+
 @dataclass
 class DemoResult:
     config: DemoConfig
@@ -100,7 +110,7 @@ class DemoResult:
     accuracy_rl: float
     steps: list[StepRecord]
     seconds: float
-    examples: list[dict[str, str]] = field(default_factory=list)
+    examples: list[HeldoutExample] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -200,9 +210,17 @@ def heldout_accuracy(
     for problem, result in zip(problems, results, strict=True):
         sequence = result.sequences[0]
         text = tokens.decode([int(t) for t in sequence.tokens])
-        correct += reward(problem, text, stopped=sequence.stop_reason == "STOP_REASON_STOP") > 0
+        is_right = reward(problem, text, stopped=sequence.stop_reason == "STOP_REASON_STOP") > 0
+        correct += is_right
         if len(examples) < 8:
-            examples.append({"prompt": f"{problem.a}+{problem.b}=", "completion": text.strip()})
+            examples.append(
+                HeldoutExample(
+                    prompt=f"{problem.a}+{problem.b}=",
+                    completion=text.strip(),
+                    expected=problem.answer.strip(),
+                    correct=is_right,
+                )
+            )
     return correct / len(problems), examples
 
 

@@ -28,10 +28,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
-from posttrain.demo.task import Problem, group_advantages, reward, split_problems
+from posttrain.demo.task import (
+    HeldoutExample,
+    Problem,
+    group_advantages,
+    judged,
+    reward,
+    split_problems,
+)
 
 if TYPE_CHECKING:
     from together.post_training import SessionClient
@@ -90,16 +97,6 @@ class StepRecord:
     reward: float | None = None
     kl: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-class HeldoutExample(TypedDict):
-    """One held-out answer after RL, as summary.json and the closing printout show it: judged
-    once, here, by the reward the accuracy counts."""
-
-    prompt: str  # "12+34="
-    completion: str
-    expected: str  # "46"
-    correct: bool
 
 
 @dataclass
@@ -210,17 +207,10 @@ def heldout_accuracy(
     for problem, result in zip(problems, results, strict=True):
         sequence = result.sequences[0]
         text = tokens.decode([int(t) for t in sequence.tokens])
-        is_right = reward(problem, text, stopped=sequence.stop_reason == "STOP_REASON_STOP") > 0
-        correct += is_right
+        example = judged(problem, text, stopped=sequence.stop_reason == "STOP_REASON_STOP")
+        correct += example["correct"]
         if len(examples) < 8:
-            examples.append(
-                HeldoutExample(
-                    prompt=f"{problem.a}+{problem.b}=",
-                    completion=text.strip(),
-                    expected=problem.answer.strip(),
-                    correct=is_right,
-                )
-            )
+            examples.append(example)
     return correct / len(problems), examples
 
 

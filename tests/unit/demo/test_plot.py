@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.demo.loop import DemoConfig, DemoResult, HeldoutExample, StepLog, StepRecord
+from posttrain.demo.loop import DemoConfig, DemoResult, StepLog, StepRecord
 from posttrain.demo.plot import FONT, GLYPH_H, GLYPH_W, Canvas, encode_png, step_ticks, ticks
 from posttrain.demo.report import (
     PLOT_HEIGHT,
@@ -25,6 +25,7 @@ from posttrain.demo.report import (
     share_axis_top,
     write_outputs,
 )
+from posttrain.demo.task import HeldoutExample, Problem, judged
 
 
 def decode_png(data: bytes) -> tuple[int, int, bytes]:
@@ -189,8 +190,8 @@ def test_wrong_examples_are_marked_with_the_right_sum():
     assert marked_example(RIGHT) == "12+34=46"
     assert marked_example(WRONG) == "7+8=16 ✗ (15)"
     # The reward judges, not the text: the right digits without the end of text are wrong.
-    unstopped = HeldoutExample(prompt="7+8=", completion="15", expected="15", correct=False)
-    assert marked_example(unstopped) == "7+8=15 ✗ (15)"
+    assert marked_example(judged(Problem(7, 8), "15\n", stopped=False)) == "7+8=15 ✗ (15)"
+    assert marked_example(judged(Problem(7, 8), "15\n", stopped=True)) == "7+8=15"
 
 
 def test_summary_json_marks_the_wrong_examples_as_the_console_does(tmp_path: Path):

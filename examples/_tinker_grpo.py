@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -24,13 +25,20 @@ def add_arguments(args_parser: argparse.ArgumentParser) -> None:
 
 
 def train(
-    tinker: ModuleType, training: Any, args: argparse.Namespace, stop: list[int] | None = None
+    tinker: ModuleType,
+    training: Any,
+    args: argparse.Namespace,
+    stop: list[int] | None = None,
+    new_sampler: Callable[[], Any] | None = None,
 ) -> None:
     """`training`: a tinker TrainingClient; `stop`: the sampling stop (None: the SDK's
-    default, EOS)."""
+    default, EOS); `new_sampler`: a SamplingClient of the current weights (default:
+    `training.save_weights_and_get_sampling_client`, which returns the client in the shim and
+    a future of it in tinker 0.38)."""
+    new_sampler = new_sampler or training.save_weights_and_get_sampling_client
     problems = addition_problems(seed=1, count=2000)
     rng = random.Random(0)
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = new_sampler()
     for step in range(1, args.steps + 1):
         batch = rng.sample(problems, args.prompts)
         params = tinker.SamplingParams(max_tokens=5, temperature=1.0, seed=step, stop=stop)
@@ -74,7 +82,7 @@ def train(
             output = training.forward_backward(data, "importance_sampling").result()
             loss = output.metrics["loss:sum"]
             training.optim_step(tinker.AdamParams(learning_rate=args.learning_rate)).result()
-            sampler = training.save_weights_and_get_sampling_client()
+            sampler = new_sampler()
         print(
             f"step {step:3d}  mean reward {sum(rewards) / len(rewards):.3f}  "
             f"trained samples {len(data):3d}  loss {loss:+.4f}",

@@ -11,10 +11,13 @@ start-up checks of --device and --model dirs).
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import sys
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
+from posttrain import __version__
 from posttrain.config import BUILTIN_MODELS, ServerConfig
 from posttrain.config_sources import FLAG_GROUPS, Setting, build_config, settings, stay_offline
 from posttrain.demo.command import add_demo_arguments, run_demo_command
@@ -113,6 +116,7 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    root.add_argument("--version", action="version", version=f"posttrain {__version__}")
     commands = root.add_subparsers(
         title="commands", dest="command", required=True, metavar="COMMAND"
     )
@@ -165,10 +169,34 @@ def check_data_dir(path: Path) -> None:
         raise ConfigError(f"--data-dir {path}: {exc.strerror}", param="data_dir") from None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine: localhost, 127.0.0.0/8 or ::1. A name
+    that is not an address could resolve anywhere, so it is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(config: ServerConfig) -> None:
+    """Listening beyond loopback without an API key needs --insecure-no-auth."""
+    if config.api_keys or config.insecure_no_auth or is_loopback(config.host):
+        return
+    raise ConfigError(
+        f"--host {config.host} listens beyond loopback without an API key: give --api-key KEY"
+        " or --keys-file PATH (env POSTTRAIN_API_KEY, POSTTRAIN_KEYS_FILE), or"
+        " --insecure-no-auth to let anyone who reaches the port train and sample",
+        param="host",
+    )
+
+
 def serve(args: argparse.Namespace) -> NoReturn:
     from posttrain.api.listen import listening_socket
 
     config = serve_config(args)
+    check_exposure(config)
     stay_offline()  # before transformers is imported
     passive_openmp_waits()  # before torch is imported (engine/hosts/threads.py says why)
     # Listening before torch is imported: clients that retry across a restart queue instead of
@@ -176,9 +204,12 @@ def serve(args: argparse.Namespace) -> NoReturn:
     try:
         sock = listening_socket(config.host, config.port)
     except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {config.host}:{config.port}: {exc}", param="port"
-        ) from exc
+        where = f"{config.host}:{config.port}"
+        if exc.errno == errno.EADDRINUSE:
+            message = f"--port {config.port}: {where} is in use; give another --port (0: any)"
+        else:
+            message = f"cannot listen on {where}: {exc.strerror}"
+        raise ConfigError(message, param="port") from None
 
     from posttrain.api.app import create_app
     from posttrain.api.server import leave
@@ -203,7 +234,14 @@ def serve(args: argparse.Namespace) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    root = parser()
+    args, unknown = root.parse_known_args(argv)
+    if unknown:  # the command's help lists its flags, not the top level's
+        root.exit(
+            2,
+            f"posttrain: unrecognized arguments: {' '.join(unknown)}; run"
+            f" `posttrain {args.command} --help` for its flags\n",
+        )
     try:
         if args.command == "serve":
             try:

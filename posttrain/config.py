@@ -4,16 +4,17 @@ Every field has a default or is required, and a description, which is also the h
 `posttrain serve` flag: a field is a flag when its `json_schema_extra` is `flag(...)` (its help
 group, and where it differs from the rule: its name, hidden, an environment variable). Each
 setting is declared here once; config_sources.py turns the declarations into flags, reads the
-environment and builds the tree. Imports: errors, units.
+environment and builds the tree. Imports: config_flags, errors, units.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from posttrain.config_flags import flag
 from posttrain.errors import ConfigError
 from posttrain.units import parse_bytes
 
@@ -26,30 +27,6 @@ BUILTIN_MODELS: dict[str, Path] = {
 }
 BUILTIN_MODEL_ID = "posttrain/tiny-qwen3"
 BUILTIN_MODEL_DIR = BUILTIN_MODELS[BUILTIN_MODEL_ID]
-
-
-# The groups of `posttrain serve --help` (config_sources.FLAG_GROUPS says what each holds).
-FlagGroup = Literal["basics", "models", "limits and auth", "scale-out", "performance"]
-
-
-def flag(
-    group: FlagGroup,
-    *,
-    name: str | None = None,
-    hidden: bool = False,
-    env: bool | str = False,
-    metavar: str | None = None,
-    default: str | None = None,
-    switch: bool = False,
-) -> dict[str, Any]:
-    """The `json_schema_extra` of a field `posttrain serve` takes as a flag in help `group`.
-
-    `name`: the flag when not `--` plus the field's name with dashes; `hidden`: kept out of
-    --help (test knobs); `env`: also read from POSTTRAIN_<FIELD NAME> (a str: that variable);
-    `default`: what --help says for the default when the value alone would not tell a user;
-    `switch`: a bool given as a bare `--flag` (bools are otherwise `on|off`)."""
-    spec = {"group": group, "name": name, "hidden": hidden, "env": env, "metavar": metavar}
-    return {"flag": {**spec, "default": default, "switch": switch}}
 
 
 class ModelSpec(BaseModel):
@@ -367,7 +344,7 @@ class ServerConfig(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info",
-        description="least severe log lines shown; debug adds tracebacks to logged errors",
+        description="least severe log lines shown; debug adds one per engine pass and tracebacks",
         json_schema_extra=flag("basics"),
     )
     access_log: bool = Field(
@@ -381,6 +358,14 @@ class ServerConfig(BaseModel):
         " accepts any non-empty key as `user_id` (single user)",
     )
     user_id: str = Field("user_local", description="the user of single-user mode and of --api-key")
+    # Without a key anyone who reaches the port trains and samples here (api/deps.py): fine
+    # on loopback, an accident beyond it unless asked for by name.
+    insecure_no_auth: bool = Field(
+        False,
+        description="with a --host beyond loopback, serve without an API key: anyone who"
+        " reaches the port may train and sample on this machine",
+        json_schema_extra=flag("limits and auth", env=True, switch=True),
+    )
     models: tuple[ModelSpec, ...] = Field(
         default_factory=builtin_model_specs,
         description="add a Hugging Face Hub id ORG/NAME[@REV] (from the HF cache, HF_HOME;"

@@ -13,10 +13,14 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, TextIO
 
 from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.demo.loop import QUICK, DemoConfig, StepRecord, require_sdk, run_demo
 from posttrain.demo.server import INTERRUPTED_STOP_TIMEOUT_S, STOP_TIMEOUT_S, LocalServer
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 DEFAULT_OUT = Path("posttrain-demo")
 
@@ -49,29 +53,42 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class ProgressBar:
-    """One tqdm bar over both phases; the postfix carries the step's numbers."""
+    """Progress over both phases, the step's numbers beside it: one tqdm bar on a terminal,
+    one line per step elsewhere (in a pipe or a file the bar's carriage-return redraws would
+    pile up on one line). `stream`: where it writes, stderr by default."""
 
-    def __init__(self, total: int) -> None:
-        from tqdm import tqdm
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.done = 0
+        self.bar: tqdm | None = None
+        if self.stream.isatty():
+            from tqdm import tqdm
 
-        self.bar = tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True)
 
     def __call__(self, record: StepRecord, total: int) -> None:
         if record.phase == "warmup":
-            self.bar.set_description("warm-up (cross-entropy)")
+            description = "warm-up (cross-entropy)"
             postfix = f"loss/token={record.loss:.3f} tok/s={record.tokens_per_s:.0f}"
         else:
-            self.bar.set_description("GRPO")
+            description = "GRPO"
             kl = f"{record.kl:.3f}" if record.kl is not None else "-"
             postfix = (
                 f"reward={record.reward:.3f} loss={record.loss:+.4f} kl={kl} "
                 f"tok/s={record.tokens_per_s:.0f}"
             )
+        self.done += 1
+        if self.bar is None:
+            print(f"{description}: step {self.done}/{total} {postfix}", file=self.stream)
+            self.stream.flush()
+            return
+        self.bar.set_description(description)
         self.bar.set_postfix_str(postfix, refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:

@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
-from posttrain.demo.task import Problem, group_advantages, reward, split_problems
+from posttrain.demo.task import (
+    HeldoutExample,
+    Problem,
+    group_advantages,
+    judged,
+    reward,
+    split_problems,
+)
 
 if TYPE_CHECKING:
     from together.post_training import SessionClient
@@ -100,7 +107,7 @@ class DemoResult:
     accuracy_rl: float
     steps: list[StepRecord]
     seconds: float
-    examples: list[dict[str, str]] = field(default_factory=list)
+    examples: list[HeldoutExample] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -200,9 +207,10 @@ def heldout_accuracy(
     for problem, result in zip(problems, results, strict=True):
         sequence = result.sequences[0]
         text = tokens.decode([int(t) for t in sequence.tokens])
-        correct += reward(problem, text, stopped=sequence.stop_reason == "STOP_REASON_STOP") > 0
+        example = judged(problem, text, stopped=sequence.stop_reason == "STOP_REASON_STOP")
+        correct += example["correct"]
         if len(examples) < 8:
-            examples.append({"prompt": f"{problem.a}+{problem.b}=", "completion": text.strip()})
+            examples.append(example)
     return correct / len(problems), examples
 
 

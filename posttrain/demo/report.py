@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from dataclasses import fields
 from pathlib import Path
 
-from posttrain.demo.loop import DemoConfig, DemoResult, StepRecord
+from posttrain.demo.loop import DemoConfig, DemoResult, HeldoutExample, StepRecord
 from posttrain.demo.plot import (
     BLUE,
     GREEN,
@@ -26,8 +25,6 @@ PLOT_WIDTH, PLOT_HEIGHT = 1000, 680
 LIGHT_BLUE: Color = (158, 196, 228)
 LIGHT_PURPLE: Color = (206, 188, 226)
 WARMUP_WINDOW, RL_WINDOW = 10, 5
-# The examples' prompt text, as loop.heldout_accuracy writes it.
-PROMPT = re.compile(r"(?P<a>\d+)\+(?P<b>\d+)=")
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -154,14 +151,10 @@ def write_outputs(result: DemoResult, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def marked_example(example: dict[str, str]) -> str:
+def marked_example(example: HeldoutExample) -> str:
     """`12+34=46`, or `12+34=47 ✗ (46)` for a wrong answer, with the expected sum."""
     shown = f"{example['prompt']}{example['completion']}"
-    match = PROMPT.fullmatch(example["prompt"])
-    if match is None:
-        return shown
-    expected = str(int(match["a"]) + int(match["b"]))
-    return shown if example["completion"] == expected else f"{shown} ✗ ({expected})"
+    return shown if example["correct"] else f"{shown} ✗ ({example['expected']})"
 
 
 def closing_text(result: DemoResult, paths: dict[str, Path]) -> str:

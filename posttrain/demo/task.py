@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TypedDict
 
 IM_START = "<|im_start|>"
 LOW, HIGH = 10, 99
@@ -46,6 +47,25 @@ def reward(problem: Problem, completion: str, *, stopped: bool) -> float:
     `completion` is the decoded sampled text without special tokens; `stopped` says the
     sequence ended on end-of-text rather than by running out of tokens."""
     return 1.0 if stopped and completion == problem.answer else 0.0
+
+
+class HeldoutExample(TypedDict):
+    """One held-out answer, as summary.json and the closing printout show it."""
+
+    prompt: str  # "12+34="
+    completion: str
+    expected: str  # "46"
+    correct: bool
+
+
+def judged(problem: Problem, completion: str, *, stopped: bool) -> HeldoutExample:
+    """`completion` judged by the reward the held-out accuracy counts, in one place."""
+    return HeldoutExample(
+        prompt=f"{problem.a}+{problem.b}=",
+        completion=completion.strip(),
+        expected=problem.answer.strip(),
+        correct=reward(problem, completion, stopped=stopped) > 0,
+    )
 
 
 def group_advantages(rewards_G: list[float], *, normalize: bool) -> list[float]:

@@ -321,7 +321,7 @@ class CheckpointService:
             self.repo.update_session(record.session_id, lambda s: _without(s, checkpoint_id))
         with self._merge_lock:
             shutil.rmtree(record.path, ignore_errors=True)
-        log.info("deleted checkpoint %s", checkpoint_id)
+        log.debug("deleted checkpoint %s", checkpoint_id)
 
     # ------------------------------------------------------------ downloads
 

@@ -152,7 +152,7 @@ class SessionDurability:
                     op, status=OperationStatus.COMPLETED, updated_at=time.time(), output=output
                 )
             )
-            log.info("operation %s completed before the restart: recorded from its state", op.id)
+            log.debug("operation %s completed before the restart: recorded from its state", op.id)
         if session.lora_config is None and op_id is not None:
             # A crash between a snapshot and its clearing. The setup snapshot (no operation)
             # covers nothing: the journal after it is the whole journal, and must stay.

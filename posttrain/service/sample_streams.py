@@ -166,7 +166,7 @@ class StreamPass:
                 self._finish_done()
         if self.operations > 1:
             self.scheduler.metrics.shared_pass(self.operations)
-        log.info(
+        log.debug(
             "%d sample operations in one stream, %d block calls, %.3fs",
             self.operations,
             self.blocks,

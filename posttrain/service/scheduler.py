@@ -211,7 +211,7 @@ class Scheduler:
         outcomes = KINDS[kind].run(self, resource_id, ready, lane)
         if len(ready) > 1:
             self.metrics.shared_pass(len(ready))
-        log.info(
+        log.debug(
             "%d %s operations in one pass, %.3fs", len(ready), kind, time.monotonic() - started
         )
         for (op, _, request), outcome in zip(ready, outcomes, strict=True):

@@ -56,7 +56,8 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
 def test_python_block_runs_as_written_against_a_server(index, shared_server, tmp_path, request):
     """A block that imports the tinker SDK itself runs in the tinker 0.38 interpreter
-    (tests/tinker_env.py); the others in this one, with the Together SDK."""
+    (tests/tinker_env.py), where a call the SDK deprecates fails it; the others in this one,
+    with the Together SDK."""
     code = PYTHON_BLOCKS[index]
     is_tinker = re.search(r"^import tinker\b", code, flags=re.M) is not None
     python = request.getfixturevalue("tinker_python") if is_tinker else sys.executable
@@ -66,8 +67,14 @@ def test_python_block_runs_as_written_against_a_server(index, shared_server, tmp
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("TOGETHER_BASE_URL", None)
     env.pop("TOGETHER_API_KEY", None)
+    # The SDK warns at the caller's line (stacklevel): warnings raised in the block's own code.
+    strict = ["-W", "error::DeprecationWarning:__main__", "-W", "error::FutureWarning:__main__"]
     completed = subprocess.run(
-        [python, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path
+        [python, *(strict if is_tinker else []), str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.strip(), "every block prints what it did"

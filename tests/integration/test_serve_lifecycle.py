@@ -1,7 +1,8 @@
 """A real `posttrain serve`: it introduces itself once ready (URL, dashboard, data directory,
-models), keeps uvicorn's start lines and the per-request log off unless `--access-log`, and a
-SIGINT or SIGTERM, even mid-operation, stops it with one line, no traceback, and exit status
-130 or 0."""
+models), keeps uvicorn's start lines and the per-request log off unless `--access-log`, logs
+no line per operation or engine pass at info, refuses to listen beyond loopback without an API
+key unless told `--insecure-no-auth`, and a SIGINT or SIGTERM, even mid-operation, stops it
+with one line, no traceback, and exit status 130 or 0."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port
-from helpers import API_KEY, open_session
+from helpers import API_KEY, open_session, sft_sample
 
 from posttrain.config import BUILTIN_MODELS
 
@@ -117,3 +118,55 @@ def test_access_log_shows_each_request(tmp_path):
     assert code == 0, output
     assert '"GET /healthz HTTP/1.1" 200' in output, output
     assert "Application startup complete" in output, output
+
+
+def test_a_training_loop_logs_nothing_at_info_after_the_introduction(tmp_path):
+    server = Serve(tmp_path / "data", "--log-level", "info")
+    try:
+        server.wait_ready()
+        _, session = open_session(f"http://127.0.0.1:{server.port}", lora_config={"rank": 4})
+        samples = [sft_sample([3, 4, 5, 6, 7, 8], 3)]
+        for _ in range(10):  # 20 operations
+            session.trainer.forward_backward(
+                samples=samples, loss={"type": "LOSS_TYPE_CROSS_ENTROPY"}
+            )
+            session.trainer.optim_step(adam_params={"learning_rate": 1e-3})
+        code = server.stop(signal.SIGTERM)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    output = server.output()
+    assert code == 0, output
+    lines = output.splitlines()
+    assert lines[0].startswith("posttrain: serving") and lines[-1] == "posttrain: stopped (SIGTERM)"
+    assert lines[1:-1] == [], output
+
+
+def test_listening_beyond_loopback_without_a_key_is_refused_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSTTRAIN_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "posttrain", "serve", "--host", "0.0.0.0"]
+        + ["--port", str(free_port()), "--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 2, done
+    assert done.stdout == ""
+    assert done.stderr.startswith("posttrain: --host 0.0.0.0 listens beyond loopback"), done
+    assert "--api-key" in done.stderr and "--insecure-no-auth" in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_insecure_no_auth_serves_beyond_loopback_without_a_key(tmp_path):
+    # Loopback without a key is what every other server of the tests runs.
+    server = Serve(tmp_path / "data", "--host", "0.0.0.0", "--insecure-no-auth")
+    try:
+        assert server.wait_ready().startswith("posttrain: serving")
+        assert httpx.get(f"http://127.0.0.1:{server.port}/healthz").status_code == 200
+        code = server.stop(signal.SIGTERM)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    assert code == 0, server.output()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.cli import parser, serve_config
+from posttrain.cli import check_exposure, parser, serve_config
 from posttrain.config import BUILTIN_MODELS, EngineConfig, LimitsConfig, RoutedExpertsConfig
 from posttrain.config_sources import build_config, settings
 from posttrain.errors import ConfigError
@@ -47,7 +47,7 @@ def test_every_existing_flag_name_still_reaches_its_field(tmp_path):
         "--routed-experts-ttl-s", "60", "--routed-experts-mib", "16",
         "--signing-key", "k", "--max-body-mib", "2", "--max-payload-mib", "8",
         "--min-inactive-timeout-s", "2", "--expiry-check-interval-s", "0.5",
-        "--log-level", "warning", "--access-log",
+        "--log-level", "warning", "--access-log", "--insecure-no-auth",
     )  # fmt: skip
     assert (config.host, config.port, config.data_dir) == ("0.0.0.0", 0, tmp_path)
     assert config.engine == EngineConfig(
@@ -65,6 +65,7 @@ def test_every_existing_flag_name_still_reaches_its_field(tmp_path):
     assert (config.signing_key, config.min_inactive_timeout_s) == ("k", 2)
     assert config.expiry_check_interval_s == 0.5
     assert (config.log_level, config.access_log) == ("warning", True)
+    assert config.insecure_no_auth
 
 
 def test_model_is_repeatable_and_serves_the_directories_beside_the_built_ins(tmp_path):
@@ -212,3 +213,27 @@ def test_the_sample_row_limits_come_from_flags_and_refuse_what_cannot_be_a_row_c
         assert refused.value.message.startswith(f"{flags[0]} {flags[1]}: ")
     with pytest.raises(ConfigError, match="^--stream-join-rows some: "):
         config_of("--stream-join-rows", "some")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.3.4", "::1", "localhost"])
+def test_a_loopback_host_needs_no_api_key(host, monkeypatch):
+    monkeypatch.delenv("POSTTRAIN_API_KEY", raising=False)
+    monkeypatch.delenv("POSTTRAIN_KEYS_FILE", raising=False)
+    check_exposure(config_of("--host", host))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.7", "example.com"])
+def test_a_host_beyond_loopback_needs_a_key_or_the_insecure_opt_out(host, monkeypatch, tmp_path):
+    monkeypatch.delenv("POSTTRAIN_API_KEY", raising=False)
+    monkeypatch.delenv("POSTTRAIN_KEYS_FILE", raising=False)
+    monkeypatch.delenv("POSTTRAIN_INSECURE_NO_AUTH", raising=False)
+    with pytest.raises(ConfigError, match="--api-key KEY or --keys-file PATH") as refused:
+        check_exposure(config_of("--host", host))
+    assert refused.value.param == "host"
+    assert "--insecure-no-auth" in refused.value.message
+    check_exposure(config_of("--host", host, "--api-key", "secret"))
+    (tmp_path / "keys.txt").write_text("sk-a alice\n")
+    check_exposure(config_of("--host", host, "--keys-file", str(tmp_path / "keys.txt")))
+    check_exposure(config_of("--host", host, "--insecure-no-auth"))
+    monkeypatch.setenv("POSTTRAIN_INSECURE_NO_AUTH", "1")
+    check_exposure(config_of("--host", host))

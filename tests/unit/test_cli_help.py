@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 
+import posttrain
 from posttrain import cli
 from posttrain.config_sources import FLAG_GROUPS, settings
 
@@ -73,9 +77,13 @@ def test_serve_help_cites_no_file_the_user_does_not_have(capsys):
         (("--port", "70000"), "posttrain: --port 70000: Input should be less than or equal"),
         (("--trainer-ranks", "zero"), "posttrain: --trainer-ranks zero: Input should be a valid"),
         (("--workers", "fork"), "posttrain: argument --workers: invalid choice: 'fork'"),
-        (("--no-such-flag",), "posttrain: unrecognized arguments: --no-such-flag"),
+        (
+            ("--no-such-flag",),
+            "posttrain: unrecognized arguments: --no-such-flag; run `posttrain serve --help`",
+        ),
         (("--ray", "local"), "posttrain: --ray places worker processes"),
         (("--device", "tpu9"), "posttrain: --device tpu9: "),
+        (("--host", "0.0.0.0"), "posttrain: --host 0.0.0.0 listens beyond loopback without an"),
     ],
 )
 def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypatch, flags, message):
@@ -87,6 +95,30 @@ def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert err.startswith(message), err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"posttrain {posttrain.__version__}\n"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == posttrain.__version__
+
+
+def test_a_port_in_use_is_one_line_that_suggests_another_port(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (
+        f"posttrain: --port {port}: 127.0.0.1:{port} is in use; give another --port (0: any)\n"
+    )
 
 
 def test_a_data_dir_that_cannot_be_made_is_one_line(tmp_path, capsys, monkeypatch):

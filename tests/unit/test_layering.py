@@ -50,7 +50,8 @@ def test_foundation_modules_import_nothing_above_them():
         assert imports <= {"errors", "statuses"}, (name, imports)
     assert imported_posttrain_modules(PACKAGE / "records.py") <= {"statuses", "types"}
     assert imported_posttrain_modules(PACKAGE / "units.py") == set()
-    assert imported_posttrain_modules(PACKAGE / "config.py") <= {"errors", "units"}
+    assert imported_posttrain_modules(PACKAGE / "config_flags.py") == set()
+    assert imported_posttrain_modules(PACKAGE / "config.py") <= {"config_flags", "errors", "units"}
     assert imported_posttrain_modules(PACKAGE / "loss_specs.py") <= {"errors", "types"}
 
 

@@ -4,6 +4,7 @@ file whose pixels are what was drawn."""
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 from pathlib import Path
@@ -15,6 +16,7 @@ from posttrain.demo.plot import FONT, GLYPH_H, GLYPH_W, Canvas, encode_png, step
 from posttrain.demo.report import (
     PLOT_HEIGHT,
     PLOT_WIDTH,
+    closing_text,
     demo_figure,
     load_result,
     main,
@@ -23,6 +25,7 @@ from posttrain.demo.report import (
     share_axis_top,
     write_outputs,
 )
+from posttrain.demo.task import HeldoutExample, Problem, judged
 
 
 def decode_png(data: bytes) -> tuple[int, int, bytes]:
@@ -101,6 +104,10 @@ def test_step_ticks_label_the_first_step_and_round_ones_apart():
 NUM_WARMUP, NUM_RL = 6, 5
 
 
+RIGHT = HeldoutExample(prompt="12+34=", completion="46", expected="46", correct=True)
+WRONG = HeldoutExample(prompt="7+8=", completion="16", expected="15", correct=False)
+
+
 def demo_result() -> DemoResult:
     """A run as loop.py logs it: warm-up steps 1..6, then GRPO steps counted on (7..11)."""
     steps = [StepRecord("warmup", i + 1, 1.0 - 0.01 * i, 0.1, 10, 100.0) for i in range(NUM_WARMUP)]
@@ -108,7 +115,7 @@ def demo_result() -> DemoResult:
         StepRecord("rl", NUM_WARMUP + 1 + i, 0.001 * i, 0.1, 10, 100.0, reward=0.1 * i, kl=0.01 * i)
         for i in range(NUM_RL)
     ]
-    examples = [{"prompt": "12+34=", "completion": "46"}, {"prompt": "7+8=", "completion": "16"}]
+    examples = [RIGHT, WRONG]
     return DemoResult(DemoConfig(num_heldout=50), 0.01, 0.1, 0.4, steps, 12.0, examples)
 
 
@@ -180,9 +187,23 @@ def test_the_reward_axis_starts_at_zero_and_tops_out_above_the_data():
 
 
 def test_wrong_examples_are_marked_with_the_right_sum():
-    assert marked_example({"prompt": "12+34=", "completion": "46"}) == "12+34=46"
-    assert marked_example({"prompt": "7+8=", "completion": "16"}) == "7+8=16 ✗ (15)"
-    assert marked_example({"prompt": "7+8=", "completion": ""}) == "7+8= ✗ (15)"
+    assert marked_example(RIGHT) == "12+34=46"
+    assert marked_example(WRONG) == "7+8=16 ✗ (15)"
+    # The reward judges, not the text: the right digits without the end of text are wrong.
+    assert marked_example(judged(Problem(7, 8), "15\n", stopped=False)) == "7+8=15 ✗ (15)"
+    assert marked_example(judged(Problem(7, 8), "15\n", stopped=True)) == "7+8=15"
+
+
+def test_summary_json_marks_the_wrong_examples_as_the_console_does(tmp_path: Path):
+    result = demo_result()
+    paths = write_outputs(result, tmp_path)
+    examples = json.loads(paths["summary"].read_text())["examples"]
+    assert [e["correct"] for e in examples] == [True, False]
+    assert [e["expected"] for e in examples] == ["46", "15"]
+    console = closing_text(result, paths)
+    for example in examples:
+        marked = f"{example['prompt']}{example['completion']}"
+        assert (marked + " ✗" in console) is not example["correct"], console
 
 
 def test_the_plot_redraws_from_a_runs_files(tmp_path: Path, capsys):

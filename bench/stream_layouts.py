@@ -24,7 +24,7 @@ seconds, and the estimate
 
     blocks x 104 ms + (layouts + steps made) x 176 ms + eager prefills x 88 ms + step runs x 15 ms
 
-(the H200 run of 2026-12-04: a replayed block of 8 passes ~104 ms, an eager pass ~88 ms on the
+(the H200 run in docs/benchmarks.md, "GPU check": a replayed block of 8 passes ~104 ms, an eager pass ~88 ms on the
 Qwen3-0.6B shape; a capture taken as 2 eager passes, a replayed prefill step as 15 ms). A
 block's rows do not enter it: on the H200 a replayed pass costs about the same at 8 and 64 rows.
 
@@ -58,7 +58,7 @@ from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.service.sample_streams import stream_rows  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams  # noqa: E402
 
-# The H200's costs (docs/benchmarks.md, the GPU check of 2026-12-04; see the docstring).
+# The H200's costs (docs/benchmarks.md, "GPU check"; see the docstring).
 BLOCK_S, EAGER_PASS_S, STEP_RUN_S = 0.104, 0.088, 0.015
 CAPTURE_S = 2 * EAGER_PASS_S
 WAYS = {

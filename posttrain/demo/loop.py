@@ -51,7 +51,7 @@ POLL_INTERVAL_S = 0.02
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Every knob of the demo. The defaults are the tuned full run (README, "Demo")."""
+    """Every knob of the demo. The defaults are the tuned full run (docs/demo.md)."""
 
     base_model: str = BUILTIN_MODEL_ID  # a built-in model (its tokenizer is read locally)
     seed: int = 0

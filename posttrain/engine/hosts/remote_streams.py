@@ -5,7 +5,7 @@ Commands: OPEN_STREAM, STREAM_CALL (one DecodeStream method and its arguments), 
 (`admit` or `block`, then the operations finished since, the rows running and the room a join
 finds, sample_stream.JoinRoom: what the caller asks after each, in the same round trip) and
 CLOSE_STREAM. A round trip costs about a CPU decode step's time across Ray
-(docs/continuous_batching.md trap 21), so a quiet block is one, and weighing a candidate join
+(docs/continuous_batching.md, "Invariants"), so a quiet block is one, and weighing a candidate join
 at a boundary is none: `join_reserve_bytes` answers from the room, `can_join` once per session.
 
 Between two of a stream's commands the host serves any other (another session's training

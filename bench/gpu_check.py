@@ -103,7 +103,7 @@ from gpu_check_isolated import optional_section, static_section  # noqa: E402
 from gpu_check_report import summary  # noqa: E402
 from gpu_check_train import ForwardBackward, fb_ratios  # noqa: E402
 
-# Seconds each section took on the H200 run in docs/benchmarks.md, "GPU check" (docs/benchmarks.md; the sampler
+# Seconds each section took on the H200 run (docs/benchmarks.md, "GPU check"; the sampler
 # sections at the dynamic-blocks default of then): a section is skipped when less than this,
 # scaled by `pace`, is left of --budget-s. They add up to more than one call's budget, so
 # the children may find none left: a second call with --skip gets them (bench/gpu_run.sh).

@@ -24,7 +24,8 @@ seconds, and the estimate
 
     blocks x 104 ms + (layouts + steps made) x 176 ms + eager prefills x 88 ms + step runs x 15 ms
 
-(the H200 run in docs/benchmarks.md, "GPU check": a replayed block of 8 passes ~104 ms, an eager pass ~88 ms on the
+(the H200 run, docs/benchmarks.md "GPU check": a replayed block of 8 passes ~104 ms, an eager
+pass ~88 ms on the
 Qwen3-0.6B shape; a capture taken as 2 eager passes, a replayed prefill step as 15 ms). A
 block's rows do not enter it: on the H200 a replayed pass costs about the same at 8 and 64 rows.
 

@@ -1,7 +1,8 @@
 """A LoRA session's sample on a vLLM server right after each weights-sync, in one process
 (VllmEngine over the in-process trainer, no HTTP): the time a sample takes once the adapter was
 reinstalled. vLLM loads an adapter again at every decode step of a request whose adapter was
-registered in place (docs/continuous_batching.md, "Invariants"), so how an install registers it shows
+registered in place (docs/continuous_batching.md, "Invariants"), so how an install registers
+it shows
 here. Run it from two trees, alternated, to compare them:
 
     python bench/vllm_sync_sample.py --vllm-python ~/.cache/posttrain/venv-vllm/bin/python

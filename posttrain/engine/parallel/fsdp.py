@@ -339,7 +339,7 @@ class FsdpShards:
 
 
 # gloo's all_gather_into_tensor and reduce_scatter_tensor took 0.13 and 0.15 s for 50 MB over
-# 2 ranks on the 2-core machine, its all_reduce 0.035 s (bench: docs/benchmarks.md, "Trainer ranks"),
+# 2 ranks on the 2-core machine, its all_reduce 0.035 s (docs/benchmarks.md, "Trainer ranks"),
 # so on gloo FSDP2's two collectives run as all-reduces of the same buffers (FSDP2's
 # set_custom_all_gather / set_custom_reduce_scatter).
 

@@ -62,6 +62,24 @@ def test_supervised_steps_lower_the_loss_and_sampler_logprobs_match_training(
         assert scored[1:] == pytest.approx(forward, abs=2e-5)
 
 
+def test_elementwise_loss_is_each_tokens_share_of_loss_sum(tinker_python, tinker_server):
+    seen = run(tinker_python, "elementwise", tinker_server)
+    for loss_fn in ("cross_entropy", "importance_sampling"):
+        out = seen[loss_fn]
+        assert out["keys"] == [["elementwise_loss", "logprobs"]] * 3
+        total = sum(sum(row) for row in out["elementwise"])
+        assert total == pytest.approx(out["loss_sum"], rel=1e-5)
+    ce = seen["cross_entropy"]
+    for weights, logprobs, losses in zip(
+        seen["weights"], ce["logprobs"], ce["elementwise"], strict=True
+    ):
+        assert losses == pytest.approx([-w * x for w, x in zip(weights, logprobs, strict=True)])
+    policy = seen["importance_sampling"]
+    for logprobs, losses in zip(policy["logprobs"], policy["elementwise"], strict=True):
+        # -exp(x - q) * A with q = -1.0 and A = 0.5 at every token
+        assert losses == pytest.approx([-math.exp(x + 1.0) * 0.5 for x in logprobs], rel=1e-5)
+
+
 def test_resume_with_optimizer_reproduces_the_next_loss_bit_for_bit(tinker_python, tinker_server):
     seen = run(tinker_python, "resume", tinker_server)
     assert seen["path"] == f"tinker://{seen['model_ids'][0]}/weights/after-two"

@@ -80,6 +80,36 @@ def sl_steps(url: str) -> dict:
         return {"losses": losses, "metrics": metrics, "forward": forward, "scored": scored}
 
 
+def elementwise(url: str) -> dict:
+    """Per-token outputs of cross_entropy and importance_sampling, as a loop reads them."""
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=10)
+        data = [datum(s) for s in SEQUENCES]
+        policy = [
+            types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "logprobs": types.TensorData(data=[-1.0] * len(s[1:]), dtype="float32"),
+                    "advantages": types.TensorData(data=[0.5] * len(s[1:]), dtype="float32"),
+                },
+            )
+            for d, s in zip(data, SEQUENCES, strict=True)
+        ]
+        seen = {"weights": [list(d.loss_fn_inputs["weights"].data) for d in data]}
+        for loss_fn, batch in (("cross_entropy", data), ("importance_sampling", policy)):
+            out = training.forward_backward(batch, loss_fn).result()
+            seen[loss_fn] = {
+                "loss_sum": out.metrics["loss:sum"],
+                "keys": [sorted(o) for o in out.loss_fn_outputs],
+                "logprobs": logprobs_of(out),
+                "elementwise": [
+                    [float(x) for x in o["elementwise_loss"].data] for o in out.loss_fn_outputs
+                ],
+            }
+        return seen
+
+
 def resume(url: str) -> dict:
     """save_state after 2 steps, resume with the optimizer, take the same third step both ways."""
     with service(url) as client:
@@ -248,6 +278,7 @@ SCENARIOS = {
     for f in (
         handshake,
         sl_steps,
+        elementwise,
         resume,
         snapshot,
         chunked,

@@ -87,6 +87,22 @@ def test_resume_with_optimizer_reproduces_the_next_loss_bit_for_bit(tinker_pytho
     assert seen["resumed"] == seen["original"]
 
 
+def test_load_state_into_a_run_reproduces_the_saved_runs_next_losses_bit_for_bit(
+    tinker_python, tinker_server
+):
+    seen = run(tinker_python, "load_state", tinker_server)
+    original = seen["original"]
+    # With the optimizer: the next step and the one after it, exactly as the saved run had them,
+    # into the run that saved the state (after more steps) and into a fresh run.
+    assert seen["same_with_optimizer"] == original
+    assert seen["fresh_with_optimizer"] == original
+    # Without: the same weights (the first loss), a fresh optimizer (the second loss is that of
+    # a client created from the state without its optimizer, not the saved run's).
+    without = seen["same_without_optimizer"]
+    assert without[0] == original[0] == seen["from_state"][0]
+    assert without[1] == seen["from_state"][1] != original[1]
+
+
 def test_a_snapshot_sampler_keeps_its_weights_while_training_goes_on(tinker_python, tinker_server):
     seen = run(tinker_python, "snapshot", tinker_server)
     assert seen["after"] == seen["before"]

@@ -129,6 +129,42 @@ def resume(url: str) -> dict:
         return {"path": path, "model_ids": [training.model_id, resumed.model_id], **losses}
 
 
+def load_state(url: str) -> dict:
+    """save_state after 2 steps; the original run's next two losses, then the same two steps
+    after load_state(_with_optimizer) into the same run (after more steps) and into a fresh
+    run, and from create_training_client_from_state (weights only: a fresh optimizer)."""
+    data = [datum(s) for s in SEQUENCES]
+
+    def two_steps(run: tinker.TrainingClient) -> list[float]:
+        losses = []
+        for _ in range(2):
+            losses.append(run.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            run.optim_step(adam()).result()
+        return losses
+
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=11)
+        two_steps(training)
+        path = training.save_state("at-two").result().path
+        original = two_steps(training)
+        two_steps(training)
+        training.load_state_with_optimizer(path).result()
+        same_with_optimizer = two_steps(training)
+        training.load_state(path).result()
+        same_without_optimizer = two_steps(training)
+        fresh = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=12)
+        fresh.load_state_with_optimizer(path).result()
+        fresh_with_optimizer = two_steps(fresh)
+        from_state = two_steps(client.create_training_client_from_state(path))
+        return {
+            "original": original,
+            "same_with_optimizer": same_with_optimizer,
+            "same_without_optimizer": same_without_optimizer,
+            "fresh_with_optimizer": fresh_with_optimizer,
+            "from_state": from_state,
+        }
+
+
 def snapshot(url: str) -> dict:
     """A snapshot sampler keeps the weights of its moment; a later one sees training."""
     with service(url) as client:
@@ -280,6 +316,7 @@ SCENARIOS = {
         sl_steps,
         elementwise,
         resume,
+        load_state,
         snapshot,
         chunked,
         refusals,

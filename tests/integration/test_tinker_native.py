@@ -195,6 +195,39 @@ def test_a_path_saved_before_a_restart_serves_the_same_weights_after_it(tinker_p
     assert after["scored"] == before["scored"]
 
 
+def _sessions_of(server: ServerProcess, client: str) -> dict[str, str]:
+    """display name -> status of the posttrain sessions of a Tinker client's runs and samplers."""
+    sessions = httpx.get(
+        f"{server.base_url}/v1/rl/training-sessions",
+        headers={"Authorization": "Bearer tml-posttrain-test"},
+        timeout=30,
+    ).json()["data"]
+    return {
+        s["display_name"]: s["status"]
+        for s in sessions
+        if (s.get("display_name") or "").startswith(f"{client}:")
+    }
+
+
+def test_a_closed_clients_sessions_stop_and_its_saved_paths_serve_a_new_client(
+    tinker_python, tinker_server
+):
+    closed = run(tinker_python, "closed_client", tinker_server)
+    sessions = _sessions_of(tinker_server, closed["client"])
+    # The run, its path sampler, its snapshot sampler and a base-model sampler: all stopped.
+    assert len(sessions) == 4, sessions
+    assert set(sessions.values()) == {"TRAINING_SESSION_STATUS_STOPPED"}, sessions
+    after = run(
+        tinker_python, "after_close", tinker_server, closed["state"], closed["sampler_path"]
+    )
+    assert after["scored"] == closed["scored"]
+    assert len(after["sampled"]) == 3
+    assert after["loss"] == closed["loss"]  # the state, loaded: the run's next loss exactly
+    reopened = _sessions_of(tinker_server, after["client"])
+    assert len(reopened) == 2, reopened  # the run made from the state, the path's sampler
+    assert set(reopened.values()) == {"TRAINING_SESSION_STATUS_STOPPED"}, reopened
+
+
 def test_an_inflight_sampler_follows_the_run_and_top_k_prompt_logprobs_agree(
     tinker_python, tinker_server
 ):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from concurrent import futures
 from typing import Any
 
 from posttrain.errors import InvalidRequest, posttrainError
@@ -44,6 +45,8 @@ from posttrain.types import LoraConfig, OperationKind, OperationRequest
 LORA_ALPHA = 32
 # A provisioned resource outlives its last request by this long; heartbeats move it on.
 RESOURCE_IDLE_S = 3600
+# How long finish waits for its sessions to stop (a long queue stops them later).
+FINISH_WAIT_S = 30.0
 # How long loading a state into a run waits for the run's earlier requests to finish.
 DRAIN_S = 600.0
 # The ids a user's objects are named under: the SDK derives a created-via-load run's id itself.
@@ -91,10 +94,24 @@ class TinkerRuns:
         return True
 
     def finish(self, user: str, client_id: str) -> None:
-        """The SDK's close(): the client ends; its runs and samplers stay readable (a saved
-        path outlives the process), and their resources expire when idle."""
+        """The SDK's close(): the client ends, and so do the posttrain sessions of its runs and
+        samplers, once the requests it sent have run (a save it did not wait on is still
+        written), freeing their adapter slots. Their records stay readable and every saved
+        path stays usable: it names a checkpoint, which a new client loads into a new session.
+        The resources stay loaded for the user's next client and expire when idle. Waits up to
+        FINISH_WAIT_S for the sessions to stop; later ones stop when their queue has run."""
         client = self.registry.get(ClientRecord, client_id, user)
         self.registry.put(dataclasses.replace(client, finished=True))
+        runs = [
+            r.session_id for r in self.registry.all(RunRecord, user) if r.client_id == client_id
+        ]
+        samplers = [
+            s.session_id
+            for s in self.registry.all(SamplerRecord, user)
+            if s.client_id == client_id and s.session_id is not None
+        ]
+        stopping = [self.sessions.stop_after_queued(user, sid) for sid in {*runs, *samplers}]
+        futures.wait(stopping, timeout=FINISH_WAIT_S)
 
     def _resources_of(self, user: str, client_id: str) -> set[str]:
         runs = self.registry.all(RunRecord, user)

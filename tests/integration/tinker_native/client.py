@@ -277,6 +277,48 @@ def after_restart(url: str, path: str) -> dict:
         return {"scored": sampler.compute_logprobs(prompt).result()}
 
 
+def closed_client(url: str) -> dict:
+    """A client that trains, saves a state and sampler weights, samples three ways, and
+    closes; the next loss its run would have had, to compare after the close."""
+    data = [datum(s) for s in SEQUENCES]
+    prompt = types.ModelInput.from_ints(SEQUENCES[2])
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=13)
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam(5e-2)).result()
+        state = training.save_state("closed-state").result().path
+        sampler_path = training.save_weights_for_sampler("closed-sampler").result().path
+        sampler = client.create_sampling_client(model_path=sampler_path)
+        scored = sampler.compute_logprobs(prompt).result()
+        training.save_weights_and_get_sampling_client().compute_logprobs(prompt).result()
+        client.create_sampling_client(base_model=BASE_MODEL).compute_logprobs(prompt).result()
+        loss = training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        return {
+            "client": training.model_id.split(":train:")[0],
+            "state": state,
+            "sampler_path": sampler_path,
+            "scored": scored,
+            "loss": loss,
+        }
+
+
+def after_close(url: str, state: str, sampler_path: str) -> dict:
+    """A new client samples a closed client's sampler path and trains from its state."""
+    data = [datum(s) for s in SEQUENCES]
+    prompt = types.ModelInput.from_ints(SEQUENCES[2])
+    with service(url) as client:
+        sampler = client.create_sampling_client(model_path=sampler_path)
+        params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=3, stop=[])
+        sampled = sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+        training = client.create_training_client_from_state_with_optimizer(state)
+        return {
+            "client": training.model_id.split(":train:")[0],
+            "scored": sampler.compute_logprobs(prompt).result(),
+            "sampled": [int(t) for t in sampled.sequences[0].tokens],
+            "loss": training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"],
+        }
+
+
 def inflight(url: str) -> dict:
     """An inflight sampler follows the run's weights; top-k prompt logprobs come with it."""
     with service(url) as client:
@@ -323,6 +365,8 @@ SCENARIOS = {
         eviction,
         saved_sampler,
         after_restart,
+        closed_client,
+        after_close,
         inflight,
     )
 }

@@ -310,6 +310,8 @@ class ForwardBackwardResult:
     metrics: dict[str, float]
     # One list of per-token logprobs per sample when return_loss_fn_outputs was set.
     loss_fn_outputs: list[list[float]] | None = None
+    # With them, each sample's per-token share of `loss` (Tinker's elementwise_loss).
+    elementwise_loss: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)

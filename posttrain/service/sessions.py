@@ -5,7 +5,7 @@ the one full-weight session) and creates its adapter or full-weight state; that 
 on the resource's worker so it never races a running step, and create waits for it so the
 session is RUNNING (or ERROR with RESOURCE_AT_CAPACITY) by the SDK's first poll. Stopping fails
 the session's queued operations (SESSION_NOT_ACTIVE, by the scheduler's status check) and
-releases the slot.
+releases the slot; stopping after the queued operations lets them run first.
 
 Imports: store, engine.interface.
 """
@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
@@ -251,29 +252,45 @@ class SessionService:
         session = self.get(user, session_id)
         if session.status in SESSION_TERMINAL or session.status == SessionStatus.STOPPING:
             return session
-        self.repo.update_session(
-            session_id,
-            lambda s: dataclasses.replace(s, status=SessionStatus.STOPPING, updated_at=time.time()),
-        )
-
-        def teardown() -> None:
-            self.engine.drop_session(session.resource_id, session_id)
-            self.scheduler.routed_experts.drop_session(session_id)
-            if self.scheduler.durability is not None:
-                self.scheduler.durability.forget(session_id)
-            self.repo.update_session(
-                session_id,
-                lambda s: dataclasses.replace(
-                    s, status=SessionStatus.STOPPED, updated_at=time.time()
-                ),
-            )
-
-        done = self.scheduler.run_job(session.resource_id, teardown)
+        self._mark_stopping(session_id)
+        done = self.scheduler.run_job(session.resource_id, lambda: self._teardown(session))
         try:
             done.result(timeout=STOP_WAIT_S)
         except FutureTimeout:
             pass
         return self.get(user, session_id)
+
+    def stop_after_queued(self, user: str, session_id: str) -> Future:
+        """Stop the session once the operations already queued on its resource have run (stop
+        fails them): a job in the resource's order marks it STOPPING and tears it down, unless
+        it stopped meanwhile. The future finishes when the job has run."""
+        session = self.get(user, session_id)
+
+        def stop_now() -> None:
+            current = self.repo.get_session(session_id)
+            if current is None or current.status != SessionStatus.RUNNING:
+                return
+            self._mark_stopping(session_id)
+            self._teardown(session)
+
+        return self.scheduler.run_job(session.resource_id, stop_now)
+
+    def _mark_stopping(self, session_id: str) -> None:
+        self.repo.update_session(
+            session_id,
+            lambda s: dataclasses.replace(s, status=SessionStatus.STOPPING, updated_at=time.time()),
+        )
+
+    def _teardown(self, session: SessionRecord) -> None:
+        """On the resource's worker: drop the session's state and mark it STOPPED."""
+        self.engine.drop_session(session.resource_id, session.id)
+        self.scheduler.routed_experts.drop_session(session.id)
+        if self.scheduler.durability is not None:
+            self.scheduler.durability.forget(session.id)
+        self.repo.update_session(
+            session.id,
+            lambda s: dataclasses.replace(s, status=SessionStatus.STOPPED, updated_at=time.time()),
+        )
 
     def recover_after_restart(self) -> None:
         """Live sessions come back RUNNING with the state of their last completed operation

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import API_KEY
 
@@ -76,6 +77,19 @@ def test_tinker_native_example_runs_the_loop_on_the_tinker_038_sdk(shared_server
     rewards = numbers(r"mean reward (\d+\.\d+)", out)
     trained = numbers(r"trained samples +(\d+)", out)
     assert len(rewards) == 2 and any(t > 0 for t in trained), out
+    # Leaving the `with` block closed the SDK's session: its runs' and samplers' posttrain
+    # sessions (named after the Tinker ids, e.g. tc-...:train:0) are stopped, none left running.
+    sessions = httpx.get(
+        f"{shared_server.base_url}/v1/rl/training-sessions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    ).json()["data"]
+    tinker = {
+        s["display_name"]: s["status"]
+        for s in sessions
+        if re.fullmatch(r"tc-\S+:(train|sample):\d+", s.get("display_name") or "")
+    }
+    assert tinker and set(tinker.values()) == {"TRAINING_SESSION_STATUS_STOPPED"}, tinker
 
 
 def test_custom_loss_example_starts_at_log_2_and_learns_the_preferences(shared_server):

@@ -62,11 +62,45 @@ def test_supervised_steps_lower_the_loss_and_sampler_logprobs_match_training(
         assert scored[1:] == pytest.approx(forward, abs=2e-5)
 
 
+def test_elementwise_loss_is_each_tokens_share_of_loss_sum(tinker_python, tinker_server):
+    seen = run(tinker_python, "elementwise", tinker_server)
+    for loss_fn in ("cross_entropy", "importance_sampling"):
+        out = seen[loss_fn]
+        assert out["keys"] == [["elementwise_loss", "logprobs"]] * 3
+        total = sum(sum(row) for row in out["elementwise"])
+        assert total == pytest.approx(out["loss_sum"], rel=1e-5)
+    ce = seen["cross_entropy"]
+    for weights, logprobs, losses in zip(
+        seen["weights"], ce["logprobs"], ce["elementwise"], strict=True
+    ):
+        assert losses == pytest.approx([-w * x for w, x in zip(weights, logprobs, strict=True)])
+    policy = seen["importance_sampling"]
+    for logprobs, losses in zip(policy["logprobs"], policy["elementwise"], strict=True):
+        # -exp(x - q) * A with q = -1.0 and A = 0.5 at every token
+        assert losses == pytest.approx([-math.exp(x + 1.0) * 0.5 for x in logprobs], rel=1e-5)
+
+
 def test_resume_with_optimizer_reproduces_the_next_loss_bit_for_bit(tinker_python, tinker_server):
     seen = run(tinker_python, "resume", tinker_server)
     assert seen["path"] == f"tinker://{seen['model_ids'][0]}/weights/after-two"
     assert seen["model_ids"][1].endswith(":train:1")
     assert seen["resumed"] == seen["original"]
+
+
+def test_load_state_into_a_run_reproduces_the_saved_runs_next_losses_bit_for_bit(
+    tinker_python, tinker_server
+):
+    seen = run(tinker_python, "load_state", tinker_server)
+    original = seen["original"]
+    # With the optimizer: the next step and the one after it, exactly as the saved run had them,
+    # into the run that saved the state (after more steps) and into a fresh run.
+    assert seen["same_with_optimizer"] == original
+    assert seen["fresh_with_optimizer"] == original
+    # Without: the same weights (the first loss), a fresh optimizer (the second loss is that of
+    # a client created from the state without its optimizer, not the saved run's).
+    without = seen["same_without_optimizer"]
+    assert without[0] == original[0] == seen["from_state"][0]
+    assert without[1] == seen["from_state"][1] != original[1]
 
 
 def test_a_snapshot_sampler_keeps_its_weights_while_training_goes_on(tinker_python, tinker_server):
@@ -159,6 +193,39 @@ def test_a_path_saved_before_a_restart_serves_the_same_weights_after_it(tinker_p
         server.stop()
     assert before["path"].endswith("/sampler_weights/for-later")
     assert after["scored"] == before["scored"]
+
+
+def _sessions_of(server: ServerProcess, client: str) -> dict[str, str]:
+    """display name -> status of the posttrain sessions of a Tinker client's runs and samplers."""
+    sessions = httpx.get(
+        f"{server.base_url}/v1/rl/training-sessions",
+        headers={"Authorization": "Bearer tml-posttrain-test"},
+        timeout=30,
+    ).json()["data"]
+    return {
+        s["display_name"]: s["status"]
+        for s in sessions
+        if (s.get("display_name") or "").startswith(f"{client}:")
+    }
+
+
+def test_a_closed_clients_sessions_stop_and_its_saved_paths_serve_a_new_client(
+    tinker_python, tinker_server
+):
+    closed = run(tinker_python, "closed_client", tinker_server)
+    sessions = _sessions_of(tinker_server, closed["client"])
+    # The run, its path sampler, its snapshot sampler and a base-model sampler: all stopped.
+    assert len(sessions) == 4, sessions
+    assert set(sessions.values()) == {"TRAINING_SESSION_STATUS_STOPPED"}, sessions
+    after = run(
+        tinker_python, "after_close", tinker_server, closed["state"], closed["sampler_path"]
+    )
+    assert after["scored"] == closed["scored"]
+    assert len(after["sampled"]) == 3
+    assert after["loss"] == closed["loss"]  # the state, loaded: the run's next loss exactly
+    reopened = _sessions_of(tinker_server, after["client"])
+    assert len(reopened) == 2, reopened  # the run made from the state, the path's sampler
+    assert set(reopened.values()) == {"TRAINING_SESSION_STATUS_STOPPED"}, reopened
 
 
 def test_an_inflight_sampler_follows_the_run_and_top_k_prompt_logprobs_agree(

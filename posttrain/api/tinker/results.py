@@ -61,11 +61,19 @@ def rendered(future: FutureRecord, op: OperationRecord) -> tuple[bytes | dict[st
 
 
 def _forward_backward(future: FutureRecord, result: ForwardBackwardResult) -> bytes:
+    """Per datum, Tinker's outputs of every built-in loss: `logprobs` and `elementwise_loss`
+    (each token's share of the loss, so that they sum to loss:sum), in the targets' shape."""
     shapes = future.extra.get("shapes", [])
     outputs = []
-    for index, logprobs in enumerate(result.loss_fn_outputs or []):
+    per_token = zip(result.loss_fn_outputs or [], result.elementwise_loss or [], strict=True)
+    for index, (logprobs, elementwise) in enumerate(per_token):
         shape = tuple(shapes[index]) if index < len(shapes) else (len(logprobs),)
-        outputs.append({"logprobs": WireTensor(tuple(logprobs), shape, "float32")})
+        outputs.append(
+            {
+                "logprobs": WireTensor(tuple(logprobs), shape, "float32"),
+                "elementwise_loss": WireTensor(tuple(elementwise), shape, "float32"),
+            }
+        )
     return encode_forward_backward_output(
         "ArrayRecord", outputs, tinker_metrics(result.loss, result.metrics)
     )

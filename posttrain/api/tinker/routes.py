@@ -280,14 +280,13 @@ def save_weights_for_sampler(
 
 @router.post("/load_weights")
 def load_weights(body: RawBodyDep, svc: ServicesDep, user: str = TinkerUser) -> dict[str, Any]:
-    """Only the create-via-load form: the SDK 0.38 derives the new run's id itself."""
+    """A run resumed from a saved state: a new run (create-via-load, session_id and
+    model_seq_id; the SDK 0.38 derives its id itself) or an existing run that goes on from it
+    (load_state, model_id and seq_id)."""
     request = parse(w.LoadWeights, loads_strict(body))
-    if request.session_id is None or request.model_seq_id is None:
-        raise InvalidRequest(
-            "load_weights into an existing model is not served; load a checkpoint as a new"
-            " training client (create_training_client_from_state)",
-            param="model_id",
-        )
+    is_new = request.session_id is not None and request.model_seq_id is not None
+    if not is_new and request.model_id is None:
+        raise InvalidRequest("send session_id and model_seq_id, or model_id", param="model_id")
     _check_optimizer(request.optimizer_config, "optimizer_config")
     checkpoint_id, owner = svc.tinker.weights.resolve_with_owner(user, request.path)
     checkpoint = svc.checkpoints.get(owner, checkpoint_id)
@@ -301,6 +300,18 @@ def load_weights(body: RawBodyDep, svc: ServicesDep, user: str = TinkerUser) -> 
             param="optimizer",
         )
     assert checkpoint.lora_config is not None
+    if not is_new:
+        assert request.model_id is not None
+        future = svc.tinker.runs.load_into_run(
+            user,
+            request.model_id,
+            request.seq_id,
+            checkpoint,
+            load_optimizer=request.optimizer,
+            shared=owner != user,
+        )
+        return _future(future, model_id=request.model_id)
+    assert request.session_id is not None and request.model_seq_id is not None
     future = svc.tinker.runs.create_run(
         user,
         request.session_id,

@@ -2,9 +2,11 @@
 
 The math is ../shared/reference/losses.md (section numbers below refer to it). Every loss sees
 the whole request padded to [S, T] and returns the exact scalar that is back-propagated, plus
-the inclusion mask that decides which logprobs are reported (others are reported as 0.0).
+the inclusion mask that decides which logprobs are reported (others are reported as 0.0) and
+each token's share of the loss (Tinker's `elementwise_loss`, which sums to the loss).
 
-Reduction (losses.md 1.4): plain sums for every loss but GRPO, which normalises per agg_type.
+Reduction (losses.md 1.4): plain sums for every loss but GRPO, which normalises per agg_type
+(grpo_terms.py).
 
 Safe masking (losses.md 1.3): every input, the current logprobs included, is selected to 0 at
 excluded positions *before* any arithmetic. Each per-token value and gradient coefficient there is
@@ -35,13 +37,12 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from posttrain.engine.train.grpo_terms import GRPO_AGGREGATIONS, grpo_log_ratio, k3_kl
 from posttrain.types import (
     CispoParams,
     DppoParams,
     DroParams,
-    GrpoAggregation,
     GrpoParams,
-    GrpoRatioType,
     GspoParams,
     LossParams,
     LossType,
@@ -69,6 +70,9 @@ class LossOutput:
     loss: Tensor  # scalar; exactly what is back-propagated and reported
     metrics: dict[str, float]
     included_ST: Tensor  # bool: positions whose logprobs are reported (others report 0.0)
+    # Detached [S, T] share of `loss` per token (Tinker's elementwise_loss): the per-token loss
+    # weighted as the reduction weights it, 0 where excluded, so it sums to `loss`.
+    elementwise_ST: Tensor
 
 
 LossFn = Callable[[Tensor, LossBatch, LossParams], LossOutput]
@@ -208,7 +212,7 @@ def cross_entropy(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> 
     per_token_ST = -_select(included_ST, weights_ST) * _select(included_ST, logprobs_ST)
     loss = per_token_ST.sum()
     metrics = {"loss:sum": float(loss.detach()), "valid_tokens:sum": float(included_ST.sum())}
-    return LossOutput(loss, metrics, included_ST)
+    return LossOutput(loss, metrics, included_ST, per_token_ST.detach())
 
 
 def importance_sampling(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
@@ -218,9 +222,10 @@ def importance_sampling(logprobs_ST: Tensor, batch: LossBatch, params: LossParam
     """
     included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
-    loss = (-torch.exp(log_ratio_ST) * advantages_ST).sum()
+    per_token_ST = -torch.exp(log_ratio_ST) * advantages_ST
+    loss = per_token_ST.sum()
     metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
-    return LossOutput(loss, metrics, included_ST)
+    return LossOutput(loss, metrics, included_ST, per_token_ST.detach())
 
 
 def ppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
@@ -243,7 +248,7 @@ def ppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput
     metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, counted_ST)
     metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, counted_ST)
-    return LossOutput(loss, metrics, included_ST)
+    return LossOutput(loss, metrics, included_ST, per_token_ST.detach())
 
 
 def cispo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
@@ -258,11 +263,12 @@ def cispo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutp
     included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
     ratio_d_ST = torch.exp(log_ratio_ST).detach()
-    loss = (-ratio_d_ST.clamp(low, high) * advantages_ST * x_ST).sum()
+    per_token_ST = -ratio_d_ST.clamp(low, high) * advantages_ST * x_ST
+    loss = per_token_ST.sum()
     metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     metrics["loss/clip/high_fraction"] = _token_mean(ratio_d_ST > high, counted_ST)
     metrics["loss/clip/low_fraction"] = _token_mean(ratio_d_ST < low, counted_ST)
-    return LossOutput(loss, metrics, included_ST)
+    return LossOutput(loss, metrics, included_ST, per_token_ST.detach())
 
 
 def dro(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
@@ -276,9 +282,10 @@ def dro(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput
     )
     included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
     log_ratio_ST = x_ST - q_ST
-    loss = (-(advantages_ST * x_ST - 0.5 * params.beta * log_ratio_ST.square())).sum()
+    per_token_ST = -(advantages_ST * x_ST - 0.5 * params.beta * log_ratio_ST.square())
+    loss = per_token_ST.sum()
     metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
-    return LossOutput(loss, metrics, included_ST)
+    return LossOutput(loss, metrics, included_ST, per_token_ST.detach())
 
 
 def dppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
@@ -301,7 +308,8 @@ def dppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
         prob_change_ST >= -dppo_params.delta_low,
     )
     ratio_d_ST = torch.exp(log_ratio_ST).detach()
-    loss = torch.where(keep_ST, -advantages_ST * ratio_d_ST * x_ST, 0.0).sum()
+    per_token_ST = torch.where(keep_ST, -advantages_ST * ratio_d_ST * x_ST, 0.0)
+    loss = per_token_ST.sum()
     metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     metrics["loss/clip/high_fraction"] = _token_mean(
         is_positive_ST & (prob_change_ST > dppo_params.delta_high), counted_ST
@@ -309,59 +317,7 @@ def dppo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     metrics["loss/clip/low_fraction"] = _token_mean(
         (advantages_ST < 0) & (prob_change_ST < -dppo_params.delta_low), counted_ST
     )
-    return LossOutput(loss, metrics, included_ST)
-
-
-def _grpo_log_ratio(
-    x_ST: Tensor, q_ST: Tensor, included_ST: Tensor, ratio_type: GrpoRatioType
-) -> Tensor:
-    """log rho of losses.md 9.3 (x and q already 0 at excluded positions).
-
-    TOKEN: x - q. SEQUENCE (GSPO-token): value lambda_i, the sample's mean of x - q over its
-    included tokens, at each included token; written x - sg(x) + sg(lambda_i) so that
-    d rho_it / d x_it = s_i = exp(lambda_i) and nothing flows to the sample's other tokens.
-    """
-    log_ratio_ST = x_ST - q_ST
-    if ratio_type == GrpoRatioType.TOKEN:
-        return log_ratio_ST
-    num_included_S = included_ST.sum(dim=1).clamp(min=1)
-    mean_log_ratio_S = log_ratio_ST.detach().sum(dim=1) / num_included_S
-    return _select(included_ST, x_ST - x_ST.detach() + mean_log_ratio_S[:, None])
-
-
-def _k3_kl(reference_ST: Tensor, x_ST: Tensor) -> Tensor:
-    """k3 estimate of KL(pi || ref) per token (losses.md 9.2): exp(u) - u - 1, u = ref - x.
-
-    u is clamped to [-10, 10] (XORL) so a token the reference finds far likelier cannot
-    overflow exp; where the clamp is active the term has no gradient."""
-    u_ST = (reference_ST - x_ST).clamp(-10.0, 10.0)
-    return torch.exp(u_ST) - u_ST - 1.0
-
-
-def _fixed_horizon(per_token_ST: Tensor, included_ST: Tensor, valid_ST: Tensor) -> Tensor:
-    """sum / (S * H), H = the request's longest sample (all its positions counted)."""
-    num_samples, horizon = valid_ST.shape[0], int(valid_ST.sum(dim=1).max())
-    return per_token_ST.sum() / max(num_samples * horizon, 1)
-
-
-def _token_mean_aggregate(per_token_ST: Tensor, included_ST: Tensor, valid_ST: Tensor) -> Tensor:
-    """sum / max(M, 1), M = included tokens of the request."""
-    return per_token_ST.sum() / max(int(included_ST.sum()), 1)
-
-
-def _sequence_mean(per_token_ST: Tensor, included_ST: Tensor, valid_ST: Tensor) -> Tensor:
-    """Mean over samples with n_i > 0 of each sample's mean over its included tokens."""
-    num_included_S = included_ST.sum(dim=1)
-    per_sample_S = per_token_ST.sum(dim=1) / num_included_S.clamp(min=1)
-    return per_sample_S.sum() / max(int((num_included_S > 0).sum()), 1)
-
-
-# losses.md 9.4; per_token_ST is already 0 at excluded positions.
-_GRPO_AGGREGATIONS: dict[GrpoAggregation, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
-    GrpoAggregation.FIXED_HORIZON: _fixed_horizon,
-    GrpoAggregation.TOKEN_MEAN: _token_mean_aggregate,
-    GrpoAggregation.SEQUENCE_MEAN: _sequence_mean,
-}
+    return LossOutput(loss, metrics, included_ST, per_token_ST.detach())
 
 
 def grpo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
@@ -377,18 +333,18 @@ def grpo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     grpo_params = _params(params, GrpoParams)
     low, high = grpo_params.clip_low_threshold, grpo_params.clip_high_threshold
     included_ST, counted_ST, x_ST, q_ST, advantages_ST = _policy_inputs(logprobs_ST, batch)
-    log_ratio_ST = _grpo_log_ratio(x_ST, q_ST, included_ST, grpo_params.ratio_type)
+    log_ratio_ST = grpo_log_ratio(x_ST, q_ST, included_ST, grpo_params.ratio_type)
     ratio_ST = torch.exp(log_ratio_ST)
     per_token_ST, clipped_high_ST, clipped_low_ST = _clipped_surrogate(
         ratio_ST, advantages_ST, low, high
     )
     kl_ST = None
     if batch.reference_logprobs_ST is not None:
-        kl_ST = _k3_kl(_select(included_ST, batch.reference_logprobs_ST), x_ST)
+        kl_ST = k3_kl(_select(included_ST, batch.reference_logprobs_ST), x_ST)
     if grpo_params.beta > 0:
         per_token_ST = per_token_ST + grpo_params.beta * _require(kl_ST, "reference_logprobs")
-    aggregate = _GRPO_AGGREGATIONS[grpo_params.agg_type]
-    loss = aggregate(per_token_ST, included_ST, batch.valid_ST)
+    aggregate = GRPO_AGGREGATIONS[grpo_params.agg_type]
+    loss, elementwise_ST = aggregate(per_token_ST, included_ST, batch.valid_ST)
 
     metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     metrics["loss/clip/clipped_ratio/mean"] = _token_mean(
@@ -398,7 +354,7 @@ def grpo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, counted_ST)
     if kl_ST is not None:
         metrics["loss/kl_ref/mean"] = _token_mean(kl_ST, counted_ST)
-    return LossOutput(loss, metrics, included_ST)
+    return LossOutput(loss, metrics, included_ST, elementwise_ST)
 
 
 def gspo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutput:
@@ -424,11 +380,12 @@ def gspo(logprobs_ST: Tensor, batch: LossBatch, params: LossParams) -> LossOutpu
     per_token_ST, clipped_high_ST, clipped_low_ST = _clipped_surrogate(
         torch.exp(log_ratio_ST), advantages_ST, low, high
     )
-    loss = _select(included_ST, per_token_ST).sum()
+    per_token_ST = _select(included_ST, per_token_ST)
+    loss = per_token_ST.sum()
     metrics = _policy_metrics(loss, log_ratio_ST, x_ST, q_ST, counted_ST)
     metrics["loss/clip/high_fraction"] = _token_mean(clipped_high_ST, counted_ST)
     metrics["loss/clip/low_fraction"] = _token_mean(clipped_low_ST, counted_ST)
-    return LossOutput(loss, metrics, read_ST)
+    return LossOutput(loss, metrics, read_ST, per_token_ST.detach())
 
 
 LOSSES: dict[LossType, LossFn] = {

@@ -24,8 +24,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from posttrain.engine.train.batching import PackedBatch, member_loss_batch
 from posttrain.engine.train.losses import LOSSES, LossBatch
-from posttrain.types import GrpoParams, GrpoRatioType, LossConfig, LossType
+from posttrain.types import (
+    ForwardBackwardRequest,
+    GrpoParams,
+    GrpoRatioType,
+    LossConfig,
+    LossType,
+)
 
 # (batch rows, columns, logprobs): index tensors broadcasting to the logprobs' shape (a chunk's
 # [B, 1] rows and [1, C] columns, or [1, N] of each for picked positions) -> dL/dx there.
@@ -96,3 +103,19 @@ def needed_positions(loss: LossConfig, batch: LossBatch) -> Tensor:
     with torch.no_grad():
         zeros_ST = torch.zeros(batch.valid_ST.shape, device=batch.valid_ST.device)
         return LOSSES[loss.type](zeros_ST, batch, loss.params).included_ST
+
+
+def needed_by_members(
+    merged: PackedBatch, members: list[tuple[int, ForwardBackwardRequest]]
+) -> Tensor:
+    """[S, T] of a shared pass: the positions whose logprobs some member's loss reads (all of
+    a member's when it reports every logprob). `members`: (first row, request) each."""
+    needed_ST = torch.zeros_like(merged.loss_batch.valid_ST)
+    for first_row, request in members:
+        rows = range(first_row, first_row + len(request.samples))
+        batch = member_loss_batch(merged, rows, request.samples)
+        width = batch.valid_ST.shape[1]
+        needed = needed_positions(request.loss, batch)
+        needed = needed | batch.valid_ST if request.report_all_logprobs else needed
+        needed_ST[first_row : rows.stop, :width] = needed
+    return needed_ST

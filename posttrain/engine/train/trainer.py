@@ -47,7 +47,7 @@ from posttrain.engine.train.losses import LOSSES
 from posttrain.engine.train.token_gradients import (
     TokenGradient,
     given_gradient,
-    needed_positions,
+    needed_by_members,
     token_gradient,
 )
 from posttrain.errors import NonFiniteLoss
@@ -83,6 +83,7 @@ class _Scored:
     loss: float
     metrics: dict[str, float]
     reported_ST: Tensor  # its logprobs (loss axis), 0.0 where excluded (report_all_logprobs)
+    elementwise_ST: Tensor  # each token's share of the loss (losses.LossOutput)
 
 
 def forward_backward_batch(
@@ -131,7 +132,7 @@ def _shared_pass(
     scoring_only = [m.session for m in members if m.request.forward_only]
     scored: dict[int, _Scored] = {}
     gradient = None
-    needed_ST = _needed(merged, members)
+    needed_ST = needed_by_members(merged, [(m.first_row, m.request) for m in members])
     if len(members) == 1 and train and resource.group is None:
         (lone,) = members
         loss_batch = member_loss_batch(merged, lone.rows, lone.request.samples)
@@ -159,7 +160,9 @@ def _shared_pass(
             shown_ST = loss_batch.valid_ST if member.request.report_all_logprobs else None
             shown_ST = output.included_ST if shown_ST is None else shown_ST
             reported_ST = torch.where(shown_ST, rows_ST.detach(), 0.0)
-            scored[member.index] = _Scored(member, loss_value, output.metrics, reported_ST)
+            scored[member.index] = _Scored(
+                member, loss_value, output.metrics, reported_ST, output.elementwise_ST
+            )
             if not member.request.forward_only:
                 trainable.append((member, output.loss))
         if trainable:
@@ -178,10 +181,13 @@ def _shared_pass(
 def _result(scored: _Scored, *, is_always: bool) -> ForwardBackwardResult:
     """The item's result; its per-token outputs when the server or the request asks for them."""
     member = scored.member
-    wanted = is_always or member.request.return_loss_fn_outputs
+    if not (is_always or member.request.return_loss_fn_outputs):
+        return ForwardBackwardResult(scored.loss, scored.metrics)
     lengths_S = [sample.loss_length for sample in member.request.samples]
-    outputs = unpack(scored.reported_ST, lengths_S) if wanted else None
-    return ForwardBackwardResult(scored.loss, scored.metrics, outputs)
+    outputs = [
+        unpack(values_ST, lengths_S) for values_ST in (scored.reported_ST, scored.elementwise_ST)
+    ]
+    return ForwardBackwardResult(scored.loss, scored.metrics, *outputs)
 
 
 def custom_forward_backward(
@@ -436,15 +442,3 @@ def _bucket_logprobs(
         return logprobs_1N
     zeros_BL = torch.zeros(targets_BL.shape, device=device)
     return zeros_BL.index_put((picked_b, picked_l), logprobs_1N[0])
-
-
-def _needed(merged: PackedBatch, members: list[_Member]) -> Tensor:
-    """[S, T]: the positions whose logprobs some member's loss reads."""
-    needed_ST = torch.zeros_like(merged.loss_batch.valid_ST)
-    for m in members:
-        batch = member_loss_batch(merged, m.rows, m.request.samples)
-        width = batch.valid_ST.shape[1]
-        needed = needed_positions(m.request.loss, batch)  # all when all are reported
-        needed = needed | batch.valid_ST if m.request.report_all_logprobs else needed
-        needed_ST[m.first_row : m.rows.stop, :width] = needed
-    return needed_ST

@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from concurrent import futures
 from typing import Any
 
 from posttrain.errors import InvalidRequest, posttrainError
-from posttrain.records import ResourceRecord, SessionRecord
+from posttrain.records import CheckpointRecord, ResourceRecord, SessionRecord
 from posttrain.service.ids import new_id
 from posttrain.service.operations import OperationService
 from posttrain.service.resources import ResourceService
@@ -32,6 +33,7 @@ from posttrain.service.tinker.records import (
     FutureRecord,
     ProvisionedRecord,
     RunRecord,
+    SamplerRecord,
 )
 from posttrain.service.tinker.registry import Registry
 from posttrain.statuses import ResourceStatus, SessionStatus
@@ -43,6 +45,10 @@ from posttrain.types import LoraConfig, OperationKind, OperationRequest
 LORA_ALPHA = 32
 # A provisioned resource outlives its last request by this long; heartbeats move it on.
 RESOURCE_IDLE_S = 3600
+# How long finish waits for its sessions to stop (a long queue stops them later).
+FINISH_WAIT_S = 30.0
+# How long loading a state into a run waits for the run's earlier requests to finish.
+DRAIN_S = 600.0
 # The ids a user's objects are named under: the SDK derives a created-via-load run's id itself.
 RUN_ID = "{client}:train:{seq}"
 
@@ -88,10 +94,24 @@ class TinkerRuns:
         return True
 
     def finish(self, user: str, client_id: str) -> None:
-        """The SDK's close(): the client ends; its runs and samplers stay readable (a saved
-        path outlives the process), and their resources expire when idle."""
+        """The SDK's close(): the client ends, and so do the posttrain sessions of its runs and
+        samplers, once the requests it sent have run (a save it did not wait on is still
+        written), freeing their adapter slots. Their records stay readable and every saved
+        path stays usable: it names a checkpoint, which a new client loads into a new session.
+        The resources stay loaded for the user's next client and expire when idle. Waits up to
+        FINISH_WAIT_S for the sessions to stop; later ones stop when their queue has run."""
         client = self.registry.get(ClientRecord, client_id, user)
         self.registry.put(dataclasses.replace(client, finished=True))
+        runs = [
+            r.session_id for r in self.registry.all(RunRecord, user) if r.client_id == client_id
+        ]
+        samplers = [
+            s.session_id
+            for s in self.registry.all(SamplerRecord, user)
+            if s.client_id == client_id and s.session_id is not None
+        ]
+        stopping = [self.sessions.stop_after_queued(user, sid) for sid in {*runs, *samplers}]
+        futures.wait(stopping, timeout=FINISH_WAIT_S)
 
     def _resources_of(self, user: str, client_id: str) -> set[str]:
         runs = self.registry.all(RunRecord, user)
@@ -148,6 +168,76 @@ class TinkerRuns:
         future = dataclasses.replace(future, result=result, session_id=session.id)
         self.registry.put(future)
         return future
+
+    def load_into_run(
+        self,
+        user: str,
+        model_id: str,
+        seq_id: int | None,
+        checkpoint: CheckpointRecord,
+        *,
+        load_optimizer: bool,
+        shared: bool,
+    ) -> FutureRecord:
+        """TrainingClient.load_state(_with_optimizer): the run goes on from `checkpoint`.
+
+        The run's session is replaced by one resumed from the checkpoint, exactly as
+        create_run resumes one (the same weights and, with `load_optimizer`, the same optimizer
+        state; without, a fresh optimizer, as Tinker documents). The requests the run sent
+        before this one finish on the old session first (the SDK sends this only after
+        sending them), then the old session stops, freeing its adapter slot for the new one.
+        Inflight samplers that followed the old session follow the new one. A retry of the
+        same seq_id answers the first future."""
+        if (earlier := self.registry.seq_future(model_id, seq_id)) is not None:
+            return self.registry.get(FutureRecord, earlier, user)
+        run = self.run(user, model_id)
+        lora = checkpoint.lora_config
+        assert lora is not None, f"a Tinker checkpoint {checkpoint.id} without a LoRA config"
+        is_same = (checkpoint.base_model, lora.rank, lora.train_unembed) == (
+            run.base_model,
+            run.lora_rank,
+            run.train_unembed,
+        )
+        if not is_same:
+            raise InvalidRequest(
+                f"the checkpoint holds a rank-{lora.rank} adapter of {checkpoint.base_model}"
+                f" (train_unembed={lora.train_unembed}); run {model_id} trains a"
+                f" rank-{run.lora_rank} adapter of {run.base_model}"
+                f" (train_unembed={run.train_unembed})",
+                param="path",
+            )
+        future = FutureRecord(new_id("req"), user, "load_weights", time.time())
+        if self.registry.claim_seq(model_id, seq_id, user, future.id) != future.id:
+            return self.registry.get(FutureRecord, self.registry.seq_future(model_id, seq_id), user)
+        try:
+            self._drain(run.session_id)
+            self.sessions.stop(user, run.session_id)
+            session = self.new_session(
+                user, run.base_model, lora, model_id, checkpoint.id, load_optimizer, shared
+            )
+        except posttrainError as exc:
+            future = dataclasses.replace(future, error=exc.message)
+            self.registry.put(future)
+            return future
+        self.registry.put(dataclasses.replace(run, session_id=session.id))
+        for sampler in self.registry.all(SamplerRecord, user):
+            if sampler.kind == "inflight" and sampler.session_id == run.session_id:
+                self.registry.put(dataclasses.replace(sampler, session_id=session.id))
+        result: dict[str, Any] = {"model_id": model_id}
+        future = dataclasses.replace(future, result=result, session_id=session.id)
+        self.registry.put(future)
+        return future
+
+    def _drain(self, session_id: str) -> None:
+        """Wait until the session's operations have all finished."""
+        deadline = time.time() + DRAIN_S
+        while self.repo.unfinished_operations(session_id):
+            if time.time() > deadline:
+                raise InvalidRequest(
+                    f"the run's earlier requests did not finish within {DRAIN_S:.0f} s;"
+                    " nothing was loaded"
+                )
+            time.sleep(0.05)
 
     def run(self, user: str, model_id: str) -> RunRecord:
         return self.registry.get(RunRecord, model_id, user)

@@ -80,6 +80,36 @@ def sl_steps(url: str) -> dict:
         return {"losses": losses, "metrics": metrics, "forward": forward, "scored": scored}
 
 
+def elementwise(url: str) -> dict:
+    """Per-token outputs of cross_entropy and importance_sampling, as a loop reads them."""
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=10)
+        data = [datum(s) for s in SEQUENCES]
+        policy = [
+            types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "logprobs": types.TensorData(data=[-1.0] * len(s[1:]), dtype="float32"),
+                    "advantages": types.TensorData(data=[0.5] * len(s[1:]), dtype="float32"),
+                },
+            )
+            for d, s in zip(data, SEQUENCES, strict=True)
+        ]
+        seen = {"weights": [list(d.loss_fn_inputs["weights"].data) for d in data]}
+        for loss_fn, batch in (("cross_entropy", data), ("importance_sampling", policy)):
+            out = training.forward_backward(batch, loss_fn).result()
+            seen[loss_fn] = {
+                "loss_sum": out.metrics["loss:sum"],
+                "keys": [sorted(o) for o in out.loss_fn_outputs],
+                "logprobs": logprobs_of(out),
+                "elementwise": [
+                    [float(x) for x in o["elementwise_loss"].data] for o in out.loss_fn_outputs
+                ],
+            }
+        return seen
+
+
 def resume(url: str) -> dict:
     """save_state after 2 steps, resume with the optimizer, take the same third step both ways."""
     with service(url) as client:
@@ -97,6 +127,42 @@ def resume(url: str) -> dict:
             out = client_.forward(data, "cross_entropy").result()
             losses[name] = out.metrics["loss:sum"]
         return {"path": path, "model_ids": [training.model_id, resumed.model_id], **losses}
+
+
+def load_state(url: str) -> dict:
+    """save_state after 2 steps; the original run's next two losses, then the same two steps
+    after load_state(_with_optimizer) into the same run (after more steps) and into a fresh
+    run, and from create_training_client_from_state (weights only: a fresh optimizer)."""
+    data = [datum(s) for s in SEQUENCES]
+
+    def two_steps(run: tinker.TrainingClient) -> list[float]:
+        losses = []
+        for _ in range(2):
+            losses.append(run.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            run.optim_step(adam()).result()
+        return losses
+
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=11)
+        two_steps(training)
+        path = training.save_state("at-two").result().path
+        original = two_steps(training)
+        two_steps(training)
+        training.load_state_with_optimizer(path).result()
+        same_with_optimizer = two_steps(training)
+        training.load_state(path).result()
+        same_without_optimizer = two_steps(training)
+        fresh = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=12)
+        fresh.load_state_with_optimizer(path).result()
+        fresh_with_optimizer = two_steps(fresh)
+        from_state = two_steps(client.create_training_client_from_state(path))
+        return {
+            "original": original,
+            "same_with_optimizer": same_with_optimizer,
+            "same_without_optimizer": same_without_optimizer,
+            "fresh_with_optimizer": fresh_with_optimizer,
+            "from_state": from_state,
+        }
 
 
 def snapshot(url: str) -> dict:
@@ -211,6 +277,48 @@ def after_restart(url: str, path: str) -> dict:
         return {"scored": sampler.compute_logprobs(prompt).result()}
 
 
+def closed_client(url: str) -> dict:
+    """A client that trains, saves a state and sampler weights, samples three ways, and
+    closes; the next loss its run would have had, to compare after the close."""
+    data = [datum(s) for s in SEQUENCES]
+    prompt = types.ModelInput.from_ints(SEQUENCES[2])
+    with service(url) as client:
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=13)
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam(5e-2)).result()
+        state = training.save_state("closed-state").result().path
+        sampler_path = training.save_weights_for_sampler("closed-sampler").result().path
+        sampler = client.create_sampling_client(model_path=sampler_path)
+        scored = sampler.compute_logprobs(prompt).result()
+        training.save_weights_and_get_sampling_client().compute_logprobs(prompt).result()
+        client.create_sampling_client(base_model=BASE_MODEL).compute_logprobs(prompt).result()
+        loss = training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        return {
+            "client": training.model_id.split(":train:")[0],
+            "state": state,
+            "sampler_path": sampler_path,
+            "scored": scored,
+            "loss": loss,
+        }
+
+
+def after_close(url: str, state: str, sampler_path: str) -> dict:
+    """A new client samples a closed client's sampler path and trains from its state."""
+    data = [datum(s) for s in SEQUENCES]
+    prompt = types.ModelInput.from_ints(SEQUENCES[2])
+    with service(url) as client:
+        sampler = client.create_sampling_client(model_path=sampler_path)
+        params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=3, stop=[])
+        sampled = sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+        training = client.create_training_client_from_state_with_optimizer(state)
+        return {
+            "client": training.model_id.split(":train:")[0],
+            "scored": sampler.compute_logprobs(prompt).result(),
+            "sampled": [int(t) for t in sampled.sequences[0].tokens],
+            "loss": training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"],
+        }
+
+
 def inflight(url: str) -> dict:
     """An inflight sampler follows the run's weights; top-k prompt logprobs come with it."""
     with service(url) as client:
@@ -248,13 +356,17 @@ SCENARIOS = {
     for f in (
         handshake,
         sl_steps,
+        elementwise,
         resume,
+        load_state,
         snapshot,
         chunked,
         refusals,
         eviction,
         saved_sampler,
         after_restart,
+        closed_client,
+        after_close,
         inflight,
     )
 }

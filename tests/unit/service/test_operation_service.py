@@ -47,6 +47,22 @@ def test_an_operation_on_a_stopped_session_is_recorded_failed_at_once(wired):
     assert wired.engine.passes("forward_backward_batch") == []
 
 
+def test_stop_after_queued_lets_the_queued_operations_run_then_stops(wired):
+    rid = wired.resource()
+    sid, other = wired.session(rid), wired.session(rid)
+    release = wired.hold(rid)
+    queued = wired.submit(sid, FB, fb(), "queued")
+    also_queued = wired.submit(other, FB, fb(), "also-queued")
+    stopping = wired.sessions.stop_after_queued(USER, sid)
+    wired.sessions.stop(USER, other)  # a plain stop fails what is queued: the contrast
+    assert wired.sessions.get(USER, sid).status == SessionStatus.RUNNING
+    release.set()
+    stopping.result(timeout=60)
+    assert wired.op(queued).status == OperationStatus.COMPLETED
+    assert wired.sessions.get(USER, sid).status == SessionStatus.STOPPED
+    assert wired.op(also_queued).error_code == OperationErrorCode.SESSION_NOT_ACTIVE
+
+
 def test_a_failed_model_load_is_recorded_on_the_resource(tmp_path: Path):
     wired = wire(tmp_path, FakeEngine(fail_load=True))
     record = wired.resources.get(USER, wired.resource())  # create itself does not raise

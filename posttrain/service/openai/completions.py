@@ -24,6 +24,7 @@ Imports: service, types.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from posttrain.errors import EngineFailure, InvalidRequest
 from posttrain.records import OperationRecord
 from posttrain.service.ids import new_id
+from posttrain.service.openai.chat import ChatPrompt, chat_tokens, end_of_turn_ids
 from posttrain.service.openai.targets import ModelTargets, Target
 from posttrain.service.operations import OperationService
 from posttrain.service.polls import PollHold
@@ -49,7 +51,7 @@ from posttrain.types import (
     StopReason,
 )
 
-Prompt = str | tuple[int, ...]
+Prompt = str | tuple[int, ...] | ChatPrompt
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,13 @@ class Completions:
     async def complete(self, user: str, job: CompletionJob) -> Completion:
         target = await anyio.to_thread.run_sync(self.targets.resolve, user, job.model)
         tokenizer = await anyio.to_thread.run_sync(self.tokenizer, target.base_model)
-        prompts = tuple(_encoded(tokenizer, p, i) for i, p in enumerate(job.prompts))
+        base = target.base_model
+        prompts = tuple(_encoded(tokenizer, base, p, i) for i, p in enumerate(job.prompts))
+        if any(isinstance(p, ChatPrompt) for p in job.prompts):  # a turn ends at end-of-turn
+            params = job.sampling_params
+            stop_ids = params.stop_token_ids + end_of_turn_ids(tokenizer)
+            params = dataclasses.replace(params, stop_token_ids=stop_ids)
+            job = dataclasses.replace(job, sampling_params=params)
         drawn = await self._draw(user, target, prompts, job)
         scores: list[SampleResult | None] = [None] * len(drawn)
         k = job.logprobs
@@ -210,12 +218,15 @@ def completion_id() -> str:
     return new_id("cmpl")
 
 
-def _encoded(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, index: int) -> tuple[int, ...]:
-    tokens = (
-        tuple(tokenizer.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, str)
-        else prompt
-    )
+def _encoded(
+    tokenizer: PreTrainedTokenizerBase, base_model: str, prompt: Prompt, index: int
+) -> tuple[int, ...]:
+    if isinstance(prompt, ChatPrompt):
+        tokens = chat_tokens(tokenizer, base_model, prompt)
+    elif isinstance(prompt, str):
+        tokens = tuple(tokenizer.encode(prompt, add_special_tokens=False))
+    else:
+        tokens = prompt
     if not tokens:
         raise InvalidRequest(f"prompt[{index}] has no tokens", param="prompt")
     return tokens

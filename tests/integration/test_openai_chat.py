@@ -99,3 +99,19 @@ def test_unserved_chat_fields_are_400_naming_them(server):
                 model=BASE_MODEL, messages=MESSAGES, max_tokens=2, **kwargs
             )
         assert info.value.body["param"] == field
+
+
+def test_a_streamed_chat_carries_the_message_of_a_whole_one(server):
+    oai = client(server)
+    args = {"model": BASE_MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    whole = oai.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+    chunks = list(oai.chat.completions.create(**args, logprobs=True, top_logprobs=2, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == whole.choices[0].message.content
+    )
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in whole.choices[0].logprobs.content]
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)

@@ -151,3 +151,30 @@ def test_no_key_is_401_in_openai_error_shape(shared_server):
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "authentication_error"
+
+
+def test_a_streamed_completion_carries_the_text_of_a_whole_one(shared_server):
+    oai = client(shared_server.base_url)
+    args = {"model": BASE_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "n": 2}
+    whole = oai.completions.create(**args)
+    chunks = list(
+        oai.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    for index in (0, 1):
+        texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(texts) == whole.choices[index].text
+        finishes = [
+            c.choices[0].finish_reason
+            for c in chunks
+            if c.choices and c.choices[0].index == index and c.choices[0].finish_reason
+        ]
+        assert finishes == [whole.choices[index].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    raw = httpx.post(
+        f"{shared_server.base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={**args, "stream": True},
+        timeout=60,
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.rstrip().endswith("data: [DONE]")

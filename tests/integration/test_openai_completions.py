@@ -134,9 +134,14 @@ def test_unsupported_and_unknown_fields_are_400_naming_them(shared_server):
             oai.completions.create(model=BASE_MODEL, prompt="1+1=", max_tokens=2, **kwargs)
         assert info.value.body["param"] == field
         assert field in info.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.completions.create(model=BASE_MODEL, prompt="1+1=", max_tokens=-1)
-    assert info.value.body["param"] == "max_tokens"
+    for kwargs, field in (
+        ({"prompt": "1+1=", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "1+1=", "max_tokens": 100_000}, "max_tokens"),  # past the context
+        ({"prompt": [1, 2, 10_000], "max_tokens": 2}, "prompt"),  # not in the vocabulary
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model=BASE_MODEL, **kwargs)
+        assert info.value.body["param"] == field, info.value.body
     with pytest.raises(openai.NotFoundError) as info:
         oai.completions.create(model="no-such-model", prompt="1+1=", max_tokens=2)
     assert info.value.body["param"] == "model"

@@ -41,7 +41,7 @@ from posttrain.service.operations import OperationService
 from posttrain.service.polls import PollHold
 from posttrain.service.resources import ResourceService
 from posttrain.service.sessions import SessionService
-from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
+from posttrain.statuses import OPERATION_TERMINAL, OperationErrorCode, OperationStatus
 from posttrain.types import (
     OperationKind,
     SampleOutput,
@@ -132,7 +132,11 @@ class Completions:
         target = await anyio.to_thread.run_sync(self.targets.resolve, user, job.model)
         tokenizer = await anyio.to_thread.run_sync(self.tokenizer, target.base_model)
         base = target.base_model
-        prompts = tuple(_encoded(tokenizer, base, p, i) for i, p in enumerate(job.prompts))
+
+        def encoded() -> tuple[tuple[int, ...], ...]:
+            return tuple(_encoded(tokenizer, base, p, i) for i, p in enumerate(job.prompts))
+
+        prompts = await anyio.to_thread.run_sync(encoded)
         if any(isinstance(p, ChatPrompt) for p in job.prompts):  # a turn ends at end-of-turn
             params = job.sampling_params
             stop_ids = params.stop_token_ids + end_of_turn_ids(tokenizer)
@@ -143,10 +147,14 @@ class Completions:
         k = job.logprobs
         if k is not None and (job.echo or k > 0):
             scores = list(await self._scored(user, target, drawn, k))
-        choices = [
-            _choice(tokenizer, index, choice, score, job)
-            for index, (choice, score) in enumerate(zip(drawn, scores, strict=True))
-        ]
+
+        def texts() -> list[Choice]:  # decoding is per token: off the event loop
+            return [
+                _choice(tokenizer, index, choice, score, job)
+                for index, (choice, score) in enumerate(zip(drawn, scores, strict=True))
+            ]
+
+        choices = await anyio.to_thread.run_sync(texts)
         return Completion(
             base_model=target.base_model,
             choices=choices,
@@ -191,14 +199,17 @@ class Completions:
         def submit() -> OperationRecord:
             session = self.sessions.get(user, target.session_id)
             fingerprint = hashlib.sha256(repr(request).encode()).hexdigest()
-            return self.operations.submit(
-                user,
-                session,
-                OperationKind.SAMPLE,
-                idempotency_key=None,
-                fingerprint=fingerprint,
-                request=request,
-            )
+            try:
+                return self.operations.submit(
+                    user,
+                    session,
+                    OperationKind.SAMPLE,
+                    idempotency_key=None,
+                    fingerprint=fingerprint,
+                    request=request,
+                )
+            except InvalidRequest as exc:  # the sample checks name the Together fields
+                raise InvalidRequest(exc.message, param=_openai_param(exc.param)) from None
 
         op = await anyio.to_thread.run_sync(submit)
         while op.status not in OPERATION_TERMINAL:
@@ -208,10 +219,27 @@ class Completions:
             op = settled.op
             if not settled.was_held and op.status not in OPERATION_TERMINAL:
                 await asyncio.sleep(0.05)  # polls are not held on this server: poll gently
+        if op.error_code == OperationErrorCode.INVALID_INPUT:
+            raise InvalidRequest(f"sample operation {op.id} failed: {op.error_message}")
         if op.status != OperationStatus.COMPLETED:
             raise EngineFailure(f"sample operation {op.id} failed: {op.error_message}")
         assert isinstance(op.output, SampleOutput), f"{op.id} completed without a SampleOutput"
         return op.output
+
+
+# The sample checks (service/operations.py) name Together's fields; a client here sent these.
+OPENAI_PARAMS = {
+    "sampling_params.max_tokens": "max_tokens",
+    "sampling_params.stop": "stop",
+    "num_samples": "n",
+    "topk_prompt_logprobs": "logprobs",
+}
+
+
+def _openai_param(param: str | None) -> str | None:
+    if param is not None and param.startswith("model_inputs"):
+        return "prompt"
+    return OPENAI_PARAMS.get(param or "", param)
 
 
 def completion_id() -> str:

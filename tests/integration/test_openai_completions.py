@@ -183,3 +183,36 @@ def test_a_streamed_completion_carries_the_text_of_a_whole_one(shared_server):
     )
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert raw.text.rstrip().endswith("data: [DONE]")
+
+
+def test_an_inference_checkpoint_keeps_its_logprobs_while_its_session_trains_on(shared_server):
+    resources, session = open_session(shared_server.base_url, lora_config={"rank": 4, "seed": 6})
+    tokens = encode("<|im_start|>1+2=3<|im_end|>")
+    prompt = encode("<|im_start|>12+34=46")
+
+    def train_and_sync() -> None:
+        session.trainer.forward_backward(samples=[sft_sample(tokens, 1)], loss=CE, interval=0.05)
+        session.trainer.optim_step(adam_params={"learning_rate": 5e-2}, interval=0.05)
+        session.trainer.weights_sync(interval=0.05)
+
+    def echoed(model: str) -> list[float]:
+        reply = client(shared_server.base_url).completions.create(
+            model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0
+        )
+        return reply.choices[0].logprobs.token_logprobs[1:]
+
+    def forward_only() -> list[float]:
+        scored = session.trainer.forward(samples=[sft_sample(prompt, 1)], loss=CE, interval=0.05)
+        return scored.loss_fn_outputs[0].tensors["logprobs"].data
+
+    train_and_sync()
+    checkpoint = session.create_inference_checkpoint()
+    at_checkpoint = forward_only()
+    assert echoed(checkpoint.id) == pytest.approx(at_checkpoint, abs=1e-5)
+    assert checkpoint.id in [m.id for m in client(shared_server.base_url).models.list()]
+    train_and_sync()
+    assert echoed(session.session_id) == pytest.approx(forward_only(), abs=1e-5)
+    assert echoed(session.session_id) != pytest.approx(at_checkpoint, abs=1e-3)
+    assert echoed(checkpoint.id) == pytest.approx(at_checkpoint, abs=1e-5)
+    session.stop()
+    resources.stop()

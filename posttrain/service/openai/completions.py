@@ -233,6 +233,7 @@ OPENAI_PARAMS = {
     "sampling_params.stop": "stop",
     "num_samples": "n",
     "topk_prompt_logprobs": "logprobs",
+    "prompt_logprobs": "logprobs",  # top-k and echoed logprobs come from a scoring operation
 }
 
 

@@ -3,6 +3,8 @@ logprobs against a forward pass, echo against forward_only, seeds, stops, auth a
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -216,3 +218,20 @@ def test_an_inference_checkpoint_keeps_its_logprobs_while_its_session_trains_on(
     assert echoed(checkpoint.id) == pytest.approx(at_checkpoint, abs=1e-5)
     session.stop()
     resources.stop()
+
+
+def finished_samples(base_url: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    pattern = r'^posttrain_operations_finished_total\{kind="sample",status="completed"\} (\S+)$'
+    match = re.search(pattern, text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_each_request_is_sample_operations_of_the_scheduler_counted_in_metrics(shared_server):
+    oai = client(shared_server.base_url)
+    before = finished_samples(shared_server.base_url)
+    oai.completions.create(model=BASE_MODEL, prompt=PROMPT, max_tokens=3)
+    assert finished_samples(shared_server.base_url) == before + 1
+    # top-k logprobs: the draw, then a scoring operation over prompt + completion
+    oai.completions.create(model=BASE_MODEL, prompt=PROMPT, max_tokens=3, logprobs=2)
+    assert finished_samples(shared_server.base_url) == before + 3

@@ -24,6 +24,7 @@ Imports: service, types.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,9 @@ class ModelTargets:
         self.sessions = sessions
         self.checkpoints = checkpoints
         self.tinker = tinker
+        # Requests resolve on worker threads: two first requests naming one model must not
+        # each build a sampler (the loser's session would hold an adapter slot for nothing).
+        self._samplers_lock = threading.Lock()
 
     def resolve(self, user: str, model: str) -> Target:
         """The session that samples `model` for `user`; blocking (a new sampler loads its
@@ -113,6 +117,12 @@ class ModelTargets:
         return target
 
     def _sampler(
+        self, user: str, model: str, kind: str, base_model: str, checkpoint_id: str | None
+    ) -> Target:
+        with self._samplers_lock:
+            return self._locked_sampler(user, model, kind, base_model, checkpoint_id)
+
+    def _locked_sampler(
         self, user: str, model: str, kind: str, base_model: str, checkpoint_id: str | None
     ) -> Target:
         sampler_id = f"{CLIENT}:{user}:{model}"

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from posttrain.api.arrivals import ArrivalsMiddleware
 from posttrain.api.contract import documented, openapi
 from posttrain.api.guard import RequestGuard
+from posttrain.api.openai import routes as openai_routes
 from posttrain.api.responses import error_response
 from posttrain.api.routes import (
     checkpoints,
@@ -97,6 +98,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         whoami.router,
         tinker_routes.router,
         tinker_checkpoint_routes.router,
+        openai_routes.router,
     ):
         app.include_router(router)
 

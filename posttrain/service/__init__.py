@@ -21,6 +21,9 @@ from posttrain.service.dashboard import DashboardService
 from posttrain.service.durability import SessionDurability
 from posttrain.service.expiry import ExpiryReaper
 from posttrain.service.metrics import MetricsService
+from posttrain.service.openai import OpenAIService
+from posttrain.service.openai.completions import Completions
+from posttrain.service.openai.targets import ModelTargets
 from posttrain.service.operations import OperationService
 from posttrain.service.payloads import PayloadService
 from posttrain.service.polls import PollHold
@@ -54,6 +57,7 @@ class Services:
     watch: CompletionWatch
     polls: PollHold
     tinker: TinkerService
+    openai: OpenAIService
 
     @property
     def arrivals(self) -> Arrivals:
@@ -117,6 +121,9 @@ def wire_services(config: ServerConfig) -> Services:
     scheduler.on_worker_lost = sessions.recover_worker
     tinker = build_tinker(repo, resources, sessions, operations, checkpoints)
     expiry.add_sweep(tinker.checkpoints.sweep)  # checkpoint names past their TTL
+    polls = PollHold(watch, operations, hold_s=config.poll_hold_seconds)
+    targets = ModelTargets(resources, sessions, checkpoints, tinker)
+    openai = OpenAIService(targets, Completions(targets, resources, sessions, operations, polls))
     return Services(
         config,
         repo,
@@ -140,6 +147,7 @@ def wire_services(config: ServerConfig) -> Services:
             cpu_threads=cpu_threads(config.engine),
         ),
         watch=watch,
-        polls=PollHold(watch, operations, hold_s=config.poll_hold_seconds),
+        polls=polls,
         tinker=tinker,
+        openai=openai,
     )

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 from together.post_training import ModelResourcesClient, SessionClient
 
+from posttrain.config import BUILTIN_MODELS
 from posttrain.demo.loop import (
     POLL_INTERVAL_S,
     DemoConfig,
@@ -131,7 +132,7 @@ def main() -> None:
         )
         args.reps, args.setup_steps = 1, 3
     extra = () if args.server_threads is None else ("--threads", str(args.server_threads))
-    threads = intra_op_threads(args.server_threads)
+    threads = intra_op_threads(args.server_threads, model_dirs=BUILTIN_MODELS.values())
     print(
         f"usable cores {usable_cores()}, server intra-op threads {threads}"
         f" ({'--threads' if args.server_threads else 'its default'}), OpenMP waits"

@@ -81,6 +81,7 @@ from sdk_loops import served_model
 from together import Together
 from together.post_training import ModelResourcesClient
 
+from posttrain.config import BUILTIN_MODELS
 from posttrain.demo.loop import sdk_quiet
 from posttrain.demo.server import local_server
 from posttrain.engine.generate import sampler
@@ -512,9 +513,15 @@ def main() -> None:
         args.agents, args.turns, args.agent_tokens = [2], 2, [2, 6]
     extra = () if args.server_threads is None else ("--threads", str(args.server_threads))
     extra += tuple(args.serve_args.split())
+    threads = (  # the server's own count depends on the models it serves (hosts/threads.py)
+        str(args.server_threads)
+        if args.server_threads
+        else f"{intra_op_threads(None, model_dirs=BUILTIN_MODELS.values())} (built-ins),"
+        f" {intra_op_threads(None)} (wider models)"
+    )
     print(
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, usable cores"
-        f" {usable_cores()}, server intra-op threads {intra_op_threads(args.server_threads)},"
+        f" {usable_cores()}, server intra-op threads {threads},"
         f" load average at start {os.getloadavg()[0]:.2f}; serve args {list(extra)};"
         f" {args.ops} ops per stream,"
         f" {args.prompt_tokens} prompt + {args.new_tokens} new tokens each, {args.reps} reps"

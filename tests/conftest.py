@@ -31,9 +31,10 @@ def engine_thread_count() -> None:
     """Forward passes this process computes as references (a server's logprobs compared to
     1e-6) run on the intra-op thread count every engine process uses: another count sums in
     another order and moves float32 results by about 1e-6 (engine/hosts/threads.py)."""
+    from posttrain.config import BUILTIN_MODELS
     from posttrain.engine.hosts.threads import use_intra_op_threads
 
-    use_intra_op_threads(None)
+    use_intra_op_threads(None, model_dirs=BUILTIN_MODELS.values())
 
 
 def free_port() -> int:

@@ -45,10 +45,13 @@ def build_engine(config: EngineConfig, model_paths: dict[str, Path]) -> Engine:
     return engine
 
 
-def cpu_threads(config: EngineConfig) -> tuple[int, str]:
+def cpu_threads(config: EngineConfig, model_paths: dict[str, Path]) -> tuple[int, str]:
     """The torch intra-op threads each engine process computes with (a trainer group's ranks
     split the cores) and how their idle OpenMP threads wait (engine/hosts/threads.py)."""
-    return intra_op_threads(config.threads, processes=config.trainer_ranks), openmp_wait_policy()
+    threads = intra_op_threads(
+        config.threads, processes=config.trainer_ranks, model_dirs=model_paths.values()
+    )
+    return threads, openmp_wait_policy()
 
 
 def placement_for(config: EngineConfig, model_paths: dict[str, Path]) -> Placement:

@@ -144,7 +144,7 @@ def wire_services(config: ServerConfig) -> Services:
             busy_seconds=scheduler.busy_seconds,
             held_polls=watch.waiting,
             unanswered_samples=scheduler.arrivals.unanswered,
-            cpu_threads=cpu_threads(config.engine),
+            cpu_threads=cpu_threads(config.engine, model_paths),
         ),
         watch=watch,
         polls=polls,

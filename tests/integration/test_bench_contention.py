@@ -11,13 +11,15 @@ import re
 import pytest
 from helpers import run_bench
 
+from posttrain.config import BUILTIN_MODELS
 from posttrain.engine.hosts.threads import intra_op_threads
 
 
 @pytest.mark.slow
 def test_contention_quick_run_states_threads_and_prints_both_ratios():
     out = run_bench("contention.py", "--quick")
-    assert f"server intra-op threads {intra_op_threads(None)} (its default)" in out, out
+    builtin = intra_op_threads(None, model_dirs=BUILTIN_MODELS.values())
+    assert f"server intra-op threads {builtin} (its default)" in out, out
     assert re.search(r"^rep 0: warm-up \d+\.\d+ steps/s quiet, \d+\.\d+ busy;", out, re.M), out
     ratios = r"^ratio busy/quiet: warm-up step \d+\.\d\dx, GRPO step \d+\.\d\dx$"
     assert re.search(ratios, out, re.M), out

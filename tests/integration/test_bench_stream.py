@@ -13,6 +13,7 @@ import re
 import pytest
 from helpers import run_bench
 
+from posttrain.config import BUILTIN_MODELS
 from posttrain.engine.hosts.threads import intra_op_threads
 
 
@@ -20,7 +21,8 @@ from posttrain.engine.hosts.threads import intra_op_threads
 def test_stream_quick_run_prints_every_section_and_json():
     out = run_bench("stream.py", "--quick")
     assert "OMP_NUM_THREADS=1, usable cores" in out, out
-    assert f"server intra-op threads {intra_op_threads(None)}," in out, out
+    builtin = intra_op_threads(None, model_dirs=BUILTIN_MODELS.values())
+    assert f"server intra-op threads {builtin} (built-ins), " in out, out
     for pattern in ("steady", "burst"):
         row = rf"^ *{pattern} load 2\.00x \( *\d+\.\d\d ops/s offered\): +\d+\.\d\d ops/s completed"
         assert re.search(row, out, re.M), out

@@ -1,21 +1,34 @@
-"""A `posttrain serve` at its defaults computes on every usable core, its idle OpenMP threads
-sleep (libgomp says so as it loads), and it reports both in /metrics and at debug."""
+"""A `posttrain serve` at its defaults computes on every usable core when it serves a model wide
+enough to repay a second thread, on one when it serves only narrow ones (the built-ins); its
+idle OpenMP threads sleep (libgomp says so as it loads); it reports both in /metrics and at
+debug."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import httpx
 from conftest import ServerProcess
 
-from posttrain.engine.hosts.threads import WAIT_SETTINGS, usable_cores
+from posttrain.engine.hosts.threads import SMALL_HIDDEN, WAIT_SETTINGS, usable_cores
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "model"))
+import families  # noqa: E402
 
 
-def test_a_default_server_uses_every_core_and_passive_waits(tmp_path: Path, monkeypatch):
+def test_a_default_server_beside_a_wide_model_uses_every_core_and_passive_waits(
+    tmp_path: Path, monkeypatch
+):
     for name in WAIT_SETTINGS:  # the server's own default, not this process's setting
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_DISPLAY_ENV", "VERBOSE")
-    proc = ServerProcess.started(tmp_path, "--log-level", "debug")
+    wide = families.build(
+        "qwen3",
+        tmp_path / "wide",
+        size=families.Size(hidden_size=SMALL_HIDDEN, num_hidden_layers=1),
+    )
+    proc = ServerProcess.started(tmp_path, "--log-level", "debug", "--model", str(wide))
     try:
         metrics = httpx.get(f"{proc.base_url}/metrics").text
         cores = usable_cores()
@@ -28,10 +41,12 @@ def test_a_default_server_uses_every_core_and_passive_waits(tmp_path: Path, monk
         proc.stop()
 
 
-def test_threads_and_a_users_spin_count_are_reported_as_set(tmp_path: Path, monkeypatch):
+def test_built_ins_alone_take_one_thread_and_a_users_spin_count_is_reported(
+    tmp_path: Path, monkeypatch
+):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
-    proc = ServerProcess.started(tmp_path, "--threads", "1")
+    proc = ServerProcess.started(tmp_path)
     try:
         metrics = httpx.get(f"{proc.base_url}/metrics").text
         assert 'posttrain_engine_threads{wait_policy="spin 1000"} 1' in metrics, metrics

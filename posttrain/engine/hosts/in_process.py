@@ -66,7 +66,8 @@ class LocalEngine(StreamHost):
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
         self.config = config
         self.model_paths = model_paths
-        use_intra_op_threads(config.threads)  # engine/hosts/threads.py says why not torch's default
+        # engine/hosts/threads.py says how many and why.
+        use_intra_op_threads(config.threads, model_dirs=model_paths.values())
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._resources: dict[str, ResourceState] = {}

@@ -4,8 +4,10 @@ how OpenMP's idle threads wait. Both are decided once, where the process starts.
 The thread count: every core this process may run on (`os.sched_getaffinity`), split between
 the engine processes that share them (a trainer group's ranks), at least one. That is torch's
 own default and every peer's: a server owns its machine, and half the cores would halve its
-throughput on a quiet one. EngineConfig.threads overrides it; OMP_NUM_THREADS does not, since
-it would be read before this applies.
+throughput on a quiet one. One exception, decided from the models the process serves: when
+every one of them is narrower than SMALL_HIDDEN, one thread. Their operators are too small to
+repay waking a second thread for each of them (below). EngineConfig.threads overrides both;
+OMP_NUM_THREADS does not, since it would be read before this applies.
 
 The wait policy, and why all cores are safe beside a busy neighbour: torch's CPU kernels run
 each operator as an OpenMP parallel region, and by default libgomp's idle threads spin for a
@@ -15,7 +17,8 @@ wake-up preference over the neighbour and time-slices the two, and every region 
 milliseconds for it: the demo's steps ran 36-49x slower (docs/benchmarks.md, "Beside a busy
 process"). With OMP_WAIT_POLICY=PASSIVE idle threads sleep at once; a thread that wakes into a
 region preempts the neighbour as a sleeper, and the region ends in about its compute time.
-Quiet, sleeping costs a wake-up per region, which is noise to a real model's operators.
+Quiet, sleeping costs a wake-up per region (on a virtual machine, waking an idle vCPU), which
+a real model's operators repay and the built-in tiny models' do not (docs/benchmarks.md).
 The policy is read once, when libgomp loads with torch, so `passive_openmp_waits` must run
 before torch is imported (the `serve` command does); worker processes and Ray actors inherit
 the environment. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
@@ -35,15 +38,24 @@ Not here: which processes exist (engine/hosts/worker_process.py, trainer_group.p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 # The settings that say how libgomp's (torch's OpenMP runtime's) idle threads wait; a user who
 # set any of them chose for themselves.
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+# Models whose hidden size is below this get one thread. Measured on the 2-core machine with
+# sleeping waits (docs/benchmarks.md, "Beside a busy process"): the built-in model (hidden 128)
+# ran the demo's warm-up 0.87x and GRPO steps 0.76x as fast on 2 threads as on 1, while a 40M
+# Qwen3 (hidden 384) trained 1.5x as fast on 2.
+SMALL_HIDDEN = 256
 
 
 def usable_cores() -> int:
@@ -54,20 +66,43 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def intra_op_threads(requested: int | None, *, processes: int = 1) -> int:
+def widest_hidden(model_dirs: Iterable[Path]) -> int | None:
+    """The largest hidden size the models' config.json files give (a multimodal model's text
+    config's); None when none gives one."""
+    sizes = []
+    for directory in model_dirs:
+        try:
+            config = json.loads((Path(directory) / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        config = config.get("text_config") or config
+        if isinstance(config.get("hidden_size"), int):
+            sizes.append(config["hidden_size"])
+    return max(sizes, default=None)
+
+
+def intra_op_threads(
+    requested: int | None, *, processes: int = 1, model_dirs: Iterable[Path] = ()
+) -> int:
     """The intra-op thread count of one of `processes` engine processes sharing this
-    machine's cores: `requested` when given, else the usable cores split between them, at
-    least one."""
+    machine's cores and serving the models in `model_dirs`: `requested` when given, one when
+    every model is narrower than SMALL_HIDDEN, else the usable cores split between the
+    processes, at least one."""
     if requested is not None:
         return requested
+    hidden = widest_hidden(model_dirs)
+    if hidden is not None and hidden < SMALL_HIDDEN:
+        return 1
     return max(1, usable_cores() // processes)
 
 
-def use_intra_op_threads(requested: int | None, *, processes: int = 1) -> int:
+def use_intra_op_threads(
+    requested: int | None, *, processes: int = 1, model_dirs: Iterable[Path] = ()
+) -> int:
     """Set this process's torch intra-op threads (see intra_op_threads); returns the count."""
     import torch
 
-    threads = intra_op_threads(requested, processes=processes)
+    threads = intra_op_threads(requested, processes=processes, model_dirs=model_dirs)
     torch.set_num_threads(threads)
     log.debug(
         "torch intra-op threads %d (usable cores %d), OpenMP wait policy %s",

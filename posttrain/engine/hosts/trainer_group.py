@@ -103,7 +103,7 @@ class RankEngine(LocalEngine):
         """`store`: (host, port) of the group's rendezvous, a TCPStore in the API process."""
         super().__init__(config, model_paths)
         # The ranks share the machine's cores; oversubscribed threads would slow them all.
-        use_intra_op_threads(config.threads, processes=world)
+        use_intra_op_threads(config.threads, processes=world, model_dirs=model_paths.values())
         backend = "gloo"
         if self.device.type == "cuda":
             # Local ranks see every GPU (rank r takes cuda:r); a Ray actor sees its own alone.

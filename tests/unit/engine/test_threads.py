@@ -1,13 +1,15 @@
-"""The engine's intra-op thread count: the usable cores split between processes, the config's
-count when given, and applied where an engine starts; idle OpenMP threads wait passively
-unless the user chose otherwise, as libgomp itself reports."""
+"""The engine's intra-op thread count: the usable cores split between processes (one when every
+model served is narrow), the config's count when given, and applied where an engine starts;
+idle OpenMP threads wait passively unless the user chose otherwise, as libgomp reports."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +42,34 @@ def test_the_default_is_all_the_cores_split_between_processes_at_least_one(
     assert intra_op_threads(None, processes=processes) == expected
 
 
+def model_dir(path: Path, hidden: int, *, multimodal: bool = False) -> Path:
+    """A directory whose config.json gives `hidden` (all the thread rule reads)."""
+    path.mkdir()
+    config = {"hidden_size": hidden}
+    config = (
+        {"text_config": config, "vision_config": {"hidden_size": 4096}} if multimodal else config
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_models_all_narrower_than_small_hidden_get_one_thread(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    narrow = model_dir(tmp_path / "narrow", threads.SMALL_HIDDEN - 1)
+    wide = model_dir(tmp_path / "wide", threads.SMALL_HIDDEN)
+    assert intra_op_threads(None, model_dirs=[BUILTIN_MODEL_DIR, narrow]) == 1
+    assert intra_op_threads(None, model_dirs=[BUILTIN_MODEL_DIR, narrow, wide]) == 16
+    assert intra_op_threads(None, processes=2, model_dirs=[wide]) == 8
+    assert intra_op_threads(None, model_dirs=[tmp_path / "no-such-dir"]) == 16  # unknown: all
+    assert intra_op_threads(3, model_dirs=[narrow]) == 3
+
+
+def test_the_width_of_a_multimodal_model_is_its_text_models(tmp_path: Path):
+    assert threads.widest_hidden([model_dir(tmp_path / "vl", 128, multimodal=True)]) == 128
+    assert threads.widest_hidden([BUILTIN_MODEL_DIR]) == 128
+    assert threads.widest_hidden([]) is None
+
+
 def test_a_requested_count_wins_whatever_the_cores(monkeypatch):
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     assert intra_op_threads(3) == 3
@@ -54,7 +84,7 @@ def test_an_engine_sets_torch_threads_from_its_config():
     LocalEngine(EngineConfig(device="cpu", threads=2), paths)
     assert torch.get_num_threads() == 2
     LocalEngine(EngineConfig(device="cpu"), paths)
-    assert torch.get_num_threads() == usable_cores()
+    assert torch.get_num_threads() == 1  # the built-in model is narrow
 
 
 def openmp_environment(program: str, **env: str) -> str:

@@ -21,7 +21,7 @@ from posttrain import __version__
 from posttrain.config import BUILTIN_MODELS, ServerConfig
 from posttrain.config_sources import FLAG_GROUPS, Setting, build_config, settings, stay_offline
 from posttrain.demo.command import add_demo_arguments, run_demo_command
-from posttrain.engine.hosts.threads import passive_openmp_waits
+from posttrain.engine.hosts.threads import bounded_openmp_spins
 from posttrain.errors import ConfigError
 
 DESCRIPTION = """\
@@ -198,7 +198,7 @@ def serve(args: argparse.Namespace) -> NoReturn:
     config = serve_config(args)
     check_exposure(config)
     stay_offline()  # before transformers is imported
-    passive_openmp_waits()  # before torch is imported (engine/hosts/threads.py says why)
+    bounded_openmp_spins()  # before torch is imported (engine/hosts/threads.py says why)
     # Listening before torch is imported: clients that retry across a restart queue instead of
     # being refused (api/listen.py).
     try:

@@ -53,9 +53,9 @@ class EngineConfig(BaseModel):
         ge=1,
         description="torch intra-op threads of each engine process; by default every core the"
         " process may use, split between a trainer group's ranks, or one when every model it"
-        " serves is narrower than hidden size 256 (idle OpenMP threads sleep, so a busy"
-        " neighbour stalls no operator); the count, fixed per machine and models, keeps runs"
-        " reproducible",
+        " serves is narrower than hidden size 256 (idle OpenMP threads sleep after a short"
+        " spin, so a busy neighbour costs its share); the count, fixed per machine and models,"
+        " keeps runs reproducible",
         json_schema_extra=flag("performance", env=True, metavar="N", default="all the cores"),
     )
     # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs ~0.5 ms a call,

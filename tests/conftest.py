@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.engine.hosts.threads import passive_openmp_waits
+from posttrain.engine.hosts.threads import bounded_openmp_spins
 
 # This process computes references and runs in-process engines beside the servers it starts:
-# its idle OpenMP threads sleep, as theirs do (engine/hosts/threads.py), before torch loads.
-passive_openmp_waits()
+# its idle OpenMP threads spin briefly, then sleep, as theirs do (engine/hosts/threads.py).
+bounded_openmp_spins()
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402

@@ -10,16 +10,20 @@ repay waking a second thread for each of them (below). EngineConfig.threads over
 OMP_NUM_THREADS does not, since it would be read before this applies.
 
 The wait policy, and why all cores are safe beside a busy neighbour: torch's CPU kernels run
-each operator as an OpenMP parallel region, and by default libgomp's idle threads spin for a
-while at the end of a region and before the next one. Beside another busy process, one of the
-threads shares its core; spinning, it is never asleep, so the kernel's scheduler gives it no
-wake-up preference over the neighbour and time-slices the two, and every region waits
-milliseconds for it: the demo's steps ran 36-49x slower (docs/benchmarks.md, "Beside a busy
-process"). With OMP_WAIT_POLICY=PASSIVE idle threads sleep at once; a thread that wakes into a
-region preempts the neighbour as a sleeper, and the region ends in about its compute time.
-Quiet, sleeping costs a wake-up per region (on a virtual machine, waking an idle vCPU), which
-a real model's operators repay and the built-in tiny models' do not (docs/benchmarks.md).
-The policy is read once, when libgomp loads with torch, so `passive_openmp_waits` must run
+each operator as an OpenMP parallel region, and by default libgomp's idle threads spin for
+300,000 rounds (about a millisecond or more) after a region before they sleep. Beside another
+busy process one of the threads shares its core; spinning, it is never asleep, so the kernel's
+scheduler gives it no wake-up preference over the neighbour and time-slices the two, and
+every region waits milliseconds for it: the demo's steps ran 38-64x slower (docs/benchmarks.md,
+"Beside a busy process"). A spinning idle server also takes the core from its own neighbours
+(a client computing rewards beside it). With GOMP_SPINCOUNT=SPIN_ROUNDS idle threads spin a
+few tens of microseconds, across the gaps between one pass's operators, and then sleep: a
+thread that wakes into a region preempts the neighbour as a sleeper. Sleeping at once
+(OMP_WAIT_POLICY=PASSIVE) pays a wake-up per region, on a virtual machine the wake of an idle
+vCPU; measured on a 40M Qwen3 with 2 threads, SPIN_ROUNDS kept forward-backward at spinning's
+speed (passive: 11% slower) and decode within 9% (passive: 26%), and beside a busy process
+both ran 1.8x their quiet time, the neighbour's share of 2 cores (spinning: 2.4-2.9x).
+The setting is read once, when libgomp loads with torch, so `bounded_openmp_spins` must run
 before torch is imported (the `serve` command does); worker processes and Ray actors inherit
 the environment. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 
@@ -50,11 +54,13 @@ log = logging.getLogger(__name__)
 # The settings that say how libgomp's (torch's OpenMP runtime's) idle threads wait; a user who
 # set any of them chose for themselves.
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# Rounds an idle OpenMP thread spins before it sleeps (the module docstring says why).
+SPIN_ROUNDS = 1000
 
 # Models whose hidden size is below this get one thread. Measured on the 2-core machine with
-# sleeping waits (docs/benchmarks.md, "Beside a busy process"): the built-in model (hidden 128)
-# ran the demo's warm-up 0.87x and GRPO steps 0.76x as fast on 2 threads as on 1, while a 40M
-# Qwen3 (hidden 384) trained 1.5x as fast on 2.
+# waits that sleep (docs/benchmarks.md, "Beside a busy process"): the built-in model (hidden
+# 128) ran the demo's warm-up 0.87x and GRPO steps 0.76x as fast on 2 threads as on 1 (0.93x
+# and 0.80x with SPIN_ROUNDS), while a 40M Qwen3 (hidden 384) trained 1.5x as fast on 2.
 SMALL_HIDDEN = 256
 
 
@@ -113,16 +119,16 @@ def use_intra_op_threads(
     return threads
 
 
-def passive_openmp_waits() -> bool:
-    """Make OpenMP's idle threads sleep instead of spin (the module docstring says why),
-    unless the user set a wait setting. True when the policy will apply: torch is not imported
-    yet, so libgomp reads it when it loads."""
+def bounded_openmp_spins() -> bool:
+    """Make OpenMP's idle threads sleep after SPIN_ROUNDS rounds of spinning (the module
+    docstring says why), unless the user set a wait setting. True when it will apply: torch is
+    not imported yet, so libgomp reads it when it loads."""
     if any(name in os.environ for name in WAIT_SETTINGS):
         return False
     if "torch" in sys.modules:
         log.debug("torch already imported: OpenMP's wait policy stays as it loaded")
         return False
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
     return True
 
 
@@ -139,7 +145,7 @@ def openmp_wait_policy() -> str:
 
 def server_wait_policy() -> str:
     """The wait policy a `posttrain serve` started with this process's environment computes
-    with (its own passive default unless a wait setting is set); for benchmarks to state."""
+    with (its own bounded spins unless a wait setting is set); for benchmarks to state."""
     if any(name in os.environ for name in WAIT_SETTINGS):
         return openmp_wait_policy()
-    return "passive"
+    return f"spin {SPIN_ROUNDS}"

@@ -1,6 +1,6 @@
 """The engine's intra-op thread count: the usable cores split between processes (one when every
 model served is narrow), the config's count when given, and applied where an engine starts;
-idle OpenMP threads wait passively unless the user chose otherwise, as libgomp reports."""
+idle OpenMP threads spin briefly unless the user chose otherwise, as libgomp reports."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def openmp_environment(program: str, **env: str) -> str:
     """What libgomp says it read (OMP_DISPLAY_ENV) in a fresh interpreter running `program`
     and then a parallel operator, with `env` and no wait setting of this process's. libgomp
     shows its unset default as PASSIVE too; what tells them apart is how long idle threads spin
-    before they sleep: GOMP_SPINCOUNT 0 when passive, 300000 by default."""
+    before they sleep: GOMP_SPINCOUNT, 300000 by default."""
     base = {k: v for k, v in os.environ.items() if k not in threads.WAIT_SETTINGS}
     script = f"{program}\nimport torch\ntorch.randn(512, 512) @ torch.randn(512, 512)\n"
     done = subprocess.run(
@@ -104,11 +104,11 @@ def openmp_environment(program: str, **env: str) -> str:
     return done.stderr
 
 
-CALL = "from posttrain.engine.hosts.threads import passive_openmp_waits as p\nprint(p())"
+CALL = "from posttrain.engine.hosts.threads import bounded_openmp_spins as p\nprint(p())"
 
 
-def test_passive_waits_reach_libgomp_when_set_before_torch_loads():
-    assert "GOMP_SPINCOUNT = '0'" in openmp_environment(CALL)
+def test_bounded_spins_reach_libgomp_when_set_before_torch_loads():
+    assert f"GOMP_SPINCOUNT = '{threads.SPIN_ROUNDS}'" in openmp_environment(CALL)
     # Without the call libgomp spins (its default), so the check above can fail.
     assert "GOMP_SPINCOUNT = '300000'" in openmp_environment("pass")
 
@@ -116,15 +116,16 @@ def test_passive_waits_reach_libgomp_when_set_before_torch_loads():
 def test_a_users_wait_setting_wins():
     told = openmp_environment(CALL, OMP_WAIT_POLICY="ACTIVE")
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in told
-    assert "GOMP_SPINCOUNT = '1000'" in openmp_environment(CALL, GOMP_SPINCOUNT="1000")
+    assert "GOMP_SPINCOUNT = '5000'" in openmp_environment(CALL, GOMP_SPINCOUNT="5000")
+    assert "GOMP_SPINCOUNT = '0'" in openmp_environment(CALL, OMP_WAIT_POLICY="PASSIVE")
 
 
 def test_after_torch_is_imported_the_policy_is_not_claimed(monkeypatch):
     for name in threads.WAIT_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     assert "torch" in sys.modules  # this module imported it
-    assert threads.passive_openmp_waits() is False
-    assert "OMP_WAIT_POLICY" not in os.environ
+    assert threads.bounded_openmp_spins() is False
+    assert not any(name in os.environ for name in threads.WAIT_SETTINGS)
     monkeypatch.setenv("GOMP_SPINCOUNT", "5000")
     assert threads.openmp_wait_policy() == "spin 5000"
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")

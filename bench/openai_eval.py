@@ -29,7 +29,8 @@ How, per repetition (--reps; the two eval paths alternate which goes first):
 An eval's throughput is prompts over its request window: from the first sample operation the
 server stores to the last one finished, read off GET /metrics every 50 ms, one clock for both
 paths; so lm-eval's own start-up (imports, task building) is left out (its whole wall time is
-printed too). The training steps beside an eval are those that overlap its window.
+printed too, and the sample operations each path cost). The training steps beside an eval are
+those that overlap its window.
 Printed: every run, the medians, and the ratios as medians of the per-repetition ratios
 (adjacent runs: robust to a shared machine's drifting load); both paths' accuracy (they score
 the same work, so they agree); OMP threads, the server's intra-op threads, load average.
@@ -84,6 +85,7 @@ from posttrain.engine.hosts.threads import intra_op_threads, server_wait_policy,
 API_KEY = "local-key"
 WINDOW_POLL_S = 0.05
 MAX_GEN_TOKENS = 4
+STOP = ("<|endoftext|>", "\n")  # the stop strings lm-eval sends: the task's `until`
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class SampleWindow:
         self.base_url = base_url
         self.first: float | None = None
         self.last: float | None = None
+        self.operations = 0  # sample operations stored meanwhile
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -173,6 +176,7 @@ class SampleWindow:
         assert failed == self._failed, f"{failed - self._failed} sample operations failed"
         if self.first is None and stored > self._stored:
             self.first = now
+        self.operations = stored - self._stored
         if completed != self._completed:
             self._completed, self.last = completed, now
 
@@ -234,6 +238,7 @@ class TrainingLoop:
 class EvalRun:
     prompts_per_s: float
     window_s: float
+    operations: int
     wall_s: float
     accuracy: float
     steps_s: list[float]  # the training steps beside it
@@ -292,7 +297,7 @@ def sdk_eval(
     else:
         prompts = contexts
         options = {}
-        params = {"max_tokens": MAX_GEN_TOKENS, "temperature": 0.0, "stop": ["\n"]}
+        params = {"max_tokens": MAX_GEN_TOKENS, "temperature": 0.0, "stop": list(STOP)}
     chunks = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
 
     async def run() -> list:
@@ -351,6 +356,7 @@ def measured(path: str, setup: Setup, args: argparse.Namespace) -> EvalRun:
     return EvalRun(
         len(setup.problems) / window.seconds,
         window.seconds,
+        window.operations,
         wall_s,
         accuracy,
         loop.overlapping(window),
@@ -364,7 +370,7 @@ def warm_up(setup: Setup, args: argparse.Namespace) -> None:
     if setup.task.output_type == "loglikelihood":
         body |= {"max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
     else:
-        body |= {"max_tokens": MAX_GEN_TOKENS, "temperature": 0, "stop": ["\n"]}
+        body |= {"max_tokens": MAX_GEN_TOKENS, "temperature": 0, "stop": list(STOP)}
     request = urllib.request.Request(
         f"{setup.base_url}/v1/completions",
         data=json.dumps(body).encode(),
@@ -457,8 +463,9 @@ def main() -> None:
             oai, sdk = runs["openai"][-1], runs["sdk"][-1]
             print(
                 f"rep {rep}: openai {oai.prompts_per_s:.1f} prompts/s (window {oai.window_s:.2f}"
-                f" s, lm-eval wall {oai.wall_s:.1f} s, {task.metric} {oai.accuracy:.3f}), sdk"
-                f" {sdk.prompts_per_s:.1f} prompts/s (window {sdk.window_s:.2f} s,"
+                f" s, {oai.operations} operations, lm-eval wall {oai.wall_s:.1f} s,"
+                f" {task.metric} {oai.accuracy:.3f}), sdk {sdk.prompts_per_s:.1f} prompts/s"
+                f" (window {sdk.window_s:.2f} s, {sdk.operations} operations,"
                 f" {task.metric} {sdk.accuracy:.3f}); training step {quiet[-1]:.3f} s quiet,"
                 f" {statistics.median(oai.steps_s):.3f} s beside lm-eval"
                 f" ({len(oai.steps_s)} steps), {statistics.median(sdk.steps_s):.3f} s beside"

@@ -21,8 +21,9 @@ def test_openai_eval_quick_run_prints_both_paths_and_both_ratios():
     assert f"server intra-op threads {intra_op_threads(None)} (its default)" in out, out
     assert "task loglikelihood (echo, max_tokens 1, logprobs 1, temperature 0): 8 prompts" in out
     rep = (
-        r"^rep 0: openai \d+\.\d prompts/s \(window \d+\.\d\d s, lm-eval wall \d+\.\d s,"
-        r" acc \d\.\d{3}\), sdk \d+\.\d prompts/s \(window \d+\.\d\d s, acc \d\.\d{3}\);"
+        r"^rep 0: openai \d+\.\d prompts/s \(window \d+\.\d\d s, 8 operations, lm-eval wall"
+        r" \d+\.\d s, acc \d\.\d{3}\), sdk \d+\.\d prompts/s \(window \d+\.\d\d s, 8 operations,"
+        r" acc \d\.\d{3}\);"
         r" training step \d+\.\d{3} s quiet, \d+\.\d{3} s beside lm-eval \(\d+ steps\),"
         r" \d+\.\d{3} s beside sdk \(\d+ steps\)$"
     )

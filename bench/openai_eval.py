@@ -33,7 +33,8 @@ printed too, and the sample operations each path cost). The training steps besid
 those that overlap its window.
 Printed: every run, the medians, and the ratios as medians of the per-repetition ratios
 (adjacent runs: robust to a shared machine's drifting load); both paths' accuracy (they score
-the same work, so they agree); OMP threads, the server's intra-op threads, load average.
+the same work, so they agree); OMP threads, the server's intra-op threads and OpenMP waits (from
+its /metrics), load average.
 
     python bench/openai_eval.py                 # 200 prompts, 3 reps
     python bench/openai_eval.py --task gen      # generate_until instead
@@ -80,7 +81,7 @@ from posttrain.demo.loop import (
 )
 from posttrain.demo.server import local_server
 from posttrain.demo.task import Problem
-from posttrain.engine.hosts.threads import intra_op_threads, server_wait_policy, usable_cores
+from posttrain.engine.hosts.threads import usable_cores
 
 API_KEY = "local-key"
 WINDOW_POLL_S = 0.05
@@ -381,6 +382,16 @@ def warm_up(setup: Setup, args: argparse.Namespace) -> None:
     sdk_eval(setup.evaluated, setup.tokens, setup.problems[:1], setup.task, args)
 
 
+def server_threads(base_url: str) -> str:
+    """The server's own account of its engine threads and how idle ones wait (GET /metrics),
+    whatever rule chose them."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.search(r'^posttrain_engine_threads\{wait_policy="([^"]*)"\} (\d+)$', text, re.M)
+    assert found is not None, "the server's /metrics has no posttrain_engine_threads"
+    return f"server intra-op threads {found.group(2)}, OpenMP waits {found.group(1)}"
+
+
 def median_ratio(numerators: list[float], denominators: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
 
@@ -403,22 +414,10 @@ def main() -> None:
         args.prompts, args.steps, args.train_batch, args.setup_steps, args.reps = 8, 2, 8, 1, 1
     config = replace(DemoConfig(), warmup_batch_size=args.train_batch, seed=0)
     task = TASKS[args.task]
-    omp = os.environ.get("OMP_NUM_THREADS", "unset")
-    print(
-        f"usable cores {usable_cores()}, OMP_NUM_THREADS={omp}, server intra-op threads"
-        f" {intra_op_threads(None)} (its default), OpenMP waits {server_wait_policy()};"
-        f" load average at start {os.getloadavg()[0]:.2f}"
-    )
     what = (
         "echo, max_tokens 1, logprobs 1, temperature 0"
         if task.output_type == "loglikelihood"
         else f"greedy, max_tokens {MAX_GEN_TOKENS}, stop at end of line"
-    )
-    print(
-        f"task {task.output_type} ({what}): {args.prompts} prompts, lm-eval num_concurrent"
-        f" {args.concurrency}, batch_size {args.batch_size}; training beside it: warm-up steps"
-        f" of {args.train_batch} problems; {args.reps} repetitions",
-        flush=True,
     )
     tokens = Tokens(config.base_model)
     train, heldout = split_problems(config.seed, max(args.prompts, config.num_heldout))
@@ -429,6 +428,17 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="openai-eval-") as scratch,
         local_server() as base_url,
     ):
+        omp = os.environ.get("OMP_NUM_THREADS", "unset")
+        print(
+            f"usable cores {usable_cores()}, OMP_NUM_THREADS={omp}, {server_threads(base_url)};"
+            f" load average at start {os.getloadavg()[0]:.2f}"
+        )
+        print(
+            f"task {task.output_type} ({what}): {args.prompts} prompts, lm-eval num_concurrent"
+            f" {args.concurrency}, batch_size {args.batch_size}; training beside it: warm-up"
+            f" steps of {args.train_batch} problems; {args.reps} repetitions",
+            flush=True,
+        )
         directory = Path(scratch)
         write_task(directory, task, problems)
         with sdk_quiet():

@@ -11,14 +11,12 @@ import re
 import pytest
 from helpers import run_bench
 
-from posttrain.engine.hosts.threads import intra_op_threads
-
 
 @pytest.mark.slow
 def test_openai_eval_quick_run_prints_both_paths_and_both_ratios():
     out = run_bench("openai_eval.py", "--quick")
     assert "OMP_NUM_THREADS=1" in out, out
-    assert f"server intra-op threads {intra_op_threads(None)} (its default)" in out, out
+    assert re.search(r"server intra-op threads \d+, OpenMP waits [\w ]+; load average", out), out
     assert "task loglikelihood (echo, max_tokens 1, logprobs 1, temperature 0): 8 prompts" in out
     rep = (
         r"^rep 0: openai \d+\.\d prompts/s \(window \d+\.\d\d s, 8 operations, lm-eval wall"

@@ -235,3 +235,25 @@ def test_each_request_is_sample_operations_of_the_scheduler_counted_in_metrics(s
     # top-k logprobs: the draw, then a scoring operation over prompt + completion
     oai.completions.create(model=BASE_MODEL, prompt=PROMPT, max_tokens=3, logprobs=2)
     assert finished_samples(shared_server.base_url) == before + 3
+
+
+def test_an_lm_eval_loglikelihood_request_is_one_operation_with_the_scored_logprobs(
+    shared_server,
+):
+    """echo, max_tokens 1, logprobs 1, temperature 0 (lm-eval's loglikelihood request): the
+    draw scores its own prompt, and its token, the argmax, is its own top-1. The logprobs and
+    top-1s equal those of the two-operation path (logprobs 2 asks for a scoring operation)."""
+    oai = client(shared_server.base_url)
+    prompt = encode("<|im_start|>12+34=46")
+    args = {"model": BASE_MODEL, "prompt": prompt, "max_tokens": 1, "echo": True, "temperature": 0}
+    before = finished_samples(shared_server.base_url)
+    one = oai.completions.create(**args, logprobs=1).choices[0].logprobs
+    assert finished_samples(shared_server.base_url) == before + 1
+    two = oai.completions.create(**args, logprobs=2).choices[0].logprobs
+    assert finished_samples(shared_server.base_url) == before + 3
+    assert one.tokens == two.tokens and len(one.tokens) == len(prompt) + 1
+    assert one.token_logprobs[0] is None and one.top_logprobs[0] is None
+    assert one.token_logprobs[1:] == pytest.approx(two.token_logprobs[1:], abs=1e-5)
+    for top_one, top_two in zip(one.top_logprobs[1:], two.top_logprobs[1:], strict=True):
+        assert max(top_one.values()) == pytest.approx(max(top_two.values()), abs=1e-5)
+    assert one.top_logprobs[-1] == {one.tokens[-1]: one.token_logprobs[-1]}

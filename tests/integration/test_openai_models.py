@@ -1,6 +1,7 @@
 """What an OpenAI-surface `model` may name, through the `openai` SDK, on a server with two
 users: tinker:// sampler paths, `<base>;<path>`, training-run paths, Together sessions and
-inference checkpoints; another user's unpublished path reads as absent."""
+inference checkpoints; another user's unpublished path reads as absent, a published one is
+listed for them and serves them until it is unpublished."""
 
 from __future__ import annotations
 
@@ -88,3 +89,25 @@ def test_a_tinker_path_each_way_serves_its_weights_and_only_to_its_owner(server)
         echo_logprobs(server, f"tinker://{model_id}", key=BOB)
     with pytest.raises(openai.AuthenticationError):
         echo_logprobs(server, path, key="not-a-key")
+
+
+def test_a_published_path_is_listed_for_and_serves_another_user_until_unpublished(server):
+    model_id, path = saved_sampler_path(server)
+    route = (
+        f"{server.base_url}/api/v1/training_runs/{model_id}/checkpoints"
+        f"/{path.split('/', 3)[3]}/publish"
+    )
+    bob = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=BOB, max_retries=0)
+    assert path not in [m.id for m in bob.models.list()]
+    assert httpx.post(route, headers={"X-API-Key": ALICE}).status_code == 204
+    listed = {m.id: m.owned_by for m in bob.models.list()}
+    assert listed[path] == "user_alice"
+    owners = echo_logprobs(server, path)
+    for model in (path, f"{BASE_MODEL};{path}"):
+        assert echo_logprobs(server, model, key=BOB) == pytest.approx(owners, abs=1e-5), model
+    with pytest.raises(openai.NotFoundError):  # the run itself stays Alice's
+        echo_logprobs(server, f"tinker://{model_id}", key=BOB)
+    assert httpx.delete(route, headers={"X-API-Key": ALICE}).status_code == 204
+    assert path not in [m.id for m in bob.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        echo_logprobs(server, path, key=BOB)

@@ -1,14 +1,20 @@
 """OpenAI-style completions as sample operations of the one scheduler.
 
 A completion request becomes, on the session its `model` names (service/openai/targets.py):
-1) a sample operation drawing `n` sequences per prompt (skipped when max_tokens is 0);
-2) where logprobs are asked for with top-k alternatives or with the prompt echoed, one scoring
-   operation: a sample operation over prompt + completion with `topk_prompt_logprobs`, whose
-   prompt logprobs give the prompt tokens' logprobs and every position's top-k (its one drawn
-   token is dropped). The sampled tokens keep the logprobs they were drawn with, which come
-   from the same float32 function a forward pass uses (DESIGN.md "Numerics that matter").
-Both are ordinary operations: queued, batched with the training loop's samples, and counted
-in /metrics; neither is a path of its own into the engine.
+1) a sample operation drawing `n` sequences per prompt (skipped when max_tokens is 0); with
+   the prompt echoed and logprobs asked for, it also returns the prompt's logprobs and their
+   top-k (`prompt_logprobs`, `topk_prompt_logprobs`);
+2) where the sampled tokens' top-k alternatives are asked for, one scoring operation: a sample
+   operation over prompt + completion with `topk_prompt_logprobs`, whose prompt logprobs give
+   every position's logprob and top-k (its one drawn token is dropped). The engine has no
+   top-k for sampled tokens, save one case: at temperature 0 the token drawn is the argmax of
+   the logprobs it reports, so with k = 1 it is its own top-1 and no scoring is needed (an
+   lm-eval loglikelihood request: echo, max_tokens 1, logprobs 1, temperature 0, is one
+   operation). With max_tokens 0 and the prompt echoed, the scoring operation scores it.
+The sampled tokens keep the logprobs they were drawn with, which come from the same float32
+function a forward pass uses (DESIGN.md "Numerics that matter"). Both are ordinary
+operations: queued, batched with the training loop's samples, and counted in /metrics;
+neither is a path of its own into the engine.
 
 Text follows the OpenAI completions API: special tokens (a final EOS) have no text but keep
 their place and logprob among the tokens (lm-eval's loglikelihood drops the last token it is
@@ -102,6 +108,7 @@ class Drawn:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
+    prompt_scores: SampleResult | None = None  # the prompt's logprobs, when the draw scored it
 
 
 class Completions:
@@ -142,10 +149,14 @@ class Completions:
             stop_ids = params.stop_token_ids + end_of_turn_ids(tokenizer)
             params = dataclasses.replace(params, stop_token_ids=stop_ids)
             job = dataclasses.replace(job, sampling_params=params)
-        drawn = await self._draw(user, target, prompts, job)
-        scores: list[SampleResult | None] = [None] * len(drawn)
         k = job.logprobs
-        if k is not None and (job.echo or k > 0):
+        scoring = _needs_scoring(job)
+        drawn = await self._draw(
+            user, target, prompts, job, scores_prompt=job.echo and k is not None and not scoring
+        )
+        scores = [d.prompt_scores for d in drawn]
+        if scoring:
+            assert k is not None, "only logprobs ask for a scoring operation"
             scores = list(await self._scored(user, target, drawn, k))
 
         def texts() -> list[Choice]:  # decoding is per token: off the event loop
@@ -163,13 +174,24 @@ class Completions:
         )
 
     async def _draw(
-        self, user: str, target: Target, prompts: tuple[tuple[int, ...], ...], job: CompletionJob
+        self,
+        user: str,
+        target: Target,
+        prompts: tuple[tuple[int, ...], ...],
+        job: CompletionJob,
+        *,
+        scores_prompt: bool,
     ) -> list[Drawn]:
-        """n sequences per prompt, prompt-major (OpenAI's choice order)."""
+        """n sequences per prompt, prompt-major (OpenAI's choice order); `scores_prompt`: each
+        with its prompt's logprobs and their top `job.logprobs`."""
         if job.sampling_params.max_tokens == 0:
             return [Drawn(p, [], [], "length") for p in prompts for _ in range(job.n)]
         request = SampleRequest(
-            prompts=prompts, num_samples=job.n, sampling_params=job.sampling_params
+            prompts=prompts,
+            num_samples=job.n,
+            sampling_params=job.sampling_params,
+            prompt_logprobs=scores_prompt,
+            topk_prompt_logprobs=(job.logprobs or 0) if scores_prompt else 0,
         )
         output = await self._run(user, target, request)
         return [
@@ -178,6 +200,7 @@ class Completions:
                 list(sequence.tokens),
                 list(sequence.logprobs),
                 "stop" if sequence.stop_reason == StopReason.STOP else "length",
+                result if scores_prompt else None,
             )
             for prompt, result in zip(prompts, output.results, strict=True)
             for sequence in result.sequences
@@ -241,6 +264,18 @@ def _openai_param(param: str | None) -> str | None:
     if param is not None and param.startswith("model_inputs"):
         return "prompt"
     return OPENAI_PARAMS.get(param or "", param)
+
+
+def _needs_scoring(job: CompletionJob) -> bool:
+    """Whether the logprobs asked for need a scoring operation beside the draw: the top-k of
+    sampled tokens (unless k = 1 at temperature 0, where the token drawn is its own top-1), or
+    an echoed prompt's logprobs when nothing is drawn."""
+    k = job.logprobs
+    if k is None:
+        return False
+    if job.sampling_params.max_tokens == 0:
+        return job.echo or k > 0
+    return k > 0 and not (k == 1 and job.sampling_params.temperature == 0)
 
 
 def completion_id() -> str:
@@ -313,9 +348,13 @@ def _choice(
             top.append(None)
             continue
         entry: dict[str, float] = {}
-        if score is not None and score.topk_prompt_logprobs is not None:
-            # the scored sequence is prompt + completion; these tokens start at `start`
-            alternatives = score.topk_prompt_logprobs[len(drawn.prompt) - start + position]
+        # A scoring operation's sequence is prompt + completion, a draw's own scores cover the
+        # prompt only (past it, a token drawn at temperature 0 is its own top-1); the tokens
+        # returned start at `start` in it.
+        scored = score.topk_prompt_logprobs if score is not None else None
+        at = len(drawn.prompt) - start + position
+        if scored is not None and at < len(scored):
+            alternatives = scored[at]
             for alt, alt_logprob in zip(alternatives.token_ids, alternatives.logprobs, strict=True):
                 entry.setdefault(tokenizer.decode([alt]), alt_logprob)
         entry[shown[position]] = logprob

@@ -6,9 +6,10 @@ A `model` is one of:
 - a Together training session id: the session itself, so its latest published weights
   (weights-sync) answer, and evaluating never changes what it trains;
 - an inference checkpoint id: a sampler that loads the checkpoint into an adapter of its own;
-- a `tinker://MODEL_ID/sampler_weights/NAME` (or `.../weights/NAME`) path, the caller's or a
-  published one, resolved as Tinker's create_sampling_session resolves it; `<base>;<path>`
-  also checks that the path was trained from `<base>`;
+- a `tinker://MODEL_ID/sampler_weights/NAME` (or `.../weights/NAME`) path, the caller's or
+  one another user published (Tinker's publish_checkpoint; the Together surface publishes
+  none), resolved as Tinker's create_sampling_session resolves it; `<base>;<path>` also checks
+  that the path was trained from `<base>`;
 - a `tinker://MODEL_ID` training-run path: the run's own session, as an inflight sampler.
 
 Samplers are kept as Tinker SamplerRecords keyed by (user, model), so a model name resolves to
@@ -32,7 +33,7 @@ from posttrain.errors import InvalidRequest, NotFound
 from posttrain.service.checkpoints import CheckpointService
 from posttrain.service.resources import ResourceService
 from posttrain.service.sessions import SessionService
-from posttrain.service.tinker.records import NameRecord, RunRecord, SamplerRecord
+from posttrain.service.tinker.records import RunRecord, SamplerRecord
 from posttrain.service.tinker.service import TinkerService
 from posttrain.statuses import SessionStatus
 from posttrain.types import CheckpointType
@@ -149,7 +150,8 @@ class ModelTargets:
 
     def listed(self, user: str) -> list[ListedModel]:
         """What `user` may name: the served base models, their RUNNING training sessions, their
-        inference checkpoints and their written tinker:// sampler paths."""
+        inference checkpoints, and the written tinker:// paths they may read (their own, then
+        those other users published, owned_by their owner)."""
         served = self.resources.supported_models()
         models = [ListedModel(spec_id, 0, "posttrain") for spec_id, _ in served]
         for session in self.sessions.list(
@@ -161,6 +163,6 @@ class ModelTargets:
             user, base_model=None, session_id=None, checkpoint_type=inference
         ):
             models.append(ListedModel(checkpoint.id, int(checkpoint.created_at), user))
-        for name in self.tinker.registry.all(NameRecord, user):
-            models.append(ListedModel(name.path, int(name.created_at), user))
+        for name in self.tinker.checkpoints.readable_names(user):
+            models.append(ListedModel(name.path, int(name.created_at), name.user))
         return models

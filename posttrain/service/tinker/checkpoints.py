@@ -175,6 +175,13 @@ class TinkerCheckpoints:
         page, total = _page(self._listed(None, owner=user), limit, offset)
         return Page([self._view(n, c) for n, c in page], offset, limit, total)
 
+    def readable_names(self, user: str) -> list[NameRecord]:
+        """The written, unexpired names `user` may read (load, sample, name as an OpenAI
+        `model`): their own, then those other users published; each newest first."""
+        own = [name for name, _ in self._listed(None, owner=user)]
+        shared = [n for n, _ in self._listed(None, public_only=True) if n.user != user]
+        return own + shared
+
     def weights_info(self, user: str, tinker_path: str) -> WeightsInfo:
         """What loading the checkpoint at tinker_path needs (the caller's, or a published one)."""
         record = self.repo.get_checkpoint(

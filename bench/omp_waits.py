@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from sampling import RANDOM_CONFIGS
+
 SETTINGS = {
     "spinning": {},
     "spin 1000": {"GOMP_SPINCOUNT": "1000"},
@@ -32,20 +34,7 @@ SETTINGS = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
 SHAPES = {  # (Qwen3 config, rows, tokens)
-    "40m": (
-        dict(
-            vocab_size=32000,
-            hidden_size=384,
-            intermediate_size=1152,
-            num_hidden_layers=8,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            head_dim=64,
-            tie_word_embeddings=False,
-        ),
-        8,
-        256,
-    ),
+    "40m": (RANDOM_CONFIGS["qwen3-40m"], 8, 256),
     "tiny": (
         dict(
             vocab_size=128,

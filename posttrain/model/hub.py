@@ -86,17 +86,21 @@ def _resolved(hub_id: HubId, *, is_offline: bool, cache_dir: Path | None) -> Pat
 
     where = f"--model {hub_id.given}"
     local = f"or pass a local directory with --model {hub_id.repo_id}=DIR"
-    try:
-        cached = Path(
+
+    def snapshot(*, local_files_only: bool) -> Path:
+        return Path(
             snapshot_download(
                 hub_id.repo_id,
                 revision=hub_id.revision,
                 cache_dir=cache_dir,
                 allow_patterns=list(ALLOW_PATTERNS),
                 ignore_patterns=list(IGNORE_PATTERNS),
-                local_files_only=True,
+                local_files_only=local_files_only,
             )
         )
+
+    try:
+        cached: Path | None = snapshot(local_files_only=True)
     except LocalEntryNotFoundError:  # not cached, or a snapshot its tree listing calls partial
         cached = None
     except HFValidationError as exc:  # ORG/NAME shaped, yet not a name the hub allows
@@ -115,15 +119,7 @@ def _resolved(hub_id: HubId, *, is_offline: bool, cache_dir: Path | None) -> Pat
             param="models",
         )
     try:
-        downloaded = Path(
-            snapshot_download(
-                hub_id.repo_id,
-                revision=hub_id.revision,
-                cache_dir=cache_dir,
-                allow_patterns=list(ALLOW_PATTERNS),
-                ignore_patterns=list(IGNORE_PATTERNS),
-            )
-        )
+        downloaded = snapshot(local_files_only=False)
     except (GatedRepoError, RepositoryNotFoundError) as exc:
         # The hub answers a private or gated repo without a token as if it did not exist.
         raise ConfigError(

@@ -29,18 +29,23 @@ UNSERVED: dict[str, Any] = {
 }
 
 
-class CompletionBody(BaseModel):
+class SamplingBody(BaseModel):
+    """The sampling fields completions and chat share."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     echo: bool = False
     stream: bool = False
@@ -63,19 +68,10 @@ class Message(BaseModel):
     name: str | None = None  # OpenAI's participant name: accepted, not rendered
 
 
-class ChatBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1)
+class ChatBody(SamplingBody):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     stream: bool = False

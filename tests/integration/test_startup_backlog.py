@@ -57,4 +57,4 @@ def test_a_port_already_taken_is_a_clear_error(tmp_path):
             timeout=120,
         )
     assert done.returncode != 0
-    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert f"127.0.0.1:{port} is in use; give another --port" in done.stderr, done.stderr

@@ -42,8 +42,8 @@ its /metrics), load average.
 
 Targets (2-core CPU): (a) the OpenAI path within 1.2x of the SDK path (SDK prompts/s over
 OpenAI prompts/s <= 1.2); (b) the training loop's median step time beside the lm-eval run at
-most 1.5x its quiet median. Before echo-with-logprobs at temperature 0 became one operation, a
-loglikelihood request cost two sample operations against the SDK path's one.
+most 1.5x its quiet median. Measured results: docs/benchmarks.md, "Evaluation through the
+OpenAI surface beside training".
 """
 
 from __future__ import annotations

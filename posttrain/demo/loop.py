@@ -194,15 +194,15 @@ def policy_sample(
 
 def heldout_accuracy(
     session: SessionClient, tokens: Tokens, problems: list[Problem], config: DemoConfig
-) -> tuple[float, list[dict[str, str]]]:
-    """Greedy accuracy of the session's published policy, plus a few (prompt, answer) pairs."""
+) -> tuple[float, list[HeldoutExample]]:
+    """Greedy accuracy of the session's published policy, plus a few judged answers."""
     results = session.generator.sample_batch(
         [model_input(tokens.encode(p.prompt)) for p in problems],
         num_samples=1,
         sampling_params={"max_tokens": config.max_tokens, "temperature": 0.0},
         interval=POLL_INTERVAL_S,
     )
-    correct, examples = 0, []
+    correct, examples = 0, list[HeldoutExample]()
     for problem, result in zip(problems, results, strict=True):
         sequence = result.sequences[0]
         text = tokens.decode([int(t) for t in sequence.tokens])

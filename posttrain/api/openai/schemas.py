@@ -99,10 +99,10 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Pro
         raise InvalidRequest("prompt is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return (tuple(prompt),)  # type: ignore[arg-type]
-    return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)  # type: ignore[union-attr]
+    return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)  # type: ignore[arg-type]
 
 
-def _sampling(body: CompletionBody | ChatBody, max_tokens: int | None) -> SamplingParams:
+def _sampling(body: SamplingBody, max_tokens: int | None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > 4:  # OpenAI's own limit
         raise InvalidRequest("stop holds at most 4 sequences", param="stop")

@@ -119,11 +119,16 @@ def use_intra_op_threads(
     return threads
 
 
+def _waits_chosen() -> bool:
+    """Whether the environment already says how OpenMP's idle threads wait (the user's choice)."""
+    return any(name in os.environ for name in WAIT_SETTINGS)
+
+
 def bounded_openmp_spins() -> bool:
     """Make OpenMP's idle threads sleep after SPIN_ROUNDS rounds of spinning (the module
     docstring says why), unless the user set a wait setting. True when it will apply: torch is
     not imported yet, so libgomp reads it when it loads."""
-    if any(name in os.environ for name in WAIT_SETTINGS):
+    if _waits_chosen():
         return False
     if "torch" in sys.modules:
         log.debug("torch already imported: OpenMP's wait policy stays as it loaded")
@@ -146,6 +151,6 @@ def openmp_wait_policy() -> str:
 def server_wait_policy() -> str:
     """The wait policy a `posttrain serve` started with this process's environment computes
     with (its own bounded spins unless a wait setting is set); for benchmarks to state."""
-    if any(name in os.environ for name in WAIT_SETTINGS):
+    if _waits_chosen():
         return openmp_wait_policy()
     return f"spin {SPIN_ROUNDS}"

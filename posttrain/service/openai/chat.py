@@ -73,4 +73,6 @@ def chat_tokens(
 def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """The template's end-of-turn token, where the tokenizer has it as a token of its own."""
     token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    return () if token_id is None or token_id == tokenizer.unk_token_id else (token_id,)
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+        return ()
+    return (token_id,)

@@ -301,10 +301,18 @@ def _texts(tokenizer: PreTrainedTokenizerBase, tokens: list[int], *, shown: bool
     special tokens as their own text (the `tokens` of logprobs), else as none (the text)."""
     texts, previous = [], ""
     for end in range(1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:end], skip_special_tokens=not shown)
+        text = _decoded(tokenizer, tokens[:end], skip_special_tokens=not shown)
         texts.append(text[len(previous) :])
         previous = text
     return texts
+
+
+def _decoded(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[int], *, skip_special_tokens: bool = False
+) -> str:
+    text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str), "decoding one sequence gives one text"
+    return text
 
 
 def _choice(
@@ -356,7 +364,7 @@ def _choice(
         if scored is not None and at < len(scored):
             alternatives = scored[at]
             for alt, alt_logprob in zip(alternatives.token_ids, alternatives.logprobs, strict=True):
-                entry.setdefault(tokenizer.decode([alt]), alt_logprob)
+                entry.setdefault(_decoded(tokenizer, [alt]), alt_logprob)
         entry[shown[position]] = logprob
         top.append(entry)
     offsets = [sum(map(len, texts[:position])) for position in range(len(texts))]

@@ -120,32 +120,27 @@ class ModelTargets:
     def _sampler(
         self, user: str, model: str, kind: str, base_model: str, checkpoint_id: str | None
     ) -> Target:
-        with self._samplers_lock:
-            return self._locked_sampler(user, model, kind, base_model, checkpoint_id)
-
-    def _locked_sampler(
-        self, user: str, model: str, kind: str, base_model: str, checkpoint_id: str | None
-    ) -> Target:
         sampler_id = f"{CLIENT}:{user}:{model}"
         registry = self.tinker.registry
-        if registry.find(SamplerRecord, sampler_id, user) is None:
-            now = time.time()
-            registry.put(
-                SamplerRecord(
-                    id=sampler_id,
-                    user=user,
-                    client_id=CLIENT,
-                    base_model=base_model,
-                    kind=kind,
-                    created_at=now,
-                    model_path=model if model.startswith(TINKER) else None,
-                    checkpoint_id=checkpoint_id,
-                    last_used=now,
+        with self._samplers_lock:
+            if registry.find(SamplerRecord, sampler_id, user) is None:
+                now = time.time()
+                registry.put(
+                    SamplerRecord(
+                        id=sampler_id,
+                        user=user,
+                        client_id=CLIENT,
+                        base_model=base_model,
+                        kind=kind,
+                        created_at=now,
+                        model_path=model if model.startswith(TINKER) else None,
+                        checkpoint_id=checkpoint_id,
+                        last_used=now,
+                    )
                 )
-            )
-        session_id = self.tinker.weights.sampler_session(user, sampler_id)
-        sampler = registry.get(SamplerRecord, sampler_id, user)
-        registry.put(dataclasses.replace(sampler, last_used=time.time()))
+            session_id = self.tinker.weights.sampler_session(user, sampler_id)
+            sampler = registry.get(SamplerRecord, sampler_id, user)
+            registry.put(dataclasses.replace(sampler, last_used=time.time()))
         return Target(session_id, base_model)
 
     def listed(self, user: str) -> list[ListedModel]:

@@ -140,8 +140,8 @@ class TinkerRuns:
             return self.registry.get(FutureRecord, earlier, user)
         future_type = "load_weights" if resume_from is not None else "create_model"
         future = FutureRecord(new_id("req"), user, future_type, time.time())
-        if self.registry.claim_seq(model_id, 0, user, future.id) != future.id:
-            return self.registry.get(FutureRecord, self.registry.seq_future(model_id, 0), user)
+        if (claimed := self.registry.claim_seq(model_id, 0, user, future.id)) != future.id:
+            return self.registry.get(FutureRecord, claimed, user)
         try:
             session = self.new_session(
                 user, base_model, lora, model_id, resume_from, load_optimizer, shared
@@ -207,8 +207,8 @@ class TinkerRuns:
                 param="path",
             )
         future = FutureRecord(new_id("req"), user, "load_weights", time.time())
-        if self.registry.claim_seq(model_id, seq_id, user, future.id) != future.id:
-            return self.registry.get(FutureRecord, self.registry.seq_future(model_id, seq_id), user)
+        if (claimed := self.registry.claim_seq(model_id, seq_id, user, future.id)) != future.id:
+            return self.registry.get(FutureRecord, claimed, user)
         try:
             self._drain(run.session_id)
             self.sessions.stop(user, run.session_id)

@@ -1,9 +1,9 @@
 """What durable sessions cost: one RL-style step (forward-backward, optim-step, weights-sync)
 with and without writing the state each operation changed, as the server does before it
-reports the operation COMPLETED (service/durability.py, engine/checkpoint/durable.py); and for a
-full-weight session, with a snapshot of its whole state every N steps
-(service/full_weight_durability.py; the journal between snapshots costs no write: the request
-bodies are in the store already), and how long a restart's snapshot load takes.
+reports the operation COMPLETED (service/durability/durable_sessions.py,
+engine/checkpoint/durable.py); and for a full-weight session, with a snapshot of its whole state
+every N steps (service/durability/full_weight.py; the journal between snapshots costs no write: the
+request bodies are in the store already), and how long a restart's snapshot load takes.
 
 Runs at engine level in one process, so the ratio is the persistence alone (no HTTP, no
 polling): the step's engine time, then the same step plus persist_session of the parts each

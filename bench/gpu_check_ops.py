@@ -14,13 +14,13 @@ from posttrain.config import SchedulerConfig
 from posttrain.engine.generate import generator as generators
 from posttrain.engine.generate import sampler
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.service.sample_streams import stream_rows
+from posttrain.service.scheduling.sample_streams import stream_rows
 from posttrain.types import SampleRequest, SamplingParams
 
 ADAPTERS = 8  # sessions a0..a7 on resource r (gpu_check.setup makes them)
 STREAM_OPS = 32
 # A sample stream's pool as the server reserves it by default (its row limit, memory permitting:
-# service/sample_streams.py): a stream's static layouts hold placeholder rows within it.
+# service/scheduling/sample_streams.py): a stream's static layouts hold placeholder rows within it.
 POOL_ROWS = stream_rows(SchedulerConfig())
 
 

@@ -38,7 +38,7 @@ from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.engine.hosts.messages import Command  # noqa: E402
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine  # noqa: E402
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,

@@ -1,5 +1,5 @@
 """The vLLM line of the GPU check: posttrain's trainer with its generator on a vLLM server
-(`--generators vllm`, engine/hosts/vllm_engine.py) on one model, against the built-in sampler.
+(`--generators vllm`, engine/hosts/vllm/engine.py) on one model, against the built-in sampler.
 
 `run(device, small)` is what bench/gpu_check.py calls (`vllm_line` on its model, with the
 interpreter in POSTTRAIN_VLLM_PYTHON or .venv-vllm) where a vLLM build is on the device machine;
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.vllm_engine import VllmEngine  # noqa: E402
+from posttrain.engine.hosts.vllm.engine import VllmEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     ForwardBackwardRequest,
     LoraConfig,

@@ -14,7 +14,8 @@ Each session's workload, in two separate phases so each ratio is clean:
 
 Concurrent: one thread per session, all released at once, each driving its own session's
 operations through the SDK; the scheduler may run queued operations of several sessions in one
-shared engine pass (service/scheduler.py). Sequential: the same operations, session 1's first,
+shared engine pass (service/scheduling/scheduler.py). Sequential: the same operations,
+session 1's first,
 then session 2's, ... Both modes run on fresh sessions of the same resource (the previous
 mode's sessions are stopped first). Polling intervals are small (--interval) so the SDK's
 polling latency does not dominate; the price is that 8 sessions polling at once cost the

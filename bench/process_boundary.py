@@ -1,4 +1,4 @@
-"""What a process boundary costs per engine call (engine/hosts/worker_process.py), against the
+"""What a process boundary costs per engine call (engine/hosts/process/worker.py), against the
 in-process engine in the same run: the same small operations on LocalEngine and on ProcessEngine
 (one worker process), alternated, medians over --reps of each.
 
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.remote import ProcessEngine  # noqa: E402
+from posttrain.engine.hosts.process.remote import ProcessEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,

@@ -1,6 +1,7 @@
-"""Generator replicas (engine/hosts/replicas.py) against one replica and the inline generator, in
-the same run: sampling throughput, weights-sync latency against the bytes moved, and what the
-boundary adds to one small sample. One thread per process (set here, before anything starts).
+"""Generator replicas (engine/hosts/replicas/engine.py) against one replica and the inline
+generator, in the same run: sampling throughput, weights-sync latency against the bytes moved, and
+what the boundary adds to one small sample. One thread per process (set here, before anything
+starts).
 
 1. Sampling throughput: --requests sample operations of --prompts prompts x --samples samples x
    --tokens new tokens, submitted from two threads at once, on two generator lanes (two
@@ -9,7 +10,7 @@ boundary adds to one small sample. One thread per process (set here, before anyt
 2. Weights-sync latency: a publish through the replicas (pack the tensors for the replicas'
    channel) and until a replica serves them (a one-token sample after it, minus a one-token
    sample without one), for a LoRA adapter and for a full-weight session, against the bytes;
-   for each weights transport (engine/hosts/weights_broadcast.py): a gloo broadcast in the
+   for each weights transport (engine/hosts/replicas/weights_broadcast.py): a gloo broadcast in the
    resource's weights group (the default) and each replica's pipe, alternated.
 3. Boundary: one small sample through a replica vs inline.
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.replicas import ReplicatedEngine  # noqa: E402
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams  # noqa: E402
 
 CONFIG = EngineConfig(device="cpu", dtype="float32")

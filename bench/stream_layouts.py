@@ -56,7 +56,7 @@ from posttrain.engine.generate import padding_joins, prefill_graph, sampler  # n
 from posttrain.engine.generate.prefill_graph import PrefillStep  # noqa: E402
 from posttrain.engine.generate.sample_stream import SampleStream  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.service.sample_streams import stream_rows  # noqa: E402
+from posttrain.service.scheduling.sample_streams import stream_rows  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams  # noqa: E402
 
 # The H200's costs (docs/benchmarks.md, "GPU check"; see the docstring).

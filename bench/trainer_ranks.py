@@ -1,4 +1,4 @@
-"""What a trainer group (engine/hosts/trainer_group.py, `--trainer-ranks N`) gains and costs.
+"""What a trainer group (engine/hosts/ranks/trainer_group.py, `--trainer-ranks N`) gains and costs.
 
 1. A full-weight training step (forward-backward of --rows x --tokens random tokens, then an
    AdamW optim-step) on the random 38M-parameter Qwen3 of bench/forward_backward.py: one
@@ -43,8 +43,8 @@ from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.engine.hosts.messages import Command  # noqa: E402
-from posttrain.engine.hosts.remote import ProcessEngine  # noqa: E402
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine  # noqa: E402
+from posttrain.engine.hosts.process.remote import ProcessEngine  # noqa: E402
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,

@@ -1,4 +1,4 @@
-"""The built-in sampler against a vLLM server (`--generators vllm`, engine/hosts/vllm_engine.py)
+"""The built-in sampler against a vLLM server (`--generators vllm`, engine/hosts/vllm/engine.py)
 on the same machine, in the same run: the same sample operations through both, and the
 weights-sync latency until the new weights are served, for a LoRA rank 32 adapter and for the
 full model. Medians over --reps, the two alternated so drift hits both alike.
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.vllm_engine import VllmEngine  # noqa: E402
+from posttrain.engine.hosts.vllm.engine import VllmEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams  # noqa: E402
 
 PATHS = {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}

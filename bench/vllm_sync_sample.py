@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.vllm_engine import VllmEngine  # noqa: E402
+from posttrain.engine.hosts.vllm.engine import VllmEngine  # noqa: E402
 from posttrain.types import LoraConfig, SampleRequest, SamplingParams  # noqa: E402
 
 PATHS = {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}

@@ -214,7 +214,7 @@ def serve(args: argparse.Namespace) -> NoReturn:
     from posttrain.api.app import create_app
     from posttrain.api.server import leave
     from posttrain.api.server import serve as run_server
-    from posttrain.engine.hosts.trainer_group import check_trainer_ranks
+    from posttrain.engine.hosts.ranks.trainer_group import check_trainer_ranks
     from posttrain.model.loader import servable_problem
 
     try:

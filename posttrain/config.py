@@ -60,7 +60,7 @@ class EngineConfig(BaseModel):
     )
     # Measured (bench/process_boundary.py, docs/benchmarks.md): the pipe costs ~0.5 ms a call,
     # noise to every operation but a publish; a worker process costs a start (seconds) and its
-    # own libraries. Threads stay the default. The process: engine/hosts/worker_process.py.
+    # own libraries. Threads stay the default. The process: engine/hosts/process/worker.py.
     workers: Literal["thread", "process"] = Field(
         "thread",
         description="where each model resource's engine runs: a thread of the server, or a"
@@ -70,7 +70,8 @@ class EngineConfig(BaseModel):
     )
     # Measured (bench/scale_out.py, docs/benchmarks.md): a replica costs a start (seconds), a
     # model copy and a pickled publish per weights-sync; it pays where samples are long while
-    # others train, inline is faster on the built-in model. Replicas: engine/hosts/replicas.py.
+    # others train, inline is faster on the built-in model. Replicas:
+    # engine/hosts/replicas/engine.py.
     generators: Literal["inline", "process", "vllm"] = Field(
         "inline",
         description="where each model resource's generators run: inline, on the trainer's"
@@ -78,7 +79,7 @@ class EngineConfig(BaseModel):
         " compute_config.num_generator_replicas processes (or vLLM servers) beside it",
         json_schema_extra=flag("scale-out"),
     )
-    vllm_python: Path | None = Field(  # vLLM's own venv (engine/hosts/vllm_engine.py)
+    vllm_python: Path | None = Field(  # vLLM's own venv (engine/hosts/vllm/engine.py)
         None,
         description="the python of a venv with vLLM that runs --generators vllm replicas",
         json_schema_extra=flag("scale-out", env="POSTTRAIN_VLLM_PYTHON", metavar="PATH"),
@@ -108,7 +109,7 @@ class EngineConfig(BaseModel):
         " other devices",
         json_schema_extra=flag("performance"),
     )
-    # Placement: engine/hosts/ray_placement.py.
+    # Placement: engine/hosts/ray/placement.py.
     ray: str | None = Field(
         None,
         min_length=1,
@@ -126,7 +127,7 @@ class EngineConfig(BaseModel):
         " cluster's nodes: PACK (as few nodes as possible) or SPREAD (across nodes)",
         json_schema_extra=flag("scale-out"),
     )
-    # Data parallel (engine/hosts/trainer_group.py): each rank forwards its share of a batch's
+    # Data parallel (engine/hosts/ranks/trainer_group.py): each rank forwards its share of a batch's
     # rows; a LoRA resource's frozen base is replicated, a full-weight session is sharded with
     # FSDP2 (engine/parallel/fsdp.py). Measured (bench/trainer_ranks.py, docs/benchmarks.md):
     # on the 2-core CPU two ranks are slower than one (10-15 ms more per small command), so

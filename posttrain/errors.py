@@ -77,12 +77,12 @@ class EngineFailure(posttrainError):
 
 class WorkerDied(EngineFailure):
     """The worker process of a model resource ended while (or before) serving a call
-    (engine/hosts/worker_process.py); the service reloads the resource and restores its sessions."""
+    (engine/hosts/process/worker.py); the service reloads the resource and restores its sessions."""
 
 
 class GeneratorReplicaDied(EngineFailure):
-    """A generator replica process ended while serving a sample (engine/hosts/replicas.py); the
-    trainer is untouched and the next sample starts a new replica."""
+    """A generator replica process ended while serving a sample (engine/hosts/replicas/engine.py);
+    the trainer is untouched and the next sample starts a new replica."""
 
 
 class NonFiniteLoss(EngineFailure):

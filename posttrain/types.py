@@ -229,7 +229,7 @@ class WeightsSyncRequest:
 
 
 # The most top-k alternatives per prompt position a sample request may ask for: the service
-# refuses more (service/operations.py) and the Together schema advertises it (api.md 1.4.6).
+# refuses more (service/operations/submit.py) and the Together schema advertises it (api.md 1.4.6).
 # 20 is the tinker cookbook's default and recommended width for top-k distillation.
 MAX_TOPK_PROMPT_LOGPROBS = 20
 
@@ -245,7 +245,7 @@ class SamplingParams:
     `stop_at_eos` False and no other stop a sequence always runs to `max_tokens`.
 
     `max_tokens` None: as many tokens as the context length leaves after the longest prompt,
-    within the operation token limit (service/operations.py resolves it at submit; the engine
+    within the operation token limit (service/operations/submit.py resolves it at submit; the engine
     only ever sees a number).
 
     The Together surface sends strings only and always stops at EOS. Tinker's `stop`: None ->
@@ -408,7 +408,7 @@ OperationOutput = (
 @dataclass(frozen=True)
 class OperationTypes:
     """What an operation of one kind takes and completes with. The layers' own halves of the
-    kind table build on it: service/kinds.py (scheduling, durability, restart) and
+    kind table build on it: service/operations/kinds.py (scheduling, durability, restart) and
     api/kinds.py (wire body and reply)."""
 
     request: type

@@ -1,5 +1,5 @@
-"""ASGI middleware: each sample POST counts as arriving (service/arrivals.py) from the moment
-its request is received until its operation is queued (or, for a request refused with a 4xx,
+"""ASGI middleware: each sample POST counts as arriving (service/operations/arrivals.py) from the
+moment its request is received until its operation is queued (or, for a request refused with a 4xx,
 until it is answered), and as unanswered until it is answered.
 
 Imports: service (through the app's state).
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from posttrain.service.arrivals import CURRENT_ARRIVAL
+from posttrain.service.operations.arrivals import CURRENT_ARRIVAL
 
 SAMPLE_POST = re.compile(r"^/v1/rl/training-sessions/([^/:]+)(?::sample|/operations/sample)$")
 

@@ -2,7 +2,8 @@
 reply it answers with, and how the body becomes the kind's typed request.
 
 The typed request and output types are types.OPERATION_TYPES; what the service does with a
-kind (scheduling, durability, restart) is service/kinds.py. The routes (routes/operations.py)
+kind (scheduling, durability, restart) is service/operations/kinds.py. The routes
+(routes/operations.py)
 and the OpenAPI document read this table instead of branching on the kind.
 
 Imports: api.schemas, api.deps, config, types.

@@ -1,7 +1,7 @@
 """Serving the app with uvicorn: the server's log lines, its introduction, and a clean stop.
 
 uvicorn's shutdown waits for in-flight requests before the app's lifespan ends, and a held
-operation GET (service/completion.py) would keep it waiting up to the hold limit; so the
+operation GET (service/operations/completion.py) would keep it waiting up to the hold limit; so the
 server wakes every held GET first, and each answers the operation's current status.
 
 A signal stops the server once: uvicorn would re-raise it after its shutdown (a SIGINT as a

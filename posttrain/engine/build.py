@@ -17,13 +17,13 @@ from pathlib import Path
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.local_placement import LocalPlacement
 from posttrain.engine.hosts.placement import Placement
-from posttrain.engine.hosts.remote import ProcessEngine
-from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.process.local_placement import LocalPlacement
+from posttrain.engine.hosts.process.remote import ProcessEngine
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
 from posttrain.engine.hosts.threads import intra_op_threads, openmp_wait_policy
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
-from posttrain.engine.hosts.vllm_engine import VllmEngine
+from posttrain.engine.hosts.vllm.engine import VllmEngine
 from posttrain.engine.interface import Engine
 from posttrain.errors import ConfigError
 
@@ -59,7 +59,7 @@ def placement_for(config: EngineConfig, model_paths: dict[str, Path]) -> Placeme
     if config.ray is None:
         return LocalPlacement(config, model_paths)
     try:
-        from posttrain.engine.hosts.ray_placement import RayPlacement  # the optional extra
+        from posttrain.engine.hosts.ray.placement import RayPlacement  # the optional extra
     except ModuleNotFoundError as exc:
         if exc.name != "ray":
             raise

@@ -1,8 +1,8 @@
 """The Engine protocol the service depends on, and the limits it reports per base model.
 
 One protocol, implemented explicitly by each engine: hosts/in_process.py's LocalEngine (the
-reference: everything in this process), hosts/remote.py's RemoteEngine (resources in worker
-processes or trainer groups), hosts/replicas.py's ReplicatedEngine and hosts/vllm_engine.py's
+reference: everything in this process), hosts/process/remote.py's RemoteEngine (resources in worker
+processes or trainer groups), hosts/replicas/engine.py's ReplicatedEngine and hosts/vllm/engine.py's
 VllmEngine (generators apart); engine/build.py picks one. The last two are also LanedEngines:
 their generators run beside the trainer, on generator lanes, and only they take a sample's lane
 and fence; the others answer that they have no lanes. Imports: types (torch for type checking only).
@@ -43,11 +43,11 @@ class ModelInfo:
     moe: MoeShape | None = None  # expert routes of an MoE model; None: dense
     # The local directory the model and its tokenizer load from (AutoTokenizer, offline), so a
     # client on this machine can load the same tokenizer. The service fills it in from the
-    # served ModelSpec (service/resources.py); an engine leaves it None.
+    # served ModelSpec (service/lifecycle/resources.py); an engine leaves it None.
     tokenizer_dir: Path | None = None
     # Sample fields (SampleRequest attributes, named as on the wire) this engine's generators
     # cannot honour, each with why: a request that sets one is refused with a 400 naming it,
-    # never served without it (hosts/vllm_engine.py fills it in).
+    # never served without it (hosts/vllm/engine.py fills it in).
     refused_sample_fields: tuple[tuple[str, str], ...] = ()
 
 
@@ -80,7 +80,7 @@ class DecodeStream(Protocol):
     # (its operation may have finished), or a generator lane's stream was woken
     # (LanedEngine.wake_lanes: a sample waits to join). The trainer's lane runs one at a time.
     # A vLLM server steps on its own: its stream's `block` waits until a request answered or
-    # a wake arrived (hosts/vllm_stream.py).
+    # a wake arrived (hosts/vllm/stream.py).
     def block(self, most: int = 1) -> None: ...
 
     # (id, one result per prompt) of the operations completed since the last call.
@@ -113,7 +113,8 @@ class Engine(Protocol):
     def model_info(self, base_model: str) -> ModelInfo: ...
 
     # `generator_replicas`: the resource's compute_config.num_generator_replicas, which an
-    # engine with generators apart (hosts/replicas.py) starts; the others serve from the trainer.
+    # engine with generators apart (hosts/replicas/engine.py) starts; the others serve from the
+    # trainer.
     def load_resource(
         self,
         resource_id: str,
@@ -163,7 +164,7 @@ class Engine(Protocol):
     def generator_fence(self, resource_id: str) -> int: ...
 
     # What the session's generator serves (its tensors, detached) and their policy version:
-    # what a generator replica installs (hosts/replicas.py asks its trainer engine).
+    # what a generator replica installs (hosts/replicas/engine.py asks its trainer engine).
     def generator_state(
         self, resource_id: str, session_id: str
     ) -> tuple[dict[str, Tensor], int]: ...
@@ -190,8 +191,8 @@ class Engine(Protocol):
 
     def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
 
-    # Memory admission (service/admission.py): the estimated peak bytes that running these
-    # operations of one kind as one pass adds to what is resident (memory/estimate.py),
+    # Memory admission (service/scheduling/admission.py): the estimated peak bytes that running
+    # these operations of one kind as one pass adds to what is resident (memory/estimate.py),
     # and what the resource's device has free now (memory/headroom.py).
     def peak_bytes(
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
@@ -245,9 +246,10 @@ class Engine(Protocol):
 
 
 class LanedEngine(Engine, Protocol):
-    """An engine whose generators run apart from the trainer (hosts/replicas.py): once a
+    """An engine whose generators run apart from the trainer (hosts/replicas/engine.py): once a
     resource is loaded, generator_lanes() > 0 and the scheduler hands its samples to generator
-    lanes (service/worker.py), each with the fence of its place in the resource's FIFO."""
+    lanes (service/scheduling/worker.py), each with the fence of its place in the resource's
+    FIFO."""
 
     # On generator lane `lane` (0 up to generator_lanes()): that lane's generator applies what
     # was staged up to `fence`, and no later change, then generates; the defaults are the
@@ -279,7 +281,7 @@ class LanedEngine(Engine, Protocol):
     # Sessions whose served weights (or existence) a change staged after fence `after` up to
     # `upto` alters, PIPELINE installs excepted (those may land between decode blocks anyway);
     # None where that is no longer known. A sample may join a lane's stream only where no
-    # session decoding there is among them (service/sample_streams.py).
+    # session decoding there is among them (service/scheduling/sample_streams.py).
     def changed_sessions(
         self, resource_id: str, after: int, upto: int
     ) -> frozenset[str] | None: ...

@@ -14,23 +14,23 @@ from dataclasses import dataclass
 from posttrain.config import ServerConfig
 from posttrain.engine.build import build_engine, cpu_threads
 from posttrain.engine.interface import Engine
-from posttrain.service.arrivals import Arrivals
-from posttrain.service.checkpoints import CheckpointService
-from posttrain.service.completion import CompletionWatch
 from posttrain.service.dashboard import DashboardService
-from posttrain.service.durability import SessionDurability
-from posttrain.service.expiry import ExpiryReaper
+from posttrain.service.durability.checkpoints import CheckpointService
+from posttrain.service.durability.durable_sessions import SessionDurability
+from posttrain.service.durability.routed_experts import RoutedExpertsStore
+from posttrain.service.lifecycle.expiry import ExpiryReaper
+from posttrain.service.lifecycle.resources import ResourceService
+from posttrain.service.lifecycle.sessions import SessionService
 from posttrain.service.metrics import MetricsService
 from posttrain.service.openai import OpenAIService
 from posttrain.service.openai.completions import Completions
 from posttrain.service.openai.targets import ModelTargets
-from posttrain.service.operations import OperationService
-from posttrain.service.payloads import PayloadService
-from posttrain.service.polls import PollHold
-from posttrain.service.resources import ResourceService
-from posttrain.service.routed_experts import RoutedExpertsStore
-from posttrain.service.scheduler import Scheduler
-from posttrain.service.sessions import SessionService
+from posttrain.service.operations.arrivals import Arrivals
+from posttrain.service.operations.completion import CompletionWatch
+from posttrain.service.operations.payloads import PayloadService
+from posttrain.service.operations.polls import PollHold
+from posttrain.service.operations.submit import OperationService
+from posttrain.service.scheduling.scheduler import Scheduler
 from posttrain.service.signing import UrlSigner, signing_key
 from posttrain.service.tinker.service import TinkerService, build_tinker
 from posttrain.store.db import connect

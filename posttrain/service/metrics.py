@@ -4,7 +4,7 @@ Two sources. The scheduler reports every operation it finishes (OperationMetrics
 run-time histogram and tokens per kind, kept in memory since the process started). The store
 answers what is true right now: operations by kind and status, sessions per model resource,
 resources by status, plus the scheduler's queue depth. Every operation finishes through
-service/recording.py, deferred weights-syncs included, so both sources count the same
+service/operations/recording.py, deferred weights-syncs included, so both sources count the same
 operations.
 
 Imports: store, types.

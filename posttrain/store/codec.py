@@ -6,11 +6,11 @@ the type a field's annotation names, so a value round-trips to an equal one. Two
 annotation cannot tell are looked up: an operation's output and request types follow its kind
 (types.OPERATION_TYPES), and a loss's params type follows the loss type (loss_specs).
 
-Typed requests are what a restart replays (service/operations.py, service/durability.py): the
-service reads them back itself, whichever layer parsed them at first. Every operation's request
-is written at submit, so it is written by pydantic's serializer: a forward-backward of 64
-samples x 300 tokens took 104 ms with json.dumps (float repr) and 3 ms so, more than parsing
-the request costs. It is read back only after a restart.
+Typed requests are what a restart replays (service/operations/submit.py,
+service/durability/durable_sessions.py): the service reads them back itself, whichever layer parsed
+them at first. Every operation's request is written at submit, so it is written by pydantic's
+serializer: a forward-backward of 64 samples x 300 tokens took 104 ms with json.dumps (float repr)
+and 3 ms so, more than parsing the request costs. It is read back only after a restart.
 
 Imports: types, loss_specs.
 """

@@ -37,7 +37,8 @@ class Repo:
         self._db = connection
         self._lock = threading.Lock()
         # Called with every operation record after it is written (held polls wake on it,
-        # service/completion.py); called outside the lock, so a listener may read the store.
+        # service/operations/completion.py); called outside the lock, so a listener may read the
+        # store.
         self._operation_listeners: list[Callable[[OperationRecord], None]] = []
 
     def add_operation_listener(self, listener: Callable[[OperationRecord], None]) -> None:
@@ -186,7 +187,7 @@ class Repo:
             self._db.execute("BEGIN")
             try:
                 # A finished operation will not run again: its request goes, unless a restart
-                # must replay it (service/full_weight_durability.py).
+                # must replay it (service/durability/full_weight.py).
                 self._db.executemany(
                     "UPDATE operations SET status = ?, data = ?,"
                     " request = CASE WHEN ? THEN NULL ELSE request END,"

@@ -1,6 +1,6 @@
-"""Held polls (service/completion.py): an operation GET waits for its operation to finish, up to
-`--poll-hold-seconds`, so the SDK's first poll carries the result; meanwhile other requests are
-answered at once, held GETs cost no thread each, and a shutdown ends them cleanly."""
+"""Held polls (service/operations/completion.py): an operation GET waits for its operation to
+finish, up to `--poll-hold-seconds`, so the SDK's first poll carries the result; meanwhile other
+requests are answered at once, held GETs cost no thread each, and a shutdown ends them cleanly."""
 
 from __future__ import annotations
 

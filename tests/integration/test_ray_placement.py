@@ -1,5 +1,5 @@
 """`posttrain serve --ray local`: a resource's trainer worker (or trainer ranks) and generator
-replicas as Ray actors in a placement group of its own (engine/hosts/ray_placement.py). Through the
+replicas as Ray actors in a placement group of its own (engine/hosts/ray/placement.py). Through the
 SDK against a real server: an SDK loop on a resource with two replicas gets exactly what the
 in-thread engine gives, and one on two trainer ranks and two replicas what it gives within
 rounding; a killed trainer or replica actor fails its operation with INTERNAL_ERROR naming it

@@ -1,7 +1,7 @@
 """`posttrain serve --generators process`: each model resource's generators are
 `compute_config.num_generator_replicas` replica processes sampling beside its trainer
-(engine/hosts/replicas.py). Through the SDK against a real server: a forward-backward submitted
-during another session's long sample finishes before that sample; a loop on two replicas,
+(engine/hosts/replicas/engine.py). Through the SDK against a real server: a forward-backward
+submitted during another session's long sample finishes before that sample; a loop on two replicas,
 with weights-syncs of every mode, gets exactly what the inline generator gives; a killed
 replica fails its sample with INTERNAL_ERROR naming it while training goes on, and the next
 sample runs on a new replica; the server's bound on replicas is a 400 naming the field;

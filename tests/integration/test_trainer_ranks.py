@@ -1,6 +1,6 @@
 """`posttrain serve --trainer-ranks 2`: each model resource's trainer on a group of two gloo
-rank processes (engine/hosts/trainer_group.py). Through the SDK against a real server, an RL loop
-(sample, score with a batch-global loss, step, weights-sync, sample again) gets what a server
+rank processes (engine/hosts/ranks/trainer_group.py). Through the SDK against a real server, an RL
+loop (sample, score with a batch-global loss, step, weights-sync, sample again) gets what a server
 with the in-thread engine gets: losses and metrics within 1e-5 relative, the same tokens for
 the same seeds; its two ranks are stopped at shutdown. A --trainer-ranks beyond the cores is a
 start-up error naming the flag. A full-weight session, sharded with FSDP2, does the same, and

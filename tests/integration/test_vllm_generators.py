@@ -1,5 +1,5 @@
 """`posttrain serve --generators vllm`: each generator replica is a vLLM server process
-(engine/hosts/vllm_engine.py), run from the venv scripts/build_vllm_env.sh builds
+(engine/hosts/vllm/engine.py), run from the venv scripts/build_vllm_env.sh builds
 (tests/vllm_env.py; these tests skip, saying why, only where it cannot be built).
 
 Through the SDK against a real server, one vLLM server per resource shared by the module (a

@@ -1,5 +1,5 @@
 """`posttrain serve --workers process`: each model resource's engine in a worker process of its
-own (engine/hosts/worker_process.py). Through the SDK against a real server: a loop gets exactly
+own (engine/hosts/process/worker.py). Through the SDK against a real server: a loop gets exactly
 what the in-thread engine gives; a worker killed with SIGKILL fails the operation in flight with
 INTERNAL_ERROR naming the worker, the server lives on, the worker is started again and the
 session carries on from its last completed operation; shutdown leaves no worker behind."""

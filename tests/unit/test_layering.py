@@ -146,14 +146,77 @@ def test_the_import_graph_has_no_cycle():
     assert not cycles, cycles
 
 
-MAX_MODULE_LINES = 450
+# What the service may import of the engine: the protocol, the builder, the engine's files as
+# the service reads them, and the two request rules checked before an operation is queued.
+ENGINE_SURFACE = {
+    "posttrain.engine.interface",
+    "posttrain.engine.build",
+    "posttrain.engine.files",
+    "posttrain.engine.optim.step_settings",
+    "posttrain.engine.train.expert_routes",
+}
 
 
-def test_no_module_is_over_450_lines():
-    """One concept per module: past 450 lines two concepts have usually moved in together."""
-    long = {
-        name: lines
+def test_the_service_sees_the_engine_through_its_surface():
+    """The engine owns its file formats and its hosts: the service names neither
+    engine/checkpoint/ nor engine/hosts/, only ENGINE_SURFACE."""
+    violations = [
+        f"{name} imports {target}"
         for name, path in MODULES.items()
-        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+        if name.startswith(("posttrain.service", "posttrain.api"))
+        for target in import_edges(path)
+        if target.startswith("posttrain.engine") and target not in ENGINE_SURFACE
+    ]
+    assert violations == [], violations
+
+
+MAX_FOLDER_MODULES = 16
+
+
+def test_no_folder_holds_more_than_16_modules():
+    """A folder names one concept; past 16 modules it holds several, and wants subfolders."""
+    counts: dict[Path, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            counts[path.parent] = counts.get(path.parent, 0) + 1
+    crowded = {
+        str(folder.relative_to(PACKAGE.parent)): n
+        for folder, n in counts.items()
+        if n > MAX_FOLDER_MODULES
     }
-    assert long == {}, long
+    assert crowded == {}, crowded
+
+
+def package_of(name: str) -> str:
+    """posttrain.engine.generate.sampler -> posttrain.engine.generate; modules directly in
+    engine/ count as the package posttrain.engine."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 else ".".join(parts[:2])
+
+
+def test_the_engine_packages_depend_one_way():
+    """Inside engine/, the packages (generate, memory, optim, parallel, train, checkpoint, hosts)
+    form no cycle: each depends on the ones below it, never back."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if not name.startswith("posttrain.engine.") or package_of(name) == "posttrain.engine":
+            continue
+        source = package_of(name)
+        for target in import_edges(path):
+            if target.startswith("posttrain.engine.") and package_of(target) not in {
+                source,
+                "posttrain.engine",
+            }:
+                graph.setdefault(source, set()).add(package_of(target))
+
+    def reaches(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(graph.get(start, ()))
+        while todo:
+            package = todo.pop()
+            if package not in seen:
+                seen.add(package)
+                todo.extend(graph.get(package, ()))
+        return seen
+
+    assert [package for package in sorted(graph) if package in reaches(package)] == []

@@ -9,12 +9,12 @@ loaded. Every step that parses, reads the store or renders runs on a worker thre
 the event loop.
 
 The GET of a PENDING or RUNNING operation is held until the operation finishes or
-`poll_hold_seconds` pass (service/polls.py): the SDK's first poll, sent right after the
+`poll_hold_seconds` pass (service/operations/polls.py): the SDK's first poll, sent right after the
 POST, then already carries the result, and the SDK never sleeps its 0.5 s poll interval.
 
 A sample POST sent while other sample POSTs of its session are unanswered is held the same way
-(service/arrivals.py counts them). The SDK checks the status a POST answers before it polls
-(`async_wait_for_operation`), so an operation answered done is never polled: a client that
+(service/operations/arrivals.py counts them). The SDK checks the status a POST answers before it
+polls (`async_wait_for_operation`), so an operation answered done is never polled: a client that
 fans out one-sample operations (tinker-cookbook's RL loop, `Generator.sample_async` under
 asyncio.gather) sends one request per operation instead of two. Measured, 64 such operations
 cost the SDK 0.16 s of CPU instead of 0.43 s (docs/benchmarks.md). A POST sent alone is

@@ -31,7 +31,7 @@ def status_filter(values: list[str] | None, statuses: type[StrEnum]) -> set[str]
 
 
 # The wire's ceiling, which keeps a typo from being recorded as a billion replicas; the
-# server's own bound (--max-generator-replicas, service/resources.py) is at most this.
+# server's own bound (--max-generator-replicas, service/lifecycle/resources.py) is at most this.
 MAX_GENERATOR_REPLICAS = 64
 
 

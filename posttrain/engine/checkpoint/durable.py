@@ -1,6 +1,6 @@
 """A session's live state on disk, so a crash loses nothing that was reported complete: a LoRA
 session's after every operation that changes it, a full-weight session's every few optimizer
-steps (service/durability.py and service/full_weight_durability.py decide when).
+steps (service/durability/durable_sessions.py and service/durability/full_weight.py decide when).
 
 A session's directory holds one file per part, each written whole under a new name, and a
 manifest naming the current file of each part plus the caller's record (the operation the

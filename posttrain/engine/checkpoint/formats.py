@@ -1,8 +1,8 @@
 """Checkpoint file formats of one session: training state for resume, and servable exports.
 
 Owns what goes into a checkpoint directory and how it reads back. Does not own where
-directories live, temporary names or renames (service/checkpoints.py), nor which session's
-tensors are saved (hosts/in_process.py hands them over).
+directories live, temporary names or renames (service/durability/checkpoints.py), nor which
+session's tensors are saved (hosts/in_process.py hands them over).
 
 Training checkpoint (resume, api.md 1.4.7):
     trainable.safetensors   the session's trainable tensors, keyed by parameter name

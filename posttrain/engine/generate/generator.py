@@ -80,7 +80,7 @@ def parameters(resource: ResourceState, session: SessionState) -> list[tuple[str
 
 def state(resource: ResourceState, session: SessionState) -> tuple[dict[str, Tensor], int]:
     """What the session's generator serves (its tensors, detached copies) and their policy
-    version: what a generator replica installs (hosts/replicas.py)."""
+    version: what a generator replica installs (hosts/replicas/engine.py)."""
     tensors = {n: p.detach().clone() for n, p in parameters(resource, session)}
     return tensors, served(resource, session).version
 

@@ -5,9 +5,9 @@ A SampleStream is a sampler.Decoding in terms of sample operations ((session, Sa
 items, as generator.sample_batch takes them): `admit` turns an operation's prompts into
 GenerationRequests routed to its session's generator, `block` runs one decode block, and
 `take_finished` hands over the operations completed since (one result per prompt, as
-sample_batch gives). Its caller (the scheduler's sample pass, service/sample_streams.py, through
-SessionSampleStream: the engine's DecodeStream) decides what joins when, and may run other work
-between blocks. A weights change published between blocks (a PIPELINE publish, or another
+sample_batch gives). Its caller (the scheduler's sample pass, service/scheduling/sample_streams.py,
+through SessionSampleStream: the engine's DecodeStream) decides what joins when, and may run other
+work between blocks. A weights change published between blocks (a PIPELINE publish, or another
 session's weights-sync) is picked up at the next `admit` or `block`: running rows whose weights
 changed continue on the new ones (sampler.Decoding.weights_published), as generate does after
 its `between_tokens`.
@@ -248,7 +248,7 @@ class SessionSampleStream:
 
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
         """`fence`: nothing is staged for an engine's own generators (a replica's stream
-        applies its staged changes first: hosts/replica_worker.py)."""
+        applies its staged changes first: hosts/replicas/worker.py)."""
         return self.stream.admit(self._sessions(items))
 
     def block(
@@ -260,7 +260,7 @@ class SessionSampleStream:
     ) -> None:
         """Up to `most` blocks (DecodeStream.block), `between` before each; they stop after
         one where a sequence ended (its operation may have finished) or `woken()` says a
-        sample waits to join (a replica's, hosts/replica_worker.py)."""
+        sample waits to join (a replica's, hosts/replicas/worker.py)."""
         for _ in range(most):
             if between is not None:
                 between()

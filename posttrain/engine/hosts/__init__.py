@@ -1,8 +1,14 @@
-"""Where the engine runs: in this process (in_process.py), in a worker process per resource
-(worker_process.py, remote.py), in a trainer group of rank processes (trainer_group.py), with
-generator replicas apart (replicas.py, replica_worker.py, replica_channel.py,
-weights_broadcast.py) or as vLLM servers (vllm_engine.py, vllm_replica.py, vllm_server.py,
-vllm_requests.py, vllm_scoring.py; vllm_worker_extension.py runs inside vLLM), placed locally
-or on Ray (placement.py, local_placement.py, ray_placement.py); one message vocabulary between
-them (messages.py).
+"""Where the engine runs, one folder per host:
+
+- in this process: in_process.py (LocalEngine and the registry of resources and sessions);
+- in a worker process per resource: process/ (the process and its pipe, the local placement,
+  RemoteEngine);
+- on a trainer group of rank processes: ranks/;
+- with generator replicas apart from the trainer: replicas/, or as vLLM servers: vllm/;
+- placed on Ray: ray/.
+
+Shared by them: messages.py (the one message vocabulary), placement.py (how processes start),
+remote_streams.py (a decode stream across a process), staged_changes.py and
+trainer_forwarding.py (what a host with generators apart shares), full_weight_sessions.py and
+threads.py (the cores a process uses).
 """

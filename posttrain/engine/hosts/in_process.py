@@ -4,10 +4,10 @@ by model resource and session id, behind the Engine protocol (engine/interface.p
 Each method finds its resource and session here and hands them to the part that owns the work:
 the trainer (train/trainer.py), the generator (generate/generator.py), the memory estimates
 (memory/) or the checkpoint formats (checkpoint/). What a resource and a session hold is
-engine/state.py. A resource's methods run on its one worker thread (service/scheduler.py), so
-per-resource state needs no lock; only the resource table, changed from other threads, has one.
-Hosted in a worker process, it also keeps the decode streams its caller opened, by id
-(hosts/remote_streams.py's StreamHost).
+engine/state.py. A resource's methods run on its one worker thread
+(service/scheduling/scheduler.py), so per-resource state needs no lock; only the resource table,
+changed from other threads, has one. Hosted in a worker process, it also keeps the decode streams
+its caller opened, by id (hosts/remote_streams.py's StreamHost).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class LocalEngine(StreamHost):
         generator_replicas: int = 1,
     ) -> None:
         """Load the base model for a resource. Its generator runs here, on the trainer's
-        model and thread, whatever `generator_replicas` says (hosts/replicas.py: apart)."""
+        model and thread, whatever `generator_replicas` says (hosts/replicas/engine.py: apart)."""
         with self._lock:
             if resource_id in self._resources:
                 return
@@ -230,7 +230,7 @@ class LocalEngine(StreamHost):
     ) -> None:
         """weights-sync: the generator serves a copy of the trainer's weights (policy version
         `version`). Safe between decode blocks (PIPELINE); `mid_generation` concerns only
-        generators apart (hosts/replicas.py)."""
+        generators apart (hosts/replicas/engine.py)."""
         generator.publish(*self._session(resource_id, session_id), version=version)
 
     def generator_lanes(self, resource_id: str) -> int:
@@ -243,7 +243,8 @@ class LocalEngine(StreamHost):
         return 0
 
     def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
-        """The session's generator tensors (detached) and policy version (hosts/replicas.py)."""
+        """The session's generator tensors (detached) and policy version
+        (hosts/replicas/engine.py)."""
         return generator.state(*self._session(resource_id, session_id))
 
     def install_generator(
@@ -263,7 +264,7 @@ class LocalEngine(StreamHost):
 
         `between_tokens` runs between decode passes and may `publish` (PIPELINE): rows whose
         generator changed continue on the new weights, recorded in policy_segments. One list
-        of results (one per prompt) per item. No lane or fence here (hosts/replicas.py)."""
+        of results (one per prompt) per item. No lane or fence here (hosts/replicas/engine.py)."""
         resource = self._resource(resource_id)
         found = [(self._session(resource_id, sid)[1], request) for sid, request in items]
         return generator.sample_batch(self.config, resource, found, between_tokens=between_tokens)

@@ -2,11 +2,11 @@
 worker process, a trainer rank or a generator replica answers is a `Call` of one `Command`.
 
 A Command names a method of the engine object hosted there (hosts/in_process.py's LocalEngine,
-hosts/trainer_group.py's RankEngine, hosts/replica_worker.py's ReplicaEngine); the host runs
+hosts/ranks/trainer_group.py's RankEngine, hosts/replicas/worker.py's ReplicaEngine); the host runs
 `engine.<command>(*args, **kwargs)` and answers with its result or its exception. The remote
-engines (hosts/remote.py, hosts/replicas.py) build Calls in typed methods, one per Engine
-method, so callers see the Engine protocol and never name a method in a string. A Call and
-its answer cross a pipe (hosts/worker_process.py) or a Ray actor call (hosts/ray_placement.py)
+engines (hosts/process/remote.py, hosts/replicas/engine.py) build Calls in typed methods, one per
+Engine method, so callers see the Engine protocol and never name a method in a string. A Call and
+its answer cross a pipe (hosts/process/worker.py) or a Ray actor call (hosts/ray/placement.py)
 pickled; a Command pickles as its value.
 
 Imports: nothing from posttrain.
@@ -48,7 +48,7 @@ class Command(StrEnum):
     RESOURCE_FOOTPRINT = "resource_footprint"
     SESSION_FOOTPRINT = "session_footprint"
     DISCARD_GRADIENTS = "discard_gradients"
-    # A generator replica's own (hosts/replica_worker.py).
+    # A generator replica's own (hosts/replicas/worker.py).
     INSTALL_GENERATOR = "install_generator"
     RECEIVED = "received"
     REBUILT = "rebuilt"

@@ -1,10 +1,10 @@
 """What a placement is: the one seam through which a model resource's processes are started.
 
-The remote engines (hosts/remote.py's ProcessEngine, hosts/trainer_group.py's ranks) and
-ReplicatedEngine (hosts/replicas.py, the generator replicas) start every process they need
-through a `Placement`, and talk to it through the `WorkerHandle` it returns. Two placements
-implement it: hosts/local_placement.py (the default: child processes on this machine) and
-hosts/ray_placement.py (`--ray local|ADDRESS`: Ray actors, one placement group per resource);
+The remote engines (hosts/process/remote.py's ProcessEngine, hosts/ranks/trainer_group.py's ranks)
+and ReplicatedEngine (hosts/replicas/engine.py, the generator replicas) start every process they
+need through a `Placement`, and talk to it through the `WorkerHandle` it returns. Two placements
+implement it: hosts/process/local_placement.py (the default: child processes on this machine) and
+hosts/ray/placement.py (`--ray local|ADDRESS`: Ray actors, one placement group per resource);
 engine/build.py picks one.
 
 A resource's processes are its trainer worker (role TRAINER, with `--workers process`) or the
@@ -27,7 +27,7 @@ from posttrain.engine.hosts.messages import Call
 # The roles of a resource's processes, which name them and order their places.
 TRAINER = "worker"  # a resource's one trainer worker (`--workers process`)
 GENERATOR = "generator"
-RANK = "rank"  # a rank of a --trainer-ranks N group (hosts/trainer_group.py), index 0..N-1
+RANK = "rank"  # a rank of a --trainer-ranks N group (hosts/ranks/trainer_group.py), index 0..N-1
 
 
 class WorkerHandle(Protocol):

@@ -11,9 +11,9 @@ at a boundary is none: `join_reserve_bytes` answers from the room, `can_join` on
 Between two of a stream's commands the host serves any other (another session's training
 between blocks, a PIPELINE publish), as the in-process engine does between blocks: the
 stream's state (its rows, its decode cache pool) stays in the host's engine until the stream is
-closed. One thread drives a stream (service/sample_streams.py's StreamPass), so its commands
-reach the host in the order they were made; a trainer group sends them to rank 0 alone
-(hosts/trainer_group.py RANK_ZERO), where samples run.
+closed. One thread drives a stream (service/scheduling/sample_streams.py's StreamPass), so its
+commands reach the host in the order they were made; a trainer group sends them to rank 0 alone
+(hosts/ranks/trainer_group.py RANK_ZERO), where samples run.
 
 A stream is bound to the host it was opened on: once that host died, every operation of the
 stream fails with the host's WorkerDied (INTERNAL_ERROR naming the process), even after the
@@ -107,11 +107,11 @@ class StreamHost:
 
 class RemoteStream:
     """A stream open on a host, driven from the API process: each method one STREAM_CALL on
-    `call` (the host's, bound at open: hosts/remote.py), but `admit` and `block`, each one
+    `call` (the host's, bound at open: hosts/process/remote.py), but `admit` and `block`, each one
     STREAM_STEP that also brings back what finished and the rows running after it (only they
     change either): `take_finished` and `running_rows` answer from it without a round trip.
     `died` says how the operations report the host's death (a generator replica's:
-    hosts/replicas.py); by default as the host's WorkerDied."""
+    hosts/replicas/engine.py); by default as the host's WorkerDied."""
 
     def __init__(
         self,

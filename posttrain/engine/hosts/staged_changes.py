@@ -1,8 +1,9 @@
 """Which sessions a generator lane's staged changes alter, by fence: the record behind
-LanedEngine.changed_sessions, the lanes' join rule (service/sample_streams.py `_fence_allows`).
+LanedEngine.changed_sessions, the lanes' join rule (service/scheduling/sample_streams.py
+`_fence_allows`).
 
-A resource with generators apart (hosts/replicas.py, hosts/vllm_engine.py) numbers each change
-of what a session's generator serves by fence. A sample joining a running lane stream brings
+A resource with generators apart (hosts/replicas/engine.py, hosts/vllm/engine.py) numbers each
+change of what a session's generator serves by fence. A sample joining a running lane stream brings
 its fence, and the lane's generator applies the changes up to it first; so it may join only if
 none of the changes between the stream's fence and its own alters a session decoding there.
 PIPELINE installs are left out: they switch a session's running rows between blocks anyway.

@@ -37,7 +37,7 @@ Inter-op threads (torch.set_num_interop_threads) are left alone: the engine runs
 inter-op parallel work (no torch.jit.fork), and torch allows setting them only before the
 first parallel op of the process.
 
-Not here: which processes exist (engine/hosts/worker_process.py, trainer_group.py, replicas.py).
+Not here: which processes exist (engine/hosts/process/worker.py, trainer_group.py, replicas.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The Engine calls a host of generators apart (hosts/replicas.py, hosts/vllm_engine.py) leaves
-to its trainer engine unchanged: model facts, training, checkpoints, limits and persistence. A
-subclass owns resources, sessions, publishing and sampling (and may refine model_info).
+"""The Engine calls a host of generators apart (hosts/replicas/engine.py, hosts/vllm/engine.py)
+leaves to its trainer engine unchanged: model facts, training, checkpoints, limits and persistence.
+A subclass owns resources, sessions, publishing and sampling (and may refine model_info).
 
 Imports: engine.interface, types.
 """

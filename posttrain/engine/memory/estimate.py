@@ -30,7 +30,7 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
 - optim-step's AdamW moments (two per trainable tensor) appear at a session's first step, and
   each tensor's update allocates temporaries of its size.
 
-Not here: what is free (headroom.py), the refusal (service/admission.py).
+Not here: what is free (headroom.py), the refusal (service/scheduling/admission.py).
 
 Legend: S = samples (training) or sequences (sampling), T = tokens, V = vocab, H = hidden size.
 """

@@ -6,7 +6,7 @@ the address space would pass the limit, whatever of it is resident), and `memory
 the process's resident set. On CUDA: what the device has free plus what torch's caching
 allocator holds unused, and `memory_limit` less what torch has allocated on it.
 
-Not here: what an operation needs (estimate.py), the refusal (service/admission.py).
+Not here: what an operation needs (estimate.py), the refusal (service/scheduling/admission.py).
 """
 
 from __future__ import annotations

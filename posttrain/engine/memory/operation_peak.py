@@ -1,5 +1,5 @@
 """The estimated peak bytes of one operation pass on a resource, from what it holds now: the
-engine's answer to memory admission (service/admission.py). The formulas per pass are
+engine's answer to memory admission (service/scheduling/admission.py). The formulas per pass are
 estimate.py's; this module picks the pass and its inputs: the sessions' trainable bytes, on a
 trainer group's rank the largest share of rows (parallel/data_parallel.py) and what sharded
 parameters gather (parallel/fsdp.py).

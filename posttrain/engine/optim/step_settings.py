@@ -3,7 +3,7 @@ for the resource's optimizer family, defaults filled every step, never the previ
 values (13.18), and the rule for the learning rate of the parameters Muon does not own.
 
 The service resolves them at submit time too, so a request for the other family fails before
-it queues (service/operations.py).
+it queues (service/operations/submit.py).
 """
 
 from __future__ import annotations

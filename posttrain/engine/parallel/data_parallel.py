@@ -1,5 +1,5 @@
 """Data parallelism of one model resource's trainer over the ranks of a torch.distributed group
-(hosts/trainer_group.py starts them): which rows of a batch each rank forwards, the gather of
+(hosts/ranks/trainer_group.py starts them): which rows of a batch each rank forwards, the gather of
 their logprobs, and the all-reduce of the gradients.
 
 Exact for every loss: the losses have batch-global normalisers (token means, sequence means,

@@ -41,12 +41,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from posttrain.errors import EngineFailure, InvalidRequest
 from posttrain.records import OperationRecord
 from posttrain.service.ids import new_id
+from posttrain.service.lifecycle.resources import ResourceService
+from posttrain.service.lifecycle.sessions import SessionService
 from posttrain.service.openai.chat import ChatPrompt, chat_tokens, end_of_turn_ids
 from posttrain.service.openai.targets import ModelTargets, Target
-from posttrain.service.operations import OperationService
-from posttrain.service.polls import PollHold
-from posttrain.service.resources import ResourceService
-from posttrain.service.sessions import SessionService
+from posttrain.service.operations.polls import PollHold
+from posttrain.service.operations.submit import OperationService
 from posttrain.statuses import OPERATION_TERMINAL, OperationErrorCode, OperationStatus
 from posttrain.types import (
     OperationKind,
@@ -250,7 +250,7 @@ class Completions:
         return op.output
 
 
-# The sample checks (service/operations.py) name Together's fields; a client here sent these.
+# The sample checks (service/operations/submit.py) name Together's fields; a client here sent these.
 OPENAI_PARAMS = {
     "sampling_params.max_tokens": "max_tokens",
     "sampling_params.stop": "stop",

@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 
 from posttrain.errors import InvalidRequest, NotFound
-from posttrain.service.checkpoints import CheckpointService
-from posttrain.service.resources import ResourceService
-from posttrain.service.sessions import SessionService
+from posttrain.service.durability.checkpoints import CheckpointService
+from posttrain.service.lifecycle.resources import ResourceService
+from posttrain.service.lifecycle.sessions import SessionService
 from posttrain.service.tinker.records import RunRecord, SamplerRecord
 from posttrain.service.tinker.service import TinkerService
 from posttrain.statuses import SessionStatus

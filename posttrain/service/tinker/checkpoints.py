@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 from posttrain.errors import Conflict, InvalidRequest, NotFound
 from posttrain.records import CheckpointRecord
-from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.durability.checkpoints import CheckpointService
 from posttrain.service.tinker.records import FutureRecord, NameRecord, RunRecord
 from posttrain.service.tinker.registry import Registry
 from posttrain.service.tinker.runs import TinkerRuns

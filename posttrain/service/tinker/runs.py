@@ -25,9 +25,9 @@ from typing import Any
 from posttrain.errors import InvalidRequest, posttrainError
 from posttrain.records import CheckpointRecord, ResourceRecord, SessionRecord
 from posttrain.service.ids import new_id
-from posttrain.service.operations import OperationService
-from posttrain.service.resources import ResourceService
-from posttrain.service.sessions import SessionService
+from posttrain.service.lifecycle.resources import ResourceService
+from posttrain.service.lifecycle.sessions import SessionService
+from posttrain.service.operations.submit import OperationService
 from posttrain.service.tinker.records import (
     ClientRecord,
     FutureRecord,

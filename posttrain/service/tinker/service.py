@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.service.checkpoints import CheckpointService
-from posttrain.service.operations import OperationService
-from posttrain.service.resources import ResourceService
-from posttrain.service.sessions import SessionService
+from posttrain.service.durability.checkpoints import CheckpointService
+from posttrain.service.lifecycle.resources import ResourceService
+from posttrain.service.lifecycle.sessions import SessionService
+from posttrain.service.operations.submit import OperationService
 from posttrain.service.tinker.checkpoints import TinkerCheckpoints
 from posttrain.service.tinker.records import FutureRecord
 from posttrain.service.tinker.registry import Registry

@@ -28,7 +28,7 @@ import time
 
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.records import OperationRecord
-from posttrain.service.checkpoints import CheckpointService
+from posttrain.service.durability.checkpoints import CheckpointService
 from posttrain.service.tinker.records import (
     ClientRecord,
     FutureRecord,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from posttrain.api.arrivals import ArrivalsMiddleware
-from posttrain.service.arrivals import Arrivals
+from posttrain.service.operations.arrivals import Arrivals
 
 SESSION = "sess-1"
 

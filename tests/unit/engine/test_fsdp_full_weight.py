@@ -47,10 +47,10 @@ from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import formats as weights
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import Command
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
 from posttrain.engine.interface import Headroom
 from posttrain.errors import INTERNAL_ERROR, NonFiniteLoss, WorkerDied
-from posttrain.service.admission import plan_passes
+from posttrain.service.scheduling.admission import plan_passes
 from posttrain.types import MuonScaling, OperationKind
 
 # Bucket overhead 0 (test_sharded_full_weight's PER_LENGTH): the ranks' shares of a batch

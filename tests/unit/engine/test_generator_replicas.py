@@ -1,4 +1,5 @@
-"""ReplicatedEngine (engine/hosts/replicas.py): generator replica processes beside the trainer.
+"""ReplicatedEngine (engine/hosts/replicas/engine.py): generator replica processes beside the
+trainer.
 
 Each replica samples exactly what the inline generator samples from the same published weights,
 a sample applies the staged changes up to its fence and none after it (even on a replica that
@@ -18,10 +19,10 @@ from engine_calls import forward_backward
 from test_process_engine import BATCH, CE, CONFIG, LORA, MODELS, STEP
 
 from posttrain.config import BUILTIN_MODEL_ID
-from posttrain.engine.hosts import replicas
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.remote import ProcessEngine
-from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.process.remote import ProcessEngine
+from posttrain.engine.hosts.replicas import engine as replicas
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
 from posttrain.errors import GeneratorReplicaDied
 from posttrain.types import (
     ForwardBackwardRequest,

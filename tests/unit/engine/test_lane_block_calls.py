@@ -1,5 +1,5 @@
 """A generator lane's stream runs several decode blocks in one call to its replica
-(DecodeStream.block's `most`; hosts/replica_worker.py FencedStream): a call stops after the
+(DecodeStream.block's `most`; hosts/replicas/worker.py FencedStream): a call stops after the
 block where a sequence ended, or once a wake arrived (ReplicatedEngine.wake_lanes: a sample was
 handed to the lanes), and what it samples is what one block a call samples. A real replica
 process, the tiny model on the CPU."""
@@ -11,7 +11,7 @@ from test_process_engine import CONFIG, LORA, MODELS
 
 from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
 from posttrain.types import SampleRequest, SamplingParams
 
 LONG = SampleRequest(

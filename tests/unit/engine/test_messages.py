@@ -9,10 +9,10 @@ import pickle
 
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import Call, Command
-from posttrain.engine.hosts.remote import ProcessEngine, RemoteEngine
-from posttrain.engine.hosts.replica_worker import ReplicaEngine
-from posttrain.engine.hosts.replicas import ReplicatedEngine
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.process.remote import ProcessEngine, RemoteEngine
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
+from posttrain.engine.hosts.replicas.worker import ReplicaEngine
 from posttrain.engine.interface import Engine
 
 

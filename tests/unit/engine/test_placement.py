@@ -12,7 +12,6 @@ import pytest
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.build import placement_for
-from posttrain.engine.hosts.local_placement import LocalPlacement
 from posttrain.engine.hosts.placement import (
     GENERATOR,
     RANK,
@@ -20,6 +19,7 @@ from posttrain.engine.hosts.placement import (
     bundle_index,
     processes_per_resource,
 )
+from posttrain.engine.hosts.process.local_placement import LocalPlacement
 from posttrain.errors import ConfigError
 
 MODELS = {BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}

@@ -1,4 +1,4 @@
-"""ProcessEngine (engine/hosts/worker_process.py): the same calls give the same results, bit for
+"""ProcessEngine (engine/hosts/process/worker.py): the same calls give the same results, bit for
 bit, as the in-process LocalEngine, errors keep their class and field, a mid-sample callback
 publishes across the pipe, and a worker that is killed fails its calls without taking this process
 with it, and can be loaded again."""
@@ -18,7 +18,7 @@ from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import durable
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import Call, Command
-from posttrain.engine.hosts.remote import ProcessEngine
+from posttrain.engine.hosts.process.remote import ProcessEngine
 from posttrain.errors import EngineFailure, InvalidRequest, NotFound, WorkerDied
 from posttrain.types import (
     AdamParams,

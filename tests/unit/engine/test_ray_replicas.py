@@ -1,4 +1,4 @@
-"""Generator replicas as Ray actors (engine/hosts/ray_placement.py, `--ray local`): the replica
+"""Generator replicas as Ray actors (engine/hosts/ray/placement.py, `--ray local`): the replica
 tests of test_generator_replicas.py, run again with the replicas placed by Ray beside a trainer
 in this process (two bundles in the resource's placement group). The same numbers, the same
 fences and PIPELINE boundaries, the same death and rebuild. One Ray start for the module."""
@@ -17,7 +17,7 @@ from test_process_engine import CONFIG, LORA, MODELS
 from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.engine.build import placement_for
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
 
 ray = pytest.importorskip("ray")
 

@@ -1,4 +1,4 @@
-"""Trainer ranks as Ray actors (`--trainer-ranks 2 --ray local`, engine/hosts/ray_placement.py)
+"""Trainer ranks as Ray actors (`--trainer-ranks 2 --ray local`, engine/hosts/ray/placement.py)
 with a decode stream: test_trainer_group.py's stream test, run again with the ranks placed by
 Ray. The stream lives on rank 0 and another session's training between its blocks reaches every
 rank; the sample is what one process samples, the training what one process trains, and a rank
@@ -15,8 +15,8 @@ from test_trainer_group import (  # noqa: F401 - collected again, with this modu
 
 from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.engine.build import placement_for
-from posttrain.engine.hosts.ray_placement import RayWorker
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.ray.placement import RayWorker
 
 ray = pytest.importorskip("ray")
 

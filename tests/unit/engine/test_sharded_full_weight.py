@@ -22,7 +22,7 @@ from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.engine.checkpoint import durable
 from posttrain.engine.checkpoint import formats as weights
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.train import trainer
 from posttrain.engine.train.batching import pack

@@ -13,7 +13,7 @@ from test_sampler import GREEDY, encode, session_engine
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, LimitsConfig
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.service.operations import resolved_max_tokens
+from posttrain.service.operations.submit import resolved_max_tokens
 from posttrain.types import SampleRequest, SamplingParams, StopReason
 
 

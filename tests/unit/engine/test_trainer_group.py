@@ -1,6 +1,6 @@
-"""TrainerGroupEngine (engine/hosts/trainer_group.py): a trainer group of two gloo ranks computes
-what one LocalEngine does. Losses, metrics, per-token outputs and gradients agree within 1e-5
-relative, weights after steps within float32 rounding, sampled tokens exactly; for several
+"""TrainerGroupEngine (engine/hosts/ranks/trainer_group.py): a trainer group of two gloo ranks
+computes what one LocalEngine does. Losses, metrics, per-token outputs and gradients agree within
+1e-5 relative, weights after steps within float32 rounding, sampled tokens exactly; for several
 losses with batch-global normalisers, for batches that do not split evenly over the ranks and
 for two sessions sharing a pass; for LoRA and full-weight sessions. The ranks hold identical
 weights, a checkpoint the group writes resumes on one process, and a killed rank fails the
@@ -21,8 +21,8 @@ from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import durable
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import Command
-from posttrain.engine.hosts.replicas import ReplicatedEngine
-from posttrain.engine.hosts.trainer_group import TrainerGroupEngine, check_trainer_ranks
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine, check_trainer_ranks
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
 from posttrain.errors import ConfigError, WorkerDied
 from posttrain.types import (
     AdamParams,

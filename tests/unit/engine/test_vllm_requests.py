@@ -1,11 +1,11 @@
-"""A sample operation in vLLM's words and back (engine/hosts/vllm_requests.py): every sampling
+"""A sample operation in vLLM's words and back (engine/hosts/vllm/requests.py): every sampling
 field reaches the generate body, and a reply's choices, logprobs, stop reasons, cached prompt
 tokens and weight-version spans become the SampleResult the API returns; a prompt of more
 sequences than a server takes goes as seeded parts whose results merge in order."""
 
 from __future__ import annotations
 
-from posttrain.engine.hosts.vllm_requests import generate_body, merged, parts, result_of
+from posttrain.engine.hosts.vllm.requests import generate_body, merged, parts, result_of
 from posttrain.types import (
     PolicySegment,
     SampledSequence,

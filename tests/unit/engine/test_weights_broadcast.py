@@ -1,5 +1,6 @@
-"""engine/hosts/weights_broadcast.py: a bucket's tensors survive packing bit for bit, whether their
-bytes then cross a broadcast or a pipe; the pipe transport serves what the broadcast does."""
+"""engine/hosts/replicas/weights_broadcast.py: a bucket's tensors survive packing bit for bit,
+whether their bytes then cross a broadcast or a pipe; the pipe transport serves what the broadcast
+does."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ from test_process_engine import CONFIG, LORA, MODELS
 
 from posttrain.config import BUILTIN_MODEL_ID
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.replicas import ReplicatedEngine
-from posttrain.engine.hosts.weights_broadcast import ALIGN, buffer_of, pack, unpack, with_data
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
+from posttrain.engine.hosts.replicas.weights_broadcast import (
+    ALIGN,
+    buffer_of,
+    pack,
+    unpack,
+    with_data,
+)
 
 
 def tensors() -> dict[str, torch.Tensor]:

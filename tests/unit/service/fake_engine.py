@@ -26,10 +26,10 @@ from posttrain.config import SchedulerConfig, ServerConfig
 from posttrain.engine.interface import Headroom, ModelInfo
 from posttrain.errors import NonFiniteLoss
 from posttrain.records import OperationRecord
-from posttrain.service.operations import OperationService
-from posttrain.service.resources import ResourceService
-from posttrain.service.scheduler import Scheduler
-from posttrain.service.sessions import SessionService
+from posttrain.service.lifecycle.resources import ResourceService
+from posttrain.service.lifecycle.sessions import SessionService
+from posttrain.service.operations.submit import OperationService
+from posttrain.service.scheduling.scheduler import Scheduler
 from posttrain.store.db import connect
 from posttrain.store.repo import Repo
 from posttrain.types import (
@@ -68,8 +68,8 @@ class FakeEngine:
     mid_sample: Callable[[], None] = lambda: None
     # Memory admission: a forward-backward's "peak" is its tokens, a sample's its sequences.
     free_bytes: int = 1 << 62
-    # Generators apart (engine/hosts/replicas.py): lanes beside the trainer's, and the fence each
-    # publish advances; every sample pass records the (fence, lane) it ran with.
+    # Generators apart (engine/hosts/replicas/engine.py): lanes beside the trainer's, and the fence
+    # each publish advances; every sample pass records the (fence, lane) it ran with.
     lanes: int = 0
     fence: int = 0
     sampled_at: list[tuple[int, int]] = field(default_factory=list)

@@ -1,5 +1,5 @@
-"""Memory admission in the scheduler (service/admission.py) over the fake engine, whose peak
-is a forward-backward's tokens or a sample's sequences and whose free memory a test sets."""
+"""Memory admission in the scheduler (service/scheduling/admission.py) over the fake engine, whose
+peak is a forward-backward's tokens or a sample's sequences and whose free memory a test sets."""
 
 from __future__ import annotations
 

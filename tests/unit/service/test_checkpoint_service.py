@@ -15,7 +15,7 @@ import pytest
 
 from posttrain.errors import InvalidRequest, NotFound
 from posttrain.records import CheckpointRecord, ResourceRecord, SessionRecord
-from posttrain.service.checkpoints import (
+from posttrain.service.durability.checkpoints import (
     PARTIAL_PREFIX,
     CheckpointService,
     ResumePlan,

@@ -8,7 +8,7 @@ import dataclasses
 import threading
 
 from posttrain.records import OperationRecord
-from posttrain.service.completion import CompletionWatch
+from posttrain.service.operations.completion import CompletionWatch
 from posttrain.statuses import OperationStatus
 from posttrain.types import OperationKind
 

@@ -12,7 +12,7 @@ from inprocess import USER, open_session, ready_resource
 
 from posttrain.config import EngineConfig, ServerConfig
 from posttrain.service import build_services
-from posttrain.service.durability import changed_parts
+from posttrain.service.durability.durable_sessions import changed_parts
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.types import (
     AdamParams,

@@ -22,7 +22,7 @@ from posttrain.config import BUILTIN_MODEL_ID, EngineConfig, ServerConfig
 from posttrain.engine.checkpoint import durable
 from posttrain.records import OperationRecord
 from posttrain.service import Services, build_services, wire_services
-from posttrain.service.full_weight_durability import is_snapshot_due
+from posttrain.service.durability.full_weight import is_snapshot_due
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.types import OperationKind
 

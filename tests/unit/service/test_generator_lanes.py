@@ -1,5 +1,6 @@
-"""Generator lanes (service/worker.py): where the engine runs generators apart from the trainer
-(engine/hosts/replicas.py), samples leave the resource's FIFO at their place for lanes of their own,
+"""Generator lanes (service/scheduling/worker.py): where the engine runs generators apart from the
+trainer (engine/hosts/replicas/engine.py), samples leave the resource's FIFO at their place for
+lanes of their own,
 with the fence of that place. Against a fake engine over a real SQLite store."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ a kind that changes durable session state is one a full-weight restart can repla
 from __future__ import annotations
 
 from posttrain.api.kinds import WIRE_KINDS
-from posttrain.service.kinds import KINDS, Sharing
+from posttrain.service.operations.kinds import KINDS, Sharing
 from posttrain.types import OPERATION_TYPES, OperationKind
 
 

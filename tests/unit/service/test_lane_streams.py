@@ -1,9 +1,10 @@
-"""Sample passes as streams on generator lanes (`--generators process`, engine/hosts/replicas.py
-lane_stream): the stream lives in the lane's replica, and a sample handed to the lanes while
-every lane is busy joins a running generation at a block boundary, after the replica applied the
-changes staged up to the sample's fence, provided none of them changes a session decoding there
-(service/sample_streams.py, _fence_allows); a replica killed mid-stream fails the stream's
-operations with INTERNAL_ERROR naming it, and the next sample runs on a new replica.
+"""Sample passes as streams on generator lanes (`--generators process`,
+engine/hosts/replicas/engine.py lane_stream): the stream lives in the lane's replica, and a sample
+handed to the lanes while every lane is busy joins a running generation at a block boundary, after
+the replica applied the changes staged up to the sample's fence, provided none of them changes a
+session decoding there (service/scheduling/sample_streams.py, _fence_allows); a replica killed
+mid-stream fails the stream's operations with INTERNAL_ERROR naming it, and the next sample runs on
+a new replica.
 
 Real services, a real replica process (the tiny model on the CPU, prefix cache off). Samples
 leave the trainer's queue for the lane at once, so what joins when is set by a hook at the
@@ -36,10 +37,11 @@ from test_sample_streams import (
 )
 
 from posttrain.config import BUILTIN_MODEL_ID
-from posttrain.engine.hosts.replicas import ReplicatedEngine
+from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
 from posttrain.errors import INTERNAL_ERROR
-from posttrain.service import Services, sample_streams
-from posttrain.service.worker import ResourceWorker
+from posttrain.service import Services
+from posttrain.service.scheduling import sample_streams
+from posttrain.service.scheduling.worker import ResourceWorker
 from posttrain.statuses import OPERATION_TERMINAL, OperationStatus
 from posttrain.types import (
     OptimStepRequest,

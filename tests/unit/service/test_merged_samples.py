@@ -11,7 +11,7 @@ import pytest
 from inprocess import USER, open_session, ready_resource, services_fixture  # noqa: F401
 
 from posttrain.service import Services
-from posttrain.service.worker import Job, QueuedOperation, ResourceWorker
+from posttrain.service.scheduling.worker import Job, QueuedOperation, ResourceWorker
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     OperationKind,

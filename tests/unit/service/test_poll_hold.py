@@ -8,8 +8,8 @@ import asyncio
 
 from fake_engine import USER, fb, wired_fixture  # noqa: F401
 
-from posttrain.service.completion import CompletionWatch
-from posttrain.service.polls import PollHold
+from posttrain.service.operations.completion import CompletionWatch
+from posttrain.service.operations.polls import PollHold
 from posttrain.statuses import OperationStatus
 from posttrain.types import OperationKind
 

@@ -29,7 +29,7 @@ from test_sample_streams import (
 )
 
 from posttrain.engine.hosts.messages import Call, Command
-from posttrain.engine.hosts.remote import ProcessEngine
+from posttrain.engine.hosts.process.remote import ProcessEngine
 from posttrain.errors import INTERNAL_ERROR, EngineFailure
 from posttrain.service import Services
 from posttrain.statuses import OperationStatus, SessionStatus

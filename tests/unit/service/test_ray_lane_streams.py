@@ -1,5 +1,5 @@
 """Sample passes as streams on generator replicas placed by Ray (`--generators process --ray
-local`, engine/hosts/ray_placement.py): the lane-stream tests of test_lane_streams.py, run again
+local`, engine/hosts/ray/placement.py): the lane-stream tests of test_lane_streams.py, run again
 with the replica a Ray actor. The stream lives in the actor and the lane drives it with the same
 step-wise commands, so a sample handed to the busy lane joins its generation under the same
 fence rule, with the same results as alone. Each test's services start a local Ray instance of
@@ -19,7 +19,7 @@ from test_lane_streams import (  # noqa: F401 - collected again, with this modul
     test_a_sample_handed_to_a_busy_lane_joins_its_running_generation,
 )
 
-from posttrain.engine.hosts.ray_placement import RayWorker
+from posttrain.engine.hosts.ray.placement import RayWorker
 from posttrain.service import Services
 
 ray = pytest.importorskip("ray")

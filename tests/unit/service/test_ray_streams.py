@@ -1,5 +1,5 @@
 """Sample passes as streams on a resource hosted in a Ray actor (`--workers process --ray
-local`, engine/hosts/ray_placement.py): the process-worker stream tests of
+local`, engine/hosts/ray/placement.py): the process-worker stream tests of
 test_process_streams.py, run again with the worker placed by Ray. The stream lives in the
 actor and the scheduler drives it with the same step-wise commands, so a queued sample joins
 the running generation, another session's training and weights-syncs run between blocks, and a
@@ -26,7 +26,7 @@ from test_process_streams import (  # noqa: F401 - collected again, with this mo
 )
 from test_sample_streams import Queue
 
-from posttrain.engine.hosts.ray_placement import RayWorker
+from posttrain.engine.hosts.ray.placement import RayWorker
 from posttrain.service import Services
 
 ray = pytest.importorskip("ray")

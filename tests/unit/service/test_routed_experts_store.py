@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.errors import InvalidRequest
-from posttrain.service.routed_experts import RoutedExpertsStore
+from posttrain.service.durability.routed_experts import RoutedExpertsStore
 from posttrain.types import ExpertRoutes, SampledSequence, SampleResult, StopReason
 
 

@@ -1,4 +1,4 @@
-"""A sample request's limits at submit (service/operations.py): max_tokens None resolved to
+"""A sample request's limits at submit (service/operations/submit.py): max_tokens None resolved to
 what the context length and the operation token limit leave, and top-k prompt logprobs
 refused above MAX_TOPK_PROMPT_LOGPROBS, naming the field. The fake engine's context is 1024."""
 
@@ -9,7 +9,7 @@ from fake_engine import FakeEngine, wire, wired_fixture  # noqa: F401
 
 from posttrain.config import LimitsConfig
 from posttrain.errors import InvalidRequest
-from posttrain.service.operations import resolved_max_tokens
+from posttrain.service.operations.submit import resolved_max_tokens
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     MAX_TOPK_PROMPT_LOGPROBS,

@@ -1,6 +1,6 @@
-"""Sample passes as streams on the in-process engine (service/sample_streams.py): an operation
-queued while a generation runs joins it at a block boundary and completes on its own, with what
-it gets alone; another session's training runs between blocks; a session's own order and the
+"""Sample passes as streams on the in-process engine (service/scheduling/sample_streams.py): an
+operation queued while a generation runs joins it at a block boundary and completes on its own, with
+what it gets alone; another session's training runs between blocks; a session's own order and the
 row limit hold. Real services (SQLite in tmp_path, the tiny model on the CPU, prefix cache off so
 every prefill is computed the same way). The worker is held by a plain job while the queue is
 built, so what joins when is decided by the queue, not by timing; orderings are read from the
@@ -20,7 +20,8 @@ from inprocess import USER, open_session, ready_resource
 
 from posttrain.config import EngineConfig, SchedulerConfig, ServerConfig
 from posttrain.records import OperationRecord
-from posttrain.service import Services, build_services, sample_streams
+from posttrain.service import Services, build_services
+from posttrain.service.scheduling import sample_streams
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     ForwardBackwardRequest,

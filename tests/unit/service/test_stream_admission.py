@@ -1,5 +1,5 @@
-"""Memory admission of joins (service/sample_streams.py): a sample joins a running stream only
-when its estimated peak plus what growing the running cache may copy fits in what is free;
+"""Memory admission of joins (service/scheduling/sample_streams.py): a sample joins a running stream
+only when its estimated peak plus what growing the running cache may copy fits in what is free;
 otherwise it waits for a boundary with room (here: the stream's end) and runs then, not refused.
 
 The scheduler, worker and store are real; the engine is the fake one of fake_engine.py (a
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from fake_engine import FakeEngine, wire
 
 from posttrain.config import SchedulerConfig
-from posttrain.service.admission import pool_rows
+from posttrain.service.scheduling.admission import pool_rows
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     OperationKind,

@@ -1,14 +1,15 @@
 """The queue rule at a decode block boundary (ResourceWorker.between_blocks): which queued items
 run between two blocks of a running sample stream, which samples join it, and what waits for
 the stream's end. The worker is the real one; its group runner plays the stream's driver
-(service/sample_streams.py): a sample group calls between_blocks once, as at one boundary."""
+(service/scheduling/sample_streams.py): a sample group calls between_blocks once, as at one
+boundary."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 
-from posttrain.service.worker import Job, QueuedOperation, ResourceWorker
+from posttrain.service.scheduling.worker import Job, QueuedOperation, ResourceWorker
 from posttrain.types import OperationKind, SampleRequest
 
 SAMPLE, FB, STEP, SYNC = (

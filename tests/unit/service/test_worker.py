@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from posttrain.service.worker import Job, QueuedOperation, ResourceWorker
+from posttrain.service.scheduling.worker import Job, QueuedOperation, ResourceWorker
 from posttrain.types import OperationKind, OptimStepRequest
 
 

@@ -1,0 +1,1 @@
+"""`posttrain serve --ray`: a resource's processes as Ray actors (placement.py)."""

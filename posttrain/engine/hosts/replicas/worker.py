@@ -1,0 +1,235 @@
+"""The engine inside a generator replica process (hosts/replicas/engine.py): every session's
+generator and nothing else, fed by staged changes.
+
+A staged change is `(fence, what, args)`: "create" `(resource, session, lora)`, "drop"
+`(resource, session)`, or "install" `(resource, session, bucket, version, mid_generation, last)`,
+one bucket of what a session's generator serves (hosts/replicas/weights_broadcast.py), `last` on the
+final bucket. A "wake" (fence 0, no change) says a sample was handed to the lanes: a lane's
+stream running several blocks in one call stops at its next boundary (FencedStream.block).
+They arrive in fence order on the staging pipe (a thread here reads it) or by
+`receive` calls (a Ray actor's, hosts/ray/placement.py); an inbox thread takes them in that
+order, receives the bytes of a bucket that come by broadcast (and the group's "join"
+messages), and keeps each change until a sample's fence reaches it.
+
+Imports: config, types, engine (state, generate: generator, sample_stream; optim.optimizer;
+hosts: in_process, weights_broadcast).
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from posttrain.config import EngineConfig
+from posttrain.engine.generate.generator import generator_key
+from posttrain.engine.generate.sample_stream import SessionSampleStream
+from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.engine.hosts.replicas.weights_broadcast import Bucket, Member, buffer_of, unpack
+from posttrain.engine.optim.optimizer import SessionOptimizer
+from posttrain.engine.state import ResourceState, SessionState
+from posttrain.types import SampleRequest, SampleResult
+
+Staged = tuple[int, str, tuple]
+
+
+class ReplicaEngine(LocalEngine):
+    """The engine inside a replica process: sessions' generators only, fed by staged changes."""
+
+    def __init__(
+        self, config: EngineConfig, model_paths: dict[str, Path], staging: Connection | None
+    ):
+        """`staging`: the pipe its changes arrive on; None where they arrive by `receive`
+        calls instead (a Ray actor's, hosts/ray/placement.py)."""
+        super().__init__(config, model_paths)
+        self._staged: list[Staged] = []
+        self._received = 0  # the highest fence received (or rebuilt up to)
+        self._buckets: dict[str, dict] = {}  # session -> tensors of an install not yet whole
+        self._arrived = threading.Condition()
+        self._inbox: queue.SimpleQueue[Staged] = queue.SimpleQueue()
+        self._member = Member()  # of the resource's weights group, once it forms
+        # Set by a "wake" (a sample was handed to the lanes): a stream's several-block call
+        # stops at its next boundary (FencedStream.block).
+        self._woken = threading.Event()
+        threading.Thread(target=self._take, daemon=True).start()
+        if staging is not None:
+            threading.Thread(target=self._read, args=(staging,), daemon=True).start()
+
+    def _read(self, staging: Connection) -> None:
+        while True:
+            try:
+                change: Staged = pickle.loads(staging.recv_bytes())
+            except (EOFError, OSError):
+                return  # the API process is gone
+            self.receive(change)
+
+    def receive(self, change: Staged) -> None:
+        """A staged change (or a weights group message), for the inbox thread: never waits
+        (a Ray actor's `stage` call returns before the broadcast it announces)."""
+        self._inbox.put(change)
+
+    def _take(self) -> None:
+        while True:
+            fence, what, args = self._inbox.get()
+            if what == "join":
+                self._member.join(*args)
+                continue
+            if what == "wake":
+                self._woken.set()
+                continue
+            if what == "install":
+                bucket: Bucket = args[2]
+                if bucket.data is None:  # its bytes come by broadcast
+                    buffer = self._member.receive(bucket)
+                    if buffer is None:
+                        continue  # the group broke: the root resends it down the pipe
+                else:
+                    buffer = buffer_of(bucket)
+                args = (*args[:2], unpack(bucket, buffer), *args[3:])
+            self._keep((fence, what, args))
+
+    def _keep(self, change: Staged) -> None:
+        """Keep a staged change until a sample's fence reaches it; one received already (a
+        resend after a broken broadcast, or one from before a rebuild) is dropped."""
+        with self._arrived:
+            if change[0] <= self._received:
+                return
+            self._staged.append(change)
+            self._received = change[0]
+            self._arrived.notify_all()
+
+    def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
+        """A replica never trains: its full-weight session serves the resource's own model,
+        which installs overwrite, instead of a second copy (half a trainer's memory); ending
+        the session puts the base weights back, as on the trainer."""
+        assert not resource.sessions, "a full-weight session shares its resource with no one"
+        model = resource.loaded.model
+        model.eval()
+        resource.sessions[session_id] = SessionState(
+            session_id, generator_key(session_id), SessionOptimizer([]), generator_model=model
+        )
+
+    def woken(self) -> bool:
+        """Whether a wake arrived since the last call that said so."""
+        if not self._woken.is_set():
+            return False
+        self._woken.clear()
+        return True
+
+    def rebuilt(self, fence: int) -> None:
+        """A new replica was given the state as of `fence` directly: nothing before it is due."""
+        with self._arrived:
+            self._received = max(self._received, fence)
+            self._staged = [c for c in self._staged if c[0] > fence]
+
+    def received(self, fence: int) -> None:
+        """Return once every change up to `fence` is here (kept, not yet applied)."""
+        with self._arrived:
+            while self._received < fence:
+                self._arrived.wait()
+
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        fence: int = 0,
+    ) -> list[list[SampleResult]]:
+        """The generation at its FIFO place: apply the changes up to `fence`, then sample;
+        PIPELINE installs that arrive meanwhile land between decode passes. The replica is one
+        generator lane of a LanedEngine (hosts/replicas/engine.py sends it the sample's fence), so
+        it takes no lane; nor a `between_tokens`: its own hook (`_mid_generation`) runs there."""
+        self.advance(fence)
+        return super().sample_batch(resource_id, items, between_tokens=self._mid_generation)
+
+    def open_stream(self, resource_id: str, session_id: str, fence: int = 0) -> int:
+        """A lane's stream (StreamHost.open_stream), its generator as of `fence` (the first
+        operations' place): their sessions exist here from then on."""
+        self.advance(fence)
+        return super().open_stream(resource_id, session_id)
+
+    def sample_stream(self, resource_id: str, session_id: str) -> FencedStream:
+        """The step-wise form (a generator lane's stream, hosts/replicas/engine.py): operations
+        bring their fence to `admit`, and PIPELINE installs land before any block."""
+        return FencedStream(super().sample_stream(resource_id, session_id), self)
+
+    def advance(self, fence: int) -> None:
+        """Apply every change staged up to `fence` (waiting for those not received yet)."""
+        self.received(fence)
+        with self._arrived:
+            due = [c for c in self._staged if c[0] <= fence]
+            self._staged = [c for c in self._staged if c[0] > fence]
+        for change in due:
+            self._apply(change)
+
+    def _mid_generation(self) -> None:
+        """Between decode passes: apply each session's staged PIPELINE installs that nothing
+        staged before them, for that session, holds back, once every bucket of an install
+        has arrived (a generation never runs on half-installed weights)."""
+        with self._arrived:
+            held: set[str] = set()
+            due: list[Staged] = []
+            run: dict[str, list[Staged]] = {}  # a session's buckets of an unfinished install
+            for change in list(self._staged):
+                _, what, args = change
+                session_id = args[1]
+                if session_id in held:
+                    continue
+                if what == "install" and args[4] and self.is_loaded(args[0]):
+                    run.setdefault(session_id, []).append(change)
+                    if args[5]:  # its last bucket: the whole install is here
+                        due += run.pop(session_id)
+                else:
+                    held.add(session_id)
+            for change in due:
+                self._staged.remove(change)
+        for change in due:
+            self._apply(change)
+
+    def _apply(self, change: Staged) -> None:
+        _, what, args = change
+        resource_id, session_id = args[0], args[1]
+        if what == "create":
+            self.drop_session(resource_id, session_id)  # a trainer rebuilt after its death
+            self.create_session(resource_id, session_id, args[2])
+        elif what == "drop":
+            self.drop_session(resource_id, session_id)
+        else:  # a bucket of an install; the last one installs them all
+            tensors, version, last = args[2], args[3], args[5]
+            parts = self._buckets.setdefault(session_id, {})
+            parts.update(tensors)
+            if last:
+                del self._buckets[session_id]
+                self.install_generator(resource_id, session_id, parts, version=version)
+
+
+class FencedStream(SessionSampleStream):
+    """A replica's decode stream (a DecodeStream, engine/interface.py, driven by its lane through
+    hosts/remote_streams.py's commands): operations joining bring the fence of their place in
+    the resource's FIFO, and the changes staged up to it are applied before they are admitted.
+    The lane admits only operations whose fence changes no session decoding here (service/
+    sample_streams.py), so running rows keep their weights; PIPELINE installs land before each
+    block, as between the decode passes of a whole batch (`_mid_generation`), and the running
+    rows of their sessions switch there (policy_segments)."""
+
+    def __init__(self, stream: SessionSampleStream, engine: ReplicaEngine) -> None:
+        super().__init__(stream.stream, stream.session)
+        self.engine = engine
+
+    def can_join(self, session_id: str) -> bool:
+        """A replica's sessions all sample the resource's one model (a full-weight session
+        serves the resource's own model, and shares it with no other), so any may join; one
+        whose create is still staged (its fence is ahead of the stream's) is not here yet."""
+        return True
+
+    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+        self.engine.advance(fence)
+        return super().admit(items)
+
+    def block(self, most: int = 1) -> None:
+        """Up to `most` blocks, each after the PIPELINE installs due: fewer where a sequence
+        ended, or a wake arrived (a sample waits to join; one that arrived before this call
+        stops it after one block, which only costs a round trip)."""
+        super().block(most, between=self.engine._mid_generation, woken=self.engine.woken)

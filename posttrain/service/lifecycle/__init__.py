@@ -1,0 +1,2 @@
+"""Model resources and training sessions: created, checked, updated, expired, stopped
+(resources.py, sessions.py, policy.py, expiry.py)."""

@@ -1,11 +1,13 @@
-"""The Engine protocol the service depends on, and the limits it reports per base model.
+"""The seam the service depends on: the Trainer and Generator protocols, the Engine that
+composes them, the LanedEngine whose generators run apart, the DecodeStream a sample pass
+steps, and the limits an engine reports per base model.
 
-One protocol, implemented explicitly by each engine: hosts/in_process.py's LocalEngine (the
-reference: everything in this process), hosts/process/remote.py's RemoteEngine (resources in worker
-processes or trainer groups), hosts/replicas/engine.py's ReplicatedEngine and hosts/vllm/engine.py's
-VllmEngine (generators apart); engine/build.py picks one. The last two are also LanedEngines:
-their generators run beside the trainer, on generator lanes, and only they take a sample's lane
-and fence; the others answer that they have no lanes. Imports: types (torch for type checking only).
+Each engine implements Engine explicitly: hosts/in_process.py's LocalEngine (the reference:
+everything in this process), hosts/process/remote.py's RemoteEngine (resources in worker
+processes or trainer groups), hosts/replicas/engine.py's ReplicatedEngine and
+hosts/vllm/engine.py's VllmEngine (a Trainer engine with generators apart); engine/build.py
+picks one. The last two are LanedEngines: only they take a sample's lane and fence; the others
+answer that they have no lanes. Imports: types (torch for type checking only).
 """
 
 from __future__ import annotations
@@ -106,11 +108,17 @@ class DecodeStream(Protocol):
     def close(self) -> None: ...
 
 
-class Engine(Protocol):
+class Trainer(Protocol):
+    """What trains: a model resource and its sessions (LoRA adapters or the full weights),
+    forward-backward and optimizer steps, checkpoints and a session's durable state; and, for
+    generators apart from it, the weights a session's generator serves (`generator_state`)."""
+
     # The resolved device, never the `auto` of the config: `cpu`, or a CUDA product name.
     def device_name(self) -> str: ...
 
     def model_info(self, base_model: str) -> ModelInfo: ...
+
+    def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
 
     # `generator_replicas`: the resource's compute_config.num_generator_replicas, which an
     # engine with generators apart (hosts/replicas/engine.py) starts; the others serve from the
@@ -147,58 +155,11 @@ class Engine(Protocol):
 
     def optim_step(self, resource_id: str, session_id: str, request: OptimStepRequest) -> None: ...
 
-    # The generator serves a copy of the trainer's weights, which are policy version `version`.
-    # May be called from inside `between_tokens` of a running sample (PIPELINE weights-sync).
-    # `mid_generation` (PIPELINE): a generator apart may switch a running generation's rows to
-    # these weights at its next token boundary.
-    def publish(
-        self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
-    ) -> None: ...
-
-    # Generators apart from the trainer (LanedEngine below): how many generations may run
-    # beside it (0: samples run on the trainer's lane, the only answer of an engine whose
-    # generator shares the trainer), and the fence of what the generators must serve for a
-    # sample queued now.
-    def generator_lanes(self, resource_id: str) -> int: ...
-
-    def generator_fence(self, resource_id: str) -> int: ...
-
     # What the session's generator serves (its tensors, detached) and their policy version:
     # what a generator replica installs (hosts/replicas/engine.py asks its trainer engine).
     def generator_state(
         self, resource_id: str, session_id: str
     ) -> tuple[dict[str, Tensor], int]: ...
-
-    # Several sample operations (any sessions of the resource) in one generation, on the
-    # trainer's lane: one result list per item, in order. The generator serves what the
-    # trainer published; policy_segments come from the engine, which knows what each
-    # generator serves; `between_tokens` runs between decode passes and may publish, and rows
-    # of a session whose generator is republished there switch at that boundary.
-    def sample_batch(
-        self,
-        resource_id: str,
-        items: list[tuple[str, SampleRequest]],
-        *,
-        between_tokens: Callable[[], None] | None = None,
-    ) -> list[list[SampleResult]]: ...
-
-    # The step-wise form of sample_batch on the trainer's lane, for operations of sessions
-    # sampling what `session_id` samples (a worker process or trainer group keeps it there and
-    # is driven by commands: hosts/remote_streams.py); None where the engine cannot hand one
-    # out (generators apart from the trainer: LanedEngine.lane_stream instead): the scheduler
-    # then runs sample_batch over whole batches.
-    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None: ...
-
-    def check_tokens(self, base_model: str, tokens: tuple[int, ...], param: str) -> None: ...
-
-    # Memory admission (service/scheduling/admission.py): the estimated peak bytes that running
-    # these operations of one kind as one pass adds to what is resident (memory/estimate.py),
-    # and what the resource's device has free now (memory/headroom.py).
-    def peak_bytes(
-        self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
-    ) -> int: ...
-
-    def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom: ...
 
     # A session's live state (checkpoint/durable.py): the named parts, with the service's
     # record, written atomically into a directory the service chose; and read back into a
@@ -240,6 +201,63 @@ class Engine(Protocol):
     ) -> None: ...
 
     def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None: ...
+
+
+class Generator(Protocol):
+    """What generates: the weights a session's generator serves (`publish`) and sampling with
+    them, on the trainer's lane (`sample_batch`, `sample_stream`) or on generator lanes apart
+    (LanedEngine)."""
+
+    # The generator serves a copy of the trainer's weights, which are policy version `version`.
+    # May be called from inside `between_tokens` of a running sample (PIPELINE weights-sync).
+    # `mid_generation` (PIPELINE): a generator apart may switch a running generation's rows to
+    # these weights at its next token boundary.
+    def publish(
+        self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
+    ) -> None: ...
+
+    # Generators apart from the trainer (LanedEngine below): how many generations may run
+    # beside it (0: samples run on the trainer's lane, the only answer of an engine whose
+    # generator shares the trainer), and the fence of what the generators must serve for a
+    # sample queued now.
+    def generator_lanes(self, resource_id: str) -> int: ...
+
+    def generator_fence(self, resource_id: str) -> int: ...
+
+    # Several sample operations (any sessions of the resource) in one generation, on the
+    # trainer's lane: one result list per item, in order. The generator serves what the
+    # trainer published; policy_segments come from the engine, which knows what each
+    # generator serves; `between_tokens` runs between decode passes and may publish, and rows
+    # of a session whose generator is republished there switch at that boundary.
+    def sample_batch(
+        self,
+        resource_id: str,
+        items: list[tuple[str, SampleRequest]],
+        *,
+        between_tokens: Callable[[], None] | None = None,
+    ) -> list[list[SampleResult]]: ...
+
+    # The step-wise form of sample_batch on the trainer's lane, for operations of sessions
+    # sampling what `session_id` samples (a worker process or trainer group keeps it there and
+    # is driven by commands: hosts/remote_streams.py); None where the engine cannot hand one
+    # out (generators apart from the trainer: LanedEngine.lane_stream instead): the scheduler
+    # then runs sample_batch over whole batches.
+    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None: ...
+
+
+class Engine(Trainer, Generator, Protocol):
+    """The seam the service depends on: a trainer and its generators, composed by
+    engine/build.py (in one process, behind a process boundary, on ranks, or with generators
+    apart), plus what spans both: memory admission of an operation of any kind, and shutdown."""
+
+    # Memory admission (service/scheduling/admission.py): the estimated peak bytes that running
+    # these operations of one kind as one pass adds to what is resident (memory/estimate.py),
+    # and what the resource's device has free now (memory/headroom.py).
+    def peak_bytes(
+        self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
+    ) -> int: ...
+
+    def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom: ...
 
     # Server shutdown: stop whatever processes the engine started (none in process).
     def close(self) -> None: ...

@@ -2,8 +2,8 @@
 serve` flags (`settings()`: the fields config.py declares as flags), the keys file and the
 model directories a user names, directly or by Hugging Face Hub id.
 
-The only module that reads or writes os.environ. Imports: config, errors, model.hub (the
-snapshot directory of a hub id).
+The only module that reads or writes os.environ. Imports: config, config_flags, errors,
+model.hub (the snapshot directory of a hub id).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from posttrain.config import BUILTIN_MODELS, ModelSpec, ServerConfig, builtin_model_specs
+from posttrain.config_flags import declared_flag
 from posttrain.errors import ConfigError
 from posttrain.model.hub import parse_hub_id, snapshot_dir
 
@@ -57,9 +58,8 @@ def settings(
         if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
             yield from settings(info.annotation, path)
             continue
-        extra = info.json_schema_extra
-        spec = extra.get("flag") if isinstance(extra, dict) else None
-        if not isinstance(spec, dict):
+        spec = declared_flag(info.json_schema_extra)
+        if spec is None:
             continue
         yield Setting(
             path=path,
@@ -225,9 +225,9 @@ def build_config(
     values: dict[str, Any] = {}
     origins: dict[tuple[str, ...], str] = {}
     for setting in settings():
-        if setting.env and (value := os.environ.get(setting.env)) is not None:
-            _place(values, setting.path, value)
-            origins[setting.path] = f"{setting.env}={value}"
+        if setting.env and (env_value := os.environ.get(setting.env)) is not None:
+            _place(values, setting.path, env_value)
+            origins[setting.path] = f"{setting.env}={env_value}"
     values.update({k: v for k, v in overrides.items() if v is not None})
     named = {setting.path: setting.flag for setting in settings()}
     for path, given in (flags or {}).items():

@@ -50,6 +50,9 @@ class Dialect(StrEnum):
 
 _BOTH = frozenset(Dialect)
 
+# The class of a loss's params: one of the LossParams dataclasses.
+ParamsType = type[PpoParams | CispoParams | DroParams | DppoParams | GrpoParams | GspoParams]
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -64,7 +67,7 @@ class Bound:
 @dataclass(frozen=True)
 class LossSpec:
     function: str  # its function's name in engine/train/losses.LOSSES, also its short wire name
-    params_type: type | None  # None: the loss takes no params (CE, IS)
+    params_type: ParamsType | None  # None: the loss takes no params (CE, IS)
     params_field: str | None  # wire: loss.<params_field> (CE has an empty one, IS none)
     inputs_block: str | None  # seed era: loss_inputs.<inputs_block> (CE reads none)
     required_inputs: tuple[str, ...]  # in the order a missing one is reported (api.md 4.4)

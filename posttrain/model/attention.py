@@ -34,10 +34,11 @@ columns, S = own columns, D = head dim, X = M * Z.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +50,11 @@ from posttrain.model.attention_kernels import merge_by_lse, partial_attention
 
 IMPLEMENTATION = "posttrain"
 EAGER_IMPLEMENTATION = "posttrain_eager"
+
+# A family's `eager_attention_forward(module, query, key, value, attention_mask, **kwargs)`:
+# the output [B, Q, Hq, D] and the attention weights (None where a family returns none). Its
+# keyword arguments are transformers' attention kwargs (scaling, dropout, softcap, ...).
+EagerAttention = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,9 @@ class SharedPrefixAttention:
         default_factory=dict, repr=False, compare=False
     )
 
-    def attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float):
+    def attend(
+        self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float
+    ) -> Tensor:
         """query [B, Hq, Q, D], own keys and values [B, Hkv, S, D] -> output [B, Q, Hq, D]."""
         rows, query_heads, width, head_dim = query.shape
         kv_heads = key.shape[1]
@@ -153,18 +161,21 @@ class JoiningPassAttention:
     real_W: Tensor  # index, not a boolean mask: indexing by a mask reads the device back
     mask_G1QK: Tensor
 
-    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, **kwargs):
+    def attend(
+        self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any
+    ) -> Tensor:
         """query [N, Hq, 1, D]; key and value the own part of the B decode rows ([B, Hkv, S,
         D], what the cache's update returned) -> output [N, 1, Hq, D]."""
         rows = self.decode_rows
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        decoded = self.decode.attend(module.layer_idx, query[:rows], key, value, scale)
+        layer = _layer_idx(module)
+        decoded = self.decode.attend(layer, query[:rows], key, value, scale)
         groups, _, width, _ = self.mask_G1QK.shape
         _, heads, _, head_dim = query.shape
         query_XHD = query.new_zeros(groups * width, heads, head_dim)
         query_XHD.index_copy_(0, self.real_W, query[rows:, :, 0])
         query_GHQD = query_XHD.view(groups, width, heads, head_dim).transpose(1, 2)
-        kv = self.prefill_kv[module.layer_idx, :, :groups, :, : self.visible]
+        kv = self.prefill_kv[layer, :, :groups, :, : self.visible]
         prefilled_GQHD, _ = sdpa_attention_forward(
             module, query_GHQD, kv[0], kv[1], self.mask_G1QK, **kwargs
         )
@@ -182,11 +193,21 @@ def _stack_heads(bias_BQK: Tensor, repeat: int) -> Tensor:
     )
 
 
-def _own_eager(module: nn.Module):
+def _own_eager(module: nn.Module) -> EagerAttention:
     """The eager attention of the family `module` belongs to (every modeling file defines its
     own `eager_attention_forward`, e.g. Gemma 2's soft-capping one)."""
     modeling = sys.modules[type(module).__module__]
-    return modeling.eager_attention_forward
+    eager: EagerAttention = modeling.eager_attention_forward
+    return eager
+
+
+def _layer_idx(module: nn.Module) -> int:
+    """The decoder layer an attention module belongs to (its `layer_idx`, which the cache
+    protocol indexes by), read from the instance: nn.Module's stubs type an attribute they do
+    not declare as a Tensor or a Module."""
+    index = vars(module)["layer_idx"]
+    assert isinstance(index, int), f"{type(module).__name__}.layer_idx is {index!r}"
+    return index
 
 
 def _materialized(
@@ -245,9 +266,11 @@ def pass_layout(
         _PASS.reset(token)
 
 
-def _layout_mask(module: nn.Module, given):
+def _layout_mask(
+    module: nn.Module, given: Tensor | None
+) -> Tensor | SharedPrefixAttention | JoiningPassAttention | None:
     layout = _PASS.get()
-    return given if layout is None else layout[module.layer_idx]
+    return given if layout is None else layout[_layer_idx(module)]
 
 
 def attention_forward(
@@ -256,14 +279,14 @@ def attention_forward(
     key: Tensor,
     value: Tensor,
     attention_mask: Tensor | None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The function registered as IMPLEMENTATION: shared-prefix attention for the sampler's
     decode passes, sdpa for everything else."""
     mask = _layout_mask(module, attention_mask)
     if isinstance(mask, SharedPrefixAttention):
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        return mask.attend(module.layer_idx, query, key, value, scale), None
+        return mask.attend(_layer_idx(module), query, key, value, scale), None
     if isinstance(mask, JoiningPassAttention):
         return mask.attend(module, query, key, value, **kwargs), None
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
@@ -275,8 +298,8 @@ def eager_forward(
     key: Tensor,
     value: Tensor,
     attention_mask: Tensor | None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
     """The function registered as EAGER_IMPLEMENTATION, for models whose attention sdpa cannot
     express (Gemma 2's soft-capped scores): the family's own eager attention, with sampler
     passes' masks made additive and shared prefixes materialised per row."""
@@ -284,7 +307,7 @@ def eager_forward(
     eager = _own_eager(module)
     assert not isinstance(mask, JoiningPassAttention), "joins prefill apart on eager models"
     if isinstance(mask, SharedPrefixAttention):
-        key, value, mask = _materialized(mask, module.layer_idx, query, key, value)
+        key, value, mask = _materialized(mask, _layer_idx(module), query, key, value)
     elif mask is not None and mask.dtype == torch.bool:
         mask = _additive(mask, query.dtype)
     return eager(module, query, key, value, mask, **kwargs)

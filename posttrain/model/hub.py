@@ -62,7 +62,7 @@ def snapshot_dir(hub_id: HubId, *, is_offline: bool, cache_dir: Path | None = No
     # huggingface_hub fixes its offline mode, cache paths and progress-bar setting when first
     # imported: imported here, as a hub id is resolved, it reads the user's environment; a
     # server given no hub id imports it only after cli.stay_offline(), as it always has.
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils.tqdm import disable_progress_bars
 
     directory = _resolved(hub_id, is_offline=is_offline, cache_dir=cache_dir)
     # The download, if any, is over: from here the server's output is its log lines, not

@@ -19,9 +19,11 @@ Not here: the cache itself (kv_cache.py), the memory estimate (engine/memory/est
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -44,14 +46,16 @@ class _FirstUpdate(Exception):
 class _ProbeCache:
     """The Hugging Face cache protocol as far as a pass reaches before its first `update`."""
 
-    def update(self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args, **kwargs):
+    def update(
+        self, key_BHQD: Tensor, value_BHQD: Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> NoReturn:
         raise _FirstUpdate(key_BHQD)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
 
-def kv_shape(model: nn.Module) -> KVShape:
+def kv_shape(model: PreTrainedModel) -> KVShape:
     """The KV shape `model`'s attention layers write (a causal LM, on any device, meta too)."""
     device = next(model.parameters()).device
     tokens_BQ = torch.zeros(1, 1, dtype=torch.int64, device=device)

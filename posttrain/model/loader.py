@@ -8,6 +8,7 @@ about sessions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedConfig,
     PreTrainedModel,
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -77,8 +79,10 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         raise EngineFailure(
             f"model {path}: its weights cannot be loaded ({type(exc).__name__}: {exc})"
         ) from exc
-    model = model.to(device)
-    model.eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to), which the stubs
+    # type as the unbound function (`device` read as `self`); it moves the model in place.
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval unannotated
     attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
     routing.install(model)  # routing capture and replay of MoE routers
     for parameter in model.parameters():
@@ -105,16 +109,14 @@ def route_shape(path: Path) -> MoeShape | None:
     """The expert-route shape of the model in `path` (None: dense), from a meta-device build:
     no weights are read or allocated."""
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        return routing.moe_shape(AutoModelForCausalLM.from_config(config))
+    return routing.moe_shape(_meta_model(config))
 
 
 def path_kv_shape(path: Path) -> KVShape:
     """The KV shape of the model in `path`, from a meta-device build: no weights are read or
     allocated."""
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        return kv_shape(AutoModelForCausalLM.from_config(config))
+    return kv_shape(_meta_model(config))
 
 
 def servable_problem(path: Path) -> str | None:
@@ -131,8 +133,7 @@ def servable_problem(path: Path) -> str | None:
     ):
         return f"model_type {config.model_type!r} is not a decoder-only causal LM"
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = _meta_model(config)
     except Exception as exc:  # noqa: BLE001
         return f"transformers cannot build a model from its config ({type(exc).__name__}: {exc})"
     implementation = model.config._attn_implementation
@@ -143,3 +144,12 @@ def servable_problem(path: Path) -> str | None:
     except Exception as exc:  # noqa: BLE001
         return f"no usable tokenizer ({type(exc).__name__}: {exc})"
     return None
+
+
+def _meta_model(config: PreTrainedConfig) -> PreTrainedModel:
+    """The causal LM `config` describes, built on the meta device: no weights are read or
+    allocated."""
+    # transformers leaves from_config unannotated; it returns the mapped model class's instance.
+    from_config: Callable[[PreTrainedConfig], PreTrainedModel] = AutoModelForCausalLM.from_config
+    with torch.device("meta"):
+        return from_config(config)

@@ -25,14 +25,14 @@ def logit_transform(config: object) -> Callable[[Tensor], Tensor] | None:
     steps: list[Callable[[Tensor], Tensor]] = []
     divide = getattr(config, "logits_scaling", None)
     if divide not in (None, 1, 1.0):
-        steps.append(lambda x, s=float(divide): x / s)
+        steps.append(_divided_by(float(divide)))
     for name in ("logit_scale", "output_multiplier"):
         multiply = getattr(config, name, None)
         if isinstance(multiply, (int, float)) and multiply != 1:
-            steps.append(lambda x, s=float(multiply): x * s)
+            steps.append(_multiplied_by(float(multiply)))
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
-        steps.append(lambda x, c=float(cap): torch.tanh(x / c) * c)
+        steps.append(_soft_capped(float(cap)))
     if not steps:
         return None
 
@@ -42,6 +42,18 @@ def logit_transform(config: object) -> Callable[[Tensor], Tensor] | None:
         return logits
 
     return apply
+
+
+def _divided_by(divisor: float) -> Callable[[Tensor], Tensor]:
+    return lambda x: x / divisor
+
+
+def _multiplied_by(factor: float) -> Callable[[Tensor], Tensor]:
+    return lambda x: x * factor
+
+
+def _soft_capped(cap: float) -> Callable[[Tensor], Tensor]:
+    return lambda x: torch.tanh(x / cap) * cap
 
 
 class TransformedHead(nn.Module):
@@ -60,6 +72,14 @@ def output_head(model: PreTrainedModel) -> nn.Module:
     """hidden states -> the logits model(ids).logits has (the bare projection when the family
     applies nothing more, so the frozen-head fast path of engine/train/logprobs.py still
     applies)."""
-    projection = model.get_output_embeddings()
+    projection = output_projection(model)
+    assert projection is not None, f"{type(model).__name__} has no output embeddings"
     transform = logit_transform(model.config)
     return projection if transform is None else TransformedHead(projection, transform)
+
+
+def output_projection(model: PreTrainedModel) -> nn.Module | None:
+    """The model's projection to the vocabulary (its lm_head), None for a model without one:
+    `get_output_embeddings`, which transformers leaves unannotated."""
+    get_output_embeddings: Callable[[], nn.Module | None] = model.get_output_embeddings
+    return get_output_embeddings()

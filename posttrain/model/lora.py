@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from transformers import PreTrainedModel
 
+from posttrain.model.logit_head import output_projection
 from posttrain.model.lora_experts import ExpertProjection, LoraExperts, wrappable
 
 # Names of MoE routers: a Linear by that name next to an `experts` module picks experts and
@@ -66,7 +68,7 @@ class LoraLinear(nn.Module):
         return any(key in self.adapters for key, _ in self.routing)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.base(x)
+        out: Tensor = self.base(x)
         for key, rows in self.routing:
             adapter = self.adapters.get(key)
             if adapter is None:  # e.g. the head of an adapter without train_unembed
@@ -94,12 +96,12 @@ class LoraLinear(nn.Module):
 class LoraModel:
     """Owns the LoraLinear wrappers of one base model and the adapters inside them."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         # Target name -> its adapters; an expert projection is named after its parameter
         # (`model.layers.0.mlp.experts.gate_up_proj`).
         self.layers: dict[str, LoraLinear | ExpertProjection] = {}
-        head = model.get_output_embeddings()
+        head = output_projection(model)
         self.head_name = next((n for n, m in model.named_modules() if m is head), None)
         for name, module in list(model.named_modules()):
             parent_name, _, child = name.rpartition(".")
@@ -194,7 +196,9 @@ class LoraModel:
                 _set_routing(layer, routing)
 
 
-def _set_routing(layer: LoraLinear | ExpertProjection, routing: list) -> None:
+def _set_routing(
+    layer: LoraLinear | ExpertProjection, routing: list[tuple[str, Tensor | None]]
+) -> None:
     """`layer.routing = routing` without nn.Module.__setattr__: a plain list attribute ends up
     the same, and its checks (parameter, buffer, submodule), run twice per wrapped layer per
     pass, cost about 7% of a small model's decode step."""

@@ -20,6 +20,8 @@ Imports: torch, transformers.integrations.moe (its grouped linear).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -28,12 +30,21 @@ from transformers.integrations.moe import _grouped_linear
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
+class ExpertAdapter(Protocol):
+    """What the experts' forward reads of an adapter (model.lora.AdapterWeights)."""
+
+    lora_A: nn.Parameter  # [E, R, in]
+    lora_B: nn.Parameter  # [E, out, R]
+    scale: float
+    dropout: float
+
+
 class ExpertProjection:
     """The adapters of one 3-D expert parameter; LoraModel sees it as one target layer."""
 
     def __init__(self, weight: nn.Parameter) -> None:
         self.weight = weight  # [E, out, in], frozen
-        self.adapters: dict = {}  # adapter key -> model.lora.AdapterWeights
+        self.adapters: dict[str, ExpertAdapter] = {}  # adapter key -> model.lora.AdapterWeights
         self.routing: list[tuple[str, Tensor | None]] = []
 
     @property
@@ -49,7 +60,9 @@ def wrappable(module: nn.Module) -> bool:
     gate_up, down = (getattr(module, name, None) for name in PROJECTIONS)
     if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
         return False
-    if gate_up.ndim != 3 or down.ndim != 3 or not hasattr(module, "act_fn"):
+    if gate_up.ndim != 3 or down.ndim != 3:
+        return False
+    if not isinstance(getattr(module, "act_fn", None), nn.Module):
         return False
     if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
         return False
@@ -69,12 +82,21 @@ class LoraExperts(nn.Module):
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.base = base
-        self.projections = {name: ExpertProjection(getattr(base, name)) for name in PROJECTIONS}
+        self.projections = {
+            name: ExpertProjection(base.get_parameter(name)) for name in PROJECTIONS
+        }
+        # An int the experts module's __init__ set; nn.Module's stubs type an attribute they do
+        # not declare as a Tensor or a Module.
+        num_experts = vars(base)["num_experts"]
+        assert isinstance(num_experts, int), f"{type(base).__name__}.num_experts: {num_experts!r}"
+        self.num_experts = num_experts
         # Batch rows of the current forward, recorded by the MoE block's pre-hook: the experts
         # see tokens flattened to [N, H] and per-row routing needs rows back.
         self.batch_rows: int | None = None
 
-    def record_rows(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def record_rows(
+        self, _module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
         hidden = next(
             (v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)),
             None,
@@ -84,7 +106,8 @@ class LoraExperts(nn.Module):
     def forward(self, hidden_NH: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         slots_N, active = self._token_slots(hidden_NH)
         if not active:
-            return self.base(hidden_NH, top_k_index, top_k_weights)
+            base_NH: Tensor = self.base(hidden_NH, top_k_index, top_k_weights)
+            return base_NH
         base = self.base
         num_tokens, top_k = top_k_index.shape
         # The base computation is transformers' grouped_mm experts forward (its default), op
@@ -94,13 +117,13 @@ class LoraExperts(nn.Module):
         token_S = perm_S // top_k
         x_SH = hidden_NH[token_S]
         weights_S = top_k_weights.reshape(-1)[perm_S]
-        offsets_E = _offsets(expert_ids_S, base.num_experts)
+        offsets_E = _offsets(expert_ids_S, self.num_experts)
         slots_S = slots_N[token_S]
-        gate_up = _grouped_linear(x_SH, base.gate_up_proj, offsets_E)
+        gate_up = _grouped_linear(x_SH, base.get_parameter("gate_up_proj"), offsets_E)
         self._add_deltas(gate_up, x_SH, expert_ids_S, slots_S, active, "gate_up_proj")
         gate, up = gate_up.chunk(2, dim=-1)
-        inner = base.act_fn(gate) * up
-        out_SH = _grouped_linear(inner, base.down_proj, offsets_E)
+        inner = base.get_submodule("act_fn")(gate) * up
+        out_SH = _grouped_linear(inner, base.get_parameter("down_proj"), offsets_E)
         self._add_deltas(out_SH, inner, expert_ids_S, slots_S, active, "down_proj")
         weighted_SH = out_SH * weights_S.unsqueeze(-1)
         inverse_S = torch.empty_like(perm_S)
@@ -144,7 +167,7 @@ class LoraExperts(nn.Module):
         with grouped matmuls; in place: `out` is a fresh grouped-linear output that its
         backward does not read (as in LoraLinear)."""
         adapters = self.projections[name].adapters
-        num_experts = self.base.num_experts
+        num_experts = self.num_experts
         for slot, key in enumerate(active):
             adapter = adapters[key]
             # Still sorted by expert: a subset of a sorted sequence keeps its order.

@@ -53,8 +53,8 @@ def moe_shape(model: nn.Module) -> MoeShape | None:
     found = routers(model)
     if not found:
         return None
-    top_k = {int(r.top_k) for r in found}
-    experts = {int(r.num_experts) for r in found}
+    top_k = {_int_attribute(r, "top_k") for r in found}
+    experts = {_int_attribute(r, "num_experts") for r in found}
     if len(top_k) != 1 or len(experts) != 1 or max(experts) > MAX_EXPERTS:
         return None
     return MoeShape(len(found), top_k.pop(), experts.pop())
@@ -102,19 +102,21 @@ def install(model: nn.Module) -> None:
     for layer, router in enumerate(routers(model)):
         if getattr(router, "_posttrain_layer", None) is not None:
             continue
-        router._posttrain_layer = layer
+        # nn.Module's __setattr__ stub admits a Tensor or a Module only; at runtime a plain
+        # value is stored as an ordinary attribute (and copied with the router).
+        router._posttrain_layer = layer  # type: ignore[assignment]
         router.register_forward_hook(_routed)
 
 
 def _routed(
-    router: nn.Module, _args: tuple, output: tuple[Tensor, Tensor, Tensor]
+    router: nn.Module, _args: tuple[object, ...], output: tuple[Tensor, Tensor, Tensor]
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     state = _current.get()
     if state is None:
         return None  # the router's own output, untouched
     logits_NE, scores_NK, experts_NK = output
     if state.forced is not None:
-        forced_NK = state.forced[router._posttrain_layer].to(experts_NK.device)
+        forced_NK = state.forced[_int_attribute(router, "_posttrain_layer")].to(experts_NK.device)
         if forced_NK.shape != experts_NK.shape:
             raise ValueError(
                 f"replayed routes have shape {tuple(forced_NK.shape)}, the pass routes"
@@ -131,3 +133,11 @@ def _routed(
     if state.captured is not None:
         state.captured.append(experts_NK.detach())
     return logits_NE, scores_NK, experts_NK
+
+
+def _int_attribute(module: nn.Module, name: str) -> int:
+    """`module.<name>`, an int its __init__ or `install` set (top_k, num_experts, the layer):
+    nn.Module's stubs read an attribute they do not declare as a Tensor or a Module."""
+    value = getattr(module, name)
+    assert isinstance(value, int), f"{type(module).__name__}.{name} is {value!r}, not an int"
+    return value

@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor, nn
 
+from posttrain.engine.optim import adam_shards, muon_shards
 from posttrain.engine.optim.muon import (
     is_muon_param,
     lr_scale,
@@ -27,7 +28,6 @@ from posttrain.engine.optim.muon import (
     num_row_blocks,
 )
 from posttrain.engine.optim.step_settings import StepSettings, resolve_step_settings
-from posttrain.engine.parallel import adam_shards, muon_shards
 from posttrain.engine.parallel.fsdp import FsdpShards, local
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
@@ -81,8 +81,8 @@ class SessionOptimizer:
 
     With a `sharding` (FSDP2, parallel/fsdp.py) the parameters, gradients and state are
     DTensors of which this rank holds a slice each: AdamW steps their local slices
-    (parallel/adam_shards.py), Muon orthogonalises whole matrices spread over the ranks
-    (parallel/muon_shards.py), clipping takes the exact global norm; a step is then a
+    (optim/adam_shards.py), Muon orthogonalises whole matrices spread over the ranks
+    (optim/muon_shards.py), clipping takes the exact global norm; a step is then a
     collective (every rank of the group calls it), as are full_state_dict and full_gradients.
     """
 

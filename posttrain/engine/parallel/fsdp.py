@@ -73,6 +73,13 @@ def local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def row_counts(rows: int, world: int) -> list[int]:
+    """How many of `rows` each of `world` ranks holds of a tensor sharded on dim 0: torch.chunk's
+    split, as FSDP2's, empty slices at the end (ranks past the last chunk hold none)."""
+    counts = [len(chunk) for chunk in torch.arange(rows).chunk(world)]
+    return counts + [0] * (world - len(counts))
+
+
 class _Operation(nn.Module):
     """The FSDP2 root: its forward runs the function it is given (one bucket's forward)."""
 
@@ -195,15 +202,9 @@ class FsdpShards:
         )
         return {"inputs_embeds": embedded.reshape(*ids.shape, -1)}
 
-    def _slice_rows(self, rows: int) -> list[int]:
-        """Each rank's number of rows of a tensor of `rows` rows sharded on dim 0 (torch.chunk's
-        split, as FSDP2's; ranks past the last chunk hold none)."""
-        counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
-        return counts + [0] * (self.group.world - len(counts))
-
     def _first_row(self, weight: Tensor) -> int:
         """The first row of this rank's dim-0 slice."""
-        return sum(self._slice_rows(weight.shape[0])[: self.group.rank])
+        return sum(row_counts(weight.shape[0], self.group.world)[: self.group.rank])
 
     def head_logprobs(self, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor | None:
         """float32 logprobs of `targets` ([..., T]) at `hidden` ([..., T, H]) from each rank's
@@ -294,7 +295,7 @@ class FsdpShards:
         plain tensor as it is."""
         if not isinstance(tensor, DTensor):
             return tensor.detach()
-        counts = self._slice_rows(tensor.shape[0])
+        counts = row_counts(tensor.shape[0], self.group.world)
         piece = tensor.to_local()
         padded = piece.new_zeros((counts[0], *tensor.shape[1:]))
         padded[: piece.shape[0]] = piece

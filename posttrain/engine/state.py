@@ -71,7 +71,7 @@ class ResourceState:
     prefix_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     # What each generator (by adapter key) serves; read live by the decode loop (PIPELINE).
     served: dict[str, WeightsVersion] = field(default_factory=dict)
-    generations: itertools.count = field(default_factory=lambda: itertools.count(1))
+    generations: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     # This process's rank in the resource's trainer group (hosts/trainer_group.py); None: the
     # resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None

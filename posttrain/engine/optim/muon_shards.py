@@ -106,24 +106,25 @@ def _padded(rows: Tensor, length: int, shape: tuple[int, ...]) -> Tensor:
 
 @torch.no_grad()
 def step_(
-    stepped: Sequence[tuple[str, nn.Parameter]],
+    stepped: Sequence[tuple[str, nn.Parameter, Tensor]],
     buffers: dict[str, Tensor],
     muon: MuonParams,
     scaling: MuonScaling,
     group: DataParallel,
 ) -> None:
-    """One Muon step of the sharded parameters with a gradient (losses.md 12.3): the momentum
-    entry by entry on each slice (`buffers`, by name, created as DTensors like the gradient),
-    Newton-Schulz of the whole matrices spread over the ranks, the update slice by slice. The
-    values of optim.muon.muon_update_ in one process. A collective."""
+    """One Muon step of the sharded parameters with a gradient (`stepped`: name, parameter,
+    gradient; losses.md 12.3): the momentum entry by entry on each slice (`buffers`, by name,
+    created as DTensors like the gradient), Newton-Schulz of the whole matrices spread over the
+    ranks, the update slice by slice. The values of optim.muon.muon_update_ in one process. A
+    collective."""
     matrices = []
-    for name, p in stepped:
+    for name, p, grad in stepped:
         if name not in buffers:
-            buffers[name] = torch.zeros_like(p.grad)
-        update = nesterov_(local(p.grad), local(buffers[name]), muon.momentum)
+            buffers[name] = torch.zeros_like(grad)
+        update = nesterov_(local(grad), local(buffers[name]), muon.momentum)
         matrices.append(Matrix(update, tuple(p.shape), num_row_blocks(name)))
     orthos = orthogonalise(matrices, muon.newton_schulz_steps, group.rank, group.world)
-    for (name, p), ortho in zip(stepped, orthos, strict=True):
+    for (name, p, _), ortho in zip(stepped, orthos, strict=True):
         apply_update_(
             local(p),
             ortho,

@@ -71,9 +71,9 @@ class ResourceState:
     prefix_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     # What each generator (by adapter key) serves; read live by the decode loop (PIPELINE).
     served: dict[str, WeightsVersion] = field(default_factory=dict)
-    generations: itertools.count = field(default_factory=lambda: itertools.count(1))
-    # This process's rank in the resource's trainer group (hosts/ranks/trainer_group.py); None: the
-    # resource trains in this process alone, and the trainer never talks to other ranks.
+    generations: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # This process's rank in the resource's trainer group (hosts/ranks/trainer_group.py); None:
+    # the resource trains in this process alone, and the trainer never talks to other ranks.
     group: DataParallel | None = None
     # A full-weight session's model sharded over the group with FSDP2 (parallel/fsdp.py);
     # None: no full-weight session, or no group.

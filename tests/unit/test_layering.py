@@ -123,6 +123,19 @@ def test_the_engine_core_never_imports_its_hosts():
     assert not violations, violations
 
 
+def test_parallel_knows_nothing_of_optimizers():
+    """engine/optim/ steps FSDP2 shards through the layout engine/parallel/ owns, one way:
+    parallel/ never imports optim/."""
+    violations = [
+        f"{name} imports {target}"
+        for name, path in MODULES.items()
+        if name.startswith("posttrain.engine.parallel")
+        for target in import_edges(path)
+        if target.startswith("posttrain.engine.optim")
+    ]
+    assert not violations, violations
+
+
 def test_the_import_graph_has_no_cycle():
     """No module reaches itself through imports, counting those inside functions: an import
     inside a function is for an optional or heavy dependency loaded at call time (ray,

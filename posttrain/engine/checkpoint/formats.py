@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from posttrain.engine.optim.optimizer import OptimizerState
 from posttrain.errors import InvalidRequest
@@ -242,7 +242,7 @@ def _internal_expert_factors(
 # ---------------------------------------------------------------- merged model
 
 
-def merge_adapter_(model: nn.Module, tensors: dict[str, Tensor], scale: float) -> None:
+def merge_adapter_(model: PreTrainedModel, tensors: dict[str, Tensor], scale: float) -> None:
     """Fold W <- W + scale * B @ A into each adapted weight of a plain HF model, in place:
     an nn.Linear's [out, in] weight, or a fused 3-D expert parameter [E, out, in] with one
     pair per expert (A [E, R, in], B [E, out, R]; model/lora_experts.py).
@@ -260,28 +260,33 @@ def merge_adapter_(model: nn.Module, tensors: dict[str, Tensor], scale: float) -
             weight.copy_(merged.to(weight.dtype))
 
 
-def _adapted_weight(model: nn.Module, name: str) -> Tensor:
+def _adapted_weight(model: PreTrainedModel, name: str) -> Tensor:
     """The weight an adapter named `name` trains: a Linear's, or an expert parameter itself."""
     try:
         linear = model.get_submodule(name)
     except AttributeError:
         return model.get_parameter(name)
     assert isinstance(linear, nn.Linear), f"{name} is {type(linear).__name__}, not Linear"
-    if linear is model.get_output_embeddings() and _head_is_tied(model):
-        _untie_head(model)
-        linear = model.get_submodule(name)
+    if linear is _output_embeddings(model) and _head_is_tied(model):
+        _untie_head(model, linear)
     return linear.weight
 
 
-def _head_is_tied(model: nn.Module) -> bool:
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+def _output_embeddings(model: PreTrainedModel) -> nn.Module | None:
+    """The model's output projection; None for a model without one."""
+    # transformers leaves get_output_embeddings unannotated.
+    head: nn.Module | None = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    return head
+
+
+def _head_is_tied(model: PreTrainedModel) -> bool:
+    head, embed = _output_embeddings(model), model.get_input_embeddings()
     return head is not None and embed is not None and head.weight is embed.weight
 
 
-def _untie_head(model: nn.Module) -> None:
-    """A head adapter changes only the output projection; with tied weights it would change
-    the input embeddings too, so the merged model gets its own head matrix."""
-    head = model.get_output_embeddings()
+def _untie_head(model: PreTrainedModel, head: nn.Linear) -> None:
+    """A head adapter changes only the output projection (`head`); with tied weights it would
+    change the input embeddings too, so the merged model gets its own head matrix."""
     head.weight = nn.Parameter(head.weight.detach().clone())
     model.config.tie_word_embeddings = False
     model.config.get_text_config().tie_word_embeddings = False
@@ -310,7 +315,7 @@ def export_full_weights(base_dir: Path, tensors: dict[str, Tensor], output_dir: 
     _save_model(model, base_dir, output_dir)
 
 
-def _save_model(model: nn.Module, base_dir: Path, output_dir: Path) -> None:
+def _save_model(model: PreTrainedModel, base_dir: Path, output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir)
     for source in sorted(base_dir.iterdir()):

@@ -92,7 +92,7 @@ def newton_schulz(update_BRC: Tensor, num_steps: int) -> Tensor:
     is_tall = x_BRC.shape[-2] > x_BRC.shape[-1]
     if is_tall:
         x_BRC = x_BRC.mT
-    norm_B11 = torch.linalg.vector_norm(x_BRC, dim=(-2, -1), keepdim=True)
+    norm_B11: Tensor = torch.linalg.vector_norm(x_BRC, dim=(-2, -1), keepdim=True)
     x_BRC = x_BRC / norm_B11.clamp(min=NS_EPS)
     for _ in range(num_steps):
         gram_BRR = x_BRC @ x_BRC.mT

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from posttrain.engine.optim import adam_shards, muon_shards
 from posttrain.engine.optim.muon import (
     is_muon_param,
     lr_scale,
@@ -27,7 +29,6 @@ from posttrain.engine.optim.muon import (
     num_row_blocks,
 )
 from posttrain.engine.optim.step_settings import StepSettings, resolve_step_settings
-from posttrain.engine.parallel import adam_shards, muon_shards
 from posttrain.engine.parallel.fsdp import FsdpShards, local
 from posttrain.errors import InvalidRequest, NonFiniteLoss
 from posttrain.types import AdamParams, MuonParams, MuonScaling, OptimStepRequest
@@ -50,15 +51,12 @@ def global_grad_norm(grads: list[Tensor]) -> Tensor:
     """
     device = grads[0].device
     norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    total_norm: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total_norm
 
 
 # Far below float32's 3.4e38, so the rounding of the bound's own arithmetic never matters.
 OVERFLOW_FREE_BOUND = 1e30
-
-
-def grads_of(named_params: list[tuple[str, nn.Parameter]]) -> list[nn.Parameter]:
-    return [p for _, p in named_params if p.grad is not None]
 
 
 def clip_grads_(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
@@ -81,8 +79,8 @@ class SessionOptimizer:
 
     With a `sharding` (FSDP2, parallel/fsdp.py) the parameters, gradients and state are
     DTensors of which this rank holds a slice each: AdamW steps their local slices
-    (parallel/adam_shards.py), Muon orthogonalises whole matrices spread over the ranks
-    (parallel/muon_shards.py), clipping takes the exact global norm; a step is then a
+    (optim/adam_shards.py), Muon orthogonalises whole matrices spread over the ranks
+    (optim/muon_shards.py), clipping takes the exact global norm; a step is then a
     collective (every rank of the group calls it), as are full_state_dict and full_gradients.
     """
 
@@ -164,7 +162,11 @@ class SessionOptimizer:
             self._grad_bound = max(self._grad_bound, norm)
             self.zero_grad()
             return
-        stepped = [(p, p.detach().clone(), p.grad.clone()) for p in grads_of(self.named_params)]
+        stepped = [
+            (p, p.detach().clone(), p.grad.clone())
+            for _, p in self.named_params
+            if p.grad is not None
+        ]
         before = self.state_dict()
         try:
             if clip > 0:
@@ -213,9 +215,10 @@ class SessionOptimizer:
                 return False, math.inf
             grow = abs(1 - adam.learning_rate * adam.weight_decay)
             add = adam.learning_rate / (1 - adam.beta1) * gradient / adam.eps
-        if settings.muon is not None and self._muon_named:
+        scaling = self.muon_scaling  # not None when there are Muon parameters
+        if settings.muon is not None and scaling is not None and self._muon_named:
             muon = settings.muon
-            scale = max(lr_scale(*p.shape[-2:], self.muon_scaling) for _, p in self._muon_named)
+            scale = max(lr_scale(p.shape[-2], p.shape[-1], scaling) for _, p in self._muon_named)
             grow = max(grow, abs(1 - muon.learning_rate * muon.weight_decay))
             add = max(add, muon.learning_rate * scale * 4.0)
         # Parameters without a gradient keep their weights: the bound never shrinks.
@@ -249,7 +252,7 @@ class SessionOptimizer:
         return tensors
 
     def _put_back(
-        self, stepped: list[tuple[Tensor, Tensor, Tensor]], state: OptimizerState
+        self, stepped: Sequence[tuple[Tensor, Tensor, Tensor]], state: OptimizerState
     ) -> None:
         with torch.no_grad():
             for p, weights, grad in stepped:
@@ -278,7 +281,7 @@ class SessionOptimizer:
     def _muon_step(self, muon: MuonParams) -> None:
         assert self.muon_scaling is not None, "Muon step on an AdamW optimizer"
         if self.sharding is not None:
-            stepped = [(n, p) for n, p in self._muon_named if p.grad is not None]
+            stepped = [(n, p, p.grad) for n, p in self._muon_named if p.grad is not None]
             group = self.sharding.group
             muon_shards.step_(stepped, self._momentum_buffers, muon, self.muon_scaling, group)
             return
@@ -328,7 +331,7 @@ class SessionOptimizer:
         collective), for checkpoints in the single-process layout."""
         if self.sharding is None:
             return self.state_dict()
-        return self.sharding.gather_to_rank_zero(self.state_dict())  # type: ignore[return-value]
+        return self.sharding.gather_to_rank_zero(self.state_dict())
 
     def full_gradients(self) -> dict[str, Tensor] | None:
         """Every accumulated gradient by name; sharded, gathered as full_state_dict is."""

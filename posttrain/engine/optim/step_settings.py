@@ -45,14 +45,14 @@ def resolve_step_settings(
             param="adam_params",
         )
     muon = request.muon or MuonParams()
-    adam = muon.adam
-    if adam is None:
+    if muon.adam is not None:
+        adam = muon.adam
+    elif muon_scaling is MuonScaling.MATCH_ADAM:
         # 12.3: an absent adam.learning_rate is the Muon lr under MATCH_ADAM (whose Muon lr is
         # AdamW-sized by design), and 1e-4 (AdamParams' default) under ORIGINAL.
-        if muon_scaling is MuonScaling.MATCH_ADAM:
-            adam = AdamParams(learning_rate=muon.learning_rate)
-        else:
-            adam = AdamParams()
+        adam = AdamParams(learning_rate=muon.learning_rate)
+    else:
+        adam = AdamParams()
     # 12.3: muon_params.grad_clip_norm, else muon_params.adam.grad_clip_norm, else 1.0 (which
     # is also AdamParams' default when muon_params.adam is absent).
     clip = muon.grad_clip_norm if muon.grad_clip_norm is not None else adam.grad_clip_norm

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ class DataParallel:
 
     rank: int
     world: int
-    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    group: dist.ProcessGroup | None = None  # None: the default group
 
     def shares(self, lengths_S: Sequence[int]) -> list[list[int]]:
         """Rows of each rank, ascending, balanced by tokens: the longest row first, each to
@@ -95,16 +94,16 @@ class DataParallel:
         counts = has_grad.to(torch.float32)
         dist.all_reduce(counts, group=self.group)
         reached = [p for p, count in zip(params, counts.tolist(), strict=True) if count > 0]
-        buckets: dict[torch.dtype, list[nn.Parameter]] = {}
+        buckets: dict[torch.dtype, list[Tensor]] = {}  # the gradients, by dtype
         for p in reached:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            buckets.setdefault(p.grad.dtype, []).append(p)
-        for _, group in sorted(buckets.items(), key=lambda b: str(b[0])):
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            buckets.setdefault(p.grad.dtype, []).append(p.grad)
+        for _, grads in sorted(buckets.items(), key=lambda b: str(b[0])):
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
             dist.all_reduce(flat, group=self.group)
             offset = 0
-            for p in group:
-                size = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + size].view_as(p.grad))
+            for grad in grads:
+                size = grad.numel()
+                grad.copy_(flat[offset : offset + size].view_as(grad))
                 offset += size

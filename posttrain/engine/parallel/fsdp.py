@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import PreTrainedModel
 
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.parallel.vocab_parallel import (
@@ -67,10 +68,30 @@ from posttrain.engine.parallel.vocab_parallel import (
 from posttrain.model.logit_head import logit_transform
 from posttrain.model.lora import LoraLinear
 
+# A nest of dicts with tensors (and plain values) at its leaves: optimizer state, gradients.
+NestT = TypeVar("NestT", bound=dict[str, Any])
+
 
 def local(tensor: Tensor) -> Tensor:
     """This rank's part of a (possibly sharded) tensor: a DTensor's local shard, else itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def row_counts(rows: int, world: int) -> list[int]:
+    """How many of `rows` each of `world` ranks holds of a tensor sharded on dim 0: torch.chunk's
+    split, as FSDP2's, empty slices at the end (ranks past the last chunk hold none)."""
+    counts = [len(chunk) for chunk in torch.arange(rows).chunk(world)]
+    return counts + [0] * (world - len(counts))
+
+
+def _plain_embedding(module: nn.Module) -> nn.Embedding | None:
+    """`module` if it is a plain lookup of rows (an nn.Embedding itself, without max_norm,
+    frequency scaling or sparse gradients), which each rank can do with its own rows; None for
+    a subclass (which may scale or otherwise change the lookup) or any other module."""
+    if type(module) is not nn.Embedding:
+        return None
+    is_plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+    return module if is_plain else None
 
 
 class _Operation(nn.Module):
@@ -90,7 +111,7 @@ class FsdpShards:
     def __init__(
         self,
         group: DataParallel,
-        model: nn.Module,
+        model: PreTrainedModel,
         named: Sequence[tuple[str, nn.Parameter]],
         device: torch.device,
         *,
@@ -110,21 +131,23 @@ class FsdpShards:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         old_names = {id(p): name for name, p in named}
         module_names = {name: old_names[id(p)] for name, p in model.named_parameters()}
-        layers: list[nn.Module] = list(model.base_model.layers)
-        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        layers: list[nn.Module] = list(cast(nn.ModuleList, model.base_model.layers))
+        embedding = model.get_input_embeddings()
+        # transformers leaves get_output_embeddings unannotated.
+        head: nn.Module | None = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         head_params = {id(p) for p in head.parameters()} if head is not None else set()
-        untied = id(embedding.weight) not in head_params  # the head may be a LoRA wrapper
+        embedding_weight = embedding.get_parameter("weight")
+        untied = id(embedding_weight) not in head_params  # the head may be a LoRA wrapper
         # An untied head and a plain untied embedding are units whose forward is never called
         # (it would gather the model's two largest matrices): each rank computes with its
         # vocabulary rows where they lie (head_logprobs, embedding_inputs). An embedding of a
         # subclass (which may scale or otherwise change the lookup) is gathered as a unit of
         # its own, once per bucket forward (alike on every rank). A tied head is the
         # embedding, used at both ends of the forward: it stays in the root, gathered.
-        plain = type(embedding) is nn.Embedding and embedding.max_norm is None
-        plain = plain and not embedding.scale_grad_by_freq and not embedding.sparse
-        self._embedding = embedding if untied and plain else None
+        plain = _plain_embedding(embedding)
+        self._embedding = plain if untied else None
         self._head = head if untied else None
-        self._compute_dtype = policy.param_dtype or embedding.weight.dtype
+        self._compute_dtype = policy.param_dtype or embedding_weight.dtype
         self._transform = logit_transform(model.config)  # applied to each slice's logits
         if untied and self._embedding is None:
             layers.append(embedding)
@@ -177,7 +200,8 @@ class FsdpShards:
 
     def forward(self, run: Callable[[], Tensor]) -> Tensor:
         """`run()` (one bucket's forward) inside the FSDP2 root's forward."""
-        return self.root(run)
+        output: Tensor = self.root(run)  # through nn.Module.__call__, which runs FSDP2's hooks
+        return output
 
     def embedding_inputs(self, ids: Tensor) -> dict[str, Tensor]:
         """The decoder's inputs for token ids [B, L]: their embeddings looked up on each rank's
@@ -195,15 +219,9 @@ class FsdpShards:
         )
         return {"inputs_embeds": embedded.reshape(*ids.shape, -1)}
 
-    def _slice_rows(self, rows: int) -> list[int]:
-        """Each rank's number of rows of a tensor of `rows` rows sharded on dim 0 (torch.chunk's
-        split, as FSDP2's; ranks past the last chunk hold none)."""
-        counts = [len(c) for c in torch.arange(rows).chunk(self.group.world)]
-        return counts + [0] * (self.group.world - len(counts))
-
     def _first_row(self, weight: Tensor) -> int:
         """The first row of this rank's dim-0 slice."""
-        return sum(self._slice_rows(weight.shape[0])[: self.group.rank])
+        return sum(row_counts(weight.shape[0], self.group.world)[: self.group.rank])
 
     def head_logprobs(self, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor | None:
         """float32 logprobs of `targets` ([..., T]) at `hidden` ([..., T, H]) from each rank's
@@ -211,7 +229,8 @@ class FsdpShards:
         on every rank); None when the head is tied (computed in the root, gathered)."""
         if self._head is None:
             return None
-        weight = self._head.base.weight if isinstance(self._head, LoraLinear) else self._head.weight
+        linear = self._head.base if isinstance(self._head, LoraLinear) else self._head
+        weight = linear.get_parameter("weight")
         return vocab_parallel_logprobs(
             hidden.reshape(-1, hidden.shape[-1]),
             local(weight),
@@ -266,7 +285,8 @@ class FsdpShards:
         dist.all_reduce(both, group=self.group.group)
         has = [v > 0 for v in both[1].tolist()]
         norms = both[0].sqrt().to(torch.float32)[torch.tensor(has, device=self.device)]
-        return torch.linalg.vector_norm(norms), has
+        total_norm: Tensor = torch.linalg.vector_norm(norms)
+        return total_norm, has
 
     @torch.no_grad()
     def shard_of(self, full: Tensor, like: Tensor) -> Tensor:
@@ -281,7 +301,7 @@ class FsdpShards:
             src_data_rank=None,
         )
 
-    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def full_tensors(self) -> Iterator[tuple[str, Tensor | None]]:
         """Every parameter in full on rank 0, one at a time (None on the other ranks; a
         collective): rank 0, which writes, never holds more than one in full."""
         for name, p in self.named:
@@ -294,7 +314,7 @@ class FsdpShards:
         plain tensor as it is."""
         if not isinstance(tensor, DTensor):
             return tensor.detach()
-        counts = self._slice_rows(tensor.shape[0])
+        counts = row_counts(tensor.shape[0], self.group.world)
         piece = tensor.to_local()
         padded = piece.new_zeros((counts[0], *tensor.shape[1:]))
         padded[: piece.shape[0]] = piece
@@ -305,7 +325,7 @@ class FsdpShards:
             return None
         return torch.cat([p[:c] for p, c in zip(pieces, counts, strict=True)])
 
-    def gather_to_rank_zero(self, tensors: dict[str, Any]) -> dict[str, Any] | None:
+    def gather_to_rank_zero(self, tensors: NestT) -> NestT | None:
         """A nest of sharded tensors in full on the CPU of rank 0, one tensor at a time (None
         elsewhere). A collective: every rank's nest has the same keys in the same order."""
         keep = self.group.rank == 0
@@ -315,10 +335,10 @@ class FsdpShards:
                 return {key: walk(v) for key, v in value.items()}
             if isinstance(value, Tensor):
                 full = self.on_rank_zero(value)
-                return full.to("cpu") if keep else None
+                return full.to("cpu") if keep and full is not None else None
             return value
 
-        merged = walk(tensors)
+        merged = cast(NestT, walk(tensors))  # the same nest, each tensor in full on the CPU
         return merged if keep else None
 
     @torch.no_grad()
@@ -335,6 +355,7 @@ class FsdpShards:
         for name, source in trainer.named_parameters():
             full = self.on_rank_zero(source)
             if generator is not None:
+                assert full is not None, "rank 0, which holds the generator copy, gathers"
                 targets[name].copy_(full)
 
 
@@ -349,12 +370,18 @@ class _AllReduceAllGather(AllGather):
     in its place, zeros elsewhere, so every word has one non-zero contributor and the sum is
     that word exactly."""
 
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
-    ) -> Any:
+        self,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         rank, size = dist.get_rank(group), input_tensor.numel()
         out = output_tensor.view(-1)
         own = out.narrow(0, rank * size, size)
@@ -363,21 +390,24 @@ class _AllReduceAllGather(AllGather):
         out[: rank * size].zero_()
         out[(rank + 1) * size :].zero_()
         words = out.view(torch.int32) if out.nbytes % 4 == 0 else out.view(torch.uint8)
-        return dist.all_reduce(words, group=group, async_op=async_op)
+        work: dist.Work | None = dist.all_reduce(words, group=group, async_op=async_op)
+        return work
 
 
 class _AllReduceReduceScatter(ReduceScatter):
     """A reduce-scatter as an all-reduce of the (temporary) input, then this rank's slice."""
 
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
         output_tensor: Tensor,
         input_tensor: Tensor,
-        group: Any,
-        op: Any,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> None:
         dist.all_reduce(input_tensor, op=op, group=group)

@@ -33,7 +33,7 @@ vocabulary rows, H = hidden size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ def vocab_parallel_logprobs(
     shape: torch.Size,
     vocab_start: int,
     chunk_tokens: int,
-    group: Any,
+    group: dist.ProcessGroup | None,
     transform: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """float32 logprob of targets_N[n] at hidden_NH[n] under the full head, of which
@@ -58,12 +58,16 @@ def vocab_parallel_logprobs(
     its output, and a view would lose the hook to an in-place op). `transform`: the family's
     logit post-processing (model/logit_head.py: scaling, soft-capping), elementwise, so it
     applies to each slice's logits alike. A collective over `group`."""
-    return _VocabParallelLogprobs.apply(
+    # Function.apply is unannotated in torch; it returns what forward returns.
+    logprobs = _VocabParallelLogprobs.apply(  # type: ignore[no-untyped-call]
         hidden_NH, weight_VH, targets_N, shape, vocab_start, chunk_tokens, group, transform
     )
+    return cast(Tensor, logprobs)
 
 
-def _logits(hidden_CH: Tensor, weight_VH: Tensor, transform: Callable | None) -> Tensor:
+def _logits(
+    hidden_CH: Tensor, weight_VH: Tensor, transform: Callable[[Tensor], Tensor] | None
+) -> Tensor:
     """float32 [C, V] logits of a slice, post-processed as the family's head does, in the
     order model/logit_head.py's TransformedHead applies it (then the float32 cast, as
     train/logprobs.py's log-softmax)."""
@@ -71,7 +75,7 @@ def _logits(hidden_CH: Tensor, weight_VH: Tensor, transform: Callable | None) ->
     return (logits_CV if transform is None else transform(logits_CV)).float()
 
 
-def _counts(rows_N: Tensor, group: Any) -> list[int]:
+def _counts(rows_N: Tensor, group: dist.ProcessGroup | None) -> list[int]:
     """Every rank's number of rows (tokens) in this call, rank 0's first."""
     count = torch.tensor([rows_N.shape[0]], dtype=torch.int64, device=rows_N.device)
     counts = [torch.empty_like(count) for _ in range(dist.get_world_size(group))]
@@ -79,7 +83,7 @@ def _counts(rows_N: Tensor, group: Any) -> list[int]:
     return [int(c) for c in counts]
 
 
-def _all_rows(tensor_N: Tensor, counts: list[int], group: Any) -> Tensor:
+def _all_rows(tensor_N: Tensor, counts: list[int], group: dist.ProcessGroup | None) -> Tensor:
     """Every rank's rows, rank 0's first (each padded to the most rows for gloo's all-gather,
     then trimmed)."""
     most = max(counts)
@@ -99,7 +103,7 @@ def _local_targets(targets_U: Tensor, start: int, rows: int) -> tuple[Tensor, Te
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden_NH: Tensor,
         weight_VH: Tensor,
@@ -107,7 +111,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         shape: torch.Size,
         vocab_start: int,
         chunk_tokens: int,
-        group: Any,
+        group: dist.ProcessGroup | None,
         transform: Callable[[Tensor], Tensor] | None,
     ) -> Tensor:
         rank, counts = dist.get_rank(group), _counts(hidden_NH, group)
@@ -139,7 +143,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return logprobs
 
     @staticmethod
-    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:
         hidden_UH, weight_VH, columns_U, inside_U, lse_U = ctx.saved_tensors
         counts, rank, group = ctx.counts, ctx.rank, ctx.group
         grad_U = _all_rows(grad_N.reshape(-1).float().contiguous(), counts, group)
@@ -177,7 +181,7 @@ def vocab_parallel_embedding(
     vocab_start: int,
     padding_idx: int | None,
     dtype: torch.dtype,
-    group: Any,
+    group: dist.ProcessGroup | None,
 ) -> Tensor:
     """[N, H] in `dtype`: the embedding rows of ids_N, of which `weight_VH` (differentiable: its
     gradient is this rank's slice of the embedding's) holds rows vocab_start .. + V - 1. Each
@@ -185,19 +189,23 @@ def vocab_parallel_embedding(
     sums them, exactly (one non-zero term per value); the backward adds the group's output
     gradients into this rank's rows, none into `padding_idx` (as nn.Embedding). A collective
     over `group`."""
-    return _VocabParallelEmbedding.apply(ids_N, weight_VH, vocab_start, padding_idx, dtype, group)
+    # Function.apply is unannotated in torch; it returns what forward returns.
+    embedded = _VocabParallelEmbedding.apply(  # type: ignore[no-untyped-call]
+        ids_N, weight_VH, vocab_start, padding_idx, dtype, group
+    )
+    return cast(Tensor, embedded)
 
 
 class _VocabParallelEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         ids_N: Tensor,
         weight_VH: Tensor,
         vocab_start: int,
         padding_idx: int | None,
         dtype: torch.dtype,
-        group: Any,
+        group: dist.ProcessGroup | None,
     ) -> Tensor:
         rank, counts = dist.get_rank(group), _counts(ids_N, group)
         ids_U = _all_rows(ids_N.to(torch.int64), counts, group)
@@ -214,7 +222,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         return embedded_UH[mine:end].clone()  # this rank's rows, not a view of the union's
 
     @staticmethod
-    def backward(ctx: Any, grad_NH: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_NH: Tensor) -> tuple[Tensor | None, ...]:
         rows_U, inside_U = ctx.saved_tensors
         grad_UH = _all_rows(grad_NH.float().contiguous(), ctx.counts, ctx.group)
         grad_weight_VH = grad_UH.new_zeros(ctx.shape)

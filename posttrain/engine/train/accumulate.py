@@ -45,10 +45,10 @@ def accumulate_many(
     try:
         total = torch.stack([loss for _, loss in items]).sum()
         if group is None:
-            total.backward()
+            torch.autograd.backward(total)
         else:
             if total.requires_grad:  # else none of the rank's rows is a trainable member's
-                total.backward()
+                torch.autograd.backward(total)
             params = [p for params, _ in stashed for p in params]
             group.all_reduce_gradients([p for p in params if id(p) not in reduced])
     except BaseException:

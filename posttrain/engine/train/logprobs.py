@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
     forward:  d logp_t / d h_t = (onehot(target_t) - softmax_t) @ W."""
 
     @staticmethod
-    def forward(ctx, hidden_BCH: Tensor, targets_BC: Tensor, weight_VH: Tensor) -> Tensor:
+    def forward(ctx: Any, hidden_BCH: Tensor, targets_BC: Tensor, weight_VH: Tensor) -> Tensor:
         # One [B, C, V] buffer, worked in place: logits, then exp(logits - max), then
         # onehot - softmax. The logprob is formed as log_softmax forms it: (x - max) - log sum.
         work_BCV = F.linear(hidden_BCH, weight_VH).float()
@@ -72,7 +73,7 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
         return logprobs_BC
 
     @staticmethod
-    def backward(ctx, grad_BC: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad_BC: Tensor) -> tuple[Tensor, None, None]:
         (unit_BCH,) = ctx.saved_tensors
         grad_BCH = grad_BC.unsqueeze(-1) * unit_BCH.float()
         return grad_BCH.to(unit_BCH.dtype), None, None
@@ -90,7 +91,9 @@ def _softmax_residual(logits_BCV: Tensor, targets_BC: Tensor) -> tuple[Tensor, T
     return logprobs_BC, residual_BCV
 
 
-def _lora_logits(hidden: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, scale: float):
+def _lora_logits(
+    hidden: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, scale: float
+) -> Tensor:
     """The head's logits exactly as LoraLinear.forward forms them for one adapter on every row."""
     out = F.linear(hidden, weight)
     delta = ((hidden.to(lora_A.dtype) @ lora_A.t()) @ lora_B.t()).to(out.dtype)
@@ -162,7 +165,7 @@ class _TrainedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         hidden_BCH: Tensor,
         targets_BC: Tensor,
         weight_VH: Tensor,
@@ -186,7 +189,7 @@ class _TrainedHeadLogprobs(torch.autograd.Function):
         return logprobs_BC
 
     @staticmethod
-    def backward(ctx, grad_BC: Tensor):
+    def backward(ctx: Any, grad_BC: Tensor) -> tuple[Tensor | None, ...]:
         hidden, targets, weight, lora_A, lora_B, g_BC = ctx.saved_tensors
         summed: _HeadAdapterGradients = ctx.summed
         grad_h, grad_A, grad_B = ctx.grad_BCH, None, None
@@ -210,13 +213,22 @@ class _TrainedHeadLogprobs(torch.autograd.Function):
         return grad_h, None, None, grad_A, grad_B, None, None, None, None
 
 
-def _recomputed_lora_grads(hidden, targets, weight, lora_A, lora_B, scale, grad_BC):
+def _recomputed_lora_grads(
+    hidden: Tensor,
+    targets: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scale: float,
+    grad_BC: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dh, dA, dB) of a chunk for an arbitrary upstream gradient, by autograd on the chunk."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (hidden, lora_A, lora_B)]
         logits = _lora_logits(leaves[0], weight, leaves[1], leaves[2], scale)
         logprobs = log_softmax_float32(logits).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return torch.autograd.grad(logprobs, leaves, grad_BC)
+        grad_h, grad_A, grad_B = torch.autograd.grad(logprobs, leaves, grad_BC)
+        return grad_h, grad_A, grad_B
 
 
 def _lone_adapter(head: nn.Module) -> tuple[Tensor, AdapterWeights] | None:
@@ -274,23 +286,26 @@ def target_logprobs(
             pieces.append(_chunk_logprobs(head, hidden_BCH, targets_BC))
         elif weight is not None:
             chunk_paths["frozen"] += 1
-            pieces.append(_FrozenHeadLogprobs.apply(hidden_BCH, targets_BC, weight))
+            # Function.apply is unannotated in torch; it returns what forward returns.
+            frozen = _FrozenHeadLogprobs.apply(  # type: ignore[no-untyped-call]
+                hidden_BCH, targets_BC, weight
+            )
+            pieces.append(frozen)
         elif lone is not None:
             chunk_paths["trained"] += 1
             base, adapter = lone
-            pieces.append(
-                _TrainedHeadLogprobs.apply(
-                    hidden_BCH,
-                    targets_BC,
-                    base,
-                    adapter.lora_A,
-                    adapter.lora_B,
-                    adapter.scale,
-                    gradient,
-                    start,
-                    summed,
-                )
+            trained = _TrainedHeadLogprobs.apply(  # type: ignore[no-untyped-call]
+                hidden_BCH,
+                targets_BC,
+                base,
+                adapter.lora_A,
+                adapter.lora_B,
+                adapter.scale,
+                gradient,
+                start,
+                summed,
             )
+            pieces.append(trained)
         else:
             chunk_paths["checkpoint"] += 1
             pieces.append(

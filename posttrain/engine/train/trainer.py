@@ -201,8 +201,8 @@ def custom_forward_backward(
     packed = pack(request.samples, device)
     width = packed.targets_ST.shape[1]
     gradients_ST = torch.zeros(len(request.samples), width, device=device)
-    for index, gradient in enumerate(request.gradients):
-        gradients_ST[index, : len(gradient)] = torch.tensor(gradient)
+    for index, gradients_T in enumerate(request.gradients):
+        gradients_ST[index, : len(gradients_T)] = torch.tensor(gradients_T)
     routing: Routing = [(session.trainer_key, None)]
     valid_ST = packed.loss_batch.valid_ST
     with resource.sharded_operation():
@@ -428,7 +428,9 @@ def _bucket_logprobs(
             chunk_gradient = lambda start, logprobs: gradient(*at(start, logprobs), logprobs)  # noqa: E731
         # Sharded with an untied head: on each rank's vocabulary slice (parallel/fsdp.py).
         chunk = config.logprob_chunk_tokens
-        logprobs_1N = shards and shards.head_logprobs(hidden_1NH, targets_1N, chunk)
+        logprobs_1N = None
+        if shards is not None:
+            logprobs_1N = shards.head_logprobs(hidden_1NH, targets_1N, chunk)
         if logprobs_1N is None:
             logprobs_1N = target_logprobs(
                 output_head(model),

@@ -1,5 +1,5 @@
-"""Muon's Newton-Schulz over FSDP2 shards (parallel/fsdp.py): whole matrices, the work spread
-over the ranks.
+"""Muon's step over FSDP2 shards (parallel/fsdp.py): Newton-Schulz of whole matrices, the work
+spread over the ranks.
 
 Muon orthogonalises whole matrices, but each rank holds a dim-0 slice of every one. Each
 matrix gets one rank that orthogonalises it, a pure function of the shapes (the costliest
@@ -11,7 +11,8 @@ rank runs Newton-Schulz on its own matrices, all at once; and each result goes b
 matrices in full, not the model's; the values are one process's, bit for bit (the same
 float32 Newton-Schulz of the same whole matrix).
 
-Imports: torch (torch.distributed); types, engine (optim.muon, parallel: data_parallel, fsdp).
+Imports: torch (torch.distributed); types, engine (optim.muon; parallel: data_parallel, and
+fsdp for the shard layout).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from posttrain.engine.optim.muon import apply_update_, nesterov_, num_row_blocks, orthogonalised
 from posttrain.engine.parallel.data_parallel import DataParallel
-from posttrain.engine.parallel.fsdp import local
+from posttrain.engine.parallel.fsdp import local, row_counts
 from posttrain.types import MuonParams, MuonScaling
 
 
@@ -55,13 +56,6 @@ def plan(matrices: Sequence[Matrix], world: int) -> list[int]:
         ranks[index] = rank
         load[rank] += cost(matrices[index])
     return ranks
-
-
-def row_counts(rows: int, world: int) -> list[int]:
-    """How many of `rows` each rank holds: torch.chunk's split, empty slices at the end (as
-    FSDP2 shards dim 0)."""
-    counts = [len(chunk) for chunk in torch.arange(rows).chunk(world)]
-    return counts + [0] * (world - len(counts))
 
 
 def orthogonalise(
@@ -112,24 +106,25 @@ def _padded(rows: Tensor, length: int, shape: tuple[int, ...]) -> Tensor:
 
 @torch.no_grad()
 def step_(
-    stepped: Sequence[tuple[str, nn.Parameter]],
+    stepped: Sequence[tuple[str, nn.Parameter, Tensor]],
     buffers: dict[str, Tensor],
     muon: MuonParams,
     scaling: MuonScaling,
     group: DataParallel,
 ) -> None:
-    """One Muon step of the sharded parameters with a gradient (losses.md 12.3): the momentum
-    entry by entry on each slice (`buffers`, by name, created as DTensors like the gradient),
-    Newton-Schulz of the whole matrices spread over the ranks, the update slice by slice. The
-    values of optim.muon.muon_update_ in one process. A collective."""
+    """One Muon step of the sharded parameters with a gradient (`stepped`: name, parameter,
+    gradient; losses.md 12.3): the momentum entry by entry on each slice (`buffers`, by name,
+    created as DTensors like the gradient), Newton-Schulz of the whole matrices spread over the
+    ranks, the update slice by slice. The values of optim.muon.muon_update_ in one process. A
+    collective."""
     matrices = []
-    for name, p in stepped:
+    for name, p, grad in stepped:
         if name not in buffers:
-            buffers[name] = torch.zeros_like(p.grad)
-        update = nesterov_(local(p.grad), local(buffers[name]), muon.momentum)
+            buffers[name] = torch.zeros_like(grad)
+        update = nesterov_(local(grad), local(buffers[name]), muon.momentum)
         matrices.append(Matrix(update, tuple(p.shape), num_row_blocks(name)))
     orthos = orthogonalise(matrices, muon.newton_schulz_steps, group.rank, group.world)
-    for (name, p), ortho in zip(stepped, orthos, strict=True):
+    for (name, p, _), ortho in zip(stepped, orthos, strict=True):
         apply_update_(
             local(p),
             ortho,

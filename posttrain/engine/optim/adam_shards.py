@@ -8,7 +8,7 @@ The state stays the torch.optim.AdamW's (DTensor moments, a CPU step counter per
 initialised as its `_init_group` does), so state_dict, checkpoints and load_state_dict see the
 same state as before, and the values are the same operations on the same numbers.
 
-Imports: torch (optim), engine.parallel.fsdp.
+Imports: torch (optim), engine.parallel.fsdp (the shard layout).
 """
 
 from __future__ import annotations

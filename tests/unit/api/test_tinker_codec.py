@@ -1,7 +1,7 @@
-"""The Tinker protobuf codec (api/tinker/codec.py, codec_replies.py) against bytes laid out by
-the SDK's rules (tinker 0.38 request_conv.py / response_conv.py), built here with the vendored
-schema: the 0.38 SDK is not installed in this environment. scripts/tinker_codec_crosscheck.py
-checks the same codec against the real SDK."""
+"""The Tinker protobuf codec (api/tinker/codec.py) against bytes laid out by the SDK's rules
+(tinker 0.38 request_conv.py / response_conv.py), built here with the vendored schema: the 0.38
+SDK is not installed in this environment. scripts/tinker_codec_crosscheck.py checks the same
+codec against the real SDK."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ import pytest
 import zstandard
 
 from posttrain.api.tinker import tinker_public_pb2 as pb
-from posttrain.api.tinker.codec import WireDatum, WireSpan, WireTensor, decode_forward_backward
-from posttrain.api.tinker.codec_replies import (
+from posttrain.api.tinker.codec import (
     TOPK_EMPTY,
+    WireDatum,
     WireSequence,
+    WireSpan,
+    WireTensor,
+    decode_forward_backward,
     encode_forward_backward_output,
     encode_sample_response,
 )

@@ -295,7 +295,7 @@ OperationRequest = (
 @dataclass(frozen=True)
 class LoraConfig:
     rank: int = 8
-    alpha: int = 16
+    alpha: float = 16
     dropout: float = 0.0
     seed: int = 0
     train_unembed: bool = True

@@ -4,8 +4,8 @@ What: the SDK (in its own environment, given by --sdk-python) builds a forward_b
 request from `tinker.Datum` objects through its own request_conv, exactly as
 TrainingClient.forward_backward sends it (plain and zstd), and writes down what it put in;
 posttrain's codec (api/tinker/codec.py) decodes both bodies here and must give those values
-back exactly. Then posttrain's codec_replies.py encodes a ForwardBackwardOutput and a
-SampleResponse, and the SDK's response_conv parses them and must read the values put in.
+back exactly. Then posttrain's codec encodes a ForwardBackwardOutput and a SampleResponse,
+and the SDK's response_conv parses them and must read the values put in.
 
 Why: the unit tests (tests/unit/api/test_tinker_codec.py) build the wire by hand, following
 the SDK's rules, because CI has no 0.38 SDK; this script checks those rules against the SDK
@@ -275,9 +275,9 @@ def check_request(out: Path) -> None:
 
 
 def write_replies(out: Path) -> None:
-    from posttrain.api.tinker.codec import WireTensor
-    from posttrain.api.tinker.codec_replies import (
+    from posttrain.api.tinker.codec import (
         WireSequence,
+        WireTensor,
         encode_forward_backward_output,
         encode_sample_response,
     )

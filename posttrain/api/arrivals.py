@@ -8,28 +8,32 @@ Imports: service (through the app's state).
 from __future__ import annotations
 
 import re
-from typing import Any
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from posttrain.service import Services
 from posttrain.service.operations.arrivals import CURRENT_ARRIVAL
 
 SAMPLE_POST = re.compile(r"^/v1/rl/training-sessions/([^/:]+)(?::sample|/operations/sample)$")
 
 
 class ArrivalsMiddleware:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = None
         if scope["type"] == "http" and scope["method"] == "POST":
             match = SAMPLE_POST.match(scope["path"])
-        services = getattr(scope["app"].state, "services", None) if match else None
-        if services is None:
+        services: Services | None = (
+            getattr(scope["app"].state, "services", None) if match else None
+        )
+        if match is None or services is None:
             await self.app(scope, receive, send)
             return
-        arrival = services.arrivals.start(match.group(1))  # type: ignore[union-attr]
+        arrival = services.arrivals.start(match.group(1))
 
-        async def answering(message: dict) -> None:
+        async def answering(message: Message) -> None:
             # Counted answered before the answer's last bytes leave, not after: a client that
             # sends its next sample POST as soon as this one is answered (the tinker shim's
             # synchronous sample) must not find this one still unanswered and be held.

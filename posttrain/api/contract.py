@@ -13,6 +13,7 @@ Imports: api.deps, api.schemas, config.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -63,7 +64,7 @@ def documented(
         }
     arguments: dict[str, Any] = {"response_model": None, "openapi_extra": extra or None}
     if media_type is not None:
-        content = {media_type: {"schema": {}}}
+        content: dict[str, dict[str, Any]] = {media_type: {"schema": {}}}
         arguments["responses"] = {200: {"description": "The file", "content": content}}
         arguments["response_class"] = FileResponse  # no JSON content of its own
     else:
@@ -119,16 +120,18 @@ def _add_models(schemas: dict[str, Any], models: list[tuple[type[BaseModel], Any
 def _authenticated(app: FastAPI) -> set[tuple[str, str]]:
     """(path, method) of every route that takes the caller's bearer key (deps.current_user);
     signed URLs and the health check do not."""
-    found = set()
+    found: set[tuple[str, str]] = set()
     # Included routers' routes, with their prefixes, as get_openapi walks them.
     for context in iter_route_contexts(app.routes):
         route = context.original_route
         if isinstance(route, APIRoute) and _calls(route.dependant, current_user):
+            # starlette's Route types its methods optional; FastAPI gives each APIRoute its own.
+            assert route.methods is not None, f"the route {route.path} has no methods"
             found.update((route.path, method) for method in route.methods)
     return found
 
 
-def _calls(dependant: Dependant, function: Any) -> bool:
+def _calls(dependant: Dependant, function: Callable[..., Any]) -> bool:
     return any(d.call is function or _calls(d, function) for d in dependant.dependencies)
 
 

@@ -21,7 +21,8 @@ M = TypeVar("M", bound=BaseModel)
 # The dependencies are coroutines although they do no I/O: FastAPI runs a plain function
 # dependency on a worker thread, a thread hop per request for a dictionary lookup.
 async def services(request: Request) -> Services:
-    return request.app.state.services
+    services: Services = request.app.state.services
+    return services
 
 
 def authenticate(config: ServerConfig, authorization: str) -> str:
@@ -40,7 +41,7 @@ def authenticate(config: ServerConfig, authorization: str) -> str:
 
 
 async def current_user(request: Request) -> str:
-    config = request.app.state.services.config
+    config: ServerConfig = request.app.state.services.config
     return authenticate(config, request.headers.get("authorization", ""))
 
 
@@ -97,5 +98,5 @@ def parse(model: type[M], body: dict[str, Any]) -> M:
 # Annotated dependencies, so route signatures stay short and free of call defaults.
 ServicesDep = Annotated[Services, Depends(services)]
 UserDep = Annotated[str, Depends(current_user)]
-BodyDep = Annotated[dict, Depends(json_body)]
+BodyDep = Annotated[dict[str, Any], Depends(json_body)]
 RawBodyDep = Annotated[bytes, Depends(raw_body)]

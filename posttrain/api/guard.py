@@ -7,27 +7,29 @@ upload (PUT of a signed URL, api.md 1.6: the SDK sends no Authorization) is auth
 signature in the route, and only bounded here, by the larger payload limit. Methods without a
 body pass through.
 
-Imports: api.deps, api.responses, errors.
+Imports: api.deps, api.responses, api.tinker.handshake, errors, service (the Services the
+app's state holds).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from posttrain.api.deps import authenticate
 from posttrain.api.responses import error_response
 from posttrain.api.tinker.handshake import authorization_of
 from posttrain.errors import PayloadTooLarge, posttrainError
+from posttrain.service import Services
 
 PAYLOAD_UPLOAD_PREFIX = "/v1/rl/payloads/"
 
 
 class RequestGuard:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        services = (
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        services: Services | None = (
             getattr(scope["app"].state, "services", None) if scope["type"] == "http" else None
         )
         if services is None or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -53,12 +55,12 @@ def _too_large(mib: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"the request body is over the server's {mib} MiB limit", param="body")
 
 
-def _bounded(receive: Any, mib: int) -> Any:
+def _bounded(receive: Receive, mib: int) -> Receive:
     """`receive` that raises PayloadTooLarge once more than `mib` MiB arrived (a chunked body
     declares no length); the app's error handler answers 413."""
     received = 0
 
-    async def bounded() -> dict:
+    async def bounded() -> Message:
         nonlocal received
         message = await receive()
         if message["type"] == "http.request":
@@ -70,7 +72,7 @@ def _bounded(receive: Any, mib: int) -> Any:
     return bounded
 
 
-async def _answer(exc: posttrainError, scope: dict, receive: Any, send: Any) -> None:
+async def _answer(exc: posttrainError, scope: Scope, receive: Receive, send: Send) -> None:
     response = error_response(exc.http_status, exc.error_type, exc.message, exc.param)
     # Closing after an unread body: the client may still be sending it.
     response.headers["connection"] = "close"

@@ -12,7 +12,7 @@ which aborts the process in torch's C++ frames ("terminate called without an act
 exception"). The store is crash-safe, so what that pass had not recorded runs again at the
 next start. Log records are one line each; a traceback is shown at log level debug only.
 
-Imports: api.app (through the app's state), config, uvicorn.
+Imports: config, service (the Services the app's state holds), uvicorn.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from posttrain.config import ServerConfig
+from posttrain.service import Services
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The exit status of a stop by each signal: Ctrl-C reports 130 as a shell expects of an
 # interrupted command; SIGTERM is how service managers ask for a stop, which then succeeded.
-EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 0}
+EXIT_STATUS: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 0}
 
 
 class OneLineFormatter(logging.Formatter):
@@ -92,8 +93,9 @@ def introduction(config: ServerConfig, port: int) -> str:
 
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, *, intro: str) -> None:
+    def __init__(self, config: uvicorn.Config, *, app: FastAPI, intro: str) -> None:
         super().__init__(config)
+        self.served_app = app
         self.intro = intro
         self.stop_signal: int | None = None
 
@@ -103,7 +105,7 @@ class Server(uvicorn.Server):
             print(self.intro, file=sys.stderr, flush=True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        services = getattr(self.config.app.state, "services", None)
+        services: Services | None = getattr(self.served_app.state, "services", None)
         if services is not None:
             services.watch.close()
         await super().shutdown(sockets)
@@ -134,7 +136,7 @@ def serve(app: FastAPI, *, sock: socket.socket, config: ServerConfig) -> int:
     configure_logging(config.log_level, access_log=config.access_log)
     intro = introduction(config, sock.getsockname()[1])
     uvicorn_config = uvicorn.Config(app, log_config=None, access_log=config.access_log)
-    server = Server(uvicorn_config, intro=intro)
+    server = Server(uvicorn_config, app=app, intro=intro)
     server.run(sockets=[sock])
     if not server.started:
         return 1

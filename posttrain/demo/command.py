@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.demo.loop import QUICK, DemoConfig, StepRecord, require_sdk, run_demo
@@ -60,7 +60,7 @@ class ProgressBar:
     def __init__(self, total: int, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         self.done = 0
-        self.bar: tqdm | None = None
+        self.bar: tqdm[NoReturn] | None = None  # a bar over no iterable (total only)
         if self.stream.isatty():
             from tqdm import tqdm
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from posttrain.config import BUILTIN_MODEL_ID, BUILTIN_MODELS
 from posttrain.demo.task import (
@@ -41,7 +41,9 @@ from posttrain.demo.task import (
 )
 
 if TYPE_CHECKING:
-    from together.post_training import SessionClient
+    from together.post_training import LossConfig, Sample, SessionClient
+    from together.types.post_training.lora_config_param import LoraConfigParam
+    from together.types.post_training.model_input_param import ModelInput
     from transformers import PreTrainedTokenizerBase
 
 # Seconds between operation polls: steps take a fraction of a second on the tiny model, and the
@@ -145,10 +147,13 @@ class Tokens:
         self.eos = int(self.tokenizer.eos_token_id)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        tokens: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return tokens
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert isinstance(text, str), "one sequence of token ids decodes to one text"
+        return text
 
 
 @contextlib.contextmanager
@@ -160,11 +165,26 @@ def sdk_quiet() -> Iterator[None]:
         yield
 
 
-def model_input(tokens: list[int]) -> dict[str, Any]:
+class DemoSample(TypedDict):
+    """A training sample as the demo builds it: the SDK's Sample with its loss inputs as plain
+    lists, which the SDK coerces to tensors before it sends them (sdk_samples)."""
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, list[int] | list[float]]
+
+
+def sdk_samples(samples: list[DemoSample]) -> list[Sample]:
+    """`samples` as the SDK's type: its Sample types each loss input as a TensorData while its
+    clients take plain lists too (the Sample docstring: a type-checked caller passing an array
+    needs a cast)."""
+    return cast("list[Sample]", samples)
+
+
+def model_input(tokens: list[int]) -> ModelInput:
     return {"chunks": [{"encoded_text": {"tokens": tokens}}]}
 
 
-def sft_sample(prompt: list[int], completion: list[int], weight: float = 1.0) -> dict[str, Any]:
+def sft_sample(prompt: list[int], completion: list[int], weight: float = 1.0) -> DemoSample:
     """Cross-entropy sample: predict (prompt + completion)[1:], `weight` on the completion."""
     full = prompt + completion
     weights = [0.0] * (len(prompt) - 1) + [weight] * len(completion)
@@ -176,7 +196,7 @@ def sft_sample(prompt: list[int], completion: list[int], weight: float = 1.0) ->
 
 def policy_sample(
     prompt: list[int], completion: list[int], logprobs: list[float], advantage: float
-) -> dict[str, Any]:
+) -> DemoSample:
     """GRPO sample: the sampler's logprobs and one advantage on every completion token; the
     prompt positions are masked out (their logprobs and advantages are placeholders)."""
     full = prompt + completion
@@ -239,7 +259,9 @@ def warmup_step(
         for p in batch
     ]
     result = policy.trainer.forward_backward(
-        samples=samples, loss={"type": "cross_entropy"}, interval=POLL_INTERVAL_S
+        samples=sdk_samples(samples),
+        loss={"type": "LOSS_TYPE_CROSS_ENTROPY"},
+        interval=POLL_INTERVAL_S,
     )
     policy.trainer.optim_step(
         adam_params={"learning_rate": config.warmup_learning_rate, "weight_decay": 0.0},
@@ -265,10 +287,10 @@ def k3_kl(reference_logprob: float, logprob: float) -> float:
     return math.exp(u) - u - 1.0
 
 
-def rl_loss_config(config: DemoConfig) -> dict[str, Any]:
+def rl_loss_config(config: DemoConfig) -> LossConfig:
     if config.rl_loss == "grpo":
         return {
-            "type": "grpo",
+            "type": "LOSS_TYPE_GRPO",
             "grpo_params": {
                 "clip_low_threshold": config.clip_low_threshold,
                 "clip_high_threshold": config.clip_high_threshold,
@@ -277,13 +299,15 @@ def rl_loss_config(config: DemoConfig) -> dict[str, Any]:
         }
     if config.rl_loss == "ppo":
         return {
-            "type": "ppo",
+            "type": "LOSS_TYPE_PPO",
             "ppo_params": {
                 "clip_low_threshold": config.clip_low_threshold,
                 "clip_high_threshold": config.clip_high_threshold,
             },
         }
-    return {"type": config.rl_loss}
+    # Any other loss by its short name, which the SDK's trainer expands to the LOSS_TYPE_
+    # spelling (and refuses when it names no loss); its LossConfig type names the long one only.
+    return cast("LossConfig", {"type": config.rl_loss})
 
 
 def rl_step(
@@ -307,7 +331,7 @@ def rl_step(
         },
         interval=POLL_INTERVAL_S,
     )
-    num_tokens, rewards, samples = 0, [], []
+    num_tokens, rewards, samples = 0, list[float](), list[DemoSample]()
     for problem, prompt, result in zip(batch, prompts, results, strict=True):
         completions = [[int(t) for t in s.tokens] for s in result.sequences]
         rewards_G = [
@@ -325,11 +349,13 @@ def rl_step(
                 samples.append(
                     policy_sample(prompt, completion, list(sequence.logprobs or []), advantage)
                 )
-    loss, metrics, kl = 0.0, {}, None
+    loss, metrics, kl = 0.0, dict[str, float](), None
     if samples:
         if reference is not None:
             scored = reference.trainer.forward(
-                samples=samples, loss={"type": "importance_sampling"}, interval=POLL_INTERVAL_S
+                samples=sdk_samples(samples),
+                loss={"type": "LOSS_TYPE_IMPORTANCE_SAMPLING"},
+                interval=POLL_INTERVAL_S,
             )
             kl_sum, kl_count = 0.0, 0
             for sample, output in zip(samples, scored.loss_fn_outputs or [], strict=True):
@@ -345,8 +371,8 @@ def rl_step(
         # Several updates on one batch (PPO-style epochs): the ratio to the sampler's logprobs
         # moves away from 1 after the first, and the GRPO clip bounds how far.
         for _ in range(config.updates_per_batch):
-            result = policy.trainer.forward_backward(
-                samples=samples, loss=rl_loss_config(config), interval=POLL_INTERVAL_S
+            update = policy.trainer.forward_backward(
+                samples=sdk_samples(samples), loss=rl_loss_config(config), interval=POLL_INTERVAL_S
             )
             policy.trainer.optim_step(
                 adam_params={"learning_rate": config.rl_learning_rate, "weight_decay": 0.0},
@@ -355,7 +381,7 @@ def rl_step(
         policy.trainer.weights_sync(interval=POLL_INTERVAL_S)
         trained = sum(len(s["loss_fn_inputs"]["target_tokens"]) for s in samples)
         num_tokens += trained * (config.updates_per_batch + (reference is not None))
-        loss, metrics = result.loss, dict(result.metrics or {})
+        loss, metrics = update.loss, dict(update.metrics or {})
     seconds = time.monotonic() - started
     return StepRecord(
         phase="rl",
@@ -396,7 +422,11 @@ def run_demo(
         if on_step:
             on_step(record, total)
 
-    lora = {"rank": config.lora_rank, "alpha": config.lora_alpha, "seed": config.seed}
+    lora: LoraConfigParam = {
+        "rank": config.lora_rank,
+        "alpha": config.lora_alpha,
+        "seed": config.seed,
+    }
     with sdk_quiet():
         resources = ModelResourcesClient.create(
             base_url=base_url, api_key=api_key, base_model=config.base_model, interval=0.2

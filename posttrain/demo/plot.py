@@ -179,7 +179,7 @@ def encode_png(width: int, height: int, rgb: bytes) -> bytes:
 def nice_step(span: float, num_ticks: int = 4) -> float:
     """The 1, 2 or 5 times a power of ten closest above span / num_ticks."""
     raw = span / num_ticks
-    power = 10 ** math.floor(math.log10(raw))
+    power: float = 10 ** math.floor(math.log10(raw))  # an int from 1 up, a float below
     return next(m * power for m in (1, 2, 5, 10) if m * power >= raw * 0.999)
 
 

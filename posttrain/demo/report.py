@@ -8,7 +8,7 @@ import math
 from dataclasses import fields
 from pathlib import Path
 
-from posttrain.demo.loop import DemoConfig, DemoResult, HeldoutExample, StepRecord
+from posttrain.demo.loop import DemoConfig, DemoResult, StepRecord
 from posttrain.demo.plot import (
     BLUE,
     GREEN,
@@ -20,6 +20,7 @@ from posttrain.demo.plot import (
     Series,
     render,
 )
+from posttrain.demo.task import HeldoutExample
 
 PLOT_WIDTH, PLOT_HEIGHT = 1000, 680
 LIGHT_BLUE: Color = (158, 196, 228)

@@ -32,13 +32,15 @@ INTERRUPTED_STOP_TIMEOUT_S = 1.0
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def is_healthy(base_url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{base_url}/healthz", timeout=1) as response:
-            return response.status == 200
+            status: int = response.status
+            return status == 200
     except (urllib.error.URLError, OSError):
         return False
 

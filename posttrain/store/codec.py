@@ -24,7 +24,7 @@ import json
 import types
 import typing
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, create_model
 
@@ -87,8 +87,8 @@ def _convert(hint: Any, value: Any) -> Any:
         return base64.urlsafe_b64decode(value)
     if isinstance(hint, type) and issubclass(hint, Enum):
         return hint(value)
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value)  # type: ignore[arg-type]
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return from_dict(hint, value)
     return value
 
 
@@ -101,10 +101,14 @@ def _field_hints(cls: type) -> dict[str, Any]:
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     if cls is LossConfig:
-        return _loss_config(data)  # type: ignore[return-value]
-    hints = _field_hints(cls)
+        return cast(T, _loss_config(data))  # the checker does not narrow T by `cls is`
+    # As a plain `type`: mypy checks a type[T] against functools.cache's Hashable with an
+    # unbound __hash__, and refuses it.
+    record_type: type = cls
+    hints = _field_hints(record_type)
     kwargs = {
         f.name: _convert(hints[f.name], data[f.name])
+        # T has no bound, so the checker cannot know that every record type is a dataclass.
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
         if f.name in data
     }
@@ -144,7 +148,8 @@ def _kept(request_type: type) -> type[BaseModel]:
 
 def request_to_json(request: OperationRequest) -> str:
     """`{"request": <its dataclass fields>}`; values are written as they are (no coercion)."""
-    wrapped = _kept(type(request)).model_construct(request=request)
+    request_type: type = type(request)  # a plain `type` for functools.cache (from_dict says why)
+    wrapped = _kept(request_type).model_construct(request=request)
     return wrapped.model_dump_json(warnings=False)
 
 

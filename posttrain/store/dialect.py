@@ -22,14 +22,18 @@ class DialectObjects:
     def __init__(self, repo: Repo) -> None:
         self._repo = repo
 
-    def put(self, kind: str, object_id: str, user: str, created_at: float, data: dict) -> None:
+    def put(
+        self, kind: str, object_id: str, user: str, created_at: float, data: dict[str, Any]
+    ) -> None:
         self._repo._execute(
             "INSERT OR REPLACE INTO dialect_objects (kind, id, created_by, created_at, data)"
             " VALUES (?, ?, ?, ?, ?)",
             (kind, object_id, user, created_at, json.dumps(data, separators=(",", ":"))),
         )
 
-    def insert(self, kind: str, object_id: str, user: str, created_at: float, data: dict) -> bool:
+    def insert(
+        self, kind: str, object_id: str, user: str, created_at: float, data: dict[str, Any]
+    ) -> bool:
         """Add the object unless one with its key exists; True when this call added it (two
         retries of one request race here, and only one of them may run)."""
         with self._repo._lock:

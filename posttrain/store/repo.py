@@ -29,6 +29,9 @@ from posttrain.types import OperationKind, OperationRequest
 
 __all__ = ["OperationDigest", "Repo", "to_json"]
 
+# The values a query binds to its `?` placeholders.
+SqlArgs = tuple[str | int | float | bytes | None, ...]
+
 
 class Repo:
     """All store access. Thread-safe: one lock around the shared connection."""
@@ -44,11 +47,11 @@ class Repo:
     def add_operation_listener(self, listener: Callable[[OperationRecord], None]) -> None:
         self._operation_listeners.append(listener)
 
-    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+    def _query(self, sql: str, args: SqlArgs = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    def _execute(self, sql: str, args: tuple = ()) -> None:
+    def _execute(self, sql: str, args: SqlArgs = ()) -> None:
         with self._lock:
             self._db.execute(sql, args)
 
@@ -212,7 +215,7 @@ class Repo:
 
     def unfinished_operations(self, session_id: str | None = None) -> list[OperationRecord]:
         sql = "SELECT data FROM operations WHERE status IN (?, ?)"
-        args: tuple = (OperationStatus.PENDING.value, OperationStatus.RUNNING.value)
+        args: SqlArgs = (OperationStatus.PENDING.value, OperationStatus.RUNNING.value)
         if session_id is not None:
             sql += " AND session_id = ?"
             args += (session_id,)
@@ -243,9 +246,9 @@ class Repo:
         sql, args = self._kept(session_id, through, "<=")
         self._execute(f"UPDATE operations SET request = NULL, body = NULL WHERE {sql}", args)
 
-    def _kept(self, session_id: str, op_id: str | None, compare: str) -> tuple[str, tuple]:
+    def _kept(self, session_id: str, op_id: str | None, compare: str) -> tuple[str, SqlArgs]:
         sql = "session_id = ? AND status = ? AND (request IS NOT NULL OR body IS NOT NULL)"
-        args: tuple = (session_id, OperationStatus.COMPLETED.value)
+        args: SqlArgs = (session_id, OperationStatus.COMPLETED.value)
         if op_id is None:
             return sql, args
         return f"{sql} AND seq {compare} (SELECT seq FROM operations WHERE id = ?)", (*args, op_id)

@@ -6,7 +6,7 @@ engine's limits (a full-weight resource hosts one session, api.md 1.2).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter
 
@@ -18,11 +18,24 @@ from posttrain.config import SamplerConfig
 router = APIRouter()
 
 
+class ModelLimits(Protocol):
+    """What a supported model's reply reads of the engine's ModelInfo (which the api layer
+    does not import: it reaches the engine through the service only)."""
+
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def max_seq_length(self) -> int: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def max_lora_rank(self) -> int: ...
+
+
 def supported_model(
-    base_model: str, info: Any, sampler: SamplerConfig, device: str
+    base_model: str, info: ModelLimits, sampler: SamplerConfig, device: str
 ) -> o.SupportedModel:
     """`info`: the engine's ModelInfo for `base_model` (its limits and context length)."""
-    sizes = {"max_batch_size": info.max_batch_size, "max_seq_length": info.max_seq_length}
     generator = o.GeneratorConfig.model_construct(
         context_length=info.context_length,
         sampling_defaults=o.SamplingDefaults.model_construct(
@@ -33,8 +46,14 @@ def supported_model(
         ),
     )
     trainer = o.TrainerConfig.model_construct(
-        full=o.TrainerLimits.model_construct(**sizes),
-        lora=o.LoraTrainerLimits.model_construct(**sizes, max_rank=info.max_lora_rank),
+        full=o.TrainerLimits.model_construct(
+            max_batch_size=info.max_batch_size, max_seq_length=info.max_seq_length
+        ),
+        lora=o.LoraTrainerLimits.model_construct(
+            max_batch_size=info.max_batch_size,
+            max_seq_length=info.max_seq_length,
+            max_rank=info.max_lora_rank,
+        ),
     )
     compute = o.SupportedComputeConfig.model_construct(
         gpu_type=o.SUPPORTED_MODELS_GPU_TYPE,

@@ -4,7 +4,7 @@ are epoch seconds, and absent values are written as null.
 An operation's fields are declared once, on records.OperationRecord: DashboardOperation takes
 those it shows (OPERATION_FIELDS), with their types, from the record.
 
-Imports: api.schemas.objects, records.
+Imports: api.schemas.reply, records.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 
 from pydantic import create_model
 
-from posttrain.api.schemas.objects import Reply
+from posttrain.api.schemas.reply import Reply
 from posttrain.records import OperationRecord
 from posttrain.statuses import ResourceStatus, SessionStatus
 

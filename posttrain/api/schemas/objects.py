@@ -10,7 +10,7 @@ Imports: api.schemas.reply, types.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import ClassVar, Literal, Self
+from typing import Any, ClassVar, Final, Literal, Self, cast
 
 from pydantic import Field
 
@@ -24,10 +24,10 @@ from posttrain.types import CheckpointType
 # "H100-80GB" or "B200-SXM" or nothing; a supported model's gpu_type and default_gpu_type must
 # say "B200-SXM". So gpu_type carries the nearest accepted literal, and `device` (an extra field,
 # which the SDK's models keep) carries the real device name.
-SUPPORTED_MODELS_GPU_TYPE = "B200-SXM"
+SUPPORTED_MODELS_GPU_TYPE: Final = "B200-SXM"
 
 
-def resource_gpu_type(device: str) -> str | None:
+def resource_gpu_type(device: str) -> Literal["H100-80GB", "B200-SXM"] | None:
     """The ModelResources gpu_type literal naming `device`, or None where none does."""
     name = device.upper()
     if "B200" in name:
@@ -64,9 +64,10 @@ class ObjectError(Reply):
     @classmethod
     def of(cls, error: ErrorInfo) -> Self:
         code = error.code if cls.codes is None else cls.codes(error.code)
-        return cls.model_construct(
+        reply = cls.model_construct(
             code=code, message=error.message, occurred_at=timestamp(error.occurred_at)
         )
+        return cast(Self, reply)  # Reply.copied says why
 
 
 # ---------------------------------------------------------------- model resources
@@ -83,7 +84,7 @@ class MuonConfig(Reply):
 
 
 class OptimizerConfig(Reply):
-    adam: dict = optional()
+    adam: dict[str, Any] = optional()
     muon: MuonConfig = optional()
 
 
@@ -92,7 +93,7 @@ class StatusDetails(Reply):
 
 
 class ResourceError(ObjectError):
-    code: ResourceErrorCode  # type: ignore[assignment]
+    code: ResourceErrorCode
     codes = ResourceErrorCode
 
 
@@ -181,9 +182,12 @@ class SessionMetadata(Reply):
     def of(cls, metadata: dict[str, dict[str, str]]) -> Self:
         """Wandb's keys come out in the order declared here; a PATCH that adds an earlier
         key after a later one stores them in arrival order, which the wire no longer keeps."""
-        return cls.model_construct(
-            **{group: Wandb.model_construct(**fields) for group, fields in metadata.items()}
-        )
+        # _fields_set named, so that the checker binds none of the stored values to it.
+        groups = {
+            group: Wandb.model_construct(_fields_set=None, **fields)
+            for group, fields in metadata.items()
+        }
+        return cast(Self, cls.model_construct(_fields_set=None, **groups))  # Reply.copied: why
 
 
 class PolicyState(Reply):
@@ -202,7 +206,7 @@ class LoraConfig(Reply):
 
 
 class SessionError(ObjectError):
-    code: SessionErrorCode  # type: ignore[assignment]
+    code: SessionErrorCode
     codes = SessionErrorCode
 
 

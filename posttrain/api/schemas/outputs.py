@@ -10,7 +10,7 @@ Imports: api.schemas.objects, api.schemas.reply, types.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, cast
 
 from pydantic import Field
 
@@ -49,7 +49,7 @@ class ForwardBackwardResult(Reply):
 
     @classmethod
     def of(cls, result: t.ForwardBackwardResult) -> Self:
-        return cls.model_construct(
+        reply = cls.model_construct(
             loss=result.loss,
             metrics=result.metrics,
             loss_fn_outputs=[
@@ -61,6 +61,7 @@ class ForwardBackwardResult(Reply):
                 for values in result.loss_fn_outputs or []
             ],
         )
+        return cast(Self, reply)  # Reply.copied says why
 
 
 class CustomForwardBackwardResult(Reply):
@@ -164,7 +165,7 @@ class OperationReply(Reply):
             fields["error"] = OperationError.model_construct(
                 code=op.error_code, message=op.error_message or ""
             )
-        return cls.model_construct(**fields)
+        return cast(Self, cls.model_construct(**fields))  # Reply.copied says why
 
 
 class ForwardBackwardOperation(OperationReply):

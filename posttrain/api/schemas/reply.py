@@ -14,7 +14,7 @@ Imports: nothing from posttrain.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Self
+from typing import Any, Self, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,7 +38,7 @@ class Reply(BaseModel):
         """The reply of a domain object: each field is `fields[name]` if given, else the
         attribute of `value` of the same name; an optional field that comes out None is left
         out, so it is absent from the wire."""
-        out = {}
+        out: dict[str, Any] = {}
         for name, field in cls.model_fields.items():
             if name in fields:
                 item = fields[name]
@@ -46,7 +46,9 @@ class Reply(BaseModel):
                 item = getattr(value, name) if field.is_required() else getattr(value, name, None)
             if item is not None or field.is_required():
                 out[name] = item
-        return cls.model_construct(**out)
+        # The pydantic plugin types model_construct as returning the class that declares the
+        # fields (here Reply), not the subclass it is called on, which it returns.
+        return cast(Self, cls.model_construct(**out))
 
     def wire(self) -> dict[str, Any]:
         """The JSON object as sent: the fields that were set, in declared order, nested replies

@@ -6,6 +6,7 @@ Imports: api.schemas.wire, types, errors.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import Field
 
@@ -45,7 +46,7 @@ class MuonConfigIn(Wire):
 
 
 class OptimizerConfigIn(Wire):
-    adam: dict | None = None
+    adam: dict[str, Any] | None = None
     muon: MuonConfigIn | None = None
 
 

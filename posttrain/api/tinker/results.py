@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.api.tinker.codec import WireTensor
-from posttrain.api.tinker.codec_replies import (
+from posttrain.api.tinker.codec import (
     WireSequence,
+    WireTensor,
     encode_forward_backward_output,
     encode_sample_response,
 )

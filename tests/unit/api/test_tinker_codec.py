@@ -1,23 +1,30 @@
-"""The Tinker protobuf codec (api/tinker/codec.py, codec_replies.py) against bytes laid out by
-the SDK's rules (tinker 0.38 request_conv.py / response_conv.py), built here with the vendored
-schema: the 0.38 SDK is not installed in this environment. scripts/tinker_codec_crosscheck.py
-checks the same codec against the real SDK."""
+"""The Tinker protobuf codec (api/tinker/codec.py) against bytes laid out by the SDK's rules
+(tinker 0.38 request_conv.py / response_conv.py), built here with the vendored schema: the 0.38
+SDK is not installed in this environment. scripts/tinker_codec_crosscheck.py checks the same
+codec against the real SDK."""
 
 from __future__ import annotations
 
+import ast
 import math
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
+from google.protobuf.descriptor import Descriptor
 
 from posttrain.api.tinker import tinker_public_pb2 as pb
-from posttrain.api.tinker.codec import WireDatum, WireSpan, WireTensor, decode_forward_backward
-from posttrain.api.tinker.codec_replies import (
+from posttrain.api.tinker.codec import (
     TOPK_EMPTY,
+    WireDatum,
     WireSequence,
+    WireSpan,
+    WireTensor,
+    decode_forward_backward,
     encode_forward_backward_output,
     encode_sample_response,
 )
@@ -448,3 +455,42 @@ def test_the_vendored_schema_lives_beside_the_together_shims_tinker_proto():
     )
     done = subprocess.run([sys.executable, "-c", sdk_first], capture_output=True, text=True)
     assert (done.returncode, done.stdout.strip()) == (0, "b'ab'"), done.stderr
+
+
+def test_the_type_stub_declares_every_message_field_and_enum_value_of_the_vendored_schema():
+    """tinker_public_pb2.pyi is generated from the vendored module's descriptor (its header
+    says how): a schema vendored again without the stub regenerated fails here, not as a type
+    checker reading fields the wire no longer has."""
+    tree = ast.parse(Path(pb.__file__).with_suffix(".pyi").read_text())
+    declared: dict[str, set[str]] = {}
+
+    def collect(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                names = declared.setdefault(prefix + node.name, set())
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        names.add(item.target.id)
+                    elif isinstance(item, ast.FunctionDef):
+                        names.add(item.name)
+                collect(node.body, f"{prefix}{node.name}.")
+
+    def messages(descriptors: Iterable[Descriptor]) -> Iterator[Descriptor]:
+        for descriptor in descriptors:
+            yield descriptor
+            yield from messages(descriptor.nested_types)
+
+    collect(tree.body, "")
+    package = pb.DESCRIPTOR.package + "."
+    for message in messages(pb.DESCRIPTOR.message_types_by_name.values()):
+        name = message.full_name.removeprefix(package)
+        assert name in declared, name
+        fields = {field.name for field in message.fields}
+        assert fields <= declared[name], (name, fields - declared[name])
+    module_level = {
+        node.target.id
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+    values = {v.name for e in pb.DESCRIPTOR.enum_types_by_name.values() for v in e.values}
+    assert values <= module_level, values - module_level

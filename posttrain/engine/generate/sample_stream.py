@@ -25,6 +25,7 @@ estimate (nothing within the pool).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,10 +33,21 @@ from torch import nn
 
 from posttrain.config import EngineConfig
 from posttrain.engine.generate.generator import generator_model, sampling_model, served
-from posttrain.engine.generate.sampler import Decoding, GenerationRequest
-from posttrain.engine.memory.estimate import pool_row_bytes
+from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS, GenerationRequest
+from posttrain.engine.generate.sampler import Decoding, peak_own_positions
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
+
+
+def pool_row_bytes(kv_per_position: int, prompt_positions: int, max_tokens: int) -> int:
+    """What one row of a stream's pool (sampler.Decoding.pool_rows: its decode cache allocated
+    at the start for the rows that may join) may hold: a prompt row of `prompt_positions`
+    rounded up to the pool's prompt width (joins.pooled_prefixes), and the generated part of
+    `max_tokens` new tokens, grown in steps and counted twice as any sample's
+    (sampler.peak_own_positions)."""
+    step = PREFIX_POOL_POSITIONS
+    prompt = step * math.ceil(prompt_positions / step)
+    return kv_per_position * (prompt + peak_own_positions(max_tokens))
 
 
 @dataclass(frozen=True)

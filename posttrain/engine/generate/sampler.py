@@ -202,7 +202,7 @@ class Decoding:
         attention.install(gm.model)
         self.gm = gm
         self.versions = versions
-        self.device = gm.model.get_input_embeddings().weight.device
+        self.device = gm.embedding.device
         self.generation = Generation()
         self.steps_per_block = (
             block_steps if block_steps is not None else default_block_steps(self.device)

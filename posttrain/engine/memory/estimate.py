@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from posttrain.engine.generate.decode_rows import max_tokens_of
 from posttrain.engine.generate.prefill import PREFILL_TOKENS_PER_PASS
 from posttrain.engine.generate.sampler import peak_own_positions
 from posttrain.model.kv_shape import KVShape
@@ -206,11 +207,11 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
     own_positions = sum(
         len(request.prompts)
         * request.num_samples
-        * peak_own_positions(request.sampling_params.max_tokens)
+        * peak_own_positions(max_tokens_of(request.sampling_params))
         for request in requests
     )
     generated = sum(
-        len(request.prompts) * request.num_samples * request.sampling_params.max_tokens
+        len(request.prompts) * request.num_samples * max_tokens_of(request.sampling_params)
         for request in requests
     )
     # The prompts' KV twice: the decode cache's copy and the prefix cache's.

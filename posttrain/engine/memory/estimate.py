@@ -21,11 +21,10 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
 - sampling holds a KV cache of num_samples x (prompt + max_tokens) positions x layers x 2 x
   kv_heads x head_dim x dtype bytes (the prompt once per prompt, model/fanout_kv_cache.py; the
   generated part grown in steps of DECODE_POSITIONS_PER_GROWTH and counted twice: the old and
-  new buffer side by side while it grows, or a compaction's gathered copy; the sampler's
-  peak_own_positions), per decode pass
-  rows x vocab float32 logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p
-  sorts and masks), and per generated token the Python lists of its token and logprob and its
-  share of the recorded result.
+  new buffer side by side while it grows, or a compaction's gathered copy: the sampler's
+  peak_own_positions), per decode pass rows x vocab float32 logits in SAMPLE_LOGIT_COPIES
+  (log-softmax, probabilities, top-k/top-p sorts and masks), and per generated token the
+  Python lists of its token and logprob and its share of the recorded result.
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
   prompt row rounded up to the pool's width and the generated part as above; the stream sizes
   it itself (generate/sample_stream.py pool_row_bytes), for the service's admission.

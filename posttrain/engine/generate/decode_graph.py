@@ -64,8 +64,10 @@ class DecodeStep:
         self.keys = batch.keys
         self.routing = routing_of(batch.keys, batch.device)
         # Copies: a join into padding rows (padding_joins.py) writes new rows' settings here.
-        self.settings = tuple(
-            t.clone() for t in (batch.temperature_B, batch.top_k_B, batch.top_p_B)
+        self.settings: tuple[Tensor, Tensor, Tensor] = (
+            batch.temperature_B.clone(),
+            batch.top_k_B.clone(),
+            batch.top_p_B.clone(),
         )
         self.kind = batch.kind
         # Persistent inputs and outputs: the last tokens (overwritten with the new ones), the
@@ -139,7 +141,8 @@ class DecodeStep:
         a capture), undo what that pass advanced, then capture one pass."""
         own_lengths_B = self.cache.fanout.own.lengths_B
         saved = [t.clone() for t in (self.tokens_B, self.cache.own_length_B, own_lengths_B)]
-        side = torch.cuda.Stream(self.tokens_B.device)
+        # torch.cuda.Stream.__new__ carries no annotations in torch.
+        side = torch.cuda.Stream(self.tokens_B.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self.tokens_B.device))
         with torch.cuda.stream(side):
             self._pass()

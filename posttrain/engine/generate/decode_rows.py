@@ -34,6 +34,13 @@ from posttrain.types import SamplingParams, StopReason
 DRAWS_AHEAD = 64
 
 
+def max_tokens_of(params: SamplingParams) -> int:
+    """A request's max_tokens: a number in the engine, since the service resolves None at
+    submit (service/operations.py resolved_max_tokens)."""
+    assert params.max_tokens is not None, "max_tokens None is resolved before the engine"
+    return params.max_tokens
+
+
 @dataclass
 class SampledRow:
     """One sampled sequence."""
@@ -51,9 +58,8 @@ class SampledRow:
 
     @property
     def max_tokens(self) -> int:
-        """The row's max_tokens: a number here, since the service resolves None at submit."""
-        assert self.params.max_tokens is not None, "max_tokens None is resolved before the engine"
-        return self.params.max_tokens
+        """The row's max_tokens (max_tokens_of its params)."""
+        return max_tokens_of(self.params)
 
 
 class LiveRows:
@@ -165,8 +171,10 @@ class LiveRows:
     def _pending(self) -> list[Tensor]:
         """Each live row's uniforms drawn and not used yet, in order (on the CPU): its
         columns left, then its carry."""
-        width = self._columns_left()
-        left_BC = self._ahead_BC[:, self._column :].cpu() if width else None
+        left_BC = None
+        if self._columns_left():
+            assert self._ahead_BC is not None, "columns left are columns drawn ahead"
+            left_BC = self._ahead_BC[:, self._column :].cpu()
         pending = []
         for i, r in enumerate(self.live):
             parts = [left_BC[i]] if left_BC is not None else []

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from posttrain.config import EngineConfig
 from posttrain.engine.checkpoint.formats import copy_into
+from posttrain.engine.generate.joins import GenerationRequest
 from posttrain.engine.generate.prefill import GeneratorModel
-from posttrain.engine.generate.sampler import GenerationRequest, generate
+from posttrain.engine.generate.sampler import generate
 from posttrain.engine.state import ResourceState, SessionState, WeightsVersion
 from posttrain.engine.train import full_weight
 from posttrain.types import SampleRequest, SampleResult
@@ -96,10 +99,13 @@ def install(
     resource.prefix_cache.drop_owner(session.generator_key)
 
 
-def sampling_model(resource: ResourceState, session: SessionState) -> nn.Module:
+def sampling_model(resource: ResourceState, session: SessionState) -> PreTrainedModel:
     """The model sample runs (with the session's generator adapter routed, for LoRA)."""
     if session.generator_model is not None:
-        return session.generator_model
+        # A full-weight session's generator is a copy of the loaded PreTrainedModel
+        # (full_weight.generator_copy), or on a replica that model itself; SessionState holds
+        # it as the nn.Module the trainer side sees.
+        return cast(PreTrainedModel, session.generator_model)
     return resource.loaded.model
 
 
@@ -116,7 +122,7 @@ def sample_batch(
     models = {id(m): m for m in (sampling_model(resource, s) for s, _ in items)}
     assert len(models) == 1, "one generation runs on one model"
     model = generator_model(config, resource, next(iter(models.values())))
-    requests = []
+    requests: list[GenerationRequest] = []
     for session, request in items:
         served(resource, session)
         requests.extend(
@@ -140,7 +146,7 @@ def sample_batch(
 
 
 def generator_model(
-    config: EngineConfig, resource: ResourceState, model: nn.Module
+    config: EngineConfig, resource: ResourceState, model: PreTrainedModel
 ) -> GeneratorModel:
     """What the decode loop needs of the resource to sample `model` (sampling_model)."""
     loaded = resource.loaded

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -51,6 +52,13 @@ class GeneratorModel:
     moe: MoeShape | None = None  # the model's expert-route shape; None: dense
     cuda_graphs: bool = False  # EngineConfig.cuda_graphs: static passes in CUDA graphs on CUDA
 
+    @property
+    def embedding(self) -> Tensor:
+        """The input embedding's weight: its dtype and device are the model's."""
+        weight = self.model.get_input_embeddings().weight
+        assert isinstance(weight, Tensor), "an embedding's weight is a tensor"
+        return weight
+
 
 @dataclass
 class PromptGroup:
@@ -81,7 +89,7 @@ def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, T
 
 
 def new_cache(gm: GeneratorModel, num_rows: int, capacity: int, pool_rows: int = 0) -> KVCache:
-    embedding = gm.model.get_input_embeddings().weight
+    embedding = gm.embedding
     return KVCache.for_model(
         gm.kv,
         num_rows=num_rows,
@@ -115,16 +123,21 @@ def forward_rows(
     ragged: bool = False,
 ) -> Tensor:
     """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H].
-    With `routes_out`, also append the experts every position used, [B, Q, L, K].
+    `num_new_B`: the real positions of each row (None with a StaticDecodeCache, whose pass
+    appends one to every row). With `routes_out`, also append the experts every position
+    used, [B, Q, L, K].
     `uniform`: what the caller knows of the rows' lengths (KVCache.begin). `adapter_routing`: the
     rows' adapter routing made once (routing_of(keys_B)), for passes a CUDA graph captures
     (no index tensor may be made from the host inside one). `ragged`: a FanoutKVCache's rows
     hold different own lengths, `uniform`'s longest the longest (FanoutKVCache.begin)."""
     config = gm.model.config
-    if ragged:
-        assert isinstance(cache, FanoutKVCache) and uniform is not None
+    if isinstance(cache, StaticDecodeCache):
+        positions_BQ = cache.begin()
+    elif ragged:
+        assert isinstance(cache, FanoutKVCache) and uniform is not None and num_new_B is not None
         positions_BQ = cache.begin(num_new_B, uniform, ragged=True)
     else:
+        assert num_new_B is not None, "a pass appends num_new_B[b] positions to row b"
         positions_BQ = cache.begin(num_new_B, uniform)
     kinds = layer_types(config)
     masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
@@ -139,7 +152,7 @@ def forward_rows(
         attention.pass_layout([masks[kind] for kind in kinds]),
         routing.capture() if routes_out is not None else nullcontext() as captured,
     ):
-        hidden_BQH = gm.model.base_model(
+        hidden_BQH: Tensor = gm.model.base_model(
             input_ids=tokens_BQ,
             position_ids=positions_BQ,
             attention_mask=placeholder,
@@ -148,6 +161,7 @@ def forward_rows(
         ).last_hidden_state
     cache.commit()
     if routes_out is not None:
+        assert captured is not None, "routing.capture yields the routes list"
         # One [B * Q, K] entry per MoE layer, tokens flattened row-major as the blocks see them.
         routes_out.append(torch.stack(captured, dim=1).view(rows, width, len(captured), -1))
     return hidden_BQH
@@ -161,13 +175,14 @@ def head_logits(
     ragged: bool = False,
 ) -> Tensor:
     with gm.lora.route(adapter_routing or routing_of(keys_B, hidden_BH.device)):
-        return output_head(gm.model)(hidden_BH)
+        logits_BV: Tensor = output_head(gm.model)(hidden_BH)
+    return logits_BV
 
 
 def extend_rows(
     gm: GeneratorModel,
     cache: KVCache | FanoutKVCache,
-    tokens_B: list[Sequence[int]],
+    tokens_B: Sequence[Sequence[int]],
     keys_B: list[str],
     routes_out: list[Tensor] | None = None,
 ) -> Iterator[tuple[Tensor, list[int], list[int]]]:
@@ -176,7 +191,7 @@ def extend_rows(
     Yields (hidden [B, Q, H], start offset into tokens_B[b], count) per pass, so callers can
     read the hidden states of the positions they need; with `routes_out`, each pass's routes
     are its last entry when the pass is yielded (forward_rows)."""
-    device = gm.model.get_input_embeddings().weight.device
+    device = gm.embedding.device
     done = [0] * len(tokens_B)
     width_limit = max(1, PREFILL_TOKENS_PER_PASS // max(1, len(tokens_B)))
     while any(d < len(t) for d, t in zip(done, tokens_B, strict=True)):
@@ -206,7 +221,7 @@ def prefill(
     keys = [g.adapter_key for g in groups]
     suffixes = [g.prompt[g.cache_hit_tokens :] for g in groups]
     last_hidden: list[Tensor | None] = [None] * len(groups)
-    routes_out = [] if any(g.wants_routes for g in groups) else None
+    routes_out: list[Tensor] | None = [] if any(g.wants_routes for g in groups) else None
     for hidden_BQH, starts, counts in extend_rows(gm, cache, suffixes, keys, routes_out):
         for row, group in enumerate(groups):
             if counts[row] == 0:
@@ -251,7 +266,7 @@ def keep_prompts(gm: GeneratorModel, groups: list[PromptGroup], cache: KVCache) 
         gm.prefix_cache.insert(
             (group.adapter_key, group.generation),
             group.prompt,
-            lambda start, end, row=row: cache.span(row, start, end),
+            partial(cache.span, row),
         )
 
 

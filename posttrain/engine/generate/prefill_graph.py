@@ -78,7 +78,7 @@ class PrefillStep:
         self, gm: GeneratorModel, key: str, rows: int, width: int, capacity: int, graph: bool
     ) -> None:
         self.gm = gm
-        embedding = gm.model.get_input_embeddings().weight
+        embedding = gm.embedding
         device = embedding.device
         self.cache = _PaddedPromptCache.for_model(
             gm.kv, num_rows=rows, capacity=capacity, dtype=embedding.dtype, device=device
@@ -147,7 +147,8 @@ class PrefillStep:
         warm-up needs undoing."""
         try:
             device = self.tokens_BQ.device
-            side = torch.cuda.Stream(device)
+            # torch.cuda.Stream.__new__ carries no annotations in torch.
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 self.logits_BV = self._pass()

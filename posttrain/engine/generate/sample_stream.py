@@ -25,17 +25,30 @@ estimate (nothing within the pool).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import nn
+from transformers import PreTrainedModel
 
 from posttrain.config import EngineConfig
+from posttrain.engine.generate.decode_rows import max_tokens_of
 from posttrain.engine.generate.generator import generator_model, sampling_model, served
-from posttrain.engine.generate.sampler import Decoding, GenerationRequest
-from posttrain.engine.memory.estimate import pool_row_bytes
+from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS, GenerationRequest
+from posttrain.engine.generate.sampler import Decoding, peak_own_positions
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
+
+
+def pool_row_bytes(kv_per_position: int, prompt_positions: int, max_tokens: int) -> int:
+    """What one row of a stream's pool (sampler.Decoding.pool_rows: its decode cache allocated
+    at the start for the rows that may join) may hold: a prompt row of `prompt_positions`
+    rounded up to the pool's prompt width (joins.pooled_prefixes), and the generated part of
+    `max_tokens` new tokens, grown in steps and counted twice as any sample's
+    (sampler.peak_own_positions)."""
+    step = PREFIX_POOL_POSITIONS
+    prompt = step * math.ceil(prompt_positions / step)
+    return kv_per_position * (prompt + peak_own_positions(max_tokens))
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,7 @@ class JoinRoom:
             and max(prompts, default=0) <= self.prefix_capacity
         )
         copy = 0 if fits else 2 * self.kv_bytes
-        tokens = max((request.sampling_params.max_tokens for request in requests), default=0)
+        tokens = max((max_tokens_of(request.sampling_params) for request in requests), default=0)
         longer = 0
         if self.pool_rows and tokens > self.pool_tokens:
             per_position = self.kv_per_position
@@ -86,7 +99,7 @@ class SampleStream:
         self,
         config: EngineConfig,
         resource: ResourceState,
-        model: nn.Module,
+        model: PreTrainedModel,
         *,
         block_steps: int | None = None,
     ) -> None:
@@ -136,13 +149,13 @@ class SampleStream:
         self.decoding.pool_rows = rows
 
     def _kv_per_position(self) -> int:
-        kv, weight = self.decoding.gm.kv, self.model.get_input_embeddings().weight
+        kv, weight = self.decoding.gm.kv, self.decoding.gm.embedding
         return kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * weight.element_size()
 
     def pool_row_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
         """Bytes one pool row may hold when the stream starts with `items`."""
         longest = max(len(p) for _, request in items for p in request.prompts)
-        tokens = max(request.sampling_params.max_tokens for _, request in items)
+        tokens = max(max_tokens_of(request.sampling_params) for _, request in items)
         return pool_row_bytes(self._kv_per_position(), longest, tokens)
 
     def join_reserve_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
@@ -177,7 +190,7 @@ class SampleStream:
             self._pool_tokens = 0
         ids, requests = [], []
         for session, request in items:
-            self._pool_tokens = max(self._pool_tokens, request.sampling_params.max_tokens)
+            self._pool_tokens = max(self._pool_tokens, max_tokens_of(request.sampling_params))
             assert self.can_join(session), "one generation runs on one model"
             served(self.resource, session)
             item = len(self._results)

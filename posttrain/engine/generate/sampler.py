@@ -21,8 +21,9 @@ operations and sessions can share passes) and runs:
    off, a stop string even when it spans tokens, its max_tokens) and drops the passes a row
    ran past it: its random stream is its own, so no other row's tokens change (their
    logprobs may in the last bits: a matrix product's rows depend on how many rows it has).
-   Finished rows leave the batch at block ends and the cache is compacted (prompts no live
-   row continues too), so long rows never pay for finished ones.
+   Dynamic passes (`dynamic_block`) follow the rows' shapes: finished rows leave the batch at
+   block ends and the cache is compacted (prompts no live row continues too), so long rows
+   never pay for finished ones.
    Static-shape passes (decode_graph.py; on CUDA unless `--cuda-graphs off`, where they are
    captured in CUDA graphs and replayed) keep finished rows as padding until at most half the
    batch runs (a quarter in a stream, whose layouts hold placeholder rows for joins to take:
@@ -62,6 +63,7 @@ Q = new positions per row in a pass, V = vocab, H = hidden size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -69,8 +71,7 @@ from torch import Tensor
 
 from posttrain.engine.generate.decode_graph import DecodeStep, static_passes_supported
 from posttrain.engine.generate.decode_rows import LiveRows
-from posttrain.engine.generate.draws import record_steps
-from posttrain.engine.generate.dynamic_passes import dynamic_block
+from posttrain.engine.generate.draws import draw, record_steps
 from posttrain.engine.generate.joining_pass import Joining, decode_and_prefill, joins_in_pass
 from posttrain.engine.generate.joins import (
     Generation,
@@ -85,7 +86,12 @@ from posttrain.engine.generate.padding_joins import (
     keeps_layout,
     rewind_padding,
 )
-from posttrain.engine.generate.prefill import GeneratorModel, new_cache
+from posttrain.engine.generate.prefill import (
+    GeneratorModel,
+    forward_rows,
+    head_logits,
+    new_cache,
+)
 from posttrain.engine.generate.prefill_graph import PrefillSteps, by_adapter
 from posttrain.engine.state import WeightsVersion
 from posttrain.model import attention
@@ -115,6 +121,17 @@ CPU_BLOCK_STEPS = 1
 STATIC_DECODE = False
 CPU_STATIC_DECODE = False
 CUDA_GRAPHS = True
+
+
+def peak_own_positions(max_tokens: int) -> int:
+    """Peak positions per row of the generated (own) part of the decode cache, for a row of
+    `max_tokens` new tokens: twice its final capacity (Decoding allocates it in steps of
+    DECODE_POSITIONS_PER_GROWTH), since grow() holds the old buffer beside the new one and
+    keep() gathers the rows it moves into a temporary copy. The memory estimate counts it
+    (engine/memory/estimate.py)."""
+    step = DECODE_POSITIONS_PER_GROWTH
+    final = max_tokens if max_tokens <= step else step * math.ceil(max_tokens / step)
+    return 2 * final
 
 
 def default_block_steps(device: torch.device) -> int:
@@ -185,7 +202,7 @@ class Decoding:
         attention.install(gm.model)
         self.gm = gm
         self.versions = versions
-        self.device = gm.model.get_input_embeddings().weight.device
+        self.device = gm.embedding.device
         self.generation = Generation()
         self.steps_per_block = (
             block_steps if block_steps is not None else default_block_steps(self.device)
@@ -436,3 +453,42 @@ def use_static_passes(gm: GeneratorModel, device: torch.device) -> bool:
 
 def _use_graphs(device: torch.device) -> bool:
     return device.type == "cuda" and CUDA_GRAPHS
+
+
+def dynamic_block(
+    gm: GeneratorModel,
+    batch: LiveRows,
+    cache: FanoutKVCache,
+    steps: int,
+    own_positions: int,
+    ragged: bool,
+    routes_K: list[Tensor] | None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """`steps` decode passes of every row of the batch, shapes following the rows: each runs
+    the live rows through the FanoutKVCache at the own length they reached, so it reads only
+    the columns in use and finished rows have already left (the static-shape counterpart,
+    whose pass a CUDA graph can replay, is decode_graph.py). Each step's tokens and logprobs
+    [B] stay on the device (routes appended to routes_K). `own_positions`: what every row
+    holds, or with `ragged` (rows that joined) the longest."""
+    tokens_KB: list[Tensor] = []
+    logprobs_KB: list[Tensor] = []
+    for k in range(steps):
+        assert batch.last_tokens_B is not None
+        routes_out: list[Tensor] | None = [] if routes_K is not None else None
+        hidden_B1H = forward_rows(
+            gm,
+            cache,
+            batch.last_tokens_B[:, None],
+            batch.ones_B,
+            batch.keys,
+            routes_out,
+            uniform=(1, own_positions + k + 1),
+            ragged=ragged,
+        )
+        if routes_K is not None:
+            assert routes_out is not None
+            routes_K.append(routes_out[0])
+        tokens_B, logprobs_B = draw(batch, head_logits(gm, hidden_B1H[:, -1], batch.keys))
+        tokens_KB.append(tokens_B)
+        logprobs_KB.append(logprobs_B)
+    return tokens_KB, logprobs_KB

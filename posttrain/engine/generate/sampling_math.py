@@ -14,6 +14,7 @@ Legend: B = rows, V = vocab, N = CDF blocks, K = tokens per block.
 from __future__ import annotations
 
 import os
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -67,9 +68,20 @@ def _filter_rows(logits_BV: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
     return torch.full_like(sorted_BV, float("-inf")).scatter(1, order_BV, sorted_BV)
 
 
-def is_plain(temperature, top_k, top_p, vocab: int):
+@overload
+def is_plain(temperature: float, top_k: int, top_p: float, vocab: int) -> bool: ...
+
+
+@overload
+def is_plain(temperature: Tensor, top_k: Tensor, top_p: Tensor, vocab: int) -> Tensor: ...
+
+
+def is_plain(
+    temperature: float | Tensor, top_k: int | Tensor, top_p: float | Tensor, vocab: int
+) -> bool | Tensor:
     """Whether a row samples the model's own distribution (temperature 1, no top-k or top-p
-    cut). Python numbers or tensors of them alike: the one rule for both."""
+    cut). Python numbers or tensors of them alike (a bool, or a bool tensor [B]): the one rule
+    for both."""
     return (temperature == 1) & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)
 
 

@@ -21,12 +21,13 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
 - sampling holds a KV cache of num_samples x (prompt + max_tokens) positions x layers x 2 x
   kv_heads x head_dim x dtype bytes (the prompt once per prompt, model/fanout_kv_cache.py; the
   generated part grown in steps of DECODE_POSITIONS_PER_GROWTH and counted twice: the old and
-  new buffer side by side while it grows, or a compaction's gathered copy), per decode pass
-  rows x vocab float32 logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p
-  sorts and masks), and per generated token the Python lists of its token and logprob and its
-  share of the recorded result.
+  new buffer side by side while it grows, or a compaction's gathered copy: the sampler's
+  peak_own_positions), per decode pass rows x vocab float32 logits in SAMPLE_LOGIT_COPIES
+  (log-softmax, probabilities, top-k/top-p sorts and masks), and per generated token the
+  Python lists of its token and logprob and its share of the recorded result.
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
-  prompt row rounded up to the pool's width and the generated part as above (pool_row_bytes).
+  prompt row rounded up to the pool's width and the generated part as above; the stream sizes
+  it itself (generate/sample_stream.py pool_row_bytes), for the service's admission.
 - optim-step's AdamW moments (two per trainable tensor) appear at a session's first step, and
   each tensor's update allocates temporaries of its size.
 
@@ -42,9 +43,9 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS
+from posttrain.engine.generate.decode_rows import max_tokens_of
 from posttrain.engine.generate.prefill import PREFILL_TOKENS_PER_PASS
-from posttrain.engine.generate.sampler import DECODE_POSITIONS_PER_GROWTH
+from posttrain.engine.generate.sampler import peak_own_positions
 from posttrain.model.kv_shape import KVShape
 from posttrain.types import (
     CustomForwardBackwardRequest,
@@ -197,15 +198,6 @@ def custom_forward_backward_bytes(
     return pass_bytes + tokens * FLOAT32 + 2 * trainable_bytes
 
 
-def _own_positions(max_tokens: int) -> int:
-    """Peak positions per row of the generated part of the KV cache: twice its final capacity
-    (generate/sampler.py allocates it in growth steps), since grow() holds the old buffer beside the
-    new one and keep() gathers the rows it moves into a temporary copy."""
-    step = DECODE_POSITIONS_PER_GROWTH
-    final = max_tokens if max_tokens <= step else step * math.ceil(max_tokens / step)
-    return 2 * final
-
-
 def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_tokens: int) -> int:
     """Peak bytes of one generation over several sample operations (sampler.generate)."""
     kv_per_position = shape.layers * 2 * shape.kv_width * shape.dtype_bytes
@@ -214,11 +206,11 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
     own_positions = sum(
         len(request.prompts)
         * request.num_samples
-        * _own_positions(request.sampling_params.max_tokens)
+        * peak_own_positions(max_tokens_of(request.sampling_params))
         for request in requests
     )
     generated = sum(
-        len(request.prompts) * request.num_samples * request.sampling_params.max_tokens
+        len(request.prompts) * request.num_samples * max_tokens_of(request.sampling_params)
         for request in requests
     )
     # The prompts' KV twice: the decode cache's copy and the prefix cache's.
@@ -235,16 +227,6 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
         + max(prompt_logits, row_logits)
         + generated * PYTHON_BYTES_PER_GENERATED_TOKEN
     )
-
-
-def pool_row_bytes(kv_per_position: int, prompt_positions: int, max_tokens: int) -> int:
-    """What one row of a sample stream's pool (sampler.Decoding.pool_rows: its decode cache
-    allocated at the start for the rows that may join) may hold: a prompt row of
-    `prompt_positions` rounded up to the pool's prompt width, and the generated part of
-    `max_tokens` new tokens, grown in steps and counted twice as any sample's (_own_positions)."""
-    step = PREFIX_POOL_POSITIONS
-    prompt = step * math.ceil(prompt_positions / step)
-    return kv_per_position * (prompt + _own_positions(max_tokens))
 
 
 def optim_step_bytes(trainable_bytes: int, largest_bytes: int, *, has_moments: bool) -> int:

@@ -8,7 +8,8 @@ parameters gather (parallel/fsdp.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import TypeVar
 
 from posttrain.config import EngineConfig
 from posttrain.engine.memory import estimate
@@ -16,7 +17,24 @@ from posttrain.engine.memory.footprint import nbytes
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import NotFound
-from posttrain.types import CustomForwardBackwardRequest, OperationKind, OperationRequest
+from posttrain.types import (
+    CustomForwardBackwardRequest,
+    ForwardBackwardRequest,
+    OperationKind,
+    OperationRequest,
+    SampleRequest,
+)
+
+# The requests of a training pass (forward-backward or custom forward-backward).
+TrainingRequest = ForwardBackwardRequest | CustomForwardBackwardRequest
+R = TypeVar("R")
+
+
+def _all_of(requests: Sequence[OperationRequest], request_type: type[R]) -> list[R]:
+    """The requests of one pass as the type their kind takes (each one is)."""
+    narrowed: list[R] = [request for request in requests if isinstance(request, request_type)]
+    assert len(narrowed) == len(requests), f"every request of the pass is a {request_type}"
+    return narrowed
 
 
 def operation_peak_bytes(
@@ -34,7 +52,9 @@ def operation_peak_bytes(
     shape = estimate.model_shape(resource.loaded.model.config, resource.loaded.kv, itemsize)
     chunk = config.logprob_chunk_tokens
     if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts
-        return estimate.sample_bytes(shape, requests, chunk_tokens=chunk)
+        return estimate.sample_bytes(
+            shape, _all_of(requests, SampleRequest), chunk_tokens=chunk
+        )
     # Once per session: the scheduler asks about every prefix of a queue (admission.py),
     # often one session's operations, and walking a model's tensors is not free.
     own_bytes: dict[int, int] = {}
@@ -46,24 +66,33 @@ def operation_peak_bytes(
     # pass also gathers others' for a while.
     shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
     if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
+        training: list[TrainingRequest] = [
+            r
+            for r in requests
+            if isinstance(r, ForwardBackwardRequest | CustomForwardBackwardRequest)
+        ]
+        assert len(training) == len(requests), "every request of the pass is a training one"
 
-        def pass_bytes(requests: list[Any]) -> int:
+        def pass_bytes(share: list[TrainingRequest]) -> int:
             if kind == OperationKind.FORWARD_BACKWARD:
                 return estimate.forward_backward_bytes(
-                    shape, requests, chunk_tokens=chunk, trainable_bytes=trainable
+                    shape,
+                    _all_of(share, ForwardBackwardRequest),
+                    chunk_tokens=chunk,
+                    trainable_bytes=trainable,
                 )
-            (request,) = requests
+            (request,) = _all_of(share, CustomForwardBackwardRequest)
             return estimate.custom_forward_backward_bytes(
                 shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
             )
 
         if resource.group is None:
-            return pass_bytes(requests)
+            return pass_bytes(training)
         # A rank forwards only its share of the rows (parallel/data_parallel.py), but packs and
         # scores the whole batch: the largest share's pass, and the whole batch's packing.
-        samples = [s for request in requests for s in request.samples]
+        samples = [s for request in training for s in request.samples]
         packed = len(samples) * max(len(s.tokens) for s in samples)
-        shares = _rank_shares(resource.group, requests)
+        shares = _rank_shares(resource.group, training)
         return (
             shards
             + max(pass_bytes(share) for share in shares)
@@ -83,7 +112,9 @@ def operation_peak_bytes(
     return trainable[0]  # weights-sync and checkpoints: one copy of the trainable tensors
 
 
-def _rank_shares(group: DataParallel, requests: list[Any]) -> list[list[Any]]:
+def _rank_shares(
+    group: DataParallel, requests: list[TrainingRequest]
+) -> list[list[TrainingRequest]]:
     """Each rank's share of a training pass's `requests` (their samples, and a custom
     request's gradients, cut to the rank's rows), and the batch's shortest row besides: a
     padding forward (trainer.aligned_forwards) or a rank without rows forwards it."""
@@ -93,14 +124,17 @@ def _rank_shares(group: DataParallel, requests: list[Any]) -> list[list[Any]]:
     shares = []
     for rows in group.shares(lengths):
         keep = {*rows, shortest}
-        share, first = [], 0
+        share: list[TrainingRequest] = []
+        first = 0
         for request in requests:
             kept = [i for i in range(len(request.samples)) if first + i in keep]
             first += len(request.samples)
-            cut = {"samples": tuple(request.samples[i] for i in kept)}
-            if isinstance(request, CustomForwardBackwardRequest):
-                cut["gradients"] = tuple(request.gradients[i] for i in kept)
+            rows_kept = tuple(request.samples[i] for i in kept)
             # Kept without rows too: its session's gradients still appear on every rank.
-            share.append(dataclasses.replace(request, **cut))
+            if isinstance(request, CustomForwardBackwardRequest):
+                gradients = tuple(request.gradients[i] for i in kept)
+                share.append(dataclasses.replace(request, samples=rows_kept, gradients=gradients))
+            else:
+                share.append(dataclasses.replace(request, samples=rows_kept))
         shares.append(share)
     return shares

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
-from posttrain.engine.generate import dynamic_passes, generator, sampler
+from posttrain.engine.generate import generator, sampler
 from posttrain.engine.generate.decode_graph import DecodeStep
 from posttrain.engine.generate.sampler import GenerationRequest
 from posttrain.engine.hosts.in_process import LocalEngine
@@ -305,7 +305,7 @@ def test_passes_over_rows_of_different_lengths_read_nothing_back(engine, monkeyp
     monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 4)
     passes: list[tuple[int, bool, bool]] = []  # (block, ragged, read back)
     blocks = []
-    forward, block = dynamic_passes.forward_rows, sampler.Decoding.block
+    forward, block = sampler.forward_rows, sampler.Decoding.block
 
     def traced_forward(*args, **kwargs):
         with _Reads() as reads:
@@ -317,7 +317,7 @@ def test_passes_over_rows_of_different_lengths_read_nothing_back(engine, monkeyp
         blocks.append(1)
         block(decoding)
 
-    monkeypatch.setattr(dynamic_passes, "forward_rows", traced_forward)
+    monkeypatch.setattr(sampler, "forward_rows", traced_forward)
     monkeypatch.setattr(sampler.Decoding, "block", counted_block)
     results = run(engine, [running_request()], joins=joining_requests())
     ragged = [(b, read) for b, is_ragged, read in passes if is_ragged]

@@ -14,8 +14,7 @@ from test_stream_joins import assert_same, engine_for
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID
 from posttrain.engine.generate import sampler
 from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS
-from posttrain.engine.generate.sample_stream import SampleStream
-from posttrain.engine.memory.estimate import pool_row_bytes
+from posttrain.engine.generate.sample_stream import SampleStream, pool_row_bytes
 from posttrain.model.kv_cache import KVCache
 from posttrain.types import SampleRequest, SamplingParams
 

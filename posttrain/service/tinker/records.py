@@ -31,8 +31,6 @@ NAME = "name"
 PROVISIONED = "provisioned"
 SEQ = "seq"  # (run or sampler, seq_id) -> request id: a retried POST answers the same future
 
-R = TypeVar("R")
-
 
 @dataclass(frozen=True)
 class ClientRecord:
@@ -115,10 +113,16 @@ class ProvisionedRecord:
     created_at: float
 
 
-def as_dict(record: Any) -> dict[str, Any]:
+Record = (
+    ClientRecord | RunRecord | SamplerRecord | FutureRecord | NameRecord | ProvisionedRecord
+)
+R = TypeVar("R", bound=Record)
+
+
+def as_dict(record: Record) -> dict[str, Any]:
     return dataclasses.asdict(record)
 
 
 def from_dict(cls: type[R], data: dict[str, Any]) -> R:
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})

@@ -124,8 +124,12 @@ def _resumed_lora(
     checkpoint_id: str, saved: LoraConfig, lora: LoraConfig | None, lora_given: frozenset[str]
 ) -> LoraConfig:
     requested = lora or saved
-    for name in ("rank", "alpha", "train_unembed"):
-        wanted, held = getattr(requested, name), getattr(saved, name)
+    fields: tuple[tuple[str, object, object], ...] = (
+        ("rank", requested.rank, saved.rank),
+        ("alpha", requested.alpha, saved.alpha),
+        ("train_unembed", requested.train_unembed, saved.train_unembed),
+    )
+    for name, wanted, held in fields:
         if name in lora_given and wanted != held:
             raise InvalidRequest(
                 f"lora_config.{name} {wanted} does not fit checkpoint {checkpoint_id}, whose"

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from posttrain.errors import Conflict, InvalidRequest, NotFound
 from posttrain.records import CheckpointRecord
@@ -78,7 +78,7 @@ class WeightsInfo:
     train_unembed: bool | None
 
 
-def _page(items: list[Any], limit: int, offset: int) -> tuple[list[Any], int]:
+def _page(items: list[T], limit: int, offset: int) -> tuple[list[T], int]:
     if limit < 1:
         raise InvalidRequest("limit must be at least 1", param="limit")
     if offset < 0:

@@ -126,6 +126,7 @@ class SessionDurability:
             "step": session.step,
             "policy_state": dataclasses.asdict(session.policy_state),
         }
+        # dict(): the engine takes any JSON object, and a TypedDict is not a dict[str, Any].
         self.engine.persist_session(
             session.resource_id, session.id, self.directory(session.id), parts, dict(record)
         )

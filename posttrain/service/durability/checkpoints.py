@@ -16,6 +16,7 @@ Imports: store, engine.interface.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import os
@@ -123,8 +124,12 @@ def _resumed_lora(
     checkpoint_id: str, saved: LoraConfig, lora: LoraConfig | None, lora_given: frozenset[str]
 ) -> LoraConfig:
     requested = lora or saved
-    for name in ("rank", "alpha", "train_unembed"):
-        wanted, held = getattr(requested, name), getattr(saved, name)
+    fields: tuple[tuple[str, object, object], ...] = (
+        ("rank", requested.rank, saved.rank),
+        ("alpha", requested.alpha, saved.alpha),
+        ("train_unembed", requested.train_unembed, saved.train_unembed),
+    )
+    for name, wanted, held in fields:
         if name in lora_given and wanted != held:
             raise InvalidRequest(
                 f"lora_config.{name} {wanted} does not fit checkpoint {checkpoint_id}, whose"
@@ -199,13 +204,7 @@ class CheckpointService:
         )
         self.repo.put_checkpoint(record)
         ref = CheckpointRef(checkpoint_id, now, session.step)
-        field = (
-            "training_checkpoints" if kind == CheckpointType.TRAINING else "inference_checkpoints"
-        )
-        self.repo.update_session(
-            session.id,
-            lambda s: dataclasses.replace(s, **{field: (*getattr(s, field), ref)}, updated_at=now),
-        )
+        self.repo.update_session(session.id, lambda s: _with(s, kind, ref, now))
         return CheckpointOutput(checkpoint=ref)
 
     def _write(self, session: SessionRecord, kind: CheckpointType, directory: Path) -> None:
@@ -324,7 +323,10 @@ class CheckpointService:
 
     # ------------------------------------------------------------ downloads
 
-    def download(self, user: str, checkpoint_id: str, variant: str | None) -> list[CheckpointFile]:
+    # builtins.list: inside this class `list` names the method above.
+    def download(
+        self, user: str, checkpoint_id: str, variant: str | None
+    ) -> builtins.list[CheckpointFile]:
         """Signed, expiring URLs for each file of one variant of an inference checkpoint."""
         record = self.get(user, checkpoint_id)
         if variant not in FILE_PARTS:
@@ -390,6 +392,17 @@ class CheckpointService:
         if "/" in filename or filename.startswith(".") or not file.is_file():
             raise NotFound(f"checkpoint file {filename} not found", param="filename")
         return file
+
+
+def _with(
+    session: SessionRecord, kind: CheckpointType, ref: CheckpointRef, now: float
+) -> SessionRecord:
+    """The session with `ref` appended to its checkpoints of `kind`."""
+    if kind == CheckpointType.TRAINING:
+        training = (*session.training_checkpoints, ref)
+        return dataclasses.replace(session, training_checkpoints=training, updated_at=now)
+    inference = (*session.inference_checkpoints, ref)
+    return dataclasses.replace(session, inference_checkpoints=inference, updated_at=now)
 
 
 def _without(session: SessionRecord, checkpoint_id: str) -> SessionRecord:

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from posttrain.engine import files
 from posttrain.engine.interface import Engine
@@ -45,6 +45,17 @@ from posttrain.types import OperationKind, OperationOutput, OperationRequest
 log = logging.getLogger("posttrain.durability")
 
 EVERYTHING = files.SESSION_PARTS
+
+
+class StateRecord(TypedDict):
+    """The record written with a session's state (Engine.persist_session keeps it as JSON):
+    the operation whose changes the state holds, None for the state a new session set up."""
+
+    operation: str | None
+    kind: str | None  # the operation's OperationKind value
+    output: dict[str, Any] | None  # its output, as the store's codec reads it back
+    step: int
+    policy_state: dict[str, Any]  # dataclasses.asdict of the session's PolicyState
 
 
 def changed_parts(kind: OperationKind, request: OperationRequest | None) -> tuple[str, ...]:
@@ -108,15 +119,16 @@ class SessionDurability:
         op: OperationRecord | None,
         output: OperationOutput | None,
     ) -> None:
-        record = {
+        record: StateRecord = {
             "operation": op.id if op is not None else None,
             "kind": op.kind.value if op is not None else None,
             "output": None if output is None else dataclasses.asdict(output),
             "step": session.step,
             "policy_state": dataclasses.asdict(session.policy_state),
         }
+        # dict(): the engine takes any JSON object, and a TypedDict is not a dict[str, Any].
         self.engine.persist_session(
-            session.resource_id, session.id, self.directory(session.id), parts, record
+            session.resource_id, session.id, self.directory(session.id), parts, dict(record)
         )
 
     def forget(self, session_id: str) -> None:
@@ -125,8 +137,9 @@ class SessionDurability:
         with self._lock:
             self._unsaved.pop(session_id, None)
 
-    def record(self, session_id: str) -> dict[str, Any] | None:
-        return files.session_record(self.directory(session_id))
+    def record(self, session_id: str) -> StateRecord | None:
+        # What _write gave persist_session: the engine reads it back as plain JSON.
+        return cast(StateRecord | None, files.session_record(self.directory(session_id)))
 
     def reconcile(self, session: SessionRecord) -> bool:
         """Before anything runs after a restart: whether `session` can be restored, and if so
@@ -145,7 +158,9 @@ class SessionDurability:
         op_id = record.get("operation")
         op = self.repo.get_operation(op_id) if op_id else None
         if op is not None and op.status in (OperationStatus.PENDING, OperationStatus.RUNNING):
-            output = output_from_dict(op.kind, record["output"])
+            kept = record["output"]
+            assert kept is not None, f"operation {op.id}'s state was written without its output"
+            output = output_from_dict(op.kind, kept)
             self.repo.put_operation(
                 dataclasses.replace(
                     op, status=OperationStatus.COMPLETED, updated_at=time.time(), output=output
@@ -159,7 +174,7 @@ class SessionDurability:
         return True
 
     def _replan(
-        self, session: SessionRecord, record: dict[str, Any]
+        self, session: SessionRecord, record: StateRecord
     ) -> tuple[list[full_weight.Replay], SessionRecord]:
         """The journal's replays (none for LoRA) and the session's step and policy after them,
         from the state on disk: the store may be ahead of it by the operation that was

@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, cast
 
 from posttrain.types import ExpertRoutes
 
@@ -33,14 +34,30 @@ class Batch:
     routes: dict[str, ExpertRoutes]  # key -> routes, in the order they were made
 
 
+class _KeyEntry(TypedDict):
+    """One key in a file's header: its routes' shape and where their bytes lie in the body."""
+
+    key: str
+    shape: list[int]  # [num_tokens, num_layers, top_k]
+    offset: int
+    length: int
+
+
+class _Header(TypedDict):
+    session_id: str
+    expires_at: float
+    keys: list[_KeyEntry]
+
+
 def write(directory: Path, batch: Batch) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    keys, offset = [], 0
+    keys: list[_KeyEntry] = []
+    offset = 0
     for key, routes in batch.routes.items():
         shape = [routes.num_tokens, routes.num_layers, routes.top_k]
         keys.append({"key": key, "shape": shape, "offset": offset, "length": len(routes.data)})
         offset += len(routes.data)
-    header = {"session_id": batch.session_id, "expires_at": batch.expires_at, "keys": keys}
+    header: _Header = {"session_id": batch.session_id, "expires_at": batch.expires_at, "keys": keys}
     temporary = directory / f"{batch.name}{SUFFIX}.tmp"
     with temporary.open("wb") as out:
         out.write(json.dumps(header).encode() + b"\n")
@@ -81,13 +98,15 @@ def remove(directory: Path, name: str) -> None:
 def _read(path: Path) -> Batch:
     raw = path.read_bytes()
     newline = raw.index(b"\n")
-    header = json.loads(raw[:newline])
+    # A header that is not this shape raises KeyError or ValueError below: read_all drops the file.
+    header = cast(_Header, json.loads(raw[:newline]))
     body = raw[newline + 1 :]
-    routes = {}
+    routes: dict[str, ExpertRoutes] = {}
     for entry in header["keys"]:
         start, length = entry["offset"], entry["length"]
         data = body[start : start + length]
         if len(data) != length:
             raise ValueError(f"key {entry['key']!r} is cut short")
-        routes[entry["key"]] = ExpertRoutes(*entry["shape"], data)
+        num_tokens, num_layers, top_k = entry["shape"]
+        routes[entry["key"]] = ExpertRoutes(num_tokens, num_layers, top_k, data)
     return Batch(path.stem, header["session_id"], float(header["expires_at"]), routes)

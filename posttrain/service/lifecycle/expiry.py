@@ -19,6 +19,7 @@ Does not own explicit stops (service/lifecycle/resources.py) or the sessions' ow
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -94,9 +95,9 @@ class ExpiryReaper:
                 if record.id in self._queued:
                     continue
                 self._queued.add(record.id)
-            rid = record.id
-            self.scheduler.run_job(rid, lambda rid=rid: self._expire(rid))
-            queued.append(rid)
+            # partial, not a lambda: each job keeps its own resource id from the loop.
+            self.scheduler.run_job(record.id, functools.partial(self._expire, record.id))
+            queued.append(record.id)
         return queued
 
     def _has_unfinished_operations(self, resource_id: str) -> bool:

@@ -10,7 +10,9 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from posttrain.config import ServerConfig
@@ -206,8 +208,16 @@ class ResourceService:
             ),
         )
 
-    def stop(self, user: str, resource_id: str, *, force: bool, stop_session) -> ResourceRecord:
-        """Stop the resource; with force, stop its active sessions first (`stop_session`)."""
+    def stop(
+        self,
+        user: str,
+        resource_id: str,
+        *,
+        force: bool,
+        stop_session: Callable[[str, str], object],
+    ) -> ResourceRecord:
+        """Stop the resource; with force, stop its active sessions first (`stop_session`,
+        given the user and the session id)."""
         record = self.get(user, resource_id)
         if record.status in (ResourceStatus.STOPPED, ResourceStatus.STOPPING, ResourceStatus.ERROR):
             raise InvalidRequest(
@@ -263,9 +273,9 @@ class ResourceService:
                     ),
                 )
             elif record.status in (ResourceStatus.CREATING, ResourceStatus.PENDING):
-                rid = record.id
+                # partial, not a lambda: each job keeps its own resource id from the loop.
                 self.scheduler.run_job(
-                    rid,
-                    lambda rid=rid: self._provision(rid),
-                    lambda exc, rid=rid: self._provisioning_failed(rid, exc),
+                    record.id,
+                    functools.partial(self._provision, record.id),
+                    functools.partial(self._provisioning_failed, record.id),
                 )

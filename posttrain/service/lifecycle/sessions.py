@@ -13,9 +13,11 @@ Imports: store, engine.interface.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -260,7 +262,7 @@ class SessionService:
             pass
         return self.get(user, session_id)
 
-    def stop_after_queued(self, user: str, session_id: str) -> Future:
+    def stop_after_queued(self, user: str, session_id: str) -> Future[object]:
         """Stop the session once the operations already queued on its resource have run (stop
         fails them): a job in the resource's order marks it STOPPING and tears it down, unless
         it stopped meanwhile. The future finishes when the job has run."""
@@ -316,19 +318,17 @@ class SessionService:
                 and durability.reconcile(user_session)
             ):
                 sid, rid = user_session.id, user_session.resource_id
+                # partial, not a lambda: each job keeps its own ids from the loop.
                 self.scheduler.run_job(
                     rid,
-                    lambda sid=sid: self._restore(sid),
-                    lambda exc, rid=rid, sid=sid: self._setup_failed(rid, sid, exc),
+                    functools.partial(self._restore, sid),
+                    functools.partial(self._setup_failed, rid, sid),
                 )
                 continue
             else:
                 code = SessionErrorCode.SESSION_FAILED.value
                 status, error = SessionStatus.ERROR, ErrorInfo(code, message, time.time())
-            self.repo.update_session(
-                user_session.id,
-                lambda s, st=status, er=error: dataclasses.replace(s, status=st, error=er),
-            )
+            self.repo.update_session(user_session.id, _ending(status, error))
 
     def recover_worker(self, resource_id: str) -> None:
         """Worker thread, right after the resource's worker process died and the operations in
@@ -368,3 +368,10 @@ class SessionService:
             samples = self.scheduler.routed_experts.resolved(op.session_id, request.samples)
             request = dataclasses.replace(request, samples=samples)
         return request
+
+
+def _ending(
+    status: SessionStatus, error: ErrorInfo | None
+) -> Callable[[SessionRecord], SessionRecord]:
+    """The change that ends a session in `status` with `error`."""
+    return lambda session: dataclasses.replace(session, status=status, error=error)

@@ -44,8 +44,9 @@ class ChatPrompt:
 
 
 def chat_template(tokenizer: PreTrainedTokenizerBase, base_model: str) -> str:
-    if tokenizer.chat_template:
-        return tokenizer.chat_template
+    own: str | None = tokenizer.chat_template  # transformers declares the attribute untyped
+    if own:
+        return own
     if base_model in BUILTIN_MODELS:
         return BUILTIN_TEMPLATE
     raise InvalidRequest(

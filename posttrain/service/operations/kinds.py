@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from posttrain.engine.interface import Engine, LanedEngine
 from posttrain.records import OperationRecord, SessionRecord
@@ -85,13 +85,19 @@ class InFlight(Protocol):
 
 
 class Runner(Protocol):
-    """What a pass runs with: the scheduler's parts (service/scheduling/scheduler.py)."""
+    """What a pass runs with: the scheduler's parts (service/scheduling/scheduler.py), read
+    only (so the scheduler's own PublishMailbox serves as the InFlight it needs)."""
 
-    repo: Repo
-    engine: Engine
-    checkpoints: CheckpointService | None
-    routed_experts: RoutedExpertsStore
-    mailbox: InFlight
+    @property
+    def repo(self) -> Repo: ...
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def checkpoints(self) -> CheckpointService | None: ...
+    @property
+    def routed_experts(self) -> RoutedExpertsStore: ...
+    @property
+    def mailbox(self) -> InFlight: ...
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,7 @@ Ready = tuple[OperationRecord, SessionRecord, OperationRequest]
 Run = Callable[[Runner, str, list[Ready], Lane | None], list[Outcome]]
 Transition = Callable[[SessionRecord, float], SessionRecord]
 # (engine, session, request, trainer policy version when it first ran) -> None
-Replay = Callable[[Engine, SessionRecord, Any, int], None]
+Replay = Callable[[Engine, SessionRecord, OperationRequest, int], None]
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ def _trains(request: OperationRequest | None) -> tuple[str, ...]:
 
 def _requests(ready: list[Ready], cls: type[R]) -> list[tuple[str, R]]:
     """(session id, request) per member; the kind fixed the request type at the api edge."""
-    pairs = []
+    pairs: list[tuple[str, R]] = []
     for _, session, request in ready:
         assert isinstance(request, cls), f"{type(request).__name__} is not {cls.__name__}"
         pairs.append((session.id, request))
@@ -193,7 +199,9 @@ def _alone(output: Callable[[SessionRecord], OperationOutput]) -> Run:
     return run
 
 
-def _run_checkpoint(runner: Runner, _: str, ready: list[Ready], __: Lane | None) -> list[Outcome]:
+def _run_checkpoint(
+    runner: Runner, _resource_id: str, ready: list[Ready], _lane: Lane | None
+) -> list[Outcome]:
     ((_, session, request),) = ready
     assert isinstance(request, CheckpointRequest), type(request).__name__
     assert runner.checkpoints is not None, "scheduler built without a CheckpointService"
@@ -203,7 +211,9 @@ def _run_checkpoint(runner: Runner, _: str, ready: list[Ready], __: Lane | None)
 # ------------------------------------------------------------ replays: one operation each
 
 
-def _replay_forward_backward(engine: Engine, session: SessionRecord, request: Any, _: int) -> None:
+def _replay_forward_backward(
+    engine: Engine, session: SessionRecord, request: OperationRequest, _: int
+) -> None:
     assert isinstance(request, ForwardBackwardRequest), type(request).__name__
     (outcome,) = engine.forward_backward_batch(session.resource_id, [(session.id, request)])
     if isinstance(outcome, Exception):
@@ -211,18 +221,22 @@ def _replay_forward_backward(engine: Engine, session: SessionRecord, request: An
 
 
 def _replay_custom_forward_backward(
-    engine: Engine, session: SessionRecord, request: Any, _: int
+    engine: Engine, session: SessionRecord, request: OperationRequest, _: int
 ) -> None:
     assert isinstance(request, CustomForwardBackwardRequest), type(request).__name__
     engine.custom_forward_backward(session.resource_id, session.id, request)
 
 
-def _replay_optim_step(engine: Engine, session: SessionRecord, request: Any, _: int) -> None:
+def _replay_optim_step(
+    engine: Engine, session: SessionRecord, request: OperationRequest, _: int
+) -> None:
     assert isinstance(request, OptimStepRequest), type(request).__name__
     engine.optim_step(session.resource_id, session.id, request)
 
 
-def _replay_weights_sync(engine: Engine, session: SessionRecord, _: Any, version: int) -> None:
+def _replay_weights_sync(
+    engine: Engine, session: SessionRecord, _: OperationRequest, version: int
+) -> None:
     # SYNCHRONOUS when run: publish at this operation's place in the FIFO, and complete once
     # the generator serves it. The deferred modes never run here (service/scheduling/publishing.py).
     engine.publish(session.resource_id, session.id, version=version)

@@ -140,6 +140,7 @@ class OperationService:
             if outcome is not None:
                 self.scheduler.recorder.finish([(op, outcome)])
                 continue
+            assert session is not None, "a missing session sets the outcome above"
             self.repo.put_operation(dataclasses.replace(op, status=OperationStatus.PENDING))
             self.scheduler.enqueue(session.resource_id, op.id, request)
 
@@ -246,6 +247,8 @@ class OperationService:
             if getattr(request, name):
                 raise InvalidRequest(f"{name} is not available on this server: {why}", param=name)
         request = resolved_max_tokens(request, info.context_length, self.limits)
+        max_tokens = request.sampling_params.max_tokens
+        assert max_tokens is not None, "resolved_max_tokens gives every request a number"
         engine.check_tokens(
             base_model, request.sampling_params.stop_token_ids, "sampling_params.stop"
         )
@@ -257,9 +260,7 @@ class OperationService:
                 f" {self.limits.max_sequences}",
                 param="num_samples",
             )
-        tokens = request.num_samples * sum(
-            len(prompt) + request.sampling_params.max_tokens for prompt in request.prompts
-        )
+        tokens = request.num_samples * sum(len(prompt) + max_tokens for prompt in request.prompts)
         if tokens > self.limits.max_operation_tokens:
             raise InvalidRequest(
                 f"num_samples x (prompt + max_tokens) is {tokens} tokens; one operation may"
@@ -268,11 +269,11 @@ class OperationService:
             )
         for index, prompt in enumerate(request.prompts):
             engine.check_tokens(base_model, prompt, f"model_inputs[{index}]")
-            total = len(prompt) + request.sampling_params.max_tokens
+            total = len(prompt) + max_tokens
             if total > info.context_length:
                 raise InvalidRequest(
                     f"model_inputs[{index}] has {len(prompt)} tokens; with max_tokens"
-                    f" {request.sampling_params.max_tokens} that exceeds the context length"
+                    f" {max_tokens} that exceeds the context length"
                     f" {info.context_length}",
                     param="sampling_params.max_tokens",
                 )

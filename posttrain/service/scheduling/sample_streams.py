@@ -94,15 +94,31 @@ def _rows(request: object) -> int:
     return len(request.prompts) * request.num_samples
 
 
-class Scheduler(Protocol):
-    """What a stream runs with: the scheduler's parts (service/scheduling/scheduler.py)."""
+def _items(members: list[Ready]) -> list[tuple[str, SampleRequest]]:
+    """(session id, request) per member; a stream's members are sample operations."""
+    items = []
+    for _, session, request in members:
+        assert isinstance(request, SampleRequest), type(request).__name__
+        items.append((session.id, request))
+    return items
 
-    engine: Engine
-    limits: SchedulerConfig
-    mailbox: InFlight
-    metrics: OperationMetrics
-    recorder: OperationRecorder
-    routed_experts: RoutedExpertsStore
+
+class Scheduler(Protocol):
+    """What a stream runs with: the scheduler's parts (service/scheduling/scheduler.py), read
+    only (so the scheduler's own PublishMailbox serves as the InFlight it needs)."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def limits(self) -> SchedulerConfig: ...
+    @property
+    def mailbox(self) -> InFlight: ...
+    @property
+    def metrics(self) -> OperationMetrics: ...
+    @property
+    def recorder(self) -> OperationRecorder: ...
+    @property
+    def routed_experts(self) -> RoutedExpertsStore: ...
 
     # The preamble of queued operations: RUNNING, or finished if their session stopped.
     def start(self, group: list[QueuedOperation]) -> list[Ready]: ...
@@ -232,9 +248,9 @@ class StreamPass:
     def _fits(self, members: list[Ready]) -> bool:
         """Whether operations split off by memory admission fit beside the running rows."""
         engine = self.scheduler.engine
-        items = [(session.id, request) for _, session, request in members]
+        items = _items(members)
         need = self.stream.join_reserve_bytes(items) + engine.peak_bytes(
-            self.resource_id, OperationKind.SAMPLE, items
+            self.resource_id, OperationKind.SAMPLE, list(items)
         )
         rows = sum(_rows(request) for _, _, request in members)
         return (
@@ -245,7 +261,7 @@ class StreamPass:
     def _admit(self, members: list[Ready]) -> None:
         if not members:
             return
-        items = [(session.id, request) for _, session, request in members]
+        items = _items(members)
         if not self.stream.running_rows():
             self._reserve_pool(items)
         if self.lane is not None:  # each operation's fence, the latest of them for all

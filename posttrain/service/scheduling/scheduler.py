@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import cast
 
 from posttrain.config import SchedulerConfig
 from posttrain.engine.interface import Engine, LanedEngine
@@ -90,17 +90,15 @@ class Scheduler:
             if resource_id not in self._workers:
                 self._workers[resource_id] = ResourceWorker(
                     f"worker-{resource_id}",
-                    lambda group, rid=resource_id: self._run_group(rid, group),
-                    lambda group, exc, rid=resource_id: self._fail_group(rid, group, exc),
+                    lambda group: self._run_group(resource_id, group),
+                    lambda group, exc: self._fail_group(resource_id, group, exc),
                     max_batch=self.limits.max_batch,
                     max_sample_rows=self.limits.max_sample_rows,
-                    arriving=lambda rid=resource_id: self._arriving(rid),
+                    arriving=lambda: self._arriving(resource_id),
                     gather_s=self.limits.sample_gather_s,
-                    generator_lanes=lambda rid=resource_id: self.engine.generator_lanes(rid),
-                    fence=lambda rid=resource_id: self.engine.generator_fence(rid),
-                    wake_lanes=lambda rid=resource_id: cast(LanedEngine, self.engine).wake_lanes(
-                        rid
-                    ),
+                    generator_lanes=lambda: self.engine.generator_lanes(resource_id),
+                    fence=lambda: self.engine.generator_fence(resource_id),
+                    wake_lanes=lambda: cast(LanedEngine, self.engine).wake_lanes(resource_id),
                 )
             return self._workers[resource_id]
 
@@ -111,8 +109,8 @@ class Scheduler:
         return self.arrivals.count(lambda sid: resource_of.get(sid, resource_id) == resource_id)
 
     def run_job(
-        self, resource_id: str, job: Callable[[], Any], on_failure: OnFailure | None = None
-    ) -> Future:
+        self, resource_id: str, job: Callable[[], object], on_failure: OnFailure | None = None
+    ) -> Future[object]:
         """Run a non-operation job (load, session setup, teardown) in the resource's order.
         With `on_failure`, a failure is recorded by it and the future just finishes; without,
         the future carries the exception."""

@@ -22,7 +22,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 from posttrain.service.operations.kinds import KINDS, Sharing
 from posttrain.types import OperationKind, OperationRequest, SampleRequest
@@ -39,7 +38,7 @@ OnFailure = Callable[[Exception], None]
 class Job:
     """A lifecycle job (load, session setup, teardown, expiry, a deferred publish)."""
 
-    run: Callable[[], Any]
+    run: Callable[[], object]  # its result is the job's future's; no caller reads it
     # Records the failure where the caller looks for it; None: the future carries it instead.
     on_failure: OnFailure | None = None
     # Given the sessions whose rows decode in a running sample stream, whether the job may run
@@ -73,9 +72,18 @@ class QueuedOperation:
 
 @dataclass
 class _Item:
-    future: Future
+    future: Future[object]
     job: Job | None = None
     operation: QueuedOperation | None = None
+
+
+class _Running(threading.local):
+    """Per thread (the trainer's lane and each generator lane), the groups it runs, innermost
+    last: a sample stream's group, and a group run between its decode blocks. Each thread
+    starts with none (threading.local runs __init__ once per thread)."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[_Item]] = []
 
 
 class ResourceWorker:
@@ -124,20 +132,18 @@ class ResourceWorker:
         self._wake_lanes = wake_lanes
         self._samples: deque[_Item | None] = deque()
         self._lanes: list[threading.Thread] = []
-        # Per thread (the trainer's lane and each generator lane), the groups it runs,
-        # innermost last: a sample stream's group, and a group run between its decode blocks.
-        self._local = threading.local()
+        self._local = _Running()
         self._name = name
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> Future:
+    def submit(self, job: Job) -> Future[object]:
         return self._append(_Item(Future(), job=job))
 
-    def submit_operation(self, operation: QueuedOperation) -> Future:
+    def submit_operation(self, operation: QueuedOperation) -> Future[object]:
         return self._append(_Item(Future(), operation=operation))
 
-    def _append(self, item: _Item) -> Future:
+    def _append(self, item: _Item) -> Future[object]:
         with self._ready:
             self._items.append(item)
             self._ready.notify_all()  # the trainer's lane and the generator lanes wait here
@@ -268,8 +274,6 @@ class ResourceWorker:
 
     def _running(self) -> list[list[_Item]]:
         """This thread's running groups, innermost last."""
-        if not hasattr(self._local, "groups"):
-            self._local.groups = []
         return self._local.groups
 
     def between_blocks_of_a_stream(self) -> bool:
@@ -395,7 +399,7 @@ class ResourceWorker:
     def _run(self, group: list[_Item]) -> None:
         job = group[0].job
         operations = [item.operation for item in group if item.operation is not None]
-        result = None
+        result: object = None
         running = self._running()
         running.append(group)  # a sample stream's joins are appended to it
         try:

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from posttrain.errors import Conflict, InvalidRequest, NotFound
 from posttrain.records import CheckpointRecord
@@ -31,7 +31,7 @@ from posttrain.service.tinker.registry import Registry
 from posttrain.service.tinker.runs import TinkerRuns
 from posttrain.service.tinker.weights import SEGMENTS, TinkerWeights
 from posttrain.statuses import OperationStatus, SessionStatus
-from posttrain.types import OperationKind
+from posttrain.types import CheckpointOutput, OperationKind
 
 log = logging.getLogger("posttrain.tinker")
 
@@ -78,7 +78,7 @@ class WeightsInfo:
     train_unembed: bool | None
 
 
-def _page(items: list[Any], limit: int, offset: int) -> tuple[list[Any], int]:
+def _page(items: list[T], limit: int, offset: int) -> tuple[list[T], int]:
     if limit < 1:
         raise InvalidRequest("limit must be at least 1", param="limit")
     if offset < 0:
@@ -228,7 +228,8 @@ class TinkerCheckpoints:
                 return FAILED, None
             if op.status != OperationStatus.COMPLETED:
                 return PENDING, None
-            checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
+            assert isinstance(op.output, CheckpointOutput), f"{op.id} wrote no checkpoint"
+            checkpoint_id = op.output.checkpoint.id
         checkpoint = self.repo.get_checkpoint(checkpoint_id)
         return (WRITTEN, checkpoint) if checkpoint is not None else (FAILED, None)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 CLIENT = "client"
 RUN = "run"
@@ -30,8 +30,6 @@ FUTURE = "future"
 NAME = "name"
 PROVISIONED = "provisioned"
 SEQ = "seq"  # (run or sampler, seq_id) -> request id: a retried POST answers the same future
-
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -75,6 +73,15 @@ class SamplerRecord:
     last_used: float = 0.0  # its last sample: the least recently used gives its slot up first
 
 
+class FutureExtra(TypedDict, total=False):
+    """What a future's result needs beside its operation's output; the keys its type uses."""
+
+    path: str  # save_weights, save_weights_for_sampler: the tinker:// path written
+    sampling_session_id: str  # a snapshot's save_weights_for_sampler: the sampler it makes
+    num_samples: int  # sample
+    shapes: list[list[int]]  # forward_backward: each datum's target shape
+
+
 @dataclass(frozen=True)
 class FutureRecord:
     id: str
@@ -84,10 +91,10 @@ class FutureRecord:
     session_id: str | None = None
     operation_id: str | None = None
     operation_kind: str | None = None
-    result: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None  # a future that answered at once: its model_id
     error: str | None = None
     category: str = "user"
-    extra: dict[str, Any] = field(default_factory=dict)  # what the result needs: path, ids
+    extra: FutureExtra = field(default_factory=FutureExtra)
 
 
 @dataclass(frozen=True)
@@ -115,10 +122,16 @@ class ProvisionedRecord:
     created_at: float
 
 
-def as_dict(record: Any) -> dict[str, Any]:
+Record = (
+    ClientRecord | RunRecord | SamplerRecord | FutureRecord | NameRecord | ProvisionedRecord
+)
+R = TypeVar("R", bound=Record)
+
+
+def as_dict(record: Record) -> dict[str, Any]:
     return dataclasses.asdict(record)
 
 
 def from_dict(cls: type[R], data: dict[str, Any]) -> R:
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})

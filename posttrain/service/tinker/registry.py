@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from posttrain.errors import NotFound
 from posttrain.service.tinker import records as r
+from posttrain.service.tinker.records import R, Record
 from posttrain.store.dialect import DialectObjects
-
-R = TypeVar("R")
 
 _KINDS: dict[type, str] = {
     r.ClientRecord: r.CLIENT,
@@ -24,6 +23,7 @@ _KINDS: dict[type, str] = {
     r.NameRecord: r.NAME,
     r.ProvisionedRecord: r.PROVISIONED,
 }
+# Each function reads the key of its own class's records: a table keyed by class cannot say so.
 _KEYS: dict[type, Callable[[Any], str]] = {
     r.ClientRecord: lambda x: x.id,
     r.RunRecord: lambda x: x.model_id,
@@ -32,7 +32,7 @@ _KEYS: dict[type, Callable[[Any], str]] = {
     r.NameRecord: lambda x: x.path,
     r.ProvisionedRecord: lambda x: x.id,
 }
-_NOUNS = {
+_NOUNS: dict[type, tuple[str, str]] = {
     r.ClientRecord: ("session", "session_id"),
     r.RunRecord: ("model", "model_id"),
     r.SamplerRecord: ("sampling session", "sampling_session_id"),
@@ -46,12 +46,13 @@ class Registry:
     def __init__(self, objects: DialectObjects) -> None:
         self.objects = objects
 
-    def put(self, record: Any) -> None:
+    def put(self, record: Record) -> None:
         cls = type(record)
-        created = getattr(record, "created_at", time.time())
-        self.objects.put(_KINDS[cls], _KEYS[cls](record), record.user, created, r.as_dict(record))
+        self.objects.put(
+            _KINDS[cls], _KEYS[cls](record), record.user, record.created_at, r.as_dict(record)
+        )
 
-    def insert(self, record: Any) -> bool:
+    def insert(self, record: Record) -> bool:
         cls = type(record)
         return self.objects.insert(
             _KINDS[cls], _KEYS[cls](record), record.user, record.created_at, r.as_dict(record)
@@ -73,7 +74,7 @@ class Registry:
     def all(self, cls: type[R], user: str | None = None) -> list[R]:
         return [r.from_dict(cls, data) for data in self.objects.list(_KINDS[cls], user)]
 
-    def delete(self, cls: type, key: str) -> None:
+    def delete(self, cls: type[Record], key: str) -> None:
         self.objects.delete(_KINDS[cls], key)
 
     def seq_future(self, owner: str, seq_id: int | None) -> str | None:
@@ -81,7 +82,10 @@ class Registry:
         if seq_id is None:
             return None
         found = self.objects.get(r.SEQ, f"{owner}#{seq_id}")
-        return found[1]["future"] if found is not None else None
+        if found is None:
+            return None
+        future_id: str = found[1]["future"]
+        return future_id
 
     def claim_seq(self, owner: str, seq_id: int | None, user: str, future_id: str) -> str:
         """Bind (owner, seq_id) to future_id unless a concurrent retry bound it first; the
@@ -93,4 +97,5 @@ class Registry:
             return future_id
         found = self.objects.get(r.SEQ, key)
         assert found is not None
-        return found[1]["future"]
+        bound: str = found[1]["future"]
+        return bound

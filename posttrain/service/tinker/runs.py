@@ -30,6 +30,7 @@ from posttrain.service.lifecycle.sessions import SessionService
 from posttrain.service.operations.submit import OperationService
 from posttrain.service.tinker.records import (
     ClientRecord,
+    FutureExtra,
     FutureRecord,
     ProvisionedRecord,
     RunRecord,
@@ -53,7 +54,7 @@ DRAIN_S = 600.0
 RUN_ID = "{client}:train:{seq}"
 
 
-def fingerprint(request: Any) -> str:
+def fingerprint(request: OperationRequest) -> str:
     """The same request gives the same fingerprint: a retry with the same seq_id must match."""
     return hashlib.sha256(repr(request).encode()).hexdigest()
 
@@ -250,7 +251,7 @@ class TinkerRuns:
         future_type: str,
         kind: OperationKind,
         request: OperationRequest,
-        extra: dict[str, Any] | None = None,
+        extra: FutureExtra | None = None,
     ) -> FutureRecord:
         """An operation on the run's session, as its request number seq_id."""
         run = self.run(user, model_id)
@@ -267,7 +268,7 @@ class TinkerRuns:
         future_type: str,
         kind: OperationKind,
         request: OperationRequest,
-        extra: dict[str, Any] | None = None,
+        extra: FutureExtra | None = None,
     ) -> FutureRecord:
         """An operation on a posttrain session for the run or sampler `owner`, whose request
         number seq_id deduplicates retries."""

@@ -39,6 +39,7 @@ from posttrain.service.tinker.registry import Registry
 from posttrain.service.tinker.runs import TinkerRuns
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.types import (
+    CheckpointOutput,
     CheckpointRequest,
     CheckpointType,
     LoraConfig,
@@ -153,7 +154,8 @@ class TinkerWeights:
                 else "not written yet"
             )
             raise InvalidRequest(f"checkpoint {path} is {state}", param=param)
-        checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
+        assert isinstance(op.output, CheckpointOutput), f"{op.id} wrote no checkpoint"
+        checkpoint_id = op.output.checkpoint.id
         self.registry.put(dataclasses.replace(record, checkpoint_id=checkpoint_id))
         return checkpoint_id, record.user
 
@@ -273,7 +275,8 @@ class TinkerWeights:
                     f"sampling session {sampler_id}'s weights are not saved yet",
                     param="sampling_session_id",
                 )
-            checkpoint_id = op.output.checkpoint.id  # type: ignore[union-attr]
+            assert isinstance(op.output, CheckpointOutput), f"{op.id} wrote no checkpoint"
+            checkpoint_id = op.output.checkpoint.id
         session_id = self._sampler_session(user, sampler.base_model, sampler_id, checkpoint_id)
         self.registry.put(
             dataclasses.replace(

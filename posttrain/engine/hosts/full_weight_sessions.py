@@ -5,6 +5,8 @@ process, or on a trainer group's ranks sharded with FSDP2 (parallel/fsdp.py). Th
 
 from __future__ import annotations
 
+from torch import nn
+
 from posttrain.config import EngineConfig
 from posttrain.engine.generate import generator
 from posttrain.engine.optim.optimizer import SessionOptimizer
@@ -22,6 +24,7 @@ def create(config: EngineConfig, resource: ResourceState, session_id: str) -> No
     group = resource.group
     model = resource.loaded.model
     shards = None
+    generator_model: nn.Module | None
     if group is None:
         generator_model = full_weight.generator_copy(model)
     else:

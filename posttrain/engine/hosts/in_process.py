@@ -31,7 +31,7 @@ from posttrain.engine.generate.sample_stream import SessionSampleStream, open_st
 from posttrain.engine.hosts import full_weight_sessions
 from posttrain.engine.hosts.remote_streams import StreamHost
 from posttrain.engine.hosts.threads import use_intra_op_threads
-from posttrain.engine.interface import Headroom, ModelInfo
+from posttrain.engine.interface import Engine, Headroom, ModelInfo
 from posttrain.engine.memory.footprint import (
     ResourceFootprint,
     SessionFootprint,
@@ -60,10 +60,11 @@ from posttrain.types import (
 )
 
 
-class LocalEngine(StreamHost):
+class LocalEngine(StreamHost, Engine):
     writes_files = True  # False on a trainer group's ranks but rank 0 (trainer_group.py)
 
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
+        super().__init__()
         self.config = config
         self.model_paths = model_paths
         # engine/hosts/threads.py says how many and why.
@@ -360,6 +361,7 @@ class LocalEngine(StreamHost):
         state = session.optimizer.full_state_dict()  # sharded: gathered onto rank 0
         tensors = trainer_tensors(resource, session)
         if self.writes_files:
+            assert state is not None, "the optimizer state is gathered onto the rank that writes"
             formats.save_training_state(directory, tensors, state)
 
     def save_adapter(

@@ -65,5 +65,5 @@ class Call:
     passed (a Ray actor)."""
 
     command: Command
-    args: tuple = ()
+    args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)

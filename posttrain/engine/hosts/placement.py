@@ -47,15 +47,19 @@ class WorkerHandle(Protocol):
         raises WorkerDied."""
         ...
 
-    def stage(self, data: bytes) -> None:
-        """A replica's staged change (a pickled `Staged`), without waiting for its calls; a
-        dead replica misses it (it is rebuilt, not replayed)."""
-        ...
-
     def stop(self) -> None: ...
 
     def kill(self) -> None:
         """End it now, without waiting for the call in flight."""
+        ...
+
+
+class StagedHandle(WorkerHandle, Protocol):
+    """A generator replica's process: its calls, and its staged changes beside them."""
+
+    def stage(self, data: bytes) -> None:
+        """A replica's staged change (a pickled `Staged`), without waiting for its calls; a
+        dead replica misses it (it is rebuilt, not replayed)."""
         ...
 
 
@@ -67,10 +71,16 @@ class Placement(Protocol):
         ...
 
     def start(
-        self, resource_id: str, role: str, engine: tuple, *, label: str, index: int = 0
+        self, resource_id: str, role: str, engine: tuple[Any, ...], *, label: str, index: int = 0
     ) -> WorkerHandle:
-        """Start a process serving `engine` = (class, *args), built there as
-        `class(config, model_paths, *args)`; a GENERATOR's class also takes its staging
+        """Start a TRAINER or RANK process serving `engine` = (class, *args), built there as
+        `class(config, model_paths, *args)`."""
+        ...
+
+    def start_replica(
+        self, resource_id: str, engine: tuple[Any, ...], *, label: str, index: int
+    ) -> StagedHandle:
+        """Start GENERATOR replica `index`, as `start` does; its class also takes its staging
         channel last."""
         ...
 

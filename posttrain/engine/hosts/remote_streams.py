@@ -26,11 +26,13 @@ Imports: errors, types, engine (generate.sample_stream, hosts.messages).
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
-from posttrain.engine.generate.sample_stream import JoinRoom, SessionSampleStream
+from posttrain.engine.generate.sample_stream import JoinRoom
 from posttrain.engine.hosts.messages import Call, Command
+from posttrain.engine.interface import DecodeStream
 from posttrain.errors import EngineFailure, WorkerDied
 from posttrain.types import SampleRequest, SampleResult
 
@@ -52,35 +54,39 @@ STREAM_METHODS = frozenset(
 STEPS = frozenset({"admit", "block"})
 
 
-class StreamHost:
+class HostedStream(DecodeStream, Protocol):
+    """A stream as its host keeps it: a DecodeStream that also says what a join finds now
+    (generate/sample_stream.py's SessionSampleStream; a replica's FencedStream)."""
+
+    def room(self) -> JoinRoom: ...
+
+
+class StreamHost(ABC):
     """The host's side (a base of LocalEngine): the streams opened by its caller, by id."""
 
-    _streams: dict[int, tuple[str, SessionSampleStream]]
-    _stream_ids: itertools.count
+    def __init__(self) -> None:
+        self._streams: dict[int, tuple[str, HostedStream]] = {}
+        self._stream_ids = itertools.count(1)  # never reused: a stale caller reaches none
 
-    def sample_stream(self, resource_id: str, session_id: str) -> SessionSampleStream | None:
-        raise NotImplementedError
-
-    def _table(self) -> dict[int, tuple[str, SessionSampleStream]]:
-        if not hasattr(self, "_streams"):  # made at first use: the engine's __init__ stays
-            self._streams, self._stream_ids = {}, itertools.count(1)
-        return self._streams
+    @abstractmethod
+    def sample_stream(self, resource_id: str, session_id: str) -> HostedStream: ...
 
     def open_stream(self, resource_id: str, session_id: str) -> int:
-        """An idle stream of the resource on the model `session_id` samples; its id (never
-        reused, so a stale caller never reaches another stream)."""
-        streams = self._table()
-        stream = self.sample_stream(resource_id, session_id)
-        assert stream is not None, "a host's engine streams in its own process"
+        """An idle stream of the resource on the model `session_id` samples; its id."""
+        return self._opened(resource_id, self.sample_stream(resource_id, session_id))
+
+    def _opened(self, resource_id: str, stream: HostedStream) -> int:
+        """Keep `stream`, open on the resource; its id (never reused, so a stale caller never
+        reaches another stream)."""
         stream_id = next(self._stream_ids)
-        streams[stream_id] = (resource_id, stream)
+        self._streams[stream_id] = (resource_id, stream)
         return stream_id
 
     def stream_call(self, resource_id: str, stream_id: int, method: str, *args: Any) -> Any:
         """One DecodeStream method of an open stream (STREAM_METHODS)."""
         if method not in STREAM_METHODS:
             raise EngineFailure(f"{method!r} is not a decode stream's method")
-        owner, stream = self._table().get(stream_id, (None, None))
+        owner, stream = self._streams.get(stream_id, (None, None))
         if owner != resource_id or stream is None:
             raise EngineFailure(f"no decode stream {stream_id} is open on {resource_id}")
         return getattr(stream, method)(*args)
@@ -94,18 +100,18 @@ class StreamHost:
         if method not in STEPS:
             raise EngineFailure(f"{method!r} is not a decode stream's step")
         answer = self.stream_call(resource_id, stream_id, method, *args)
-        _, stream = self._table()[stream_id]
+        _, stream = self._streams[stream_id]
         return answer, stream.take_finished(), stream.running_rows(), stream.room()
 
     def close_stream(self, resource_id: str, stream_id: int) -> None:
         """The stream's pass ended: drop its decode state (idempotent)."""
-        owner, stream = self._table().get(stream_id, (None, None))
+        owner, stream = self._streams.get(stream_id, (None, None))
         if owner == resource_id and stream is not None:
             del self._streams[stream_id]
             stream.close()
 
 
-class RemoteStream:
+class RemoteStream(DecodeStream):
     """A stream open on a host, driven from the API process: each method one STREAM_CALL on
     `call` (the host's, bound at open: hosts/process/remote.py), but `admit` and `block`, each one
     STREAM_STEP that also brings back what finished and the rows running after it (only they
@@ -156,7 +162,7 @@ class RemoteStream:
     def can_join(self, session_id: str) -> bool:
         """Asked once per session: the model a session samples does not change."""
         if session_id not in self._joins:
-            self._joins[session_id] = self._call("can_join", session_id)
+            self._joins[session_id] = cast(bool, self._call("can_join", session_id))
         self._check()
         return self._joins[session_id]
 
@@ -166,7 +172,7 @@ class RemoteStream:
         return answer
 
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
-        return self._step("admit", items, fence)
+        return cast(list[int], self._step("admit", items, fence))
 
     def block(self, most: int = 1) -> None:
         self._step("block", most)
@@ -184,12 +190,12 @@ class RemoteStream:
         self._call("reserve_rows", rows)
 
     def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self._call("pool_row_bytes", items)
+        return cast(int, self._call("pool_row_bytes", items))
 
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
         """From the room the last step brought (before any step, the host's answer)."""
         if self._room is None:
-            return self._call("join_reserve_bytes", items)
+            return cast(int, self._call("join_reserve_bytes", items))
         self._check()
         return self._room.reserve_bytes([request for _, request in items])
 

@@ -7,9 +7,10 @@ Imports: engine.interface, types.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import Tensor
 
@@ -18,19 +19,24 @@ from posttrain.types import (
     CustomForwardBackwardRequest,
     ForwardBackwardRequest,
     ForwardBackwardResult,
+    LoraConfig,
     OptimStepRequest,
 )
 
+T = TypeVar("T")
 
-class TrainerForwarding:
+
+class TrainerForwarding(Engine):
     """Everything but generators, answered by `self.trainer`; the trainer calls that change
     what a session's generator serves go through the subclass's `_changing`, which stages the
     new weights for its generators."""
 
     trainer: Engine
 
-    def _changing(self, resource_id: str, session_id: str, change: Callable[[], Any]) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def _changing(self, resource_id: str, session_id: str, change: Callable[[], T]) -> T:
+        """`change()`, a trainer call that changes what the session's generator serves; then
+        the new weights staged for the generators."""
 
     def restore_session(
         self, resource_id: str, session_id: str, directory: Path, *, version: int
@@ -102,8 +108,18 @@ class TrainerForwarding:
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         self.trainer.save_training_state(resource_id, session_id, directory)
 
-    def save_adapter(self, resource_id: str, session_id: str, directory: Path, **kw: Any) -> None:
-        self.trainer.save_adapter(resource_id, session_id, directory, **kw)
+    def save_adapter(
+        self,
+        resource_id: str,
+        session_id: str,
+        directory: Path,
+        *,
+        lora: LoraConfig,
+        base_model: str,
+    ) -> None:
+        self.trainer.save_adapter(
+            resource_id, session_id, directory, lora=lora, base_model=base_model
+        )
 
     def save_full_model(
         self, resource_id: str, session_id: str, directory: Path, *, base_model: str

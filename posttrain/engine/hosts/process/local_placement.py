@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import EngineConfig
-from posttrain.engine.hosts.placement import RANK, TRAINER
+from posttrain.engine.hosts.placement import GENERATOR, RANK, TRAINER
 from posttrain.engine.hosts.process.worker import WorkerProcess
 
 
@@ -49,23 +49,27 @@ class LocalPlacement:
         pass
 
     def start(
-        self, resource_id: str, role: str, engine: tuple, *, label: str, index: int = 0
+        self, resource_id: str, role: str, engine: tuple[Any, ...], *, label: str, index: int = 0
     ) -> WorkerProcess:
-        if role in (TRAINER, RANK):
-            return WorkerProcess(
-                resource_id,
-                self.config,
-                self.model_paths,
-                role=TRAINER if role == TRAINER else f"{role}{index}",
-                label=label,
-                engine=engine,
-            )
+        assert role in (TRAINER, RANK), f"{role} is not a trainer's role"
+        return WorkerProcess(
+            resource_id,
+            self.config,
+            self.model_paths,
+            role=TRAINER if role == TRAINER else f"{role}{index}",
+            label=label,
+            engine=engine,
+        )
+
+    def start_replica(
+        self, resource_id: str, engine: tuple[Any, ...], *, label: str, index: int
+    ) -> StagedWorkerProcess:
         receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
         worker = StagedWorkerProcess(
             resource_id,
             self.config,
             self.model_paths,
-            role=f"{role}{index}",
+            role=f"{GENERATOR}{index}",
             label=label,
             engine=(*engine, receive),
             staging=send,

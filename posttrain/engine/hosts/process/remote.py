@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from torch import Tensor
 
@@ -36,7 +36,7 @@ from posttrain.engine.hosts.messages import FORGETTING, Call, Command
 from posttrain.engine.hosts.placement import TRAINER, Placement, WorkerHandle
 from posttrain.engine.hosts.process.local_placement import LocalPlacement
 from posttrain.engine.hosts.remote_streams import RemoteStream
-from posttrain.engine.interface import DecodeStream, Headroom, ModelInfo
+from posttrain.engine.interface import DecodeStream, Engine, Headroom, ModelInfo
 from posttrain.engine.memory.footprint import ResourceFootprint, SessionFootprint
 from posttrain.errors import NotFound
 from posttrain.types import (
@@ -64,7 +64,7 @@ class Host(Protocol):
 H = TypeVar("H", bound=Host)
 
 
-class RemoteEngine(Generic[H]):
+class RemoteEngine(Engine, Generic[H]):
     """The Engine protocol over resources hosted elsewhere: a table of hosts by resource, and
     the catalog for what concerns a base model alone."""
 
@@ -173,7 +173,8 @@ class RemoteEngine(Generic[H]):
     def forward_backward_batch(
         self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
     ) -> list[ForwardBackwardResult | Exception]:
-        return self._send(Command.FORWARD_BACKWARD_BATCH, resource_id, items)
+        answer = self._send(Command.FORWARD_BACKWARD_BATCH, resource_id, items)
+        return cast("list[ForwardBackwardResult | Exception]", answer)
 
     def custom_forward_backward(
         self, resource_id: str, session_id: str, request: CustomForwardBackwardRequest
@@ -202,7 +203,8 @@ class RemoteEngine(Generic[H]):
         return 0
 
     def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
-        return self._send(Command.GENERATOR_STATE, resource_id, session_id)
+        answer = self._send(Command.GENERATOR_STATE, resource_id, session_id)
+        return cast("tuple[dict[str, Tensor], int]", answer)
 
     def sample_batch(
         self,
@@ -211,7 +213,8 @@ class RemoteEngine(Generic[H]):
         *,
         between_tokens: Callable[[], None] | None = None,
     ) -> list[list[SampleResult]]:
-        return self._send(Command.SAMPLE_BATCH, resource_id, items, between_tokens=between_tokens)
+        answer = self._send(Command.SAMPLE_BATCH, resource_id, items, between_tokens=between_tokens)
+        return cast("list[list[SampleResult]]", answer)
 
     def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
         """A stream open in the resource's host, driven step by step (hosts/remote_streams.py):
@@ -230,16 +233,20 @@ class RemoteEngine(Generic[H]):
     def peak_bytes(
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
     ) -> int:
-        return self._send(Command.PEAK_BYTES, resource_id, kind, items)
+        answer = self._send(Command.PEAK_BYTES, resource_id, kind, items)
+        return cast(int, answer)
 
     def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
-        return self._send(Command.HEADROOM, resource_id, kind)
+        answer = self._send(Command.HEADROOM, resource_id, kind)
+        return cast(Headroom, answer)
 
     def resource_footprint(self, resource_id: str) -> ResourceFootprint:
-        return self._send(Command.RESOURCE_FOOTPRINT, resource_id)
+        answer = self._send(Command.RESOURCE_FOOTPRINT, resource_id)
+        return cast(ResourceFootprint, answer)
 
     def session_footprint(self, resource_id: str, session_id: str) -> SessionFootprint:
-        return self._send(Command.SESSION_FOOTPRINT, resource_id, session_id)
+        answer = self._send(Command.SESSION_FOOTPRINT, resource_id, session_id)
+        return cast(SessionFootprint, answer)
 
     # ------------------------------------------------------------ live state and checkpoints
 
@@ -256,9 +263,10 @@ class RemoteEngine(Generic[H]):
     def restore_session(
         self, resource_id: str, session_id: str, directory: Path, *, version: int
     ) -> dict[str, Any]:
-        return self._send(
+        answer = self._send(
             Command.RESTORE_SESSION, resource_id, session_id, directory, version=version
         )
+        return cast("dict[str, Any]", answer)
 
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         self._send(Command.SAVE_TRAINING_STATE, resource_id, session_id, directory)

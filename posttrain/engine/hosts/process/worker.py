@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
@@ -67,7 +67,7 @@ class WorkerProcess:
         *,
         role: str = TRAINER,
         label: str | None = None,
-        engine: tuple = (),
+        engine: tuple[Any, ...] = (),
     ):
         """The process serves commands on `engine` = (class, *args), built there as
         `class(config, model_paths, *args)` (default: a LocalEngine); `label` names it in
@@ -134,7 +134,7 @@ class WorkerProcess:
             self.conn.close()
             self.dead = self.dead or "stopped"
 
-    def _send(self, message: Call | tuple) -> None:
+    def _send(self, message: Call | tuple[Any, ...]) -> None:
         self._check()
         try:
             self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -144,15 +144,16 @@ class WorkerProcess:
     def _receive(self) -> tuple[str, Any]:
         self._check()
         try:
-            return pickle.loads(self.conn.recv_bytes())
+            answer: tuple[str, Any] = pickle.loads(self.conn.recv_bytes())
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             self._died()
+        return answer
 
     def _check(self) -> None:
         if self.dead is not None:
             raise WorkerDied(f"{self.label} {self.dead}")
 
-    def _died(self) -> None:
+    def _died(self) -> NoReturn:
         self.process.join(1.0)
         code = self.process.exitcode
         how = (
@@ -161,7 +162,7 @@ class WorkerProcess:
             else (f"was killed by signal {-code}" if code < 0 else f"exited with status {code}")
         )
         self.dead = f"(pid {self.process.pid}) {how}"
-        self._check()
+        raise WorkerDied(f"{self.label} {self.dead}")
 
 
 def _die_with_parent() -> None:
@@ -190,8 +191,9 @@ def _serve(
     _die_with_parent()
     engine = engine_class(config, model_paths, *engine_args)
 
-    def receive() -> Call | tuple:
-        return pickle.loads(conn.recv_bytes())
+    def receive() -> Call | tuple[Any, ...]:
+        message: Call | tuple[Any, ...] = pickle.loads(conn.recv_bytes())
+        return message
 
     def answer(kind: str, value: Any) -> None:
         try:

@@ -42,14 +42,16 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed import TCPStore
+
+# Where torch's stubs declare it: torch.distributed re-exports it implicitly.
+from torch._C._distributed_c10d import TCPStore
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
@@ -134,19 +136,28 @@ class RankEngine(LocalEngine):
         )
         self._resource(resource_id).group = self.group
 
-    def persist_session(self, resource_id: str, session_id: str, *args: Any, **kw: Any) -> None:
+    def persist_session(
+        self,
+        resource_id: str,
+        session_id: str,
+        directory: Path,
+        parts: Collection[str],
+        record: dict[str, Any],
+    ) -> None:
         """Rank 0 writes; another rank only takes part in gathering a sharded session's state."""
         if self.writes_files or self._is_sharded(resource_id, session_id):
-            super().persist_session(resource_id, session_id, *args, **kw)
+            super().persist_session(resource_id, session_id, directory, parts, record)
 
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
         if self.writes_files or self._is_sharded(resource_id, session_id):
             super().save_training_state(resource_id, session_id, directory)
 
-    def save_full_model(self, resource_id: str, session_id: str, *args: Any, **kw: Any) -> None:
+    def save_full_model(
+        self, resource_id: str, session_id: str, directory: Path, *, base_model: str
+    ) -> None:
         """Rank 0 writes; another rank only takes part in gathering sharded parameters."""
         if self.writes_files or self._resource(resource_id).param_shards is not None:
-            super().save_full_model(resource_id, session_id, *args, **kw)
+            super().save_full_model(resource_id, session_id, directory, base_model=base_model)
 
     def _is_sharded(self, resource_id: str, session_id: str) -> bool:
         return self._session(resource_id, session_id)[1].optimizer.sharding is not None
@@ -213,20 +224,21 @@ class _Group:
         try:
             return call()
         except WorkerDied as exc:
-            self._end(exc)
-            raise self.died from None
+            raise self._end(exc) from None
 
-    def _watch(self, future: Future) -> None:
+    def _watch(self, future: Future[Any]) -> None:
         exc = future.exception()
         if isinstance(exc, WorkerDied):
             self._end(exc)
 
-    def _end(self, exc: WorkerDied) -> None:
-        """A rank is gone: stop the others, which would wait for it in their collectives."""
+    def _end(self, exc: WorkerDied) -> WorkerDied:
+        """A rank is gone: stop the others, which would wait for it in their collectives;
+        the death that ended the group (the first one)."""
         if self.died is None:
             self.died = exc
         for rank in self.ranks:
             rank.kill()
+        return self.died
 
     def stop(self) -> None:
         for rank in self.ranks:

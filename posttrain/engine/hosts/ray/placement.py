@@ -53,6 +53,7 @@ from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import Call
 from posttrain.engine.hosts.placement import (
     GENERATOR,
+    RANK,
     TRAINER,
     bundle_index,
     processes_per_resource,
@@ -74,7 +75,11 @@ class EngineHost:
     """The actor (`ray.remote` is applied at runtime): one engine object and its calls."""
 
     def __init__(
-        self, config: EngineConfig, model_paths: dict[str, Path], engine: tuple, staged: bool
+        self,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        engine: tuple[Any, ...],
+        staged: bool,
     ) -> None:
         engine_class, *engine_args = engine or (LocalEngine,)
         # A replica's changes arrive by `stage`, not on a pipe.
@@ -206,7 +211,9 @@ class RayPlacement:
         self.address = ray.get_runtime_context().gcs_address
         # Where replicas reach this process's weights broadcast: a local instance's actors
         # are on this machine; a cluster's may be on other nodes.
-        self.host = "127.0.0.1" if config.ray == "local" else ray.util.get_node_ip_address()
+        self.host: str = "127.0.0.1"
+        if config.ray != "local":
+            self.host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # Ray's own
         log.info("posttrain: Ray placement on %s (address %s)", config.ray, self.address)
 
     def reserve(self, resource_id: str, generator_replicas: int) -> None:
@@ -230,7 +237,18 @@ class RayPlacement:
             ) from None
 
     def start(
-        self, resource_id: str, role: str, engine: tuple, *, label: str, index: int = 0
+        self, resource_id: str, role: str, engine: tuple[Any, ...], *, label: str, index: int = 0
+    ) -> RayWorker:
+        assert role in (TRAINER, RANK), f"{role} is not a trainer's role"
+        return self._start(resource_id, role, engine, label=label, index=index)
+
+    def start_replica(
+        self, resource_id: str, engine: tuple[Any, ...], *, label: str, index: int
+    ) -> RayWorker:
+        return self._start(resource_id, GENERATOR, engine, label=label, index=index)
+
+    def _start(
+        self, resource_id: str, role: str, engine: tuple[Any, ...], *, label: str, index: int
     ) -> RayWorker:
         with self._lock:
             group = self._groups[resource_id]

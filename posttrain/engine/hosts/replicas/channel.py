@@ -14,8 +14,8 @@ import threading
 
 from torch import Tensor
 
-from posttrain.engine.hosts.placement import GENERATOR, Placement
-from posttrain.engine.hosts.replicas.weights_broadcast import Root
+from posttrain.engine.hosts.placement import Placement
+from posttrain.engine.hosts.replicas.weights_broadcast import Change, Root
 from posttrain.engine.hosts.replicas.worker import ReplicaEngine
 
 
@@ -24,9 +24,8 @@ class GeneratorReplica:
 
     def __init__(self, resource_id: str, index: int, placement: Placement) -> None:
         self.index = index
-        self.worker = placement.start(
+        self.worker = placement.start_replica(
             resource_id,
-            GENERATOR,
             (ReplicaEngine,),
             label=f"generator replica {index} of model resource {resource_id}",
             index=index,
@@ -40,6 +39,10 @@ class GeneratorReplica:
         self.worker.stop()
 
 
+# A change on its way: the replicas it goes to, the change, an install bucket's bytes.
+_Outgoing = tuple[list[GeneratorReplica], Change, Tensor | None]
+
+
 class Channel:
     """The resource's staged changes on their way to its replicas: one thread sends them in
     fence order (hosts/replicas/weights_broadcast.py: an install's bytes by broadcast), so the
@@ -48,13 +51,13 @@ class Channel:
 
     def __init__(self, resource_id: str, root: Root) -> None:
         self.root = root
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send, name=f"posttrain-stage-{resource_id}", daemon=True
         )
         self._sender.start()
 
-    def put(self, replicas: list[GeneratorReplica], change: tuple, buffer: Tensor | None) -> None:
+    def put(self, replicas: list[GeneratorReplica], change: Change, buffer: Tensor | None) -> None:
         self._outbox.put((list(replicas), change, buffer))
 
     def _send(self) -> None:

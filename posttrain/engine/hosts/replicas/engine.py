@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from torch import Tensor
 from transformers import AutoConfig
@@ -61,7 +61,7 @@ from posttrain.engine.hosts.replicas.channel import Channel, GeneratorReplica, i
 from posttrain.engine.hosts.replicas.weights_broadcast import Delivery, Root, pack
 from posttrain.engine.hosts.staged_changes import StagedChanges
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
-from posttrain.engine.interface import DecodeStream, Engine, Headroom
+from posttrain.engine.interface import DecodeStream, Engine, Headroom, LanedEngine
 from posttrain.engine.memory import estimate
 from posttrain.engine.memory.headroom import headroom
 from posttrain.errors import GeneratorReplicaDied, NotFound, WorkerDied
@@ -80,6 +80,8 @@ from posttrain.types import (
 BUCKET_BYTES = 64 << 20
 
 
+T = TypeVar("T")
+
 class _Replicas:
     """A resource's replicas and what they must serve."""
 
@@ -97,7 +99,7 @@ class _Replicas:
         self.lock = threading.RLock()
 
 
-class ReplicatedEngine(TrainerForwarding):
+class ReplicatedEngine(TrainerForwarding, LanedEngine):
     """A LanedEngine: the trainer engine for everything but sampling, replicas for that."""
 
     def __init__(
@@ -231,10 +233,10 @@ class ReplicatedEngine(TrainerForwarding):
         self,
         resource_id: str,
         session_id: str,
-        change: Callable[[], Any],
+        change: Callable[[], T],
         *,
         mid_generation: bool = False,
-    ) -> Any:
+    ) -> T:
         """Run a trainer call that changes what the session's generator serves, then stage
         what it serves now for every replica."""
         state = self._required(resource_id)
@@ -253,7 +255,9 @@ class ReplicatedEngine(TrainerForwarding):
         """How the resource's installs reached its replicas so far (weights_broadcast.py)."""
         return self._required(resource_id).channel.root.delivery
 
-    def _stage(self, state: _Replicas, what: str, args: tuple, buffer: Tensor | None = None):
+    def _stage(
+        self, state: _Replicas, what: str, args: tuple[Any, ...], buffer: Tensor | None = None
+    ) -> None:
         """Caller holds state.lock."""
         state.fence += 1
         state.changes.staged(state.fence, args[1], what == "install" and args[4])
@@ -303,7 +307,8 @@ class ReplicatedEngine(TrainerForwarding):
         sample's place. `between_tokens` is not called: publishes reach the replicas as
         staged changes, PIPELINE ones mid-generation."""
         call = Call(Command.SAMPLE_BATCH, (resource_id, items), {"fence": fence})
-        return _on_replica(self._lane_replica(resource_id, lane), call)
+        answer = _on_replica(self._lane_replica(resource_id, lane), call)
+        return cast(list[list[SampleResult]], answer)
 
     def _lane_replica(self, resource_id: str, lane: int) -> GeneratorReplica:
         """The lane's replica, a new one where it died (the lane's next sample starts it)."""

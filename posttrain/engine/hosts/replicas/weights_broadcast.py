@@ -33,11 +33,14 @@ import datetime
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.distributed import (
+
+# Where torch's stubs declare them: torch.distributed re-exports them implicitly.
+from torch._C._distributed_c10d import (
     BarrierOptions,
     BroadcastOptions,
     PrefixStore,
@@ -54,6 +57,10 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
 # (name, dtype, shape, offset, nbytes) of each tensor in a packed bucket.
 Entry = tuple[str, str, tuple[int, ...], int, int]
+# A staged change as it crosses to a replica (hosts/replicas/worker.py): (fence, what, args).
+Change = tuple[int, str, tuple[Any, ...]]
+# One replica, as the caller of Root.send knows it.
+Replica = TypeVar("Replica")
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,8 @@ def broadcast(group: ProcessGroupGloo, buffer: Tensor) -> None:
     options = BroadcastOptions()
     options.rootRank = 0
     options.timeout = COLLECTIVE_TIMEOUT
-    group.broadcast([buffer], options).wait()
+    # torch's stubs give a Backend none of its collectives (bound at runtime).
+    group.broadcast([buffer], options).wait()  # type: ignore[attr-defined]
 
 
 def barrier(group: ProcessGroupGloo) -> None:
@@ -118,7 +126,7 @@ def barrier(group: ProcessGroupGloo) -> None:
     this fails for the root too, and it resends."""
     options = BarrierOptions()
     options.timeout = COLLECTIVE_TIMEOUT
-    group.barrier(options).wait()
+    group.barrier(options).wait()  # type: ignore[attr-defined]  # as in broadcast
 
 
 class Member:
@@ -178,23 +186,24 @@ class Root:
 
     def send(
         self,
-        replicas: Sequence[object],
-        stage: Callable[[object, bytes], None],
-        alive: Callable[[object], bool],
-        change: tuple[int, str, tuple],
+        replicas: Sequence[Replica],
+        stage: Callable[[Replica, bytes], None],
+        alive: Callable[[Replica], bool],
+        change: Change,
         buffer: Tensor | None,
     ) -> None:
         """Deliver `change` to each replica with `stage(replica, data)`; an install's bucket
         (args[2], its bytes in `buffer`) by broadcast when the group stands."""
         fence, what, args = change
-        if buffer is not None and self._ready(replicas, stage, alive):
+        group = None if buffer is None else self._ready(replicas, stage, alive)
+        if buffer is not None and group is not None:
             header = (fence, what, (*args[:2], args[2].header(), *args[3:]))
             data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
             for replica in replicas:
                 stage(replica, data)
             try:
-                broadcast(self._group, buffer)
-                barrier(self._group)
+                broadcast(group, buffer)
+                barrier(group)
                 self.delivery.broadcast += 1
                 return
             except RuntimeError:
@@ -208,18 +217,19 @@ class Root:
 
     def _ready(
         self,
-        replicas: Sequence[object],
-        stage: Callable[[object, bytes], None],
-        alive: Callable[[object], bool],
-    ) -> bool:
+        replicas: Sequence[Replica],
+        stage: Callable[[Replica, bytes], None],
+        alive: Callable[[Replica], bool],
+    ) -> ProcessGroupGloo | None:
+        """The group of `replicas`, formed now if it does not stand; None where it cannot."""
         members = tuple(replicas)
         if self._group is not None and members == self._members:
-            return True
+            return self._group
         self._drop()
         if self._store is None or not members or members == self._tried:
-            return False
+            return None
         if not all(alive(r) for r in members):
-            return False
+            return None
         self._generation += 1
         prefix = f"weights{self._generation}"
         size = len(members) + 1
@@ -227,13 +237,13 @@ class Root:
             join = (0, "join", (self.host, self._store.port, prefix, rank, size))
             stage(replica, pickle.dumps(join, protocol=pickle.HIGHEST_PROTOCOL))
         try:
-            self._group = ProcessGroupGloo(PrefixStore(prefix, self._store), 0, size, JOIN_TIMEOUT)
+            group = ProcessGroupGloo(PrefixStore(prefix, self._store), 0, size, JOIN_TIMEOUT)
         except RuntimeError:
             self._tried = members
-            return False
-        self._members = members
+            return None
+        self._group, self._members = group, members
         self.delivery.groups += 1
-        return True
+        return group
 
     def _drop(self) -> None:
         self._group = None

@@ -20,19 +20,29 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from torch import Tensor, nn
+
 from posttrain.config import EngineConfig
 from posttrain.engine.generate.generator import generator_key
-from posttrain.engine.generate.sample_stream import SessionSampleStream
+from posttrain.engine.generate.sample_stream import JoinRoom, SessionSampleStream
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.replicas.weights_broadcast import Bucket, Member, buffer_of, unpack
+from posttrain.engine.hosts.remote_streams import HostedStream
+from posttrain.engine.hosts.replicas.weights_broadcast import (
+    Bucket,
+    Change,
+    Member,
+    buffer_of,
+    unpack,
+)
 from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
 
-Staged = tuple[int, str, tuple]
+Staged = Change
 
 
 class ReplicaEngine(LocalEngine):
@@ -46,7 +56,8 @@ class ReplicaEngine(LocalEngine):
         super().__init__(config, model_paths)
         self._staged: list[Staged] = []
         self._received = 0  # the highest fence received (or rebuilt up to)
-        self._buckets: dict[str, dict] = {}  # session -> tensors of an install not yet whole
+        # session -> the tensors of an install not yet whole
+        self._buckets: dict[str, dict[str, Tensor]] = {}
         self._arrived = threading.Condition()
         self._inbox: queue.SimpleQueue[Staged] = queue.SimpleQueue()
         self._member = Member()  # of the resource's weights group, once it forms
@@ -105,7 +116,7 @@ class ReplicaEngine(LocalEngine):
         which installs overwrite, instead of a second copy (half a trainer's memory); ending
         the session puts the base weights back, as on the trainer."""
         assert not resource.sessions, "a full-weight session shares its resource with no one"
-        model = resource.loaded.model
+        model: nn.Module = resource.loaded.model
         model.eval()
         resource.sessions[session_id] = SessionState(
             session_id, generator_key(session_id), SessionOptimizer([]), generator_model=model
@@ -135,25 +146,25 @@ class ReplicaEngine(LocalEngine):
         resource_id: str,
         items: list[tuple[str, SampleRequest]],
         *,
+        between_tokens: Callable[[], None] | None = None,
         fence: int = 0,
     ) -> list[list[SampleResult]]:
         """The generation at its FIFO place: apply the changes up to `fence`, then sample;
         PIPELINE installs that arrive meanwhile land between decode passes. The replica is one
         generator lane of a LanedEngine (hosts/replicas/engine.py sends it the sample's fence), so
         it takes no lane; nor a `between_tokens`: its own hook (`_mid_generation`) runs there."""
+        assert between_tokens is None, "a replica runs its own hook between decode passes"
         self.advance(fence)
         return super().sample_batch(resource_id, items, between_tokens=self._mid_generation)
 
     def open_stream(self, resource_id: str, session_id: str, fence: int = 0) -> int:
         """A lane's stream (StreamHost.open_stream), its generator as of `fence` (the first
-        operations' place): their sessions exist here from then on."""
+        operations' place): their sessions exist here from then on. A FencedStream:
+        operations bring their fence to `admit`, and PIPELINE installs land before any
+        block."""
         self.advance(fence)
-        return super().open_stream(resource_id, session_id)
-
-    def sample_stream(self, resource_id: str, session_id: str) -> FencedStream:
-        """The step-wise form (a generator lane's stream, hosts/replicas/engine.py): operations
-        bring their fence to `admit`, and PIPELINE installs land before any block."""
-        return FencedStream(super().sample_stream(resource_id, session_id), self)
+        stream = FencedStream(self.sample_stream(resource_id, session_id), self)
+        return self._opened(resource_id, stream)
 
     def advance(self, fence: int) -> None:
         """Apply every change staged up to `fence` (waiting for those not received yet)."""
@@ -205,7 +216,7 @@ class ReplicaEngine(LocalEngine):
                 self.install_generator(resource_id, session_id, parts, version=version)
 
 
-class FencedStream(SessionSampleStream):
+class FencedStream(HostedStream):
     """A replica's decode stream (a DecodeStream, engine/interface.py, driven by its lane through
     hosts/remote_streams.py's commands): operations joining bring the fence of their place in
     the resource's FIFO, and the changes staged up to it are applied before they are admitted.
@@ -215,7 +226,7 @@ class FencedStream(SessionSampleStream):
     rows of their sessions switch there (policy_segments)."""
 
     def __init__(self, stream: SessionSampleStream, engine: ReplicaEngine) -> None:
-        super().__init__(stream.stream, stream.session)
+        self.stream = stream  # the replica's own (generate/sample_stream.py)
         self.engine = engine
 
     def can_join(self, session_id: str) -> bool:
@@ -226,10 +237,31 @@ class FencedStream(SessionSampleStream):
 
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
         self.engine.advance(fence)
-        return super().admit(items)
+        return self.stream.admit(items)
 
     def block(self, most: int = 1) -> None:
         """Up to `most` blocks, each after the PIPELINE installs due: fewer where a sequence
         ended, or a wake arrived (a sample waits to join; one that arrived before this call
         stops it after one block, which only costs a round trip)."""
-        super().block(most, between=self.engine._mid_generation, woken=self.engine.woken)
+        self.stream.block(most, between=self.engine._mid_generation, woken=self.engine.woken)
+
+    def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
+        return self.stream.take_finished()
+
+    def running_rows(self) -> int:
+        return self.stream.running_rows()
+
+    def reserve_rows(self, rows: int) -> None:
+        self.stream.reserve_rows(rows)
+
+    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self.stream.pool_row_bytes(items)
+
+    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        return self.stream.join_reserve_bytes(items)
+
+    def room(self) -> JoinRoom:
+        return self.stream.room()
+
+    def close(self) -> None:
+        self.stream.close()

@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
@@ -52,7 +52,7 @@ from posttrain.engine.hosts.vllm.requests import generate_body, result_of
 from posttrain.engine.hosts.vllm.scoring import LockedEngine, scored
 from posttrain.engine.hosts.vllm.server import MAX_NUM_SEQS, SERVED_NAME, ServerSpec, VllmServer
 from posttrain.engine.hosts.vllm.stream import VllmStream
-from posttrain.engine.interface import Engine, Headroom, ModelInfo
+from posttrain.engine.interface import DecodeStream, Engine, Headroom, LanedEngine, ModelInfo
 from posttrain.errors import NotFound
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
@@ -74,7 +74,9 @@ REFUSED_ON_CPU = tuple(
 )
 
 
-class VllmEngine(TrainerForwarding):
+T = TypeVar("T")
+
+class VllmEngine(TrainerForwarding, LanedEngine):
     """A LanedEngine: the trainer engine for everything but sampling, vLLM servers for that."""
 
     def __init__(self, trainer: Engine, config: EngineConfig, model_paths: dict[str, Path]):
@@ -212,7 +214,7 @@ class VllmEngine(TrainerForwarding):
             for replica in replicas:
                 self._apply_mid_generation(state, replica)
 
-    def _changing(self, resource_id: str, session_id: str, change: Callable[[], Any]) -> Any:
+    def _changing(self, resource_id: str, session_id: str, change: Callable[[], T]) -> T:
         state = self._required(resource_id)
         with state.lock:
             result = change()
@@ -295,6 +297,10 @@ class VllmEngine(TrainerForwarding):
             state.written &= in_use
 
     # ------------------------------------------------------------ sampling
+
+    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
+        """None: samples run on the servers' lanes (lane_stream), never on the trainer's."""
+        return None
 
     def lane_stream(
         self, resource_id: str, session_id: str, *, fence: int, lane: int
@@ -388,7 +394,12 @@ class VllmEngine(TrainerForwarding):
         return scored(self.trainer, resource_id, session_id, request, results, context, current)
 
     def _generate(
-        self, state: Resource, replica: Replica, session_id: str, prompt: tuple, request
+        self,
+        state: Resource,
+        replica: Replica,
+        session_id: str,
+        prompt: tuple[int, ...],
+        request: SampleRequest,
     ) -> SampleResult:
         model = SERVED_NAME if state.sessions.get(session_id) is None else session_id
         body = generate_body(prompt, request, model, replica.salts.get(session_id))

@@ -21,6 +21,7 @@ import itertools
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +63,8 @@ class Replica:
     # Sessions whose adapter was last loaded in place (a PIPELINE install): `settle` loads
     # each afresh once none of its requests runs here.
     inplace: set[str] = field(default_factory=set)
-    counter: itertools.count = field(default_factory=lambda: itertools.count(1))
-    installs: itertools.count = field(default_factory=lambda: itertools.count(1))
+    counter: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    installs: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     # Held while changes apply or a generation starts (never across a generation).
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -125,7 +126,7 @@ class Replica:
         PIPELINE install, whose running requests must switch at once (and `settle` loads it
         afresh later); otherwise it is unloaded and loaded afresh (no running request of the
         session is affected: the lanes' join rule), and its requests load it once."""
-        load = {"lora_name": session_id, "lora_path": str(link)}
+        load: dict[str, str | bool] = {"lora_name": session_id, "lora_path": str(link)}
         if session_id in self.serving and mid_generation:
             load["load_inplace"] = True
             self.inplace.add(session_id)
@@ -149,7 +150,7 @@ class Replica:
         self.labels[label] = dict(self.serving)
         self.server.call("/update_weight_version", {"new_version": label})
 
-    def version_of(self, session_id: str):
+    def version_of(self, session_id: str) -> Callable[[str], int]:
         """label -> the session's policy version under it (0 before any install)."""
         return lambda label: self.labels.get(label, {}).get(session_id, 0)
 

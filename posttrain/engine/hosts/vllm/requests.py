@@ -52,7 +52,9 @@ def generate_body(
     return body
 
 
-def segments_of(spans: list[dict[str, Any]] | None, version_of: Callable[[str], int]) -> list:
+def segments_of(
+    spans: list[dict[str, Any]] | None, version_of: Callable[[str], int]
+) -> list[PolicySegment]:
     """Policy segments of one choice from its `weight_versions` spans (label, start, end):
     consecutive spans of one policy version merge; at least one segment, from token 0."""
     segments: list[PolicySegment] = []
@@ -63,7 +65,9 @@ def segments_of(spans: list[dict[str, Any]] | None, version_of: Callable[[str], 
     return segments
 
 
-def result_of(reply: dict[str, Any], version_of: Callable[[str], int], fallback: int):
+def result_of(
+    reply: dict[str, Any], version_of: Callable[[str], int], fallback: int
+) -> SampleResult:
     """One prompt's SampleResult from its generate reply. `version_of` maps a weight-version
     label to the session's policy version; `fallback`: the version served when the reply
     carries no spans (a sequence that generated nothing)."""

@@ -74,7 +74,8 @@ class ServerSpec:
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]  # (host, port) of an AF_INET socket
+        return port
 
 
 class VllmServer:
@@ -156,7 +157,7 @@ class VllmServer:
             " sample"
         )
 
-    def call(self, path: str, body: Any = None, *, params: dict | None = None) -> Any:
+    def call(self, path: str, body: Any = None, *, params: dict[str, str] | None = None) -> Any:
         """POST `body` as JSON; the reply's JSON (its text if not JSON). A dead server raises
         GeneratorReplicaDied; a refusal raises EngineFailure with vLLM's words."""
         try:

@@ -16,7 +16,7 @@ changes would alter a session decoding here.
 A request that fails (its server died: GeneratorReplicaDied) fails the stream, as a failing
 request fails a whole-batch pass: the caller fails every operation still in it.
 
-Imports: types, engine.hosts.vllm_requests.
+Imports: types, engine (interface, hosts.vllm.requests).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from posttrain.engine.hosts.vllm.requests import merged, parts
+from posttrain.engine.interface import DecodeStream
 from posttrain.types import SampleRequest, SampleResult
 
 # Generate requests a stream has open at once at most: one thread each (a request blocks its
@@ -60,7 +61,7 @@ class _Operation:
         return [merged([reply.result() for reply in prompt]) for prompt in self.replies]
 
 
-class VllmStream:
+class VllmStream(DecodeStream):
     """One generation on a vLLM server, open to joins until its last operation finished."""
 
     def __init__(

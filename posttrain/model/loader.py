@@ -24,7 +24,7 @@ from transformers import (
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.errors import EngineFailure
-from posttrain.model import attention, routing
+from posttrain.model import attention, latent_attention, routing
 from posttrain.model.kv_shape import KVShape, kv_shape
 from posttrain.types import MoeShape
 
@@ -85,6 +85,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval unannotated
     attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
     routing.install(model)  # routing capture and replay of MoE routers
+    latent_attention.install(model)  # MLA: expanded keys and values in posttrain's caches
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -116,7 +117,9 @@ def path_kv_shape(path: Path) -> KVShape:
     """The KV shape of the model in `path`, from a meta-device build: no weights are read or
     allocated."""
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    return kv_shape(_meta_model(config))
+    model = _meta_model(config)
+    latent_attention.install(model)  # what load_model caches, not the family's latents
+    return kv_shape(model)
 
 
 def servable_problem(path: Path) -> str | None:

@@ -11,8 +11,12 @@ Both happen inside the router module, which this wraps (`install`): outside a `c
 `replay` block the wrapped router is the original, op for op. A router qualifies when it is
 one of the softmax top-k routers listed in SOFTMAX_TOP_K_ROUTERS (transformers' Qwen2/Qwen3-MoE,
 Mixtral, OLMoE): their gate weights are the softmax of the router logits at the chosen experts,
-renormalised when the router's `norm_topk_prob` is set (Mixtral always renormalises). Other
-routers (sigmoid, grouped, biased) would need their own replay rule: such models are served
+renormalised when the router's `norm_topk_prob` is set (Mixtral always renormalises); or one of
+the sigmoid group-limited routers in SIGMOID_TOP_K_ROUTERS (DeepSeek-V3): the experts are
+chosen by sigmoid scores plus a correction bias within the best groups, and the gate weights
+are the sigmoid scores (without the bias) at the chosen experts, renormalised when
+`norm_topk_prob` is set, times `routed_scaling_factor`; replay forces the experts and keeps
+that weight rule. Other routers would need their own replay rule: such models are served
 without routing replay.
 
 A pass sees tokens flattened to [N, H] (batch rows times positions); routes are given and
@@ -28,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -38,13 +43,15 @@ from posttrain.types import MoeShape
 SOFTMAX_TOP_K_ROUTERS = frozenset(
     {"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter"}
 )
+SIGMOID_TOP_K_ROUTERS = frozenset({"DeepseekV3TopkRouter"})
 # Routes travel as uint16 on the wire (api.md 5.2): no model served has more experts.
 MAX_EXPERTS = 1 << 16
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's replayable routers, one per MoE layer, in model order."""
-    return [m for m in model.modules() if type(m).__name__ in SOFTMAX_TOP_K_ROUTERS]
+    replayable = SOFTMAX_TOP_K_ROUTERS | SIGMOID_TOP_K_ROUTERS
+    return [m for m in model.modules() if type(m).__name__ in replayable]
 
 
 def moe_shape(model: nn.Module) -> MoeShape | None:
@@ -123,11 +130,7 @@ def _routed(
                 f" {tuple(experts_NK.shape)}"
             )
         replayed_N = forced_NK[:, 0] >= 0
-        # The softmax over every expert, as the router's own top-k reads it, at the chosen ones.
-        probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float)
-        chosen_NK = probs_NE.gather(-1, forced_NK.clamp(min=0))
-        if getattr(router, "norm_topk_prob", True):
-            chosen_NK = chosen_NK / chosen_NK.sum(dim=-1, keepdim=True)
+        chosen_NK = _gate_weights(router, logits_NE, forced_NK.clamp(min=0))
         scores_NK = torch.where(replayed_N[:, None], chosen_NK.to(scores_NK.dtype), scores_NK)
         experts_NK = torch.where(replayed_N[:, None], forced_NK, experts_NK)
     if state.captured is not None:
@@ -141,3 +144,20 @@ def _int_attribute(module: nn.Module, name: str) -> int:
     value = getattr(module, name)
     assert isinstance(value, int), f"{type(module).__name__}.{name} is {value!r}, not an int"
     return value
+
+
+def _gate_weights(router: nn.Module, logits_NE: Tensor, experts_NK: Tensor) -> Tensor:
+    """The gate weights `router` gives the experts experts_NK, by its own rule."""
+    if type(router).__name__ in SIGMOID_TOP_K_ROUTERS:
+        # As DeepseekV3TopkRouter computes them: the correction bias picks, it does not weigh.
+        sigmoid_router = cast(Any, router)  # its attributes (transformers is untyped)
+        chosen_NK = logits_NE.sigmoid().gather(1, experts_NK)
+        if sigmoid_router.norm_topk_prob:
+            chosen_NK = chosen_NK / (chosen_NK.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen_NK * float(sigmoid_router.routed_scaling_factor)
+    # The softmax over every expert, as the router's own top-k reads it, at the chosen ones.
+    probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float)
+    chosen_NK = probs_NE.gather(-1, experts_NK)
+    if getattr(router, "norm_topk_prob", True):
+        chosen_NK = chosen_NK / chosen_NK.sum(dim=-1, keepdim=True)
+    return chosen_NK

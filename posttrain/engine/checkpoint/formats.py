@@ -50,6 +50,13 @@ PEFT_CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE)
 
+# PEFT (0.21, under transformers 5) rewrites the target_modules of a model whose experts
+# transformers 5 fused (DeepSeek-V3, Qwen2-MoE, Mixtral): a target named like a transformers 4
+# expert projection is taken for the fused experts, and the Linear layers of that name (a dense
+# layer's MLP, shared experts) drop out of the adapter. With expert targets, those Linears are
+# targeted as their `<module>.weight` parameter instead: PEFT's ParamWrapper, the same keys and
+# delta B @ A.
+PEFT_V4_EXPERT_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
 # PEFT prefixes every key with the PeftModel / LoraModel wrappers' attribute names.
 PEFT_PREFIX = "base_model.model."
 # Base-model files a merged directory must not copy: save_pretrained writes the weights and
@@ -168,7 +175,12 @@ def save_peft_adapter(
     }
     experts = sorted({n.rsplit(".", 1)[0] for n, t in tensors.items() if t.ndim == 3})
     if experts:
-        config["target_parameters"] = experts
+        linears = sorted({n.rsplit(".", 1)[0] for n, t in tensors.items() if t.ndim == 2})
+        renamed = [m for m in linears if m.rsplit(".", 1)[-1] in PEFT_V4_EXPERT_NAMES]
+        config["target_modules"] = [
+            t for t in target_modules if t.rsplit(".", 1)[-1] not in PEFT_V4_EXPERT_NAMES
+        ]
+        config["target_parameters"] = experts + [f"{m}.weight" for m in renamed]
         # PEFT refuses dropout on parameter targets; it only matters in training, not here.
         config["lora_dropout"] = 0.0
     (directory / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -190,6 +202,8 @@ def load_peft_adapter(directory: Path) -> tuple[dict[str, Tensor], float]:
     scale = float(config["lora_alpha"]) / float(rank)
     internal: dict[str, Tensor] = {}
     for parameter in config.get("target_parameters") or ():
+        if parameter.endswith(".weight"):  # a Linear's weight: plain keys, read below
+            continue
         _, prefix = _peft_expert_prefix(parameter)
         lora_A = tensors.pop(f"{prefix}.lora_A.weight")
         lora_B = tensors.pop(f"{prefix}.lora_B.weight")

@@ -101,13 +101,24 @@ def test_a_join_beside_dynamic_passes_runs_no_prefill_pass_of_its_own(
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "gemma3_text", "phi3", "gpt_neox", "granite", "qwen3_moe", "gemma2"],
+    [
+        "llama",
+        "qwen2",
+        "gemma3_text",
+        "phi3",
+        "gpt_neox",
+        "granite",
+        "qwen3_moe",
+        "deepseek_v3",
+        "gemma2",
+    ],
 )
 def test_joins_inside_the_decode_pass_get_what_they_get_alone_on_every_family(
     tmp_path, monkeypatch, family
 ):
     """Fused projections (Phi-3, GPT-NeoX), partial rotary (GPT-NeoX), sliding and global
-    layers (Qwen2, Gemma 3), multipliers (Granite), experts (Qwen3-MoE): the packed pass gives
+    layers (Qwen2, Gemma 3), multipliers (Granite), experts (Qwen3-MoE), latent attention and
+    sigmoid routing (DeepSeek-V3): the packed pass gives
     each family's joining rows what they get alone. Gemma 2's soft-capped attention is eager:
     its joins run a prefill pass apart."""
     monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 2)

@@ -1,5 +1,5 @@
 """Routed-expert replay at engine level on random-init Qwen3-MoE (tests/unit/model/families.py),
-Mixtral and OLMoE models.
+DeepSeek-V3 (sigmoid group-limited routing), Mixtral and OLMoE models.
 
 The sampler's recorded routes are the free routing of the sequence; after the router moves, a
 forward that replays them computes exactly a forward forced to those experts (a reference
@@ -45,7 +45,7 @@ def moe_dir(tmp_path_factory) -> Path:
     return families.build("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", *families.REPLAY_FAMILIES])
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", *families.REPLAY_FAMILIES])
 def any_moe_dir(request, tmp_path_factory) -> Path:
     return families.build(request.param, tmp_path_factory.mktemp("moe") / request.param)
 
@@ -112,9 +112,15 @@ def reference_forced(engine: LocalEngine, tokens: list[int], forced_TLK: torch.T
         def forced(module, args, output, layer=layer):
             logits = output[0]
             chosen = forced_TLK[:, layer].to(logits.device)
-            weights = F.softmax(logits.float(), dim=-1).gather(-1, chosen)
-            if getattr(module, "norm_topk_prob", True):  # Mixtral's always renormalises
-                weights = weights / weights.sum(-1, keepdim=True)
+            if hasattr(module, "routed_scaling_factor"):  # DeepSeek-V3's sigmoid router
+                weights = logits.float().sigmoid().gather(-1, chosen)
+                if module.norm_topk_prob:
+                    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+                weights = weights * module.routed_scaling_factor
+            else:
+                weights = F.softmax(logits.float(), dim=-1).gather(-1, chosen)
+                if getattr(module, "norm_topk_prob", True):  # Mixtral's always renormalises
+                    weights = weights / weights.sum(-1, keepdim=True)
             return logits, weights.to(output[1].dtype), chosen
 
         handles.append(router.register_forward_hook(forced))
@@ -131,16 +137,22 @@ def test_a_dense_model_ignores_return_routed_experts(tmp_path):
     assert all(s.routed_experts is None for s in sampled(engine, return_routed_experts=True))
 
 
+# (MoE layers, experts per token, experts) of the families; DeepSeek-V3's first layer is dense.
+MOE_SHAPES = {"deepseek_v3": (1, 2, 8)}
+
+
 def test_sampled_routes_are_the_free_routing_of_prompt_and_completion(any_moe_dir):
     engine = engine_for(any_moe_dir)
     moe = engine.model_info("m").moe
-    assert (moe.num_layers, moe.top_k, moe.num_experts) == (2, 2, 4)
+    layers, top_k, experts = MOE_SHAPES.get(any_moe_dir.name, (2, 2, 4))
+    assert (moe.num_layers, moe.top_k, moe.num_experts) == (layers, top_k, experts)
     assert all(s.routed_experts is None for s in sampled(engine))
     for sequence in sampled(engine, return_routed_experts=True):
         routes = sequence.routed_experts
         tokens = [*PROMPT, *sequence.tokens]
         # Every position that ran: the prompt and each generated token but the last.
-        assert (routes.num_tokens, routes.num_layers, routes.top_k) == (len(tokens) - 1, 2, 2)
+        shape = (routes.num_tokens, routes.num_layers, routes.top_k)
+        assert shape == (len(tokens) - 1, layers, top_k)
         recorded = to_tensor(routes).sort(-1).values
         assert torch.equal(recorded, free_routes(engine, "s", tokens).sort(-1).values)
 

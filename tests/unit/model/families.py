@@ -89,6 +89,24 @@ FAMILIES: dict[str, dict[str, object]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    # Multi-head latent attention: query and key/value through low-rank latents, keys
+    # (nope + rope parts) wider than values; layer 0 dense, layer 1 a sigmoid group-limited
+    # top-k MoE (correction bias, scaled weights) with a shared expert.
+    "deepseek_v3": {
+        "num_key_value_heads": NUM_HEADS,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "moe_intermediate_size": MOE_WIDTH,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+    },
 }
 
 # Fields some checkpoints carry that their family ignores, for `extra=`: GPT-NeoX attention has
@@ -135,6 +153,10 @@ def model(
     with torch.no_grad():
         for parameter in built.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
+        # DeepSeek-V3's routers add a correction bias (a buffer) to the scores they choose by.
+        for name, buffer in built.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn_like(buffer) * 0.05)
     return built.eval()
 
 

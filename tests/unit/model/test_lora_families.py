@@ -42,6 +42,17 @@ EXPECTED = {
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
     "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
+    # Multi-head latent attention's latent projections; layer 0 is DeepSeek-V3's dense one.
+    "deepseek_v3": (
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
 }
 TOKENS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22]])
 

@@ -273,6 +273,25 @@ def _layout_mask(
     return given if layout is None else layout[_layer_idx(module)]
 
 
+def layer_layout(
+    module: nn.Module, given: Tensor | None
+) -> Tensor | SharedPrefixAttention | JoiningPassAttention | None:
+    """What `module`'s layer attends with in the current sampler pass (`given`, the model's own
+    mask, outside one): for attention modules that attend by themselves (latent_attention.py)."""
+    found: Tensor | SharedPrefixAttention | JoiningPassAttention | None = _layout_mask(
+        module, given
+    )
+    return found
+
+
+def materialized(
+    layout: SharedPrefixAttention, layer: int, query: Tensor, key: Tensor, value: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's prefix and own keys and values as one sequence, with its additive mask (see
+    _materialized)."""
+    return _materialized(layout, layer, query, key, value)
+
+
 def attention_forward(
     module: nn.Module,
     query: Tensor,

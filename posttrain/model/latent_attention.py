@@ -1,28 +1,29 @@
-"""Multi-head latent attention (DeepSeek-V3) through posttrain's KV caches.
+"""Multi-head latent attention (DeepSeek-V3) through posttrain's caches, which hold the latent.
 
-MLA projects each position to a compressed latent: `kv_a_proj_with_mqa` gives the key/value
+MLA projects each position to one compressed vector: `kv_a_proj_with_mqa` gives the key/value
 latent c (kv_lora_rank wide, normalised by `kv_a_layernorm`) and one rope key k_rot shared by
-every head (qk_rope_head_dim wide); `kv_b_proj` expands c into each head's key part k_nope
-(qk_nope_head_dim) and its value (v_head_dim). A head's key is [k_nope | k_rot], qk_head_dim =
-qk_nope_head_dim + qk_rope_head_dim wide, and its value is v_head_dim wide: keys and values of
-different widths.
+every head (qk_rope_head_dim wide, rotated); `kv_b_proj` expands c into each head's key part
+k_nope (qk_nope_head_dim) and its value (v_head_dim). A head's key is [k_nope | k_rot], its value
+is narrower or wider: keys and values of different widths, all from the W = kv_lora_rank +
+qk_rope_head_dim numbers [c | k_rot] of a position.
 
-transformers' own forward hands the cache the latents (c as keys [B, 1, S, kv_lora_rank], k_rot
-as values [B, 1, S, qk_rope_head_dim]) and expands what the cache returns. posttrain's caches
-(kv_cache.py, fanout_kv_cache.py, the prefix cache, shared-prefix attention) hold keys and
-values of one width and read the prefix keys and values directly as attention's: the latents
-do not fit them (a "shape mismatch" at the first store), and a shared prefix of latents would
-be attended as if they were keys. So `install` gives each MLA attention module a forward that,
-in passes with a cache, expands the keys and values first and hands the cache the expanded
-heads, values zero-padded to the key width (zeros in the padded value columns give zeros in
-those output columns, which are cut away; keys and queries are padded instead where values are
-wider, which adds 0 to every score). Without a cache (training, scoring) the module runs
-transformers' forward, op for op.
+posttrain's caches (kv_cache.py, fanout_kv_cache.py, the prefix cache) hold two slots of one
+width per position and head. A cache for MLA holds the latent [c | k_rot] instead of keys and
+values: one "head" whose two slots are the latent's halves (W zero-padded to an even width), so
+a position costs W numbers per layer, what the architecture promises, and every cache
+operation (spans, joins, forks, the prefix cache) moves latents unchanged. `install` gives each
+MLA attention module a forward that, in passes with a cache, hands the cache the latent's
+halves and expands what attention reads, per row, through `kv_b_proj` (the row's LoRA adapter
+included): in a shared-prefix pass each row's prefix latent is materialised beside its own
+(attention.materialized), in a joining pass each joining prompt's latent is expanded with the
+adapter of its first packed row. Attention then runs on the expanded heads as transformers'
+forward does (sdpa, or the family's eager attention). Without a cache (training, scoring) the
+module runs transformers' forward, op for op.
 
-Legend: B = rows, H = heads, S = positions of the pass, K = visible columns, D = the padded
-width max(qk_head_dim, v_head_dim).
+Legend: B = rows, H = heads, Q = new positions per row, S / K = cached columns read,
+W = the latent's width, E = half of it (padded), G = joining prompts, N = packed rows.
 
-Imports: torch, transformers (the attention interface registry).
+Imports: torch, transformers (sdpa attention), model/attention.py (the pass layouts).
 """
 
 from __future__ import annotations
@@ -35,12 +36,17 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from posttrain.model import attention
+from posttrain.model.attention import JoiningPassAttention, SharedPrefixAttention
 
 # The attention classes whose forward this module replaces in cached passes; their modeling
 # files define `apply_rotary_pos_emb`, `apply_rotary_pos_emb_interleave` and
 # `eager_attention_forward`.
 LATENT_ATTENTION_CLASSES = frozenset({"DeepseekV3Attention"})
+
+_Attend = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 class _Cache(Protocol):
@@ -55,13 +61,19 @@ def latent_attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def install(model: nn.Module) -> None:
-    """Give every MLA attention module of `model` the cache-aware forward; idempotent. An
+    """Give every MLA attention module of `model` the latent-caching forward; idempotent. An
     instance attribute (a bound method), so a deep copy of the model (a full-weight generator)
     gets one bound to its own modules."""
     for module in latent_attention_modules(model):
         if "forward" in vars(module):
             continue
         module.forward = types.MethodType(_forward, module)
+
+
+def latent_width(module: nn.Module) -> int:
+    """W: the numbers a position's latent holds in one layer, kv_lora_rank + qk_rope_head_dim."""
+    m = cast(Any, module)
+    return int(m.kv_lora_rank) + int(m.qk_rope_head_dim)
 
 
 def _forward(
@@ -72,43 +84,143 @@ def _forward(
     cache: _Cache | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
-    own_forward = cast(Callable[..., tuple[Tensor, Tensor | None]], type(module).forward)
+    own_forward = cast(_Attend, type(module).forward)
     if cache is None:
         return own_forward(module, hidden_states, position_embeddings, attention_mask, **kwargs)
     m = cast(Any, module)  # the MLA module's own attributes (transformers is untyped)
+    rows, width = hidden_states.shape[:-1]
+    query_BHQD, latent_B1QW = _query_and_latent(module, hidden_states, position_embeddings)
+    layout = attention.layer_layout(module, attention_mask)
+    first, second = _halves(latent_B1QW)
+    first, second = cache.update(first, second, m.layer_idx, kwargs=kwargs)
+    attend = _attention_function(module)
+    if isinstance(layout, JoiningPassAttention):
+        out_BQHD = _joining_pass(module, layout, query_BHQD, first, second, attend, kwargs)
+        return m.o_proj(out_BQHD.reshape(rows, width, -1)), None
+    mask: Tensor | None
+    if isinstance(layout, SharedPrefixAttention):
+        first, second, mask = attention.materialized(layout, m.layer_idx, query_BHQD, first, second)
+    else:
+        mask = layout
+    key, value = _expand(module, _whole(first, second, latent_width(module)))
+    out_BQHD, weights = attend(
+        module, query_BHQD, key, value, mask, dropout=0.0, scaling=m.scaling, **kwargs
+    )
+    return m.o_proj(out_BQHD.reshape(rows, width, -1)), weights
+
+
+def _query_and_latent(
+    module: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """The queries [B, H, Q, qk_head_dim] and the positions' latents [B, 1, Q, W], computed op
+    for op as transformers' forward computes them."""
+    m = cast(Any, module)
     modeling = sys.modules[type(module).__module__]
-    batch, width = hidden_states.shape[:-1]
-    nope, rope, value_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    rows, width = hidden_states.shape[:-1]
+    nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
     if m.q_lora_rank is None:
         q_states = m.q_proj(hidden_states)
     else:
         q_states = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
-    q_BHSE = q_states.view(batch, width, -1, m.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = q_BHSE.split([nope, rope], dim=-1)
+    q_BHQD = q_states.view(rows, width, -1, m.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = q_BHQD.split([nope, rope], dim=-1)
     kv_nope, k_rot = m.kv_a_proj_with_mqa(hidden_states).split([m.kv_lora_rank, rope], dim=-1)
-    kv_nope = m.kv_a_layernorm(kv_nope).view(batch, 1, width, m.kv_lora_rank)
-    k_rot = k_rot.view(batch, 1, width, rope)
+    kv_nope = m.kv_a_layernorm(kv_nope).view(rows, 1, width, m.kv_lora_rank)
+    k_rot = k_rot.view(rows, 1, width, rope)
     cos, sin = position_embeddings
     if m.config.rope_interleave:
         q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
     else:
         q_rot, k_rot = modeling.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
-    query = torch.cat((q_pass, q_rot), dim=-1)
+    return torch.cat((q_pass, q_rot), dim=-1), torch.cat((kv_nope, k_rot), dim=-1)
+
+
+def _halves(latent_X1SW: Tensor) -> tuple[Tensor, Tensor]:
+    """The latent as the two cache slots [X, 1, S, E], zero-padded to an even width."""
+    padded = latent_X1SW.shape[-1] % 2
+    if padded:
+        latent_X1SW = F.pad(latent_X1SW, (0, 1))
+    first, second = latent_X1SW.chunk(2, dim=-1)
+    return first, second
+
+
+def _whole(first_X1SE: Tensor, second_X1SE: Tensor, width: int) -> Tensor:
+    """Inverse of _halves: the latent [X, 1, S, W]."""
+    return torch.cat((first_X1SE, second_X1SE), dim=-1)[..., :width]
+
+
+def _expand(
+    module: nn.Module, latent_X1SW: Tensor, at: Tensor | None = None, rows: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Keys [X, H, S, qk_head_dim] and values [X, H, S, v_head_dim] of the latents, expanded by
+    `kv_b_proj` (transformers' expand_kv). Its LoRA adapters pick rows by the pass's row index:
+    latent x is row at[x] of a pass of `rows` rows (None: row x of this pass)."""
+    m = cast(Any, module)
+    if at is not None:
+        placed = latent_X1SW.new_zeros(rows, *latent_X1SW.shape[1:])
+        latent_X1SW = placed.index_copy_(0, at, latent_X1SW)
+    kv_nope, k_rot = torch.split(latent_X1SW, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
     key, value = m.expand_kv(kv_nope, k_rot)
-    padded = max(m.qk_head_dim, value_dim)
-    query, key, value = (_pad_to(x, padded) for x in (query, key, value))
-    key, value = cache.update(key, value, m.layer_idx, kwargs=kwargs)
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(
-        m.config._attn_implementation, modeling.eager_attention_forward
-    )
-    out_BSHD, weights = attend(
-        module, query, key, value, attention_mask, dropout=0.0, scaling=m.scaling, **kwargs
-    )
-    out = out_BSHD[..., :value_dim].reshape(batch, width, -1)
-    return m.o_proj(out), weights
+    if at is not None:
+        key, value = key.index_select(0, at), value.index_select(0, at)
+    return cast(tuple[Tensor, Tensor], (key, value))
 
 
-def _pad_to(x_BHSE: Tensor, width: int) -> Tensor:
-    """x zero-padded on its last dimension to `width` (itself when already that wide)."""
-    extra = width - x_BHSE.shape[-1]
-    return x_BHSE if extra == 0 else F.pad(x_BHSE, (0, extra))
+def _attention_function(module: nn.Module) -> _Attend:
+    """sdpa, or the family's eager attention for a model posttrain runs eagerly."""
+    m = cast(Any, module)
+    if m.config._attn_implementation == attention.EAGER_IMPLEMENTATION:
+        eager = cast(_Attend, sys.modules[type(module).__module__].eager_attention_forward)
+
+        def additive(
+            module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, **kw: Any
+        ) -> tuple[Tensor, Tensor | None]:
+            if mask is not None and mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~mask, torch.finfo(q.dtype).min
+                )
+            return eager(module, q, k, v, mask, **kw)
+
+        return additive
+    return cast(_Attend, sdpa_attention_forward)
+
+
+def _joining_pass(
+    module: nn.Module,
+    layout: JoiningPassAttention,
+    query_NHQD: Tensor,
+    own_first: Tensor,
+    own_second: Tensor,
+    attend: _Attend,
+    kwargs: dict[str, Any],
+) -> Tensor:
+    """JoiningPassAttention.attend on latents: the B decode rows attend over their prefixes
+    and own parts, the joining prompts' packed positions over their prompts' latents (the
+    packed pass's cache, written by `update`) -> output [N, 1, H, v_head_dim]."""
+    m = cast(Any, module)
+    packed, heads = query_NHQD.shape[0], query_NHQD.shape[1]
+    rows, decode = layout.decode_rows, layout.decode
+    width = latent_width(module)
+    query_BHQD = query_NHQD[:rows]
+    first, second, mask = attention.materialized(
+        decode, m.layer_idx, query_BHQD, own_first, own_second
+    )
+    at_B = torch.arange(rows, device=query_NHQD.device)
+    key, value = _expand(module, _whole(first, second, width), at_B, packed)
+    decoded, _ = attend(module, query_BHQD, key, value, mask, dropout=0.0, scaling=m.scaling)
+    groups, _, columns, _ = layout.mask_G1QK.shape
+    prompt_kv = layout.prefill_kv[m.layer_idx, :, :groups, :, : layout.visible]
+    # Prompt g's latents expand with the adapter of its first packed row: prompts run packed
+    # one after another, so its first row is B + the first packed index in group g.
+    group_W = torch.div(layout.real_W, columns, rounding_mode="floor")
+    first_G = torch.searchsorted(group_W, torch.arange(groups, device=group_W.device)) + rows
+    key, value = _expand(module, _whole(prompt_kv[0], prompt_kv[1], width), first_G, packed)
+    head_dim = query_NHQD.shape[-1]
+    query_XHD = query_NHQD.new_zeros(groups * columns, heads, head_dim)
+    query_XHD.index_copy_(0, layout.real_W, query_NHQD[rows:, :, 0])
+    query_GHQD = query_XHD.view(groups, columns, heads, head_dim).transpose(1, 2)
+    prefilled_GQHD, _ = attend(
+        module, query_GHQD, key, value, layout.mask_G1QK, dropout=0.0, scaling=m.scaling, **kwargs
+    )
+    prefilled_XHD = prefilled_GQHD.reshape(groups * columns, heads, -1)
+    return torch.cat([decoded, prefilled_XHD.index_select(0, layout.real_W)[:, None]])

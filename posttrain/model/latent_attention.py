@@ -14,11 +14,14 @@ a position costs W numbers per layer, what the architecture promises, and every 
 operation (spans, joins, forks, the prefix cache) moves latents unchanged. `install` gives each
 MLA attention module a forward that, in passes with a cache, hands the cache the latent's
 halves and expands what attention reads, per row, through `kv_b_proj` (the row's LoRA adapter
-included): in a shared-prefix pass each row's prefix latent is materialised beside its own
-(attention.materialized), in a joining pass each joining prompt's latent is expanded with the
-adapter of its first packed row. Attention then runs on the expanded heads as transformers'
-forward does (sdpa, or the family's eager attention). Without a cache (training, scoring) the
-module runs transformers' forward, op for op.
+included). A shared-prefix (decode) pass attends in latent space (`_absorbed`): kv_b_proj
+folded into the queries and into the attended latents, every head reading the latents as one
+shared key/value head, each prompt's once for all its rows. Other passes expand: a prefill
+pass the rows' latents, a joining pass each decode row's prefix and own latents
+(attention.materialized) and each joining prompt's latents with the adapter of its first
+packed row, an eager model's decode pass materialised likewise; attention then runs on the
+expanded heads as transformers' forward does (sdpa, or the family's eager attention). Without
+a cache (training, scoring) the module runs transformers' forward, op for op.
 
 Legend: B = rows, H = heads, Q = new positions per row, S / K = cached columns read,
 W = the latent's width, E = half of it (padded), G = joining prompts, N = packed rows.
@@ -28,6 +31,7 @@ Imports: torch, transformers (sdpa attention), model/attention.py (the pass layo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from collections.abc import Callable
@@ -40,6 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from posttrain.model import attention
 from posttrain.model.attention import JoiningPassAttention, SharedPrefixAttention
+from posttrain.model.lora import LoraLinear
 
 # The attention classes whose forward this module replaces in cached passes; their modeling
 # files define `apply_rotary_pos_emb`, `apply_rotary_pos_emb_interleave` and
@@ -47,6 +52,10 @@ from posttrain.model.attention import JoiningPassAttention, SharedPrefixAttentio
 LATENT_ATTENTION_CLASSES = frozenset({"DeepseekV3Attention"})
 
 _Attend = Callable[..., tuple[Tensor, Tensor | None]]
+_SDPA = cast(_Attend, sdpa_attention_forward)
+# Shared-prefix (decode) passes attend in latent space (`_absorbed`); off: every row's keys
+# and values are expanded from its prefix and own latents (the joining and eager paths).
+ABSORBED_DECODE = True
 
 
 class _Cache(Protocol):
@@ -98,6 +107,9 @@ def _forward(
         out_BQHD = _joining_pass(module, layout, query_BHQD, first, second, attend, kwargs)
         return m.o_proj(out_BQHD.reshape(rows, width, -1)), None
     mask: Tensor | None
+    if isinstance(layout, SharedPrefixAttention) and attend is _SDPA and ABSORBED_DECODE:
+        out_BQHD = _absorbed(module, layout, query_BHQD, _whole(first, second, latent_width(m)))
+        return m.o_proj(out_BQHD.reshape(rows, width, -1)), None
     if isinstance(layout, SharedPrefixAttention):
         first, second, mask = attention.materialized(layout, m.layer_idx, query_BHQD, first, second)
     else:
@@ -166,6 +178,80 @@ def _expand(
     return cast(tuple[Tensor, Tensor], (key, value))
 
 
+def _absorbed(
+    module: nn.Module, layout: SharedPrefixAttention, query_BHQD: Tensor, own_B1SW: Tensor
+) -> Tensor:
+    """A shared-prefix pass attending in latent space -> output [B, Q, H, v_head_dim].
+
+    Head h's key part is W_k[h] c and its value W_v[h] c (W_k, W_v: kv_b_proj's rows for h's
+    key part and value, [nope, r] and [v, r], LoRA adapters included), so
+
+        q . [W_k[h] c | k_rot] = [W_k[h]^T q_nope | q_rot] . [c | k_rot]
+        sum_j p_j W_v[h] c_j   = W_v[h] (sum_j p_j [c_j | k_rot_j])[:r]
+
+    every head attends over the latents themselves, one key/value "head" shared by all (as
+    multi-query attention): SharedPrefixAttention reads each prompt's latents once for all
+    its rows, and nothing is expanded per row or per step."""
+    m = cast(Any, module)
+    nope, rank = m.qk_nope_head_dim, m.kv_lora_rank
+    q_nope, q_rot = torch.split(query_BHQD, [nope, m.qk_rope_head_dim], dim=-1)
+    query_BHQW = torch.cat((_through_keys(m.kv_b_proj, q_nope, nope), q_rot), dim=-1)
+    prefix = layout.prefix_kv[m.layer_idx]
+    prefix_G1PW = _whole(prefix[0], prefix[1], latent_width(module))
+    latent = dataclasses.replace(
+        layout, prefix_kv=prefix_G1PW[None, None].expand(1, 2, *prefix_G1PW.shape), fused=False
+    )
+    out_BQHW = latent.attend(0, query_BHQW, own_B1SW, own_B1SW, float(m.scaling))
+    return _through_values(m.kv_b_proj, out_BQHW[..., :rank], nope)
+
+
+def _kv_b_factors(
+    projection: nn.Module, heads: int
+) -> tuple[Tensor, list[tuple[Tensor | None, Tensor, Tensor, float]]]:
+    """kv_b_proj's weight as [H, nope + v, r], and the adapters its current LoRA routing applies:
+    (rows or None for all, A [R, r], B [H, nope + v, R], scale)."""
+    if isinstance(projection, LoraLinear):
+        base: nn.Linear = projection.base
+        adapters = []
+        for key, rows in projection.routing:
+            if (adapter := projection.adapters.get(key)) is not None:
+                lora_B = adapter.lora_B.view(heads, -1, adapter.lora_B.shape[-1])
+                adapters.append((rows, adapter.lora_A, lora_B, adapter.scale))
+    else:
+        base, adapters = cast(nn.Linear, projection), []
+    assert base.bias is None, "kv_b_proj without bias (DeepSeek-V3's)"
+    return base.weight.view(heads, -1, base.in_features), adapters
+
+
+def _through_keys(projection: nn.Module, q_nope_BHQD: Tensor, nope: int) -> Tensor:
+    """W_k[h]^T q for each head h: the queries' nope parts in latent space [B, H, Q, r]."""
+    weight_HOR, adapters = _kv_b_factors(projection, q_nope_BHQD.shape[1])
+    q_BHQR = torch.einsum("bhqd,hdr->bhqr", q_nope_BHQD, weight_HOR[:, :nope])
+    for rows, lora_A, lora_B, scale in adapters:
+        q_rows = q_nope_BHQD if rows is None else q_nope_BHQD.index_select(0, rows)
+        low = torch.einsum("bhqd,hdk->bhqk", q_rows.to(lora_A.dtype), lora_B[:, :nope])
+        delta = (scale * (low @ lora_A)).to(q_BHQR.dtype)
+        q_BHQR = q_BHQR + delta if rows is None else q_BHQR.index_add(0, rows, delta)
+    return q_BHQR
+
+
+def _through_values(projection: nn.Module, out_BQHR: Tensor, nope: int) -> Tensor:
+    """W_v[h] o for each head h: the attended latents as values [B, Q, H, v_head_dim]."""
+    weight_HOR, adapters = _kv_b_factors(projection, out_BQHR.shape[2])
+    out = out_BQHR.to(weight_HOR.dtype)
+    values_BQHV = torch.einsum("bqhr,hvr->bqhv", out, weight_HOR[:, nope:])
+    for rows, lora_A, lora_B, scale in adapters:
+        out_rows = out if rows is None else out.index_select(0, rows)
+        low = out_rows.to(lora_A.dtype) @ lora_A.t()
+        delta = (scale * torch.einsum("bqhk,hvk->bqhv", low, lora_B[:, nope:]))
+        delta = delta.to(values_BQHV.dtype)
+        if rows is None:
+            values_BQHV = values_BQHV + delta
+        else:
+            values_BQHV = values_BQHV.index_add(0, rows, delta)
+    return values_BQHV
+
+
 def _attention_function(module: nn.Module) -> _Attend:
     """sdpa, or the family's eager attention for a model posttrain runs eagerly."""
     m = cast(Any, module)
@@ -182,7 +268,7 @@ def _attention_function(module: nn.Module) -> _Attend:
             return eager(module, q, k, v, mask, **kw)
 
         return additive
-    return cast(_Attend, sdpa_attention_forward)
+    return _SDPA
 
 
 def _joining_pass(

@@ -13,6 +13,7 @@ import pytest
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
+from posttrain.model import latent_attention
 from posttrain.model.latent_attention import latent_attention_modules
 from posttrain.model.loader import path_kv_shape
 from posttrain.types import (
@@ -76,9 +77,22 @@ def test_a_position_costs_the_latent_and_the_rope_key(tmp_path):
     assert len(latent_attention_modules(loaded.model)) == config.num_hidden_layers
 
 
-# 15: an odd latent width (15 + 8), which the cache's two slots hold zero-padded.
+# 15: an odd latent width (15 + 8), which the cache's two slots hold zero-padded. Decode
+# passes attend in latent space (absorbed) or over keys and values expanded per row.
+@pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("kv_lora_rank", [16, 15])
-def test_decode_from_the_latent_cache_equals_a_full_recompute_at_every_step(tmp_path, kv_lora_rank):
+def test_decode_from_the_latent_cache_equals_a_full_recompute_at_every_step(
+    tmp_path, monkeypatch, kv_lora_rank, absorbed
+):
+    monkeypatch.setattr(latent_attention, "ABSORBED_DECODE", absorbed)
+    absorbed_passes = []
+    spied = latent_attention._absorbed
+
+    def spy(*args, **kwargs):
+        absorbed_passes.append(1)
+        return spied(*args, **kwargs)
+
+    monkeypatch.setattr(latent_attention, "_absorbed", spy)
     directory = families.build(FAMILY, tmp_path / FAMILY, extra={"kv_lora_rank": kv_lora_rank})
     engine = engine_for(directory)
     base = scored(engine, TOKENS)
@@ -101,3 +115,4 @@ def test_decode_from_the_latent_cache_equals_a_full_recompute_at_every_step(tmp_
             worst = max(worst, *(abs(a - b) for a, b in steps))
     print(f"latent-cache decode vs full recompute: max |logprob difference| {worst:.2e}")
     assert worst <= 1e-5
+    assert bool(absorbed_passes) == absorbed

@@ -16,10 +16,10 @@ MLA attention module a forward that, in passes with a cache, hands the cache the
 halves and expands what attention reads, per row, through `kv_b_proj` (the row's LoRA adapter
 included). A shared-prefix (decode) pass attends in latent space (`_absorbed`): kv_b_proj
 folded into the queries and into the attended latents, every head reading the latents as one
-shared key/value head, each prompt's once for all its rows. Other passes expand: a prefill
-pass the rows' latents, a joining pass each decode row's prefix and own latents
-(attention.materialized) and each joining prompt's latents with the adapter of its first
-packed row, an eager model's decode pass materialised likewise; attention then runs on the
+shared key/value head, each prompt's once for all its rows; so do a joining pass's decode
+rows. Other passes expand: a prefill pass the rows' latents, a joining pass each joining
+prompt's latents with the adapter of its first packed row, an eager model's decode pass each
+row's prefix and own latents (attention.materialized); attention then runs on the
 expanded heads as transformers' forward does (sdpa, or the family's eager attention). Without
 a cache (training, scoring) the module runs transformers' forward, op for op.
 
@@ -179,9 +179,11 @@ def _expand(
 
 
 def _absorbed(
-    module: nn.Module, layout: SharedPrefixAttention, query_BHQD: Tensor, own_B1SW: Tensor
+    module: nn.Module, layout: SharedPrefixAttention, query_NHQD: Tensor, own_B1SW: Tensor
 ) -> Tensor:
-    """A shared-prefix pass attending in latent space -> output [B, Q, H, v_head_dim].
+    """A shared-prefix pass attending in latent space -> output [B, Q, H, v_head_dim]: the
+    queries of the pass's N rows, the first B of which are the layout's (a joining pass packs
+    its prompts after them; N = B otherwise), and those B rows' own latents.
 
     Head h's key part is W_k[h] c and its value W_v[h] c (W_k, W_v: kv_b_proj's rows for h's
     key part and value, [nope, r] and [v, r], LoRA adapters included), so
@@ -194,15 +196,18 @@ def _absorbed(
     its rows, and nothing is expanded per row or per step."""
     m = cast(Any, module)
     nope, rank = m.qk_nope_head_dim, m.kv_lora_rank
-    q_nope, q_rot = torch.split(query_BHQD, [nope, m.qk_rope_head_dim], dim=-1)
-    query_BHQW = torch.cat((_through_keys(m.kv_b_proj, q_nope, nope), q_rot), dim=-1)
+    rows, packed = own_B1SW.shape[0], query_NHQD.shape[0]
+    # kv_b_proj's LoRA routing indexes the pass's N rows, so both products run over N rows.
+    q_nope, q_rot = torch.split(query_NHQD, [nope, m.qk_rope_head_dim], dim=-1)
+    query_NHQW = torch.cat((_through_keys(m.kv_b_proj, q_nope, nope), q_rot), dim=-1)
     prefix = layout.prefix_kv[m.layer_idx]
     prefix_G1PW = _whole(prefix[0], prefix[1], latent_width(module))
     latent = dataclasses.replace(
         layout, prefix_kv=prefix_G1PW[None, None].expand(1, 2, *prefix_G1PW.shape), fused=False
     )
-    out_BQHW = latent.attend(0, query_BHQW, own_B1SW, own_B1SW, float(m.scaling))
-    return _through_values(m.kv_b_proj, out_BQHW[..., :rank], nope)
+    out_BQHW = latent.attend(0, query_NHQW[:rows], own_B1SW, own_B1SW, float(m.scaling))
+    out_NQHR = F.pad(out_BQHW[..., :rank], (0, 0, 0, 0, 0, 0, 0, packed - rows))
+    return _through_values(m.kv_b_proj, out_NQHR, nope)[:rows]
 
 
 def _kv_b_factors(
@@ -281,19 +286,23 @@ def _joining_pass(
     kwargs: dict[str, Any],
 ) -> Tensor:
     """JoiningPassAttention.attend on latents: the B decode rows attend over their prefixes
-    and own parts, the joining prompts' packed positions over their prompts' latents (the
-    packed pass's cache, written by `update`) -> output [N, 1, H, v_head_dim]."""
+    and own parts (in latent space, or expanded), the joining prompts' packed positions over
+    their prompts' latents (the packed pass's cache, written by `update`), expanded -> output
+    [N, 1, H, v_head_dim]."""
     m = cast(Any, module)
     packed, heads = query_NHQD.shape[0], query_NHQD.shape[1]
     rows, decode = layout.decode_rows, layout.decode
     width = latent_width(module)
-    query_BHQD = query_NHQD[:rows]
-    first, second, mask = attention.materialized(
-        decode, m.layer_idx, query_BHQD, own_first, own_second
-    )
-    at_B = torch.arange(rows, device=query_NHQD.device)
-    key, value = _expand(module, _whole(first, second, width), at_B, packed)
-    decoded, _ = attend(module, query_BHQD, key, value, mask, dropout=0.0, scaling=m.scaling)
+    if attend is _SDPA and ABSORBED_DECODE:
+        decoded = _absorbed(module, decode, query_NHQD, _whole(own_first, own_second, width))
+    else:
+        query_BHQD = query_NHQD[:rows]
+        first, second, mask = attention.materialized(
+            decode, m.layer_idx, query_BHQD, own_first, own_second
+        )
+        at_B = torch.arange(rows, device=query_NHQD.device)
+        key, value = _expand(module, _whole(first, second, width), at_B, packed)
+        decoded, _ = attend(module, query_BHQD, key, value, mask, dropout=0.0, scaling=m.scaling)
     groups, _, columns, _ = layout.mask_G1QK.shape
     prompt_kv = layout.prefill_kv[m.layer_idx, :, :groups, :, : layout.visible]
     # Prompt g's latents expand with the adapter of its first packed row: prompts run packed

@@ -1,7 +1,8 @@
 """DeepSeek-V3's multi-head latent attention in posttrain's caches (model/latent_attention.py):
 a position costs (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes, what the architecture
 promises, and decoding from the latent cache, with a trained LoRA adapter on every latent
-projection, gives at every step the logprob a full recompute (the trainer's forward) gives."""
+projection, gives at every step the logprob a full recompute (the trainer's forward) gives,
+whether decode passes attend in latent space or over keys and values expanded per row."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from posttrain.types import (
 )
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+import test_joining_pass as joining  # noqa: E402
 from engine_calls import forward_backward, sample  # noqa: E402
 
 FAMILY = "deepseek_v3"
@@ -116,3 +118,14 @@ def test_decode_from_the_latent_cache_equals_a_full_recompute_at_every_step(
     print(f"latent-cache decode vs full recompute: max |logprob difference| {worst:.2e}")
     assert worst <= 1e-5
     assert bool(absorbed_passes) == absorbed
+
+
+def test_joins_in_a_decode_pass_get_what_they_get_alone_with_decode_rows_expanded(
+    tmp_path, monkeypatch
+):
+    """test_joining_pass.py's check on DeepSeek-V3 (which runs the decode rows of a joining
+    pass in latent space) with them expanded per row instead."""
+    monkeypatch.setattr(latent_attention, "ABSORBED_DECODE", False)
+    joining.test_joins_inside_the_decode_pass_get_what_they_get_alone_on_every_family(
+        tmp_path, monkeypatch, FAMILY
+    )

@@ -13,8 +13,8 @@ values: one "head" whose two slots are the latent's halves (W zero-padded to an 
 a position costs W numbers per layer, what the architecture promises, and every cache
 operation (spans, joins, forks, the prefix cache) moves latents unchanged. `install` gives each
 MLA attention module a forward that, in passes with a cache, hands the cache the latent's
-halves and expands what attention reads, per row, through `kv_b_proj` (the row's LoRA adapter
-included). A shared-prefix (decode) pass attends in latent space (`_absorbed`): kv_b_proj
+halves and attends over the latents it reads back, `kv_b_proj` applied with each row's LoRA
+adapter. A shared-prefix (decode) pass attends in latent space (`_absorbed`): kv_b_proj
 folded into the queries and into the attended latents, every head reading the latents as one
 shared key/value head, each prompt's once for all its rows; so do a joining pass's decode
 rows. Other passes expand: a prefill pass the rows' latents, a joining pass each joining
@@ -26,7 +26,8 @@ a cache (training, scoring) the module runs transformers' forward, op for op.
 Legend: B = rows, H = heads, Q = new positions per row, S / K = cached columns read,
 W = the latent's width, E = half of it (padded), G = joining prompts, N = packed rows.
 
-Imports: torch, transformers (sdpa attention), model/attention.py (the pass layouts).
+Imports: torch, transformers (sdpa attention), model/attention.py (the pass layouts),
+model/lora.py (kv_b_proj's adapters, for the latent-space products).
 """
 
 from __future__ import annotations

@@ -278,10 +278,7 @@ def layer_layout(
 ) -> Tensor | SharedPrefixAttention | JoiningPassAttention | None:
     """What `module`'s layer attends with in the current sampler pass (`given`, the model's own
     mask, outside one): for attention modules that attend by themselves (latent_attention.py)."""
-    found: Tensor | SharedPrefixAttention | JoiningPassAttention | None = _layout_mask(
-        module, given
-    )
-    return found
+    return _layout_mask(module, given)
 
 
 def materialized(

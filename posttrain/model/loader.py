@@ -85,7 +85,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval unannotated
     attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
     routing.install(model)  # routing capture and replay of MoE routers
-    latent_attention.install(model)  # MLA: expanded keys and values in posttrain's caches
+    latent_attention.install(model)  # MLA: its compressed latents in posttrain's caches
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -147,7 +147,9 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     for setting in settings():
         value = given.get(".".join(setting.path))
         if value is not None:
-            flags[setting.path] = ON_OFF.get(value, value) if isinstance(value, str) else value
+            # on|off is a bool's spelling; a Literal may name "on" and "off" as its own values.
+            is_bool = setting.info.annotation is bool
+            flags[setting.path] = ON_OFF[value] if is_bool and isinstance(value, str) else value
     return build_config(api_key=args.api_key, keys_file=args.keys_file, flags=flags)
 
 

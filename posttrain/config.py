@@ -169,8 +169,32 @@ class EngineConfig(BaseModel):
     )
     max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank a client may request")
     max_batch_size: int = Field(256, ge=1, description="most samples in one forward-backward")
-    max_seq_length: int = Field(
-        2048, ge=2, description="most tokens in one training sample (capped by the model)"
+    # The model's context by default (model/context_length.py): a sample the model can
+    # position is one the server trains on, unless a smaller number is given.
+    max_seq_length: int | None = Field(
+        None,
+        ge=2,
+        description="most tokens in one training sample (its model input and last target),"
+        " at most the model's context: max_position_embeddings, or the length its rope"
+        " scaling extends it to; a sample over it is refused with a 400",
+        json_schema_extra=flag(
+            "limits and auth",
+            env="POSTTRAIN_MAX_SEQ_LENGTH",
+            metavar="N",
+            default="the model's context",
+        ),
+    )
+    # Checkpointed (engine/train/layer_checkpoint.py), a forward-backward keeps each decoder
+    # layer's input instead of its activations, about 25x less per layer and token on
+    # Qwen3-like widths (memory/estimate.py), and runs every layer's forward again in the
+    # backward: a third more compute, so auto keeps it for passes that need it.
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="keep only each decoder layer's input for the backward of a"
+        " forward-backward and recompute the layer's activations there (same results, less"
+        " memory, more time); auto: only in a pass whose estimated peak without it does not"
+        " fit the free memory (--memory-limit), and admission counts the checkpointed peak",
+        json_schema_extra=flag("performance"),
     )
     max_sessions_per_resource: int = Field(
         8,

@@ -25,6 +25,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.errors import EngineFailure
 from posttrain.model import attention, latent_attention, routing
+from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
 from posttrain.types import MoeShape
 
@@ -99,7 +100,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         tokenizer=tokenizer,
         device=device,
         vocab_size=int(config.vocab_size),
-        context_length=int(getattr(config, "max_position_embeddings", 2048)),
+        context_length=context_length(config.to_dict()),
         eos_token_ids=frozenset(eos_ids),
         kv=kv_shape(model),
         moe=routing.moe_shape(model),

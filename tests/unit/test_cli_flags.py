@@ -237,3 +237,18 @@ def test_a_host_beyond_loopback_needs_a_key_or_the_insecure_opt_out(host, monkey
     check_exposure(config_of("--host", host, "--insecure-no-auth"))
     monkeypatch.setenv("POSTTRAIN_INSECURE_NO_AUTH", "1")
     check_exposure(config_of("--host", host))
+
+
+def test_max_seq_length_comes_from_its_flag_or_its_environment_variable(monkeypatch):
+    monkeypatch.delenv("POSTTRAIN_MAX_SEQ_LENGTH", raising=False)
+    assert config_of().engine.max_seq_length is None  # the model's context
+    assert config_of("--max-seq-length", "4096").engine.max_seq_length == 4096
+    monkeypatch.setenv("POSTTRAIN_MAX_SEQ_LENGTH", "8192")
+    assert config_of().engine.max_seq_length == 8192
+    assert config_of("--max-seq-length", "64").engine.max_seq_length == 64
+
+
+def test_activation_checkpointing_takes_auto_on_or_off():
+    assert config_of().engine.activation_checkpointing == "auto"
+    for mode in ("on", "off"):
+        assert config_of("--activation-checkpointing", mode).engine.activation_checkpointing == mode

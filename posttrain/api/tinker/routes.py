@@ -80,7 +80,8 @@ async def capabilities(svc: ServicesDep, user: str = TinkerUser) -> dict[str, An
     models = [
         {
             "model_name": name,
-            "max_context_length": info.context_length,
+            # Tinker's one length for a model: what it both trains on and samples.
+            "max_context_length": min(info.context_length, info.max_seq_length),
             "trainable": True,
             "sampleable": True,
         }

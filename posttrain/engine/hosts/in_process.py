@@ -13,6 +13,7 @@ its caller opened, by id (hosts/remote_streams.py's StreamHost).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train import trainer
 from posttrain.errors import InvalidRequest, NotFound
+from posttrain.model.context_length import context_length
 from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
@@ -58,6 +60,8 @@ from posttrain.types import (
     SampleRequest,
     SampleResult,
 )
+
+log = logging.getLogger("posttrain")
 
 
 class LocalEngine(StreamHost, Engine):
@@ -87,11 +91,21 @@ class LocalEngine(StreamHost, Engine):
         """Limits of a base model, read from its config.json without loading weights."""
         if base_model not in self._info:
             config = json.loads((self.model_paths[base_model] / "config.json").read_text())
-            context_length = int(config.get("max_position_embeddings", 2048))
+            context = context_length(config)
+            limit = self.config.max_seq_length
+            if limit is not None and limit > context:  # a setting not honoured: said once
+                log.warning(
+                    "--max-seq-length %d is past %s's context of %d tokens: its training"
+                    " samples are limited to %d",
+                    limit,
+                    base_model,
+                    context,
+                    context,
+                )
             self._info[base_model] = ModelInfo(
                 vocab_size=int(config["vocab_size"]),
-                context_length=context_length,
-                max_seq_length=min(self.config.max_seq_length, context_length),
+                context_length=context,
+                max_seq_length=context if limit is None else min(limit, context),
                 max_batch_size=self.config.max_batch_size,
                 max_lora_rank=self.config.max_lora_rank,
                 moe=route_shape(self.model_paths[base_model]),

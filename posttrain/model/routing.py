@@ -28,7 +28,7 @@ Imports: torch, types.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,6 +54,16 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in replayable]
 
 
+def router_layers(module: nn.Module) -> list[int]:
+    """The MoE layer numbers (`install`'s, as `replay` indexes them) of the installed routers
+    inside `module` (a decoder layer), in model order."""
+    return [_int_attribute(r, "_posttrain_layer") for r in routers(module) if _is_installed(r)]
+
+
+def _is_installed(router: nn.Module) -> bool:
+    return getattr(router, "_posttrain_layer", None) is not None
+
+
 def moe_shape(model: nn.Module) -> MoeShape | None:
     """The route shape of `model`; None for a dense model (or one whose routers replay cannot
     serve, see the module docstring)."""
@@ -67,10 +77,15 @@ def moe_shape(model: nn.Module) -> MoeShape | None:
     return MoeShape(len(found), top_k.pop(), experts.pop())
 
 
+# Per MoE layer (install's number), the [N, K] experts to use; rows of -1 route freely. A
+# mapping names only some layers (a recompute of one decoder layer, train/layer_checkpoint.py).
+Forced = Sequence[Tensor] | Mapping[int, Tensor]
+
+
 @dataclass
 class _Pass:
     captured: list[Tensor] | None  # filled per layer: the [N, K] experts each token used
-    forced: list[Tensor] | None  # per layer [N, K] experts to use; rows of -1 route freely
+    forced: Forced | None
 
 
 _current: ContextVar[_Pass | None] = ContextVar("posttrain_routing_pass", default=None)
@@ -91,9 +106,10 @@ def capture() -> Iterator[list[Tensor]]:
 
 
 @contextmanager
-def replay(forced_LNK: list[Tensor]) -> Iterator[None]:
+def replay(forced_LNK: Forced) -> Iterator[None]:
     """Inside, MoE layer l routes token n to forced_LNK[l][n] (int64 expert ids); a token whose
-    first id is -1 routes freely. Every forward inside must have the N of these tensors."""
+    first id is -1 routes freely. Every forward inside must have the N of these tensors, and
+    only layers `forced_LNK` names may run."""
     outer = _current.get()
     token = _current.set(_Pass(outer.captured if outer else None, forced_LNK))
     try:
@@ -107,7 +123,7 @@ def install(model: nn.Module) -> None:
     hook (not a replaced forward) so a deep copy of the model (a full-weight generator) hooks
     its own routers."""
     for layer, router in enumerate(routers(model)):
-        if getattr(router, "_posttrain_layer", None) is not None:
+        if _is_installed(router):
             continue
         # nn.Module's __setattr__ stub admits a Tensor or a Module only; at runtime a plain
         # value is stored as an ordinary attribute (and copied with the router).

@@ -40,7 +40,7 @@ from posttrain.engine.memory.footprint import (
     session_footprint,
 )
 from posttrain.engine.memory.headroom import headroom
-from posttrain.engine.memory.operation_peak import operation_peak_bytes
+from posttrain.engine.memory.operation_peak import layer_checkpointing, operation_peak_bytes
 from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train import trainer
@@ -214,14 +214,40 @@ class LocalEngine(StreamHost, Engine):
             for session, (_, request) in zip(sessions, items, strict=True)
             if isinstance(session, SessionState)
         ]
-        outcomes = iter(trainer.forward_backward_batch(self.config, resource, found))
+        checkpointed = self._checkpointed(
+            resource, OperationKind.FORWARD_BACKWARD, [(s, r) for s, r in found]
+        )
+        outcomes = iter(
+            trainer.forward_backward_batch(
+                self.config, resource, found, checkpointed=checkpointed
+            )
+        )
         return [s if isinstance(s, NotFound) else next(outcomes) for s in sessions]
 
     def custom_forward_backward(
         self, resource_id: str, session_id: str, request: CustomForwardBackwardRequest
     ) -> None:
         resource, session = self._session(resource_id, session_id)
-        trainer.custom_forward_backward(self.config, resource, session, request)
+        kind = OperationKind.CUSTOM_FORWARD_BACKWARD
+        checkpointed = self._checkpointed(resource, kind, [(session, request)])
+        trainer.custom_forward_backward(
+            self.config, resource, session, request, checkpointed=checkpointed
+        )
+
+    def _checkpointed(
+        self,
+        resource: ResourceState,
+        kind: OperationKind,
+        items: list[tuple[SessionState, OperationRequest]],
+    ) -> bool:
+        """Whether this training pass checkpoints its decoder layers (memory/operation_peak.py:
+        the rule peak_bytes counts by)."""
+        sessions: list[SessionState | NotFound] = [session for session, _ in items]
+        requests = [request for _, request in items]
+        itemsize = self.dtype.itemsize
+        return layer_checkpointing(
+            self.config, resource, kind, sessions, requests, itemsize=itemsize
+        )
 
     def optim_step(self, resource_id: str, session_id: str, request: OptimStepRequest) -> None:
         trainer.optim_step(self._session(resource_id, session_id)[1], request)

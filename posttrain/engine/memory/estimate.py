@@ -13,7 +13,11 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   saves (saved_tensors_hooks) and measures the peak RSS of a pass in a subprocess: the per-layer
   count is at least the saved bytes, and ACTIVATION_SAFETY (1.5) covers what backward allocates
   while it runs (the gradient of the largest activation, allocator slack), so the estimate is
-  never below the measured peak and within 2.5x of it.
+  never below the measured peak and within 2.5x of it. With its decoder layers checkpointed
+  (train/layer_checkpoint.py) a pass keeps one hidden-sized input per layer and token instead,
+  and at the backward's peak one layer's activations, recomputed, and their gradients
+  (RECOMPUTED_LAYERS): memory that grows with the tokens, the layers adding a hidden vector
+  each (an MoE layer's captured routes besides, K int64 per token, within the safety factor).
 - the head's log-softmax runs over chunks of logprob_chunk_tokens positions (train/logprobs.py), so
   logits cost chunk x vocab x 4 bytes x LOGIT_COPIES (logits, log-softmax, their gradients in
   backward), plus the hidden-sized unit the frozen head keeps per token.
@@ -60,6 +64,11 @@ ACTIVATION_SAFETY = 1.5
 # Per token and decoder layer, in units of the hidden, query, KV and FFN widths (module docstring).
 HIDDEN_COPIES, QUERY_COPIES, KV_COPIES, FFN_COPIES = 6, 4, 6, 6
 LOGIT_COPIES = 4
+# Checkpointed, the backward's peak holds one layer's recomputed activations and the gradients
+# its backward computes from them, about as many again: ACTIVATION_SAFETY's slack over every
+# layer's activations covered those when all were kept, and one layer's is too little for them
+# (measured: tests/unit/engine/test_memory_estimate.py).
+RECOMPUTED_LAYERS = 2
 SAMPLE_LOGIT_COPIES = 8
 # Per token of a batch: its packed inputs (tokens, targets, masks, positions as int64) and
 # float32 per-token outputs (logprobs, loss terms, their gradients).
@@ -116,11 +125,17 @@ def _layer_elements(shape: ModelShape) -> int:
     )
 
 
-def saved_activation_bytes(shape: ModelShape, tokens: int) -> int:
-    """What autograd keeps for backward over `tokens` positions: every layer's saved tensors,
-    and the hidden-sized unit the frozen head keeps per token (train/logprobs.py)."""
+def saved_activation_bytes(shape: ModelShape, tokens: int, *, checkpointed: bool = False) -> int:
+    """What autograd keeps for backward over `tokens` positions: every layer's saved tensors
+    (`checkpointed`: every layer's input, and one layer's saved tensors while its backward
+    recomputes them, with their gradients: RECOMPUTED_LAYERS), and the hidden-sized unit the
+    frozen head keeps per token (train/logprobs.py)."""
     per_token = _layer_elements(shape) * shape.dtype_bytes
-    return tokens * (shape.layers * per_token + shape.hidden * FLOAT32)
+    if checkpointed:
+        layers = shape.layers * shape.hidden * shape.dtype_bytes + RECOMPUTED_LAYERS * per_token
+    else:
+        layers = shape.layers * per_token
+    return tokens * (layers + shape.hidden * FLOAT32)
 
 
 def _padded_tokens(samples: tuple[TrainingSample, ...]) -> tuple[int, int]:
@@ -141,17 +156,22 @@ def training_pass_bytes(
     *,
     chunk_tokens: int,
     is_forward_only: bool,
+    checkpointed: bool,
 ) -> int:
-    """Peak bytes of one forward (and backward) over `samples` packed into one batch."""
+    """Peak bytes of one forward (and backward, its decoder layers `checkpointed` or not) over
+    `samples` packed into one batch."""
     rows, tokens = _padded_tokens(samples)
     per_token = _layer_elements(shape) * shape.dtype_bytes
     if is_forward_only:
-        # No graph: one layer's tensors at a time, beside the hidden states in and out.
+        # No graph: one layer's tensors at a time, beside the hidden states in and out. The
+        # per-layer count already holds more than a no-grad layer keeps at once (its FFN
+        # intermediates are freed as it goes), and no backward runs: no safety factor.
         activations = tokens * (per_token + 2 * shape.hidden * shape.dtype_bytes)
     else:
-        activations = saved_activation_bytes(shape, tokens)
+        saved = saved_activation_bytes(shape, tokens, checkpointed=checkpointed)
+        activations = math.ceil(ACTIVATION_SAFETY * saved)
     return (
-        math.ceil(ACTIVATION_SAFETY * activations)
+        activations
         + _logits_bytes(shape, rows, tokens, chunk_tokens)
         + tokens * PACKED_BYTES_PER_TOKEN
     )
@@ -163,8 +183,10 @@ def forward_backward_bytes(
     *,
     chunk_tokens: int,
     trainable_bytes: list[int],
+    checkpointed: bool,
 ) -> int:
-    """Peak bytes of one shared forward-backward pass over several sessions' requests.
+    """Peak bytes of one shared forward-backward pass over several sessions' requests, its
+    decoder layers `checkpointed` or not.
 
     `trainable_bytes[i]`: the trainable tensors of request i's session; its new gradients
     appear beside the accumulated ones and then their sum (train/accumulate.py)."""
@@ -177,7 +199,11 @@ def forward_backward_bytes(
     )
     return (
         training_pass_bytes(
-            shape, samples, chunk_tokens=chunk_tokens, is_forward_only=is_forward_only
+            shape,
+            samples,
+            chunk_tokens=chunk_tokens,
+            is_forward_only=is_forward_only,
+            checkpointed=checkpointed,
         )
         + gradients
     )
@@ -189,11 +215,16 @@ def custom_forward_backward_bytes(
     *,
     chunk_tokens: int,
     trainable_bytes: int,
+    checkpointed: bool,
 ) -> int:
     """A forward-backward pass plus the [S, T] float32 tensor of the given gradients."""
     _, tokens = _padded_tokens(request.samples)
     pass_bytes = training_pass_bytes(
-        shape, request.samples, chunk_tokens=chunk_tokens, is_forward_only=False
+        shape,
+        request.samples,
+        chunk_tokens=chunk_tokens,
+        is_forward_only=False,
+        checkpointed=checkpointed,
     )
     return pass_bytes + tokens * FLOAT32 + 2 * trainable_bytes
 

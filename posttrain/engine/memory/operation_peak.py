@@ -1,8 +1,9 @@
 """The estimated peak bytes of one operation pass on a resource, from what it holds now: the
 engine's answer to memory admission (service/scheduling/admission.py). The formulas per pass are
 estimate.py's; this module picks the pass and its inputs: the sessions' trainable bytes, on a
-trainer group's rank the largest share of rows (parallel/data_parallel.py) and what sharded
-parameters gather (parallel/fsdp.py).
+trainer group's rank the largest share of rows (parallel/data_parallel.py), what sharded
+parameters gather (parallel/fsdp.py), and whether a training pass checkpoints its decoder
+layers (--activation-checkpointing; auto: when the pass does not fit without, headroom.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TypeVar
 from posttrain.config import EngineConfig
 from posttrain.engine.memory import estimate
 from posttrain.engine.memory.footprint import nbytes
+from posttrain.engine.memory.headroom import headroom
 from posttrain.engine.parallel.data_parallel import DataParallel
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.errors import NotFound
@@ -37,6 +39,9 @@ def _all_of(requests: Sequence[OperationRequest], request_type: type[R]) -> list
     return narrowed
 
 
+TRAINING_KINDS = (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD)
+
+
 def operation_peak_bytes(
     config: EngineConfig,
     resource: ResourceState,
@@ -48,7 +53,53 @@ def operation_peak_bytes(
 ) -> int:
     """Estimated peak bytes that running `requests` of `kind` as one pass adds to what the
     resource holds now; `sessions`: each request's session (NotFound: no state here, no
-    trainable tensors; unused for a sample); `itemsize`: bytes per element of the weights."""
+    trainable tensors; unused for a sample); `itemsize`: bytes per element of the weights.
+    A training pass counts its decoder layers checkpointed where it will run so
+    (layer_checkpointing)."""
+    checkpointed = layer_checkpointing(
+        config, resource, kind, sessions, requests, itemsize=itemsize
+    )
+    return _peak_bytes(
+        config, resource, kind, sessions, requests, itemsize=itemsize, checkpointed=checkpointed
+    )
+
+
+def layer_checkpointing(
+    config: EngineConfig,
+    resource: ResourceState,
+    kind: OperationKind,
+    sessions: list[SessionState | NotFound],
+    requests: list[OperationRequest],
+    *,
+    itemsize: int,
+) -> bool:
+    """Whether a training pass over `requests` checkpoints its decoder layers
+    (train/layer_checkpoint.py): as --activation-checkpointing says; auto: when its estimated
+    peak without does not fit what the device has free now. A pass without a backward (a
+    forward, a sample, ...) has nothing to checkpoint."""
+    mode = config.activation_checkpointing
+    if mode == "off" or kind not in TRAINING_KINDS:
+        return False
+    if all(isinstance(r, ForwardBackwardRequest) and r.forward_only for r in requests):
+        return False
+    if mode == "on":
+        return True
+    peak = _peak_bytes(
+        config, resource, kind, sessions, requests, itemsize=itemsize, checkpointed=False
+    )
+    return peak > headroom(resource.loaded.device, config.memory_limit).free_bytes
+
+
+def _peak_bytes(
+    config: EngineConfig,
+    resource: ResourceState,
+    kind: OperationKind,
+    sessions: list[SessionState | NotFound],
+    requests: list[OperationRequest],
+    *,
+    itemsize: int,
+    checkpointed: bool,
+) -> int:
     shape = estimate.model_shape(resource.loaded.model.config, resource.loaded.kv, itemsize)
     chunk = config.logprob_chunk_tokens
     if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts
@@ -65,7 +116,7 @@ def operation_peak_bytes(
     # Sharded parameters (parallel/fsdp.py): `trainable` counts this rank's slices alone; a
     # pass also gathers others' for a while.
     shards = 0 if resource.param_shards is None else resource.param_shards.operation_bytes()
-    if kind in (OperationKind.FORWARD_BACKWARD, OperationKind.CUSTOM_FORWARD_BACKWARD):
+    if kind in TRAINING_KINDS:
         training: list[TrainingRequest] = [
             r
             for r in requests
@@ -80,10 +131,15 @@ def operation_peak_bytes(
                     _all_of(share, ForwardBackwardRequest),
                     chunk_tokens=chunk,
                     trainable_bytes=trainable,
+                    checkpointed=checkpointed,
                 )
             (request,) = _all_of(share, CustomForwardBackwardRequest)
             return estimate.custom_forward_backward_bytes(
-                shape, request, chunk_tokens=chunk, trainable_bytes=trainable[0]
+                shape,
+                request,
+                chunk_tokens=chunk,
+                trainable_bytes=trainable[0],
+                checkpointed=checkpointed,
             )
 
         if resource.group is None:

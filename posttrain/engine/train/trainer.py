@@ -42,6 +42,7 @@ from posttrain.engine.train.batching import (
 )
 from posttrain.engine.train.buckets import Routing, assemble, bucket_routing, plan_buckets
 from posttrain.engine.train.expert_routes import forced_routes
+from posttrain.engine.train.layer_checkpoint import checkpointed_layers
 from posttrain.engine.train.logprobs import target_logprobs
 from posttrain.engine.train.losses import LOSSES
 from posttrain.engine.train.token_gradients import (
@@ -90,8 +91,11 @@ def forward_backward_batch(
     config: EngineConfig,
     resource: ResourceState,
     items: list[tuple[SessionState, ForwardBackwardRequest]],
+    *,
+    checkpointed: bool = False,
 ) -> list[ForwardBackwardResult | Exception]:
-    """Forward-backward of several sessions' requests in one shared pass.
+    """Forward-backward of several sessions' requests in one shared pass; `checkpointed`: its
+    decoder layers' activations recomputed in the backward (train/layer_checkpoint.py).
 
     Rows are routed to their session's adapter, so each session's loss and gradients depend
     on its own rows only. Each item succeeds or fails on its own: a non-finite item returns
@@ -105,7 +109,7 @@ def forward_backward_batch(
         members.append(_Member(index, session, request, first_row))
         first_row += len(request.samples)
     assert len({m.session.trainer_key for m in members}) == len(members), "one item per session"
-    scored = _shared_pass(config, resource, members, errors) if members else {}
+    scored = _shared_pass(config, resource, members, errors, checkpointed) if members else {}
     is_always = config.loss_fn_outputs == "always"
     return [
         errors[index] if index in errors else _result(scored[index], is_always=is_always)
@@ -118,6 +122,7 @@ def _shared_pass(
     resource: ResourceState,
     members: list[_Member],
     errors: dict[int, Exception],
+    checkpointed: bool,
 ) -> dict[int, _Scored]:
     """Forward every member's rows at once, score each with its loss, and back-propagate the
     trainable ones; a member that fails goes into `errors` instead of the result."""
@@ -142,7 +147,9 @@ def _shared_pass(
         torch.set_grad_enabled(train),
         frozen([p for s in scoring_only for _, p in s.optimizer.named_params] if train else []),
     ):
-        logprobs_ST = _batch_logprobs(config, resource, merged, routing, gradient, needed_ST)
+        logprobs_ST = _batch_logprobs(
+            config, resource, merged, routing, gradient, needed_ST, checkpointed=checkpointed
+        )
         trainable: list[tuple[_Member, Tensor]] = []
         for member in members:
             samples = member.request.samples
@@ -195,8 +202,11 @@ def custom_forward_backward(
     resource: ResourceState,
     session: SessionState,
     request: CustomForwardBackwardRequest,
+    *,
+    checkpointed: bool = False,
 ) -> None:
-    """Back-propagate sum_i sum_t g_it * logp_it (api.md 1.4.3); weights/mask not applied."""
+    """Back-propagate sum_i sum_t g_it * logp_it (api.md 1.4.3); weights/mask not applied.
+    `checkpointed`: as forward_backward_batch's."""
     device = resource.loaded.device
     packed = pack(request.samples, device)
     width = packed.targets_ST.shape[1]
@@ -208,12 +218,20 @@ def custom_forward_backward(
     with resource.sharded_operation():
         if resource.group is None:
             gradient = given_gradient(gradients_ST, valid_ST)
-            logprobs_ST = forward_logprobs(config, resource, packed, routing, gradient=gradient)
+            logprobs_ST = forward_logprobs(
+                config, resource, packed, routing, gradient=gradient, checkpointed=checkpointed
+            )
         else:  # the surrogate is a sum over rows: each rank back-propagates its own
             rows = resource.group.shares(packed.lengths_S)[resource.group.rank]
             forwards = aligned_forwards(config, resource, packed.lengths_S)
             logprobs_ST = forward_logprobs(
-                config, resource, packed, routing, rows=rows, forwards=forwards
+                config,
+                resource,
+                packed,
+                routing,
+                rows=rows,
+                forwards=forwards,
+                checkpointed=checkpointed,
             )
             gradients_ST, valid_ST = gradients_ST[rows], valid_ST[rows]
         surrogate = torch.where(valid_ST, gradients_ST * logprobs_ST, 0.0).sum()
@@ -236,6 +254,8 @@ def _batch_logprobs(
     routing: Routing,
     gradient: TokenGradient | None,
     needed_ST: Tensor | None,
+    *,
+    checkpointed: bool,
 ) -> Tensor:
     """The shared pass's [S, T] logprobs: forwarded here, or by a trainer group's ranks each
     forwarding its share of the rows (parallel/data_parallel.py). `gradient`: a lone member's
@@ -243,12 +263,25 @@ def _batch_logprobs(
     positions any member's loss reads (None: all)."""
     if resource.group is None:
         return forward_logprobs(
-            config, resource, merged, routing, gradient=gradient, needed_ST=needed_ST
+            config,
+            resource,
+            merged,
+            routing,
+            gradient=gradient,
+            needed_ST=needed_ST,
+            checkpointed=checkpointed,
         )
     forwards = aligned_forwards(config, resource, merged.lengths_S)
     return resource.group.logprobs(
         lambda rows: forward_logprobs(
-            config, resource, merged, routing, rows=rows, needed_ST=needed_ST, forwards=forwards
+            config,
+            resource,
+            merged,
+            routing,
+            rows=rows,
+            needed_ST=needed_ST,
+            forwards=forwards,
+            checkpointed=checkpointed,
         ),
         merged.lengths_S,
         merged.targets_ST.shape[1],
@@ -266,6 +299,7 @@ def forward_logprobs(
     gradient: TokenGradient | None = None,
     needed_ST: Tensor | None = None,
     forwards: int | None = None,
+    checkpointed: bool = False,
 ) -> Tensor:
     """float32 [S, T] logprob of each target (T on the loss axis), 0.0 at padding, each adapter of
     `routing` applied to its rows (positions in `packed`; None: every row). With `rows`, only
@@ -276,7 +310,8 @@ def forward_logprobs(
 
     `forwards` (aligned_forwards): run exactly that many model forwards, the missing ones
     padding forwards of one batch row whose logprobs enter the result times 0, so the result
-    and every gradient are exactly those without them."""
+    and every gradient are exactly those without them. `checkpointed`: the decoder layers
+    checkpointed (train/layer_checkpoint.py)."""
     valid_ST = packed.loss_batch.valid_ST
     if rows == [] and forwards is None:  # a trainer group's rank with no share of a batch
         return torch.zeros(0, valid_ST.shape[1], device=valid_ST.device)
@@ -289,7 +324,14 @@ def forward_logprobs(
         valid_ST = valid_ST[rows]
     pieces_BL = [
         _bucket_logprobs(
-            config, resource, packed, bucket, bucket_routing(routing, bucket), gradient, needed_ST
+            config,
+            resource,
+            packed,
+            bucket,
+            bucket_routing(routing, bucket),
+            gradient,
+            needed_ST,
+            checkpointed=checkpointed,
         )
         for bucket in chosen
     ]
@@ -301,13 +343,16 @@ def forward_logprobs(
             routing,
             forwards or 0,
             torch.zeros(valid_ST.shape, device=valid_ST.device),
+            checkpointed=checkpointed,
         )
     logprobs_ST = assemble(pieces_BL, buckets, packed.targets_ST.shape[1])
     # Padding is computed inside a bucket but belongs to no sample: make it the same zeros
     # whichever bucket a row landed in.
     logprobs_ST = torch.where(valid_ST, logprobs_ST, 0.0)
     missing = (forwards or 0) - len(pieces_BL)
-    return _padding_forwards(config, resource, packed, routing, missing, logprobs_ST)
+    return _padding_forwards(
+        config, resource, packed, routing, missing, logprobs_ST, checkpointed=checkpointed
+    )
 
 
 def aligned_forwards(
@@ -335,6 +380,8 @@ def _padding_forwards(
     routing: Routing,
     count: int,
     logprobs_ST: Tensor,
+    *,
+    checkpointed: bool,
 ) -> Tensor:
     """`logprobs_ST` after `count` forwards of the batch's shortest row whose logprobs it
     takes times 0: every value and every gradient stays exactly as it was (the logprobs are
@@ -346,8 +393,10 @@ def _padding_forwards(
     lengths_S = packed.lengths_S
     shortest = min(range(len(lengths_S)), key=lambda r: (lengths_S[r], r))
     one = [shortest]
+    routed = bucket_routing(routing, one)
     zero = sum(
-        _bucket_logprobs(config, resource, packed, one, bucket_routing(routing, one)).sum() * 0.0
+        _bucket_logprobs(config, resource, packed, one, routed, checkpointed=checkpointed).sum()
+        * 0.0
         for _ in range(count)
     )
     return logprobs_ST + zero
@@ -362,16 +411,20 @@ def _bucket_logprobs(
     gradient: TokenGradient | None = None,
     needed_ST: Tensor | None = None,
     *,
+    checkpointed: bool,
     in_root: bool = False,
 ) -> Tensor:
     """float32 [B, L] logprobs of one bucket's rows, L its longest row on the loss axis;
     `routing` in bucket positions; `gradient` in batch rows. Positions outside `needed_ST` get
     0, and the head runs only at the needed ones. A model sharded with FSDP2 runs it inside
-    its root's forward, an untied head on each rank's vocabulary slice (parallel/fsdp.py)."""
+    its root's forward, an untied head on each rank's vocabulary slice (parallel/fsdp.py).
+    `checkpointed`: the decoder layers checkpointed, recomputed under this bucket's routing."""
     shards = resource.param_shards
     if isinstance(shards, FsdpShards) and not in_root:
         args = (config, resource, packed, rows, routing, gradient, needed_ST)
-        return shards.forward(lambda: _bucket_logprobs(*args, in_root=True))
+        return shards.forward(
+            lambda: _bucket_logprobs(*args, checkpointed=checkpointed, in_root=True)
+        )
     device = resource.loaded.device
     index_B = torch.tensor(rows, device=device)
     width = max(packed.lengths_S[row] for row in rows)
@@ -389,10 +442,20 @@ def _bucket_logprobs(
     if resource.loaded.moe is not None:
         routes_B = [packed.routes_S[row] for row in rows]
         forced = forced_routes(routes_B, width, resource.loaded.moe, device)
+    layers = (
+        checkpointed_layers(model, lambda: lora.route(assignments))
+        if checkpointed
+        else nullcontext()
+    )
     with lora.route(assignments), replay_routes(forced) if forced else nullcontext():
         ids = take(packed.tokens_ST)  # sharded: embedded on each rank's rows (parallel/fsdp.py)
         inputs = shards.embedding_inputs(ids) if shards is not None else {"input_ids": ids}
-        hidden_BLH = model.base_model(**inputs, attention_mask=take(packed.attention_mask_ST))
+        # No KV cache: a training forward reads none, and a checkpointed layer's recompute
+        # would write it twice.
+        with layers:
+            hidden_BLH = model.base_model(
+                **inputs, attention_mask=take(packed.attention_mask_ST), use_cache=False
+            )
         hidden_BLH = hidden_BLH.last_hidden_state
         hidden_BLH = at_targets(packed, rows, loss_width, hidden_BLH)  # the loss axis
         # The backward of all buckets runs after this block: a head chunk recomputed then

@@ -71,8 +71,9 @@ def batch(rows: int, tokens: int) -> tuple[TrainingSample, ...]:
     return (sample,) * rows
 
 
-def engine_over(directory: Path) -> LocalEngine:
-    engine = LocalEngine(EngineConfig(device="cpu", max_seq_length=4096), {"m": directory})
+def engine_over(directory: Path, checkpointing: str = "auto") -> LocalEngine:
+    config = EngineConfig(device="cpu", activation_checkpointing=checkpointing)
+    engine = LocalEngine(config, {"m": directory})
     engine.load_resource("r", "m", muon_scaling=None)
     engine.create_session("r", "s", LoraConfig(rank=8, seed=1))
     return engine
@@ -111,7 +112,7 @@ MEASURE = textwrap.dedent(
     from test_memory_estimate import batch, engine_over, CE
     from posttrain.types import *
 
-    engine = engine_over(Path({directory!r}))
+    engine = engine_over(Path({directory!r}), {checkpointing!r})
     kind, rows, tokens = {kind!r}, {rows}, {tokens}
     if kind == "forward-backward":
         def request(rows, tokens):
@@ -141,7 +142,9 @@ MEASURE = textwrap.dedent(
 )
 
 
-def measure(directory: Path, kind: str, rows: int, tokens: int, *, forward_only=False) -> dict:
+def measure(
+    directory: Path, kind: str, rows: int, tokens: int, *, forward_only=False, checkpointing="auto"
+) -> dict:
     script = MEASURE.format(
         tests=str(Path(__file__).parent),
         directory=str(directory),
@@ -149,6 +152,7 @@ def measure(directory: Path, kind: str, rows: int, tokens: int, *, forward_only=
         rows=rows,
         tokens=tokens,
         forward_only=forward_only,
+        checkpointing=checkpointing,
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
@@ -157,23 +161,31 @@ def measure(directory: Path, kind: str, rows: int, tokens: int, *, forward_only=
 
 
 @pytest.mark.parametrize(
-    ("overrides", "rows", "tokens", "forward_only"),
+    ("overrides", "rows", "tokens", "forward_only", "checkpointing"),
     [
-        (MLP_HEAVY, 8, 512, False),
-        (ATTENTION_HEAVY, 4, 1024, False),
-        (MLP_HEAVY, 16, 1024, True),
+        (MLP_HEAVY, 8, 512, False, "off"),
+        (ATTENTION_HEAVY, 4, 1024, False, "off"),
+        (MLP_HEAVY, 16, 1024, True, "off"),
+        (MLP_HEAVY, 8, 1024, False, "on"),
     ],
-    ids=["mlp", "attention", "forward-only"],
+    ids=["mlp", "attention", "forward-only", "checkpointed"],
 )
 def test_forward_backward_estimate_bounds_the_measured_peak(
-    tmp_path, overrides, rows, tokens, forward_only
+    tmp_path, overrides, rows, tokens, forward_only, checkpointing
 ):
     directory = build_model(tmp_path / "model", overrides)
     # The larger of two fresh measurements: a pass whose pages happen to be resident already
     # reads low (a CI run measured 0.81x of the usual for the forward-only case), and the
     # larger is also the stricter for `added <= estimated`.
     results = [
-        measure(directory, "forward-backward", rows, tokens, forward_only=forward_only)
+        measure(
+            directory,
+            "forward-backward",
+            rows,
+            tokens,
+            forward_only=forward_only,
+            checkpointing=checkpointing,
+        )
         for _ in range(2)
     ]
     result = max(results, key=lambda r: r["added"])

@@ -55,9 +55,10 @@ def deep_dir(tmp_path_factory) -> Path:
     return families.build("qwen3", tmp_path_factory.mktemp("ckpt") / "deep", size=size)
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    return families.build("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe")
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def moe_dir(request, tmp_path_factory) -> Path:
+    """A softmax top-k MoE, and a sigmoid group-limited one (multi-head latent attention)."""
+    return families.build(request.param, tmp_path_factory.mktemp("ckpt") / request.param)
 
 
 def sample(length: int, offset: int = 0, routes=None) -> TrainingSample:
@@ -138,10 +139,14 @@ def test_a_custom_forward_backward_is_the_same_checkpointed(qwen3_dir):
 
 def test_moe_routes_replayed_or_free_train_the_same_checkpointed(moe_dir):
     # One row replays given routes (the expert ids of a sampler), one routes freely.
+    moe = LocalEngine(EngineConfig(device="cpu"), {"m": moe_dir}).model_info("m").moe
+    assert moe is not None
     generator = torch.Generator().manual_seed(3)
-    routes_TLK = torch.stack(
-        [torch.randperm(4, generator=generator)[:2] for _ in range(2 * 30)]
-    ).view(30, 2, 2)
+    experts = [
+        torch.randperm(moe.num_experts, generator=generator)[: moe.top_k]
+        for _ in range(30 * moe.num_layers)
+    ]
+    routes_TLK = torch.stack(experts).view(30, moe.num_layers, moe.top_k)
     request = ForwardBackwardRequest((sample(30, routes=to_routes(routes_TLK)), sample(26, 1)), CE)
     assert_same(*both_ways(moe_dir, LoraConfig(rank=4, alpha=8, seed=1), [("s", request)]))
 
@@ -245,3 +250,31 @@ def test_a_pass_that_does_not_fit_even_checkpointed_is_refused_before_it_runs(de
     assert passes == [] and list(refused) == [0]
     assert "forward-backward would need an estimated" in refused[0].message
     assert engine._session("r", "s")[1].optimizer.full_gradients() == {}  # nothing ran
+
+
+def test_fsdp2_ranks_train_checkpointed_what_one_process_does(tmp_path, monkeypatch):
+    """Two gloo ranks sharding a full-weight session with FSDP2 (parameters gathered per layer
+    by hooks that stay outside the checkpoint), checkpointed, against one process without."""
+    import test_sharded_full_weight as helpers
+    from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
+
+    monkeypatch.setattr(helpers, "BATCHES", helpers.UNEVEN)
+    monkeypatch.setattr(helpers, "WEIGHTS", helpers.UNEVEN_WEIGHTS)
+    local = LocalEngine(
+        EngineConfig(device="cpu", bucket_overhead_tokens=0, activation_checkpointing="off"),
+        helpers.MODELS,
+    )
+    helpers.fresh(local, "r", None)
+    expected = helpers.train(local, "r", tmp_path / "local", None, steps=2)
+    group = TrainerGroupEngine(
+        EngineConfig(
+            device="cpu", trainer_ranks=2, bucket_overhead_tokens=0, activation_checkpointing="on"
+        ),
+        helpers.MODELS,
+    )
+    try:
+        helpers.fresh(group, "g", None)
+        actual = helpers.train(group, "g", tmp_path / "group", None, steps=2)
+    finally:
+        group.close()
+    helpers.assert_runs_equal(actual, expected)

@@ -75,8 +75,9 @@ def layer_checkpointing(
 ) -> bool:
     """Whether a training pass over `requests` checkpoints its decoder layers
     (train/layer_checkpoint.py): as --activation-checkpointing says; auto: when its estimated
-    peak without does not fit what the device has free now. A pass without a backward (a
-    forward, a sample, ...) has nothing to checkpoint."""
+    peak without does not fit what the device has free now and the checkpointed one is lower
+    (a model of one or two layers keeps about as much either way). A pass without a backward
+    (a forward, a sample, ...) has nothing to checkpoint."""
     mode = config.activation_checkpointing
     if mode == "off" or kind not in TRAINING_KINDS:
         return False
@@ -84,10 +85,14 @@ def layer_checkpointing(
         return False
     if mode == "on":
         return True
-    peak = _peak_bytes(
-        config, resource, kind, sessions, requests, itemsize=itemsize, checkpointed=False
-    )
-    return peak > headroom(resource.loaded.device, config.memory_limit).free_bytes
+    peaks = [
+        _peak_bytes(
+            config, resource, kind, sessions, requests, itemsize=itemsize, checkpointed=checked
+        )
+        for checked in (False, True)
+    ]
+    free = headroom(resource.loaded.device, config.memory_limit).free_bytes
+    return peaks[0] > free and peaks[1] < peaks[0]
 
 
 def _peak_bytes(

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import test_sharded_full_weight as helpers
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
@@ -22,6 +23,7 @@ import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.engine.memory import estimate  # noqa: E402
 from posttrain.engine.memory.headroom import _rss_bytes  # noqa: E402
 from posttrain.engine.train.expert_routes import to_routes  # noqa: E402
@@ -255,9 +257,6 @@ def test_a_pass_that_does_not_fit_even_checkpointed_is_refused_before_it_runs(de
 def test_fsdp2_ranks_train_checkpointed_what_one_process_does(tmp_path, monkeypatch):
     """Two gloo ranks sharding a full-weight session with FSDP2 (parameters gathered per layer
     by hooks that stay outside the checkpoint), checkpointed, against one process without."""
-    import test_sharded_full_weight as helpers
-    from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
-
     monkeypatch.setattr(helpers, "BATCHES", helpers.UNEVEN)
     monkeypatch.setattr(helpers, "WEIGHTS", helpers.UNEVEN_WEIGHTS)
     local = LocalEngine(
@@ -278,3 +277,15 @@ def test_fsdp2_ranks_train_checkpointed_what_one_process_does(tmp_path, monkeypa
     finally:
         group.close()
     helpers.assert_runs_equal(actual, expected)
+
+
+def test_auto_leaves_a_model_too_shallow_to_gain_unchecked(qwen3_dir):
+    """Two layers: the checkpointed peak (inputs, and one layer recomputed with its gradients)
+    is no lower, so auto runs and counts the pass as it is, even where it does not fit."""
+    request = ForwardBackwardRequest((sample(200),), CE)
+    engine = engine_for(qwen3_dir, "off", LORA)
+    off = engine.peak_bytes("r", FB, [("s", request)])
+    engine.config = EngineConfig(device="cpu", activation_checkpointing="on")
+    assert engine.peak_bytes("r", FB, [("s", request)]) >= off
+    engine.config = EngineConfig(device="cpu", memory_limit=_rss_bytes() + off // 2)
+    assert engine.peak_bytes("r", FB, [("s", request)]) == off

@@ -9,7 +9,15 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   residual adds' operands), 4 of the query width (projection, q-norm in and out, rotary output,
   attention output), 6 of the KV width (keys and values before and after k-norm and rotary,
   repeated for sdpa) and 6 of the FFN width (gate, up, SiLU in and out, their product, the
-  down projection's input). tests/unit/engine/test_memory_estimate.py counts the bytes autograd
+  down projection's input). Multi-head latent attention (DeepSeek-V3, model/latent_attention.py)
+  caches a compressed latent but trains on full heads: its query width is heads x
+  (qk_nope_head_dim + qk_rope_head_dim), its KV width the mean of the per-head keys' and values'
+  (heads x qk_head_dim, heads x v_head_dim), and its q_a / kv_a latents add LATENT_COPIES of
+  q_lora_rank + kv_lora_rank + qk_rope_head_dim (projection out, norm in and out). Its keys and
+  values differ in width, which a CPU's fused sdpa kernel does not take: there sdpa's unfused
+  path keeps each head's softmaxed [T, T] scores, SCORE_COPIES per layer (the saved weights, and
+  their and the scores' gradients in backward) of heads x the longest row per token.
+  tests/unit/engine/test_memory_estimate.py counts the bytes autograd
   saves (saved_tensors_hooks) and measures the peak RSS of a pass in a subprocess: the per-layer
   count is at least the saved bytes, and ACTIVATION_SAFETY (1.5) covers what backward allocates
   while it runs (the gradient of the largest activation, allocator slack), so the estimate is
@@ -23,12 +31,14 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   backward), plus the hidden-sized unit the frozen head keeps per token.
 - the gradients it accumulates: new gradients beside the earlier ones, then their sum.
 - sampling holds a KV cache of num_samples x (prompt + max_tokens) positions x layers x 2 x
-  kv_heads x head_dim x dtype bytes (the prompt once per prompt, model/fanout_kv_cache.py; the
-  generated part grown in steps of DECODE_POSITIONS_PER_GROWTH and counted twice: the old and
-  new buffer side by side while it grows, or a compaction's gathered copy: the sampler's
-  peak_own_positions), per decode pass rows x vocab float32 logits in SAMPLE_LOGIT_COPIES
-  (log-softmax, probabilities, top-k/top-p sorts and masks), and per generated token the
-  Python lists of its token and logprob and its share of the recorded result.
+  kv_heads x head_dim x dtype bytes (MLA: the latent's kv_lora_rank + qk_rope_head_dim numbers,
+  padded to an even width, in place of 2 x kv_heads x head_dim; the prompt once per prompt,
+  model/fanout_kv_cache.py; the generated part grown in steps of DECODE_POSITIONS_PER_GROWTH
+  and counted twice: the old and new buffer side by side while it grows, or a compaction's
+  gathered copy: the sampler's peak_own_positions), per decode pass rows x vocab float32
+  logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p sorts and masks), and
+  per generated token the Python lists of its token and logprob and its share of the recorded
+  result.
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
   prompt row rounded up to the pool's width and the generated part as above; the stream sizes
   it itself (generate/sample_stream.py pool_row_bytes), for the service's admission.
@@ -45,6 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from transformers import PretrainedConfig
 
 from posttrain.engine.generate.decode_rows import max_tokens_of
@@ -63,6 +74,9 @@ INT64 = 8
 ACTIVATION_SAFETY = 1.5
 # Per token and decoder layer, in units of the hidden, query, KV and FFN widths (module docstring).
 HIDDEN_COPIES, QUERY_COPIES, KV_COPIES, FFN_COPIES = 6, 4, 6, 6
+# MLA's latents per token and layer (module docstring), and its [T, T] scores per head where
+# sdpa runs unfused.
+LATENT_COPIES, SCORE_COPIES = 3, 2
 LOGIT_COPIES = 4
 # Checkpointed, the backward's peak holds one layer's recomputed activations and the gradients
 # its backward computes from them, about as many again: ACTIVATION_SAFETY's slack over every
@@ -86,15 +100,66 @@ class ModelShape:
     layers: int
     hidden: int
     query_width: int  # query heads x head dim
-    kv_width: int  # KV heads x head dim
+    kv_width: int  # KV heads x head dim (MLA: the mean of its expanded keys' and values' widths)
     ffn_width: int  # FFN width one token passes through: dense, or its top-k experts (+ shared)
     vocab: int
     dtype_bytes: int  # the model's compute dtype
+    latent_width: int = 0  # MLA: q_lora_rank + kv_lora_rank + qk_rope_head_dim; 0 elsewhere
+    # Numbers one position holds in one layer's KV cache; None: keys and values, 2 x kv_width.
+    cache_width: int | None = None
+    # Heads whose [T, T] scores a pass materialises (sdpa unfused: MLA on a CPU); 0 elsewhere.
+    score_heads: int = 0
+
+    @property
+    def cache_elements(self) -> int:
+        """Numbers one position holds in one layer's KV cache."""
+        return 2 * self.kv_width if self.cache_width is None else self.cache_width
 
 
-def model_shape(config: PretrainedConfig, kv: KVShape, dtype_bytes: int) -> ModelShape:
+@dataclass(frozen=True)
+class _AttentionWidths:
+    """Per token, what attention's activations are wide (ModelShape's fields of those names),
+    and whether its keys and values differ in width."""
+
+    query: int
+    kv: int
+    latent: int
+    unequal_kv: bool
+
+
+def _attention_widths(config: PretrainedConfig, kv: KVShape) -> _AttentionWidths:
+    """Attention's activation widths: from the cache shape `kv` (the modules' own heads, which a
+    config's fields may misstate), or for MLA (a config with kv_lora_rank, whose cache holds
+    the latent, not heads) from its config's latent and per-head widths."""
+    kv_lora_rank = getattr(config, "kv_lora_rank", None)
+    if kv_lora_rank is None:
+        return _AttentionWidths(
+            query=config.num_attention_heads * kv.head_dim,
+            kv=kv.num_kv_heads * kv.head_dim,
+            latent=0,
+            unequal_kv=False,
+        )
+    heads, rope = config.num_attention_heads, config.qk_rope_head_dim
+    key_dim, value_dim = config.qk_nope_head_dim + rope, config.v_head_dim
+    return _AttentionWidths(
+        query=heads * key_dim,
+        kv=math.ceil(heads * (key_dim + value_dim) / 2),
+        latent=(getattr(config, "q_lora_rank", None) or 0) + kv_lora_rank + rope,
+        unequal_kv=key_dim != value_dim,
+    )
+
+
+def model_shape(
+    config: PretrainedConfig,
+    kv: KVShape,
+    dtype_bytes: int,
+    *,
+    device: torch.device | None = None,
+) -> ModelShape:
     """ModelShape of a Hugging Face decoder (dense or MoE families) whose attention writes `kv`
-    (model/kv_shape.py)."""
+    (model/kv_shape.py), its passes on `device` (a CPU: sdpa's kernel there takes only keys
+    and values of one width; None or another device: a fused kernel takes MLA's too, as CUDA's
+    memory-efficient one does)."""
     top_k = getattr(config, "num_experts_per_tok", None)
     ffn = config.intermediate_size
     if top_k:
@@ -103,34 +168,46 @@ def model_shape(config: PretrainedConfig, kv: KVShape, dtype_bytes: int) -> Mode
         # once per expert slot, counted here as FFN width too.
         expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+        # DeepSeek's shared experts: n_shared_experts of the routed experts' width, as one MLP.
+        shared = shared or (getattr(config, "n_shared_experts", None) or 0) * expert
         ffn = top_k * (expert + config.hidden_size) + shared
+    attention = _attention_widths(config, kv)
+    unfused = attention.unequal_kv and device is not None and device.type == "cpu"
     return ModelShape(
         layers=kv.num_layers,
         hidden=config.hidden_size,
-        query_width=config.num_attention_heads * kv.head_dim,
-        kv_width=kv.num_kv_heads * kv.head_dim,
+        query_width=attention.query,
+        kv_width=attention.kv,
         ffn_width=ffn,
         vocab=config.vocab_size,
         dtype_bytes=dtype_bytes,
+        latent_width=attention.latent,
+        cache_width=2 * kv.num_kv_heads * kv.head_dim,
+        score_heads=config.num_attention_heads if unfused else 0,
     )
 
 
-def _layer_elements(shape: ModelShape) -> int:
-    """Saved activation elements per token and decoder layer (module docstring)."""
+def _layer_elements(shape: ModelShape, longest: int = 0) -> int:
+    """Saved activation elements per token and decoder layer (module docstring), in a batch
+    whose longest row is `longest` positions."""
     return (
         HIDDEN_COPIES * shape.hidden
         + QUERY_COPIES * shape.query_width
         + KV_COPIES * shape.kv_width
         + FFN_COPIES * shape.ffn_width
+        + LATENT_COPIES * shape.latent_width
+        + SCORE_COPIES * shape.score_heads * longest
     )
 
 
-def saved_activation_bytes(shape: ModelShape, tokens: int, *, checkpointed: bool = False) -> int:
-    """What autograd keeps for backward over `tokens` positions: every layer's saved tensors
-    (`checkpointed`: every layer's input, and one layer's saved tensors while its backward
-    recomputes them, with their gradients: RECOMPUTED_LAYERS), and the hidden-sized unit the
-    frozen head keeps per token (train/logprobs.py)."""
-    per_token = _layer_elements(shape) * shape.dtype_bytes
+def saved_activation_bytes(
+    shape: ModelShape, tokens: int, *, checkpointed: bool = False, longest: int = 0
+) -> int:
+    """What autograd keeps for backward over `tokens` positions, rows of at most `longest`:
+    every layer's saved tensors (`checkpointed`: every layer's input, and one layer's saved
+    tensors while its backward recomputes them, with their gradients: RECOMPUTED_LAYERS), and
+    the hidden-sized unit the frozen head keeps per token (train/logprobs.py)."""
+    per_token = _layer_elements(shape, longest) * shape.dtype_bytes
     if checkpointed:
         layers = shape.layers * shape.hidden * shape.dtype_bytes + RECOMPUTED_LAYERS * per_token
     else:
@@ -161,14 +238,17 @@ def training_pass_bytes(
     """Peak bytes of one forward (and backward, its decoder layers `checkpointed` or not) over
     `samples` packed into one batch."""
     rows, tokens = _padded_tokens(samples)
-    per_token = _layer_elements(shape) * shape.dtype_bytes
+    longest = tokens // rows
+    per_token = _layer_elements(shape, longest) * shape.dtype_bytes
     if is_forward_only:
         # No graph: one layer's tensors at a time, beside the hidden states in and out. The
         # per-layer count already holds more than a no-grad layer keeps at once (its FFN
         # intermediates are freed as it goes), and no backward runs: no safety factor.
         activations = tokens * (per_token + 2 * shape.hidden * shape.dtype_bytes)
     else:
-        saved = saved_activation_bytes(shape, tokens, checkpointed=checkpointed)
+        saved = saved_activation_bytes(
+            shape, tokens, checkpointed=checkpointed, longest=longest
+        )
         activations = math.ceil(ACTIVATION_SAFETY * saved)
     return (
         activations
@@ -231,7 +311,7 @@ def custom_forward_backward_bytes(
 
 def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_tokens: int) -> int:
     """Peak bytes of one generation over several sample operations (sampler.generate)."""
-    kv_per_position = shape.layers * 2 * shape.kv_width * shape.dtype_bytes
+    kv_per_position = shape.layers * shape.cache_elements * shape.dtype_bytes
     prompt_positions = sum(len(p) for request in requests for p in request.prompts)
     rows = sum(len(request.prompts) * request.num_samples for request in requests)
     own_positions = sum(
@@ -248,8 +328,11 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
     cache = (2 * prompt_positions + own_positions) * kv_per_position
     # A prefill pass (at most PREFILL_TOKENS_PER_PASS positions, no graph) or a decode pass
     # over every row: one layer's tensors at a time, and the logits of the rows.
+    # Unfused attention's scores (MLA on a CPU) over a prefill's prompt columns.
     pass_tokens = max(min(prompt_positions, PREFILL_TOKENS_PER_PASS), rows)
-    pass_bytes = pass_tokens * (_layer_elements(shape) + 2 * shape.hidden) * shape.dtype_bytes
+    longest = max((len(p) for request in requests for p in request.prompts), default=0)
+    layer = _layer_elements(shape, longest)
+    pass_bytes = pass_tokens * (layer + 2 * shape.hidden) * shape.dtype_bytes
     prompt_logits = min(prompt_positions, chunk_tokens) * shape.vocab * FLOAT32 * LOGIT_COPIES
     row_logits = rows * shape.vocab * FLOAT32 * SAMPLE_LOGIT_COPIES
     return (

@@ -105,7 +105,8 @@ def _peak_bytes(
     itemsize: int,
     checkpointed: bool,
 ) -> int:
-    shape = estimate.model_shape(resource.loaded.model.config, resource.loaded.kv, itemsize)
+    loaded = resource.loaded
+    shape = estimate.model_shape(loaded.model.config, loaded.kv, itemsize, device=loaded.device)
     chunk = config.logprob_chunk_tokens
     if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts
         return estimate.sample_bytes(

@@ -21,10 +21,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
-from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.memory import estimate
-from posttrain.types import (
+sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+import families  # noqa: E402
+
+from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.memory import estimate  # noqa: E402
+from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,
     LoraConfig,
@@ -43,6 +46,19 @@ MLP_HEAVY = {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads
 ATTENTION_HEAVY = {"hidden_size": 192, "intermediate_size": 256, "num_attention_heads": 8}
 COMMON = {"num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 4096}
 CE = LossConfig(LossType.CROSS_ENTROPY)
+# DeepSeek-V3's multi-head latent attention with its attention wide enough to dominate a layer:
+# 16 heads of 96-wide queries and keys and 64-wide values, expanded from 64 + 32 latent numbers
+# a position (its cache's), the queries from a 128-wide latent.
+LATENT_ATTENTION = {
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+}
+LATENT_SIZE = families.Size(hidden_size=256, num_hidden_layers=2, max_position_embeddings=4096)
 
 
 def build_model(directory: Path, overrides: dict[str, int]) -> Path:
@@ -191,6 +207,40 @@ def test_forward_backward_estimate_bounds_the_measured_peak(
     result = max(results, key=lambda r: r["added"])
     added, estimated = result["added"], result["estimated"]
     assert added <= estimated <= MAX_OVERESTIMATE * added, results
+
+
+def test_latent_attention_estimate_bounds_the_measured_peak(tmp_path):
+    # Its training activations are the expanded heads' and the latents', not the cache's
+    # widths; on a CPU, with unfused attention's scores (keys and values differ in width).
+    directory = families.build(
+        "deepseek_v3", tmp_path / "model", size=LATENT_SIZE, extra=LATENT_ATTENTION
+    )
+    results = [
+        measure(directory, "forward-backward", 4, 512, checkpointing="off") for _ in range(2)
+    ]
+    result = max(results, key=lambda r: r["added"])
+    added, estimated = result["added"], result["estimated"]
+    assert added <= estimated <= MAX_OVERESTIMATE * added, results
+
+
+def test_latent_attention_caches_its_latent_per_token(tmp_path):
+    loaded = families.load("deepseek_v3", tmp_path / "model")
+    config = loaded.model.config
+    shape = estimate.model_shape(config, loaded.kv, 2)
+    # What a training pass expands: every head's query and key, qk_nope + qk_rope wide.
+    heads, key_dim = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
+    assert shape.query_width == heads * key_dim
+    request = SampleRequest(((1,) * 10,), num_samples=3, sampling_params=SamplingParams(200))
+    none = SampleRequest(((1,) * 10,), num_samples=3, sampling_params=SamplingParams(1))
+    grown = estimate.sample_bytes(shape, [request], chunk_tokens=1024)
+    base = estimate.sample_bytes(shape, [none], chunk_tokens=1024)
+    # A position costs the latent: (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes
+    # (an even width here: no padding), counted as test_kv_cache_term_is_the_formula_of_the_brief.
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    assert latent % 2 == 0
+    per_position = latent * config.num_hidden_layers * 2
+    python = 3 * 199 * estimate.PYTHON_BYTES_PER_GENERATED_TOKEN
+    assert grown - base == 2 * 3 * 199 * per_position + python
 
 
 def test_sample_estimate_bounds_the_measured_peak_of_its_kv_cache(tmp_path):

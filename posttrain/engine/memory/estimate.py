@@ -95,7 +95,8 @@ PYTHON_BYTES_PER_GENERATED_TOKEN = 256
 @dataclass(frozen=True)
 class ModelShape:
     """The widths that size a pass's tensors: attention's from the model's modules (a config
-    may carry head counts its family ignores), the rest from its config."""
+    may carry head counts its family ignores; MLA's, whose cache holds a latent rather than
+    heads, from its config: _attention_widths), the rest from its config."""
 
     layers: int
     hidden: int

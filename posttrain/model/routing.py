@@ -8,16 +8,18 @@ layer, and the trainer's forward of that sequence uses exactly those experts, wi
 weights taken from the current router over the chosen experts (so the router still learns).
 
 Both happen inside the router module, which this wraps (`install`): outside a `capture` or
-`replay` block the wrapped router is the original, op for op. A router qualifies when it is
-one of the softmax top-k routers listed in SOFTMAX_TOP_K_ROUTERS (transformers' Qwen2/Qwen3-MoE,
-Mixtral, OLMoE): their gate weights are the softmax of the router logits at the chosen experts,
-renormalised when the router's `norm_topk_prob` is set (Mixtral always renormalises); or one of
-the sigmoid group-limited routers in SIGMOID_TOP_K_ROUTERS (DeepSeek-V3): the experts are
-chosen by sigmoid scores plus a correction bias within the best groups, and the gate weights
-are the sigmoid scores (without the bias) at the chosen experts, renormalised when
-`norm_topk_prob` is set, times `routed_scaling_factor`; replay forces the experts and keeps
-that weight rule. Other routers would need their own replay rule: such models are served
-without routing replay.
+`replay` block the wrapped router is the original, op for op; inside either, every token goes
+through replay's ops, a token routed freely keeping the router's own experts and weights (so
+a recompute that replays what a forward captured records the same tensors for the backward,
+train/layer_checkpoint.py). A router qualifies when it is one of the softmax top-k routers
+listed in SOFTMAX_TOP_K_ROUTERS (transformers' Qwen2/Qwen3-MoE, Mixtral, OLMoE): their gate
+weights are the softmax of the router logits at the chosen experts, renormalised when the
+router's `norm_topk_prob` is set (Mixtral always renormalises); or one of the sigmoid
+group-limited routers in SIGMOID_TOP_K_ROUTERS (DeepSeek-V3): the experts are chosen by sigmoid
+scores plus a correction bias within the best groups, and the gate weights are the sigmoid
+scores (without the bias) at the chosen experts, renormalised when `norm_topk_prob` is set,
+times `routed_scaling_factor`; replay forces the experts and keeps that weight rule. Other
+routers would need their own replay rule: such models are served without routing replay.
 
 A pass sees tokens flattened to [N, H] (batch rows times positions); routes are given and
 returned in that order, per MoE layer in model order. Legend: N = tokens of a pass,
@@ -138,17 +140,21 @@ def _routed(
     if state is None:
         return None  # the router's own output, untouched
     logits_NE, scores_NK, experts_NK = output
+    # Inside a capture without replay every token routes freely, through the same ops as a
+    # replay: a checkpointed layer's recompute (train/layer_checkpoint.py) replays what its
+    # forward captured, and must record the same tensors for the backward as that forward.
+    forced_NK = torch.full_like(experts_NK, -1)
     if state.forced is not None:
         forced_NK = state.forced[_int_attribute(router, "_posttrain_layer")].to(experts_NK.device)
-        if forced_NK.shape != experts_NK.shape:
-            raise ValueError(
-                f"replayed routes have shape {tuple(forced_NK.shape)}, the pass routes"
-                f" {tuple(experts_NK.shape)}"
-            )
-        replayed_N = forced_NK[:, 0] >= 0
-        chosen_NK = _gate_weights(router, logits_NE, forced_NK.clamp(min=0))
-        scores_NK = torch.where(replayed_N[:, None], chosen_NK.to(scores_NK.dtype), scores_NK)
-        experts_NK = torch.where(replayed_N[:, None], forced_NK, experts_NK)
+    if forced_NK.shape != experts_NK.shape:
+        raise ValueError(
+            f"replayed routes have shape {tuple(forced_NK.shape)}, the pass routes"
+            f" {tuple(experts_NK.shape)}"
+        )
+    replayed_N = forced_NK[:, 0] >= 0
+    chosen_NK = _gate_weights(router, logits_NE, forced_NK.clamp(min=0))
+    scores_NK = torch.where(replayed_N[:, None], chosen_NK.to(scores_NK.dtype), scores_NK)
+    experts_NK = torch.where(replayed_N[:, None], forced_NK, experts_NK)
     if state.captured is not None:
         state.captured.append(experts_NK.detach())
     return logits_NE, scores_NK, experts_NK

@@ -153,6 +153,21 @@ def test_moe_routes_replayed_or_free_train_the_same_checkpointed(moe_dir):
     assert_same(*both_ways(moe_dir, LoraConfig(rank=4, alpha=8, seed=1), [("s", request)]))
 
 
+def test_moe_routes_all_free_train_the_same_checkpointed(moe_dir):
+    # No row replays routes: the forward captures the experts its router chose freely, and
+    # the recompute replays them through the same ops (the same tensors kept for the backward).
+    request = ForwardBackwardRequest((sample(4),), CE)
+    assert_same(*both_ways(moe_dir, LoraConfig(rank=4, alpha=8, seed=1), [("s", request)]))
+
+
+def test_a_full_weight_moe_session_with_free_routes_trains_the_same_checkpointed(
+    tmp_path_factory,
+):
+    directory = families.build("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe")
+    request = ForwardBackwardRequest((sample(4), sample(7, 2)), CE)
+    assert_same(*both_ways(directory, None, [("s", request)]))
+
+
 @contextmanager
 def counted(modules: list[torch.nn.Module]) -> Iterator[list[int]]:
     """Inside, how many times the modules' forwards ran, in the one entry of the list."""

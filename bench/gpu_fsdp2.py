@@ -37,7 +37,7 @@ from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.messages import Command  # noqa: E402
+from posttrain.engine.hosts.messages import MeasureSessionFootprint  # noqa: E402
 from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
@@ -97,7 +97,7 @@ def fsdp2_check(
             for engine in engines.values():
                 (outcome,) = engine.forward_backward_batch("r", [("f", request)])
             one = local.session_footprint("r", "f")
-            shares = group.on_every_rank("r", Command.SESSION_FOOTPRINT, "f")
+            shares = group.on_every_rank(MeasureSessionFootprint("r", "f"))
         finally:
             group.close()
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(*losses.values(), strict=True))

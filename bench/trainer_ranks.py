@@ -42,7 +42,10 @@ from forward_backward import MODEL_ID, make_samples, write_model  # noqa: E402
 
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.hosts.messages import Command  # noqa: E402
+from posttrain.engine.hosts.messages import (  # noqa: E402
+    MeasureResourceFootprint,
+    MeasureSessionFootprint,
+)
 from posttrain.engine.hosts.process.remote import ProcessEngine  # noqa: E402
 from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine  # noqa: E402
 from posttrain.types import (  # noqa: E402
@@ -102,8 +105,8 @@ def held_bytes(engine, ranks: int) -> list[tuple[int, int, int, int]]:
     if ranks == 1:
         resources, sessions = [engine.resource_footprint("r")], [engine.session_footprint("r", "f")]
     else:
-        resources = engine.on_every_rank("r", Command.RESOURCE_FOOTPRINT)
-        sessions = engine.on_every_rank("r", Command.SESSION_FOOTPRINT, "f")
+        resources = engine.on_every_rank(MeasureResourceFootprint("r"))
+        sessions = engine.on_every_rank(MeasureSessionFootprint("r", "f"))
     engine.optim_step("r", "f", STEP)
     return [
         (r.total_bytes, s.weights_bytes, s.optimizer_bytes, s.gradient_bytes)

@@ -30,6 +30,7 @@ from posttrain.engine.generate import generator
 from posttrain.engine.generate.prefix_cache import PrefixCache
 from posttrain.engine.generate.sample_stream import SessionSampleStream, open_stream
 from posttrain.engine.hosts import full_weight_sessions
+from posttrain.engine.hosts.messages import Measured
 from posttrain.engine.hosts.remote_streams import StreamHost
 from posttrain.engine.hosts.threads import use_intra_op_threads
 from posttrain.engine.interface import Engine, Headroom, ModelInfo
@@ -64,7 +65,7 @@ from posttrain.types import (
 log = logging.getLogger("posttrain")
 
 
-class LocalEngine(StreamHost, Engine):
+class LocalEngine(StreamHost, Engine, Measured):
     writes_files = True  # False on a trainer group's ranks but rank 0 (trainer_group.py)
 
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:

@@ -1,18 +1,18 @@
 """A decode stream (engine/interface.py's DecodeStream) whose engine lives in another process:
 the host keeps each open stream by id (`StreamHost`, part of LocalEngine), and the API process
-drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through four
-Commands: OPEN_STREAM, STREAM_CALL (one DecodeStream method and its arguments), STREAM_STEP
-(`admit` or `block`, then the operations finished since, the rows running and the room a join
-finds, sample_stream.JoinRoom: what the caller asks after each, in the same round trip) and
-CLOSE_STREAM. A round trip costs about a CPU decode step's time across Ray
+drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through the
+stream messages of hosts/messages.py: OpenStream, one message per DecodeStream method, and
+CloseStream. A step (StreamAdmit, StreamBlock) also brings back the operations finished since,
+the rows running and the room a join finds (sample_stream.JoinRoom): what the caller asks after
+each, in the same round trip. A round trip costs about a CPU decode step's time across Ray
 (docs/continuous_batching.md, "Invariants"), so a quiet block is one, and weighing a candidate join
 at a boundary is none: `join_reserve_bytes` answers from the room, `can_join` once per session.
 
-Between two of a stream's commands the host serves any other (another session's training
+Between two of a stream's messages the host serves any other (another session's training
 between blocks, a PIPELINE publish), as the in-process engine does between blocks: the
 stream's state (its rows, its decode cache pool) stays in the host's engine until the stream is
 closed. One thread drives a stream (service/scheduling/sample_streams.py's StreamPass), so its
-commands reach the host in the order they were made; a trainer group sends them to rank 0 alone
+messages reach the host in the order they were made; a trainer group sends them to rank 0 alone
 (hosts/ranks/trainer_group.py RANK_ZERO), where samples run.
 
 A stream is bound to the host it was opened on: once that host died, every operation of the
@@ -20,7 +20,7 @@ stream fails with the host's WorkerDied (INTERNAL_ERROR naming the process), eve
 resource was loaded again elsewhere (a new host never saw the stream); closing it then does
 nothing (its pool died with the process).
 
-Imports: errors, types, engine (generate.sample_stream, hosts.messages).
+Imports: errors, types, engine (generate.sample_stream, interface, hosts.messages).
 """
 
 from __future__ import annotations
@@ -28,40 +28,30 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Protocol, TypeVar
 
 from posttrain.engine.generate.sample_stream import JoinRoom
-from posttrain.engine.hosts.messages import Call, Command
+from posttrain.engine.hosts.messages import (
+    CloseStream,
+    HostedStream,
+    Stepped,
+    StreamAdmit,
+    StreamBlock,
+    StreamCanJoin,
+    StreamHosting,
+    StreamJoinReserveBytes,
+    StreamMessage,
+    StreamPoolRowBytes,
+    StreamReserveRows,
+)
 from posttrain.engine.interface import DecodeStream
 from posttrain.errors import EngineFailure, WorkerDied
 from posttrain.types import SampleRequest, SampleResult
 
-# What STREAM_CALL may run on a host's stream: the DecodeStream protocol but `close`.
-STREAM_METHODS = frozenset(
-    {
-        "can_join",
-        "admit",
-        "block",
-        "take_finished",
-        "running_rows",
-        "reserve_rows",
-        "pool_row_bytes",
-        "join_reserve_bytes",
-    }
-)
-
-# What STREAM_STEP may run: the methods that change what runs and what finished.
-STEPS = frozenset({"admit", "block"})
+T = TypeVar("T")
 
 
-class HostedStream(DecodeStream, Protocol):
-    """A stream as its host keeps it: a DecodeStream that also says what a join finds now
-    (generate/sample_stream.py's SessionSampleStream; a replica's FencedStream)."""
-
-    def room(self) -> JoinRoom: ...
-
-
-class StreamHost(ABC):
+class StreamHost(StreamHosting, ABC):
     """The host's side (a base of LocalEngine): the streams opened by its caller, by id."""
 
     def __init__(self) -> None:
@@ -82,26 +72,12 @@ class StreamHost(ABC):
         self._streams[stream_id] = (resource_id, stream)
         return stream_id
 
-    def stream_call(self, resource_id: str, stream_id: int, method: str, *args: Any) -> Any:
-        """One DecodeStream method of an open stream (STREAM_METHODS)."""
-        if method not in STREAM_METHODS:
-            raise EngineFailure(f"{method!r} is not a decode stream's method")
+    def stream(self, resource_id: str, stream_id: int) -> HostedStream:
+        """An open stream of the resource."""
         owner, stream = self._streams.get(stream_id, (None, None))
         if owner != resource_id or stream is None:
             raise EngineFailure(f"no decode stream {stream_id} is open on {resource_id}")
-        return getattr(stream, method)(*args)
-
-    def stream_step(
-        self, resource_id: str, stream_id: int, method: str, *args: Any
-    ) -> tuple[Any, list[tuple[int, list[SampleResult]]], int, JoinRoom]:
-        """`admit` or `block` on an open stream, then take_finished, running_rows and room:
-        (its answer, the operations finished since the last take, the rows running now, what
-        a join finds now)."""
-        if method not in STEPS:
-            raise EngineFailure(f"{method!r} is not a decode stream's step")
-        answer = self.stream_call(resource_id, stream_id, method, *args)
-        _, stream = self._streams[stream_id]
-        return answer, stream.take_finished(), stream.running_rows(), stream.room()
+        return stream
 
     def close_stream(self, resource_id: str, stream_id: int) -> None:
         """The stream's pass ended: drop its decode state (idempotent)."""
@@ -111,17 +87,23 @@ class StreamHost(ABC):
             stream.close()
 
 
+class StreamCall(Protocol):
+    """A host's `call` (hosts/placement.py's WorkerHandle), as a stream's messages need it."""
+
+    def __call__(self, message: StreamMessage[T], /) -> T: ...
+
+
 class RemoteStream(DecodeStream):
-    """A stream open on a host, driven from the API process: each method one STREAM_CALL on
-    `call` (the host's, bound at open: hosts/process/remote.py), but `admit` and `block`, each one
-    STREAM_STEP that also brings back what finished and the rows running after it (only they
-    change either): `take_finished` and `running_rows` answer from it without a round trip.
+    """A stream open on a host, driven from the API process: each method one message on
+    `call` (the host's, bound at open: hosts/process/remote.py); `admit` and `block` are steps,
+    which also bring back what finished and the rows running after them (only they change
+    either): `take_finished` and `running_rows` answer from it without a round trip.
     `died` says how the operations report the host's death (a generator replica's:
     hosts/replicas/engine.py); by default as the host's WorkerDied."""
 
     def __init__(
         self,
-        call: Callable[[Call], Any],
+        call: StreamCall,
         resource_id: str,
         stream_id: int,
         died: Callable[[WorkerDied], EngineFailure] | None = None,
@@ -139,12 +121,12 @@ class RemoteStream(DecodeStream):
         # (the stream is bound to that host), also those answered here.
         self._died: EngineFailure | None = None
 
-    def _send(self, command: Command, method: str, *args: Any) -> Any:
+    def _send(self, message: StreamMessage[T]) -> T:
         if self._closed:
             raise EngineFailure(f"decode stream {self.stream_id} of {self.resource_id} is closed")
         self._check()
         try:
-            return self._host_call(Call(command, (self.resource_id, self.stream_id, method, *args)))
+            return self._host_call(message)
         except WorkerDied as exc:
             if self._report_death is None:
                 self._died = exc
@@ -156,26 +138,25 @@ class RemoteStream(DecodeStream):
         if self._died is not None:
             raise self._died
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return self._send(Command.STREAM_CALL, method, *args)
-
     def can_join(self, session_id: str) -> bool:
         """Asked once per session: the model a session samples does not change."""
         if session_id not in self._joins:
-            self._joins[session_id] = cast(bool, self._call("can_join", session_id))
+            asked = StreamCanJoin(self.resource_id, self.stream_id, session_id)
+            self._joins[session_id] = self._send(asked)
         self._check()
         return self._joins[session_id]
 
-    def _step(self, method: str, *args: Any) -> Any:
-        answer, finished, self._rows, self._room = self._send(Command.STREAM_STEP, method, *args)
-        self._finished.extend(finished)
-        return answer
+    def _step(self, step: StreamMessage[Stepped[T]]) -> T:
+        stepped = self._send(step)
+        self._rows, self._room = stepped.running_rows, stepped.room
+        self._finished.extend(stepped.finished)
+        return stepped.answer
 
     def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
-        return cast(list[int], self._step("admit", items, fence))
+        return self._step(StreamAdmit(self.resource_id, self.stream_id, items, fence))
 
     def block(self, most: int = 1) -> None:
-        self._step("block", most)
+        self._step(StreamBlock(self.resource_id, self.stream_id, most))
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         self._check()
@@ -187,15 +168,15 @@ class RemoteStream(DecodeStream):
         return self._rows
 
     def reserve_rows(self, rows: int) -> None:
-        self._call("reserve_rows", rows)
+        self._send(StreamReserveRows(self.resource_id, self.stream_id, rows))
 
     def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return cast(int, self._call("pool_row_bytes", items))
+        return self._send(StreamPoolRowBytes(self.resource_id, self.stream_id, items))
 
     def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
         """From the room the last step brought (before any step, the host's answer)."""
         if self._room is None:
-            return cast(int, self._call("join_reserve_bytes", items))
+            return self._send(StreamJoinReserveBytes(self.resource_id, self.stream_id, items))
         self._check()
         return self._room.reserve_bytes([request for _, request in items])
 
@@ -205,6 +186,6 @@ class RemoteStream(DecodeStream):
             return
         self._closed = True
         try:
-            self._host_call(Call(Command.CLOSE_STREAM, (self.resource_id, self.stream_id)))
+            self._host_call(CloseStream(self.resource_id, self.stream_id))
         except WorkerDied:
             pass  # its decode state died with the process

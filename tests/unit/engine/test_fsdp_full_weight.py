@@ -46,7 +46,7 @@ from test_sharded_full_weight import (
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import formats as weights
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.messages import Command
+from posttrain.engine.hosts.messages import MeasureResourceFootprint, MeasureSessionFootprint
 from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine
 from posttrain.engine.interface import Headroom
 from posttrain.errors import INTERNAL_ERROR, NonFiniteLoss, WorkerDied
@@ -78,7 +78,7 @@ def assert_even_shares(local, fsdp, resource: str, parts=("weights_bytes", "opti
     """Each rank holds its slice of every tensor: together exactly one process's bytes, each
     within 1.1x of half (the embedding, 26% of a Qwen3-0.6B, is split like any matrix)."""
     one = local.session_footprint("r", "f")
-    ranks = fsdp.on_every_rank(resource, Command.SESSION_FOOTPRINT, "f")
+    ranks = fsdp.on_every_rank(MeasureSessionFootprint(resource, "f"))
     for part in parts:
         total = getattr(one, part)
         held = sum(getattr(r, part) for r in ranks)
@@ -168,7 +168,7 @@ def test_fsdp2_trains_an_moe_model_as_one_process_does(fsdp):
             engine.optim_step("moe", "f", STEPS[MuonScaling.MATCH_ADAM])
     want = forward_backward(local, "moe", "f", ONE).loss
     assert forward_backward(fsdp, "moe", "f", ONE).loss == pytest.approx(want, rel=REL)
-    ranks = fsdp.on_every_rank("moe", Command.SESSION_FOOTPRINT, "f")
+    ranks = fsdp.on_every_rank(MeasureSessionFootprint("moe", "f"))
     one = local.session_footprint("moe", "f")
     assert sum(r.weights_bytes for r in ranks) == one.weights_bytes
     assert all(r.weights_bytes <= 1.1 * one.weights_bytes / 2 for r in ranks)
@@ -221,7 +221,7 @@ def test_fsdp2_checkpoints_resume_on_one_process_and_back(fsdp, tmp_path, scalin
     fsdp.drop_session(resource, "f")
     local.drop_session("r", "f")
     assert (
-        fsdp.on_every_rank(resource, Command.RESOURCE_FOOTPRINT)
+        fsdp.on_every_rank(MeasureResourceFootprint(resource))
         == [local.resource_footprint("r")] * 2
     )
     # A new session on the resource starts from the base model again.
@@ -337,7 +337,7 @@ def test_a_tied_embedding_shards_in_the_root_and_trains_as_one_process_does(tmp_
 
     def halves(local, group) -> None:
         one = local.session_footprint("r", "f")
-        ranks = group.on_every_rank("r", Command.SESSION_FOOTPRINT, "f")
+        ranks = group.on_every_rank(MeasureSessionFootprint("r", "f"))
         assert sum(r.weights_bytes for r in ranks) == one.weights_bytes
         assert all(r.weights_bytes <= 1.1 * one.weights_bytes / 2 for r in ranks)
 

@@ -17,7 +17,14 @@ from engine_calls import forward_backward, sample
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import durable
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.messages import Call, Command
+from posttrain.engine.hosts.messages import (
+    Message,
+    StreamAdmit,
+    StreamBlock,
+    StreamCanJoin,
+    StreamJoinReserveBytes,
+    StreamRunningRows,
+)
 from posttrain.engine.hosts.process.remote import ProcessEngine
 from posttrain.errors import EngineFailure, InvalidRequest, NotFound, WorkerDied
 from posttrain.types import (
@@ -188,25 +195,26 @@ def test_weighing_a_join_asks_the_worker_nothing_after_a_step():
             [("s", replace(PROMPT, num_samples=3))],
             [("s", replace(PROMPT, sampling_params=replace(params, max_tokens=60)))],
         ]
-        sent: list[Command] = []
+        sent: list[type[Message]] = []
         host_call = stream._host_call
 
-        def counted(call: Call):
-            sent.append(call.command)
-            return host_call(call)
+        def counted(message: Message):
+            sent.append(type(message))
+            return host_call(message)
+
+        def asked(items):  # the worker's own answer
+            return stream._send(StreamJoinReserveBytes("r", stream.stream_id, items))
 
         stream._host_call = counted
         local = [stream.join_reserve_bytes(items) for items in candidates]
         assert stream.can_join("s") and stream.can_join("s")
-        assert sent == [Command.STREAM_CALL]  # the first can_join
+        assert sent == [StreamCanJoin]  # the first can_join
         stream._host_call = host_call
-        worker = [stream._call("join_reserve_bytes", items) for items in candidates]
+        worker = [asked(items) for items in candidates]
         assert local == worker
         assert local[0] == 0 and local[1] > 0 and local[2] > 0
         stream.block()
-        assert stream.join_reserve_bytes(candidates[1]) == stream._call(
-            "join_reserve_bytes", candidates[1]
-        )
+        assert stream.join_reserve_bytes(candidates[1]) == asked(candidates[1])
         stream.close()
     finally:
         engine.close()
@@ -230,12 +238,12 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
         stream = engine.sample_stream("r", "s")
         assert stream is not None and stream.can_join("s")
         stream.reserve_rows(4)
-        sent: list[Command] = []
+        sent: list[type[Message]] = []
         host_call = stream._host_call
 
-        def counted(call: Call):
-            sent.append(call.command)
-            return host_call(call)
+        def counted(message: Message):
+            sent.append(type(message))
+            return host_call(message)
 
         stream._host_call = counted  # the stream's own round trips (training goes apart)
         (stream_id,) = stream.admit([("s", PROMPT)])
@@ -247,17 +255,13 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
             blocks += 1
             finished += stream.take_finished()
         assert blocks >= 5 and finished == [(stream_id, expected)]
-        assert sent == [Command.STREAM_STEP] * (1 + blocks)  # admit, then one per block
+        assert sent == [StreamAdmit] + [StreamBlock] * blocks  # admit, then one per block
         stream.close()
         stream.close()  # idempotent
         host = engine._host("r")
         assert host is not None
         with pytest.raises(EngineFailure, match="no decode stream 1 is open on r"):
-            host.call(Call(Command.STREAM_CALL, ("r", 1, "running_rows")))
-        with pytest.raises(EngineFailure, match="'close' is not a decode stream's method"):
-            host.call(Call(Command.STREAM_CALL, ("r", 1, "close")))
-        with pytest.raises(EngineFailure, match="'take_finished' is not a decode stream's step"):
-            host.call(Call(Command.STREAM_STEP, ("r", 1, "take_finished")))
+            host.call(StreamRunningRows("r", 1))
 
         stream = engine.sample_stream("r", "s")
         assert stream is not None

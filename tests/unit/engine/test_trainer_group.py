@@ -20,7 +20,7 @@ from engine_calls import forward_backward, sample
 from posttrain.config import BUILTIN_MODEL_DIR, BUILTIN_MODEL_ID, EngineConfig
 from posttrain.engine.checkpoint import durable
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.messages import Command
+from posttrain.engine.hosts.messages import GeneratorState
 from posttrain.engine.hosts.ranks.trainer_group import TrainerGroupEngine, check_trainer_ranks
 from posttrain.engine.hosts.replicas.engine import ReplicatedEngine
 from posttrain.errors import ConfigError, WorkerDied
@@ -217,9 +217,7 @@ def test_two_ranks_train_and_sample_what_one_process_does(group, tmp_path):
     actual = lora_script(group, "lora", tmp_path / "group")
     compare_scripts(actual, expected)
     # Every rank holds the same weights, bit for bit: the generators serve copies of them.
-    (tensors0, version0), (tensors1, version1) = group.on_every_rank(
-        "lora", Command.GENERATOR_STATE, "a"
-    )
+    (tensors0, version0), (tensors1, version1) = group.on_every_rank(GeneratorState("lora", "a"))
     assert version0 == version1 == 2
     assert all(torch.equal(tensors0[n], tensors1[n]) for n in tensors0)
 

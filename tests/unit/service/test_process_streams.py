@@ -28,7 +28,7 @@ from test_sample_streams import (
     fb_request,
 )
 
-from posttrain.engine.hosts.messages import Call, Command
+from posttrain.engine.hosts.messages import StreamRunningRows
 from posttrain.engine.hosts.process.remote import ProcessEngine
 from posttrain.errors import INTERNAL_ERROR, EngineFailure
 from posttrain.service import Services
@@ -56,9 +56,8 @@ def assert_no_stream_open(services: Services, resource_id: str, stream_id: int) 
     """The worker holds no stream `stream_id` any more: its pass closed it."""
     host = process_engine(services)._host(resource_id)
     assert host is not None
-    call = Call(Command.STREAM_CALL, (resource_id, stream_id, "running_rows"))
     with pytest.raises(EngineFailure, match=f"no decode stream {stream_id} is open"):
-        host.call(call)
+        host.call(StreamRunningRows(resource_id, stream_id))
 
 
 def test_a_sample_queued_behind_a_running_generation_in_a_worker_joins_it(services):

@@ -37,5 +37,5 @@ def test_the_lane_stream_runs_in_the_ray_actor(services):
     assert isinstance(replica.worker, RayWorker)
     fence = queue.engine.generator_fence(queue.resource)  # the session's create staged
     stream = queue.engine.lane_stream(queue.resource, s, fence=fence, lane=0)
-    assert stream.can_join(s)  # a STREAM_CALL the actor answers
+    assert stream.can_join(s)  # a StreamCanJoin the actor answers
     stream.close()

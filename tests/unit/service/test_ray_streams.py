@@ -44,7 +44,7 @@ def test_the_stream_runs_in_the_ray_actor(services):
     assert isinstance(host, RayWorker) and host.pid not in (None, os.getpid())
     stream = services.scheduler.engine.sample_stream(queue.resource, s)
     assert stream is not None  # a stream, not whole batches
-    assert stream.can_join(s)  # a STREAM_CALL the actor answers
+    assert stream.can_join(s)  # a StreamCanJoin the actor answers
     stream.close()
 
 

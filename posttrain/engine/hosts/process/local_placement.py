@@ -11,18 +11,43 @@ from __future__ import annotations
 import multiprocessing
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 from posttrain.config import EngineConfig
-from posttrain.engine.hosts.placement import GENERATOR, RANK, TRAINER
+from posttrain.engine.hosts.placement import (
+    GENERATOR,
+    RANK,
+    TRAINER,
+    Hosted,
+    Placement,
+    StagedHandle,
+)
 from posttrain.engine.hosts.process.worker import WorkerProcess
 
+C = TypeVar("C")  # the class of the engine a process hosts
 
-class StagedWorkerProcess(WorkerProcess):
+
+class StagedWorkerProcess(WorkerProcess[C], StagedHandle[C], Generic[C]):
     """A replica's worker process and the API end of its staging pipe."""
 
-    def __init__(self, *args: Any, staging: Connection, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        resource_id: str,
+        config: EngineConfig,
+        model_paths: dict[str, Path],
+        engine: Hosted[C],
+        *,
+        role: str,
+        label: str,
+        staging: Connection,
+        receive: Connection,
+    ) -> None:
+        """`staging`: the end this process writes; `receive`: the replica's, which its engine
+        is built with (closed here once the process has it)."""
+        super().__init__(
+            resource_id, config, model_paths, engine, role=role, label=label, extra=(receive,)
+        )
+        receive.close()
         self.staging = staging
 
     def stage(self, data: bytes) -> None:
@@ -36,7 +61,7 @@ class StagedWorkerProcess(WorkerProcess):
         self.staging.close()
 
 
-class LocalPlacement:
+class LocalPlacement(Placement):
     """Every process a child of this one, on this machine: nothing to reserve."""
 
     host = "127.0.0.1"
@@ -49,33 +74,32 @@ class LocalPlacement:
         pass
 
     def start(
-        self, resource_id: str, role: str, engine: tuple[Any, ...], *, label: str, index: int = 0
-    ) -> WorkerProcess:
+        self, resource_id: str, role: str, engine: Hosted[C], *, label: str, index: int = 0
+    ) -> WorkerProcess[C]:
         assert role in (TRAINER, RANK), f"{role} is not a trainer's role"
         return WorkerProcess(
             resource_id,
             self.config,
             self.model_paths,
+            engine,
             role=TRAINER if role == TRAINER else f"{role}{index}",
             label=label,
-            engine=engine,
         )
 
     def start_replica(
-        self, resource_id: str, engine: tuple[Any, ...], *, label: str, index: int
-    ) -> StagedWorkerProcess:
+        self, resource_id: str, engine: Hosted[C], *, label: str, index: int
+    ) -> StagedWorkerProcess[C]:
         receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
-        worker = StagedWorkerProcess(
+        return StagedWorkerProcess(
             resource_id,
             self.config,
             self.model_paths,
+            engine,
             role=f"{GENERATOR}{index}",
             label=label,
-            engine=(*engine, receive),
             staging=send,
+            receive=receive,
         )
-        receive.close()
-        return worker
 
     def release(self, resource_id: str) -> None:
         pass

@@ -1,14 +1,15 @@
 """The engine behind a process boundary: each model resource lives in processes of its own, and
-the API process sends them Calls (hosts/messages.py).
+the API process sends them messages (hosts/messages.py).
 
 `RemoteEngine` implements the Engine protocol (engine/interface.py) once for every engine
-whose resources live elsewhere, each method one Call. Calls that concern a base model, not a
+whose resources live elsewhere, each method one message. Calls that concern a base model, not a
 resource (`model_info`, `check_tokens`, `device_name`, `export_merged`), run in the API
-process on a LocalEngine that never loads a resource (the catalog). Every other call names its
-resource first and goes to that resource's host: what `_start` started for it through a
+process on a LocalEngine that never loads a resource (the catalog). Every other message names
+its resource and goes to that resource's host: what `_start` started for it through a
 Placement at `load_resource`, stopped by `unload_resource` or `close`. A host that is gone
-makes `is_loaded` answer False, so the service can load the resource again, and a
-FORGETTING call on it does nothing (what it would drop died with it).
+makes `is_loaded` answer False, so the service can load the resource again, and a message
+that only drops state (`_forget`: DropSession) does nothing there (what it would drop died
+with it).
 
 A sample pass streams here too (continuous batching): `sample_stream` opens a decode stream in
 the host and drives it step by step (hosts/remote_streams.py).
@@ -26,14 +27,39 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar
 
 from torch import Tensor
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.messages import FORGETTING, Call, Command
-from posttrain.engine.hosts.placement import TRAINER, Placement, WorkerHandle
+from posttrain.engine.hosts.messages import (
+    CreateSession,
+    CustomForwardBackward,
+    DiscardGradients,
+    DropSession,
+    ForwardBackwardBatch,
+    GeneratorState,
+    LoadAdapter,
+    LoadResource,
+    LoadTrainingState,
+    MeasureHeadroom,
+    MeasureResourceFootprint,
+    MeasureSessionFootprint,
+    Message,
+    OpenStream,
+    OptimStep,
+    PeakBytes,
+    PersistSession,
+    Publish,
+    ResourceMessage,
+    RestoreSession,
+    SampleBatch,
+    SaveAdapter,
+    SaveFullModel,
+    SaveTrainingState,
+)
+from posttrain.engine.hosts.placement import TRAINER, Hosted, Placement, WorkerHandle
 from posttrain.engine.hosts.process.local_placement import LocalPlacement
 from posttrain.engine.hosts.remote_streams import RemoteStream
 from posttrain.engine.interface import DecodeStream, Engine, Headroom, ModelInfo
@@ -52,11 +78,14 @@ from posttrain.types import (
     SampleResult,
 )
 
+R = TypeVar("R")
+
 
 class Host(Protocol):
-    """What runs one resource elsewhere: answers Calls, and stops."""
+    """What runs one resource elsewhere: answers the messages a LocalEngine answers (a
+    trainer group's RankEngine is one), and stops."""
 
-    def call(self, call: Call) -> Any: ...
+    def call(self, message: Message[LocalEngine, R]) -> R: ...
 
     def stop(self) -> None: ...
 
@@ -111,8 +140,7 @@ class RemoteEngine(Engine, Generic[H]):
                 self.placement.reserve(resource_id, generator_replicas)
                 host = self._start(resource_id)
                 self._hosts[resource_id] = host
-        kwargs = {"muon_scaling": muon_scaling, "generator_replicas": generator_replicas}
-        host.call(Call(Command.LOAD_RESOURCE, (resource_id, base_model), kwargs))
+        host.call(LoadResource(resource_id, base_model, muon_scaling, generator_replicas))
 
     def unload_resource(self, resource_id: str) -> None:
         with self._lock:
@@ -137,16 +165,19 @@ class RemoteEngine(Engine, Generic[H]):
         with self._lock:
             return self._hosts.get(resource_id)
 
-    def _send(self, command: Command, resource_id: str, *args: Any, **kwargs: Any) -> Any:
-        """The command, for the resource's host."""
-        host = self._host(resource_id)
+    def _send(self, message: ResourceMessage[LocalEngine, R]) -> R:
+        """The message, for its resource's host; its answer."""
+        host = self._host(message.resource_id)
         if host is None:
-            if command in FORGETTING:
-                return None
-            raise NotFound(f"model resource {resource_id} is not loaded")
-        if command in FORGETTING and self._is_gone(host):
-            return None  # what it would drop died with the host's processes
-        return host.call(Call(command, (resource_id, *args), kwargs))
+            raise NotFound(f"model resource {message.resource_id} is not loaded")
+        return host.call(message)
+
+    def _forget(self, message: ResourceMessage[LocalEngine, None]) -> None:
+        """A message that only drops state: nothing to drop where the resource's host is gone
+        (what it would drop died with the host's processes)."""
+        host = self._host(message.resource_id)
+        if host is not None and not self._is_gone(host):
+            host.call(message)
 
     # ------------------------------------------------------------ the catalog's
 
@@ -165,36 +196,33 @@ class RemoteEngine(Engine, Generic[H]):
     # ------------------------------------------------------------ sessions and passes
 
     def create_session(self, resource_id: str, session_id: str, lora: LoraConfig | None) -> None:
-        self._send(Command.CREATE_SESSION, resource_id, session_id, lora)
+        self._send(CreateSession(resource_id, session_id, lora))
 
     def drop_session(self, resource_id: str, session_id: str) -> None:
-        self._send(Command.DROP_SESSION, resource_id, session_id)
+        self._forget(DropSession(resource_id, session_id))
 
     def forward_backward_batch(
         self, resource_id: str, items: list[tuple[str, ForwardBackwardRequest]]
     ) -> list[ForwardBackwardResult | Exception]:
-        answer = self._send(Command.FORWARD_BACKWARD_BATCH, resource_id, items)
-        return cast("list[ForwardBackwardResult | Exception]", answer)
+        return self._send(ForwardBackwardBatch(resource_id, items))
 
     def custom_forward_backward(
         self, resource_id: str, session_id: str, request: CustomForwardBackwardRequest
     ) -> None:
-        self._send(Command.CUSTOM_FORWARD_BACKWARD, resource_id, session_id, request)
+        self._send(CustomForwardBackward(resource_id, session_id, request))
 
     def optim_step(self, resource_id: str, session_id: str, request: OptimStepRequest) -> None:
-        self._send(Command.OPTIM_STEP, resource_id, session_id, request)
+        self._send(OptimStep(resource_id, session_id, request))
 
     def discard_gradients(self, resource_id: str, session_id: str) -> None:
-        self._send(Command.DISCARD_GRADIENTS, resource_id, session_id)
+        self._send(DiscardGradients(resource_id, session_id))
 
     # ------------------------------------------------------------ generators
 
     def publish(
         self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
     ) -> None:
-        self._send(
-            Command.PUBLISH, resource_id, session_id, version=version, mid_generation=mid_generation
-        )
+        self._send(Publish(resource_id, session_id, version, mid_generation))
 
     def generator_lanes(self, resource_id: str) -> int:
         return 0  # the host's generator shares its trainer's process (replicas.py: apart)
@@ -203,8 +231,7 @@ class RemoteEngine(Engine, Generic[H]):
         return 0
 
     def generator_state(self, resource_id: str, session_id: str) -> tuple[dict[str, Tensor], int]:
-        answer = self._send(Command.GENERATOR_STATE, resource_id, session_id)
-        return cast("tuple[dict[str, Tensor], int]", answer)
+        return self._send(GeneratorState(resource_id, session_id))
 
     def sample_batch(
         self,
@@ -213,19 +240,18 @@ class RemoteEngine(Engine, Generic[H]):
         *,
         between_tokens: Callable[[], None] | None = None,
     ) -> list[list[SampleResult]]:
-        answer = self._send(Command.SAMPLE_BATCH, resource_id, items, between_tokens=between_tokens)
-        return cast("list[list[SampleResult]]", answer)
+        return self._send(SampleBatch(resource_id, items, between_tokens))
 
     def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
         """A stream open in the resource's host, driven step by step (hosts/remote_streams.py):
         samples join running generations and other sessions' training runs between blocks,
         as in process. Bound to this host: if it dies, the stream's operations fail with its
-        WorkerDied. On Ray actors (`--ray`) too: the stream's calls are plain commands (a
-        PIPELINE publish between blocks is a command of its own; nothing calls back)."""
+        WorkerDied. On Ray actors (`--ray`) too: the stream's messages are plain ones (a
+        PIPELINE publish between blocks is a message of its own; nothing calls back)."""
         host = self._host(resource_id)
         if host is None:
             raise NotFound(f"model resource {resource_id} is not loaded")
-        stream_id = host.call(Call(Command.OPEN_STREAM, (resource_id, session_id)))
+        stream_id = host.call(OpenStream(resource_id, session_id))
         return RemoteStream(host.call, resource_id, stream_id)
 
     # ------------------------------------------------------------ memory and sizes
@@ -233,20 +259,16 @@ class RemoteEngine(Engine, Generic[H]):
     def peak_bytes(
         self, resource_id: str, kind: OperationKind, items: list[tuple[str, OperationRequest]]
     ) -> int:
-        answer = self._send(Command.PEAK_BYTES, resource_id, kind, items)
-        return cast(int, answer)
+        return self._send(PeakBytes(resource_id, kind, items))
 
     def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
-        answer = self._send(Command.HEADROOM, resource_id, kind)
-        return cast(Headroom, answer)
+        return self._send(MeasureHeadroom(resource_id, kind))
 
     def resource_footprint(self, resource_id: str) -> ResourceFootprint:
-        answer = self._send(Command.RESOURCE_FOOTPRINT, resource_id)
-        return cast(ResourceFootprint, answer)
+        return self._send(MeasureResourceFootprint(resource_id))
 
     def session_footprint(self, resource_id: str, session_id: str) -> SessionFootprint:
-        answer = self._send(Command.SESSION_FOOTPRINT, resource_id, session_id)
-        return cast(SessionFootprint, answer)
+        return self._send(MeasureSessionFootprint(resource_id, session_id))
 
     # ------------------------------------------------------------ live state and checkpoints
 
@@ -258,18 +280,15 @@ class RemoteEngine(Engine, Generic[H]):
         parts: Collection[str],
         record: dict[str, Any],
     ) -> None:
-        self._send(Command.PERSIST_SESSION, resource_id, session_id, directory, parts, record)
+        self._send(PersistSession(resource_id, session_id, directory, parts, record))
 
     def restore_session(
         self, resource_id: str, session_id: str, directory: Path, *, version: int
     ) -> dict[str, Any]:
-        answer = self._send(
-            Command.RESTORE_SESSION, resource_id, session_id, directory, version=version
-        )
-        return cast("dict[str, Any]", answer)
+        return self._send(RestoreSession(resource_id, session_id, directory, version))
 
     def save_training_state(self, resource_id: str, session_id: str, directory: Path) -> None:
-        self._send(Command.SAVE_TRAINING_STATE, resource_id, session_id, directory)
+        self._send(SaveTrainingState(resource_id, session_id, directory))
 
     def save_adapter(
         self,
@@ -280,45 +299,30 @@ class RemoteEngine(Engine, Generic[H]):
         lora: LoraConfig,
         base_model: str,
     ) -> None:
-        self._send(
-            Command.SAVE_ADAPTER,
-            resource_id,
-            session_id,
-            directory,
-            lora=lora,
-            base_model=base_model,
-        )
+        self._send(SaveAdapter(resource_id, session_id, directory, lora, base_model))
 
     def load_training_state(
         self, resource_id: str, session_id: str, directory: Path, *, load_optimizer: bool
     ) -> None:
-        self._send(
-            Command.LOAD_TRAINING_STATE,
-            resource_id,
-            session_id,
-            directory,
-            load_optimizer=load_optimizer,
-        )
+        self._send(LoadTrainingState(resource_id, session_id, directory, load_optimizer))
 
     def load_adapter(self, resource_id: str, session_id: str, directory: Path) -> None:
-        self._send(Command.LOAD_ADAPTER, resource_id, session_id, directory)
+        self._send(LoadAdapter(resource_id, session_id, directory))
 
     def save_full_model(
         self, resource_id: str, session_id: str, directory: Path, *, base_model: str
     ) -> None:
-        self._send(
-            Command.SAVE_FULL_MODEL, resource_id, session_id, directory, base_model=base_model
-        )
+        self._send(SaveFullModel(resource_id, session_id, directory, base_model))
 
 
-class ProcessEngine(RemoteEngine[WorkerHandle]):
+class ProcessEngine(RemoteEngine[WorkerHandle[LocalEngine]]):
     """`--workers process`: each resource in one worker process running a LocalEngine."""
 
-    def _start(self, resource_id: str) -> WorkerHandle:
+    def _start(self, resource_id: str) -> WorkerHandle[LocalEngine]:
         label = f"the worker process of model resource {resource_id}"
-        return self.placement.start(resource_id, TRAINER, (), label=label)
+        return self.placement.start(resource_id, TRAINER, Hosted(LocalEngine), label=label)
 
-    def _is_gone(self, host: WorkerHandle) -> bool:
+    def _is_gone(self, host: WorkerHandle[LocalEngine]) -> bool:
         return host.dead is not None
 
     def worker_pid(self, resource_id: str) -> int | None:

@@ -2,22 +2,21 @@
 worker's loop). A remote engine (hosts/process/remote.py) or a replica set
 (hosts/replicas/engine.py) holds one per process it runs, through a Placement (hosts/placement.py).
 
-The worker is a `spawn`ed process that builds its engine object (a LocalEngine by default, a
-RankEngine or ReplicaEngine when asked) and runs the commands it is sent. The wire is a pipe
-carrying pickled Calls (hosts/messages.py) and `(ok, value)` answers; requests and
-results are the frozen dataclasses of posttrain.types, so the same objects cross it that the
-in-process engine takes. An exception raised in the worker comes back as itself (posttrain's
-errors keep their class, message and `param`). A callable argument (`sample_batch`'s
-`between_tokens`, which may publish weights mid-sample) stays in the API process: the worker
-calls back through the pipe, the callback runs here, and the commands it sends (a `publish`)
-are served by the worker while it waits.
+The worker is a `spawn`ed process that builds its engine object (`Hosted`: a LocalEngine, a
+RankEngine or a ReplicaEngine) and runs each message it is sent (hosts/messages.py: the
+message's `run` on that engine). The wire is a pipe carrying pickled messages and `(ok,
+value)` answers; requests and results are the frozen dataclasses of posttrain.types, so the
+same objects cross it that the in-process engine takes. An exception raised in the worker
+comes back as itself (posttrain's errors keep their class, message and `param`). A callable
+field (SampleBatch's `between_tokens`, which may publish weights mid-sample) stays in the API
+process: the worker calls back through the pipe, the callback runs here, and the messages it
+sends (a Publish) are served by the worker while it waits.
 
 A worker that dies (killed, crashed, out of memory) fails the call in flight and every later
 one with WorkerDied (INTERNAL_ERROR naming the worker and how it ended); the API process lives
 on, and its engine reports the resource unloaded so the service can load it again.
 
-Imports: config, errors, engine.hosts (in_process, messages, placement); torch only inside
-the worker.
+Imports: config, errors, engine.hosts (messages, placement); torch only inside the worker.
 """
 
 from __future__ import annotations
@@ -32,30 +31,34 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Generic, NoReturn, TypeVar, cast
 
 from posttrain.config import EngineConfig
-from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.messages import Call
-from posttrain.engine.hosts.placement import TRAINER
+from posttrain.engine.hosts.messages import Message, callables, replaced
+from posttrain.engine.hosts.placement import TRAINER, Hosted, WorkerHandle
 from posttrain.errors import EngineFailure, WorkerDied
+
+C = TypeVar("C")  # the class of the engine the process hosts
+R = TypeVar("R")
 
 # A worker answers within this many seconds of being asked to stop, or is killed.
 STOP_GRACE_S = 10.0
-# The pipe's own messages, beside the Calls: end the worker; a callback returned or raised.
+# The pipe's own messages, beside the engine's: end the worker; a callback returned or raised.
 _STOP = ("stop",)
 _RESUME = ("resume",)
 _RAISE = "raise"
+# What crosses the pipe to the worker.
+_Sent = Message[Any, Any] | tuple[Any, ...]
 
 
 class _Callback:
-    """Stands in the pipe for a callable argument; the worker calls it back by name."""
+    """Stands in the pipe for a callable field; the worker calls it back by name."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
 
-class WorkerProcess:
+class WorkerProcess(WorkerHandle[C], Generic[C]):
     """One resource's worker: a process, the API end of its pipe, and a lock that keeps one
     call (with its nested callbacks) on the pipe at a time."""
 
@@ -64,13 +67,14 @@ class WorkerProcess:
         resource_id: str,
         config: EngineConfig,
         model_paths: dict[str, Path],
+        engine: Hosted[C],
         *,
         role: str = TRAINER,
         label: str | None = None,
-        engine: tuple[Any, ...] = (),
+        extra: tuple[object, ...] = (),
     ):
-        """The process serves commands on `engine` = (class, *args), built there as
-        `class(config, model_paths, *args)` (default: a LocalEngine); `label` names it in
+        """The process serves messages on `engine`, built there with `extra` (a replica's
+        staging channel) as `engine.build(config, model_paths, *extra)`; `label` names it in
         errors."""
         self.resource_id = resource_id
         self.label = label or f"the worker process of model resource {resource_id}"
@@ -78,7 +82,7 @@ class WorkerProcess:
         self.conn, child = context.Pipe()
         self.process = context.Process(
             target=_serve,
-            args=(child, config, model_paths, *engine),
+            args=(child, config, model_paths, engine, *extra),
             name=f"posttrain-{role}-{resource_id}",
             daemon=True,  # stopped at the API process's normal exit; kill -9: _die_with_parent
         )
@@ -95,11 +99,11 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.dead is None and self.process.is_alive()
 
-    def call(self, call: Call) -> Any:
-        callbacks = {k: v for k, v in call.kwargs.items() if callable(v)}
-        sent = {k: (_Callback(k) if k in callbacks else v) for k, v in call.kwargs.items()}
+    def call(self, message: Message[C, R]) -> R:
+        callbacks = callables(message)
+        sent = replaced(message, {name: _Callback(name) for name in callbacks})
         with self._lock:
-            self._send(Call(call.command, call.args, sent))
+            self._send(sent)
             while True:
                 kind, value = self._receive()
                 if kind == "callback":
@@ -111,7 +115,7 @@ class WorkerProcess:
                     continue
                 if kind == "error":
                     raise value
-                return value
+                return cast(R, value)  # what the message's `run` answered there
 
     def kill(self) -> None:
         """End it now, without waiting for the call in flight (a rank in a collective whose
@@ -134,7 +138,7 @@ class WorkerProcess:
             self.conn.close()
             self.dead = self.dead or "stopped"
 
-    def _send(self, message: Call | tuple[Any, ...]) -> None:
+    def _send(self, message: _Sent) -> None:
         self._check()
         try:
             self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -184,15 +188,15 @@ def _serve(
     conn: Connection,
     config: EngineConfig,
     model_paths: dict[str, Path],
-    engine_class: type = LocalEngine,
-    *engine_args: Any,
+    hosted: Hosted[C],
+    *extra: object,
 ) -> None:
-    """A worker's loop: run each command on its engine and answer it, until told to stop."""
+    """A worker's loop: run each message on its engine and answer it, until told to stop."""
     _die_with_parent()
-    engine = engine_class(config, model_paths, *engine_args)
+    engine = hosted.build(config, model_paths, *extra)
 
-    def receive() -> Call | tuple[Any, ...]:
-        message: Call | tuple[Any, ...] = pickle.loads(conn.recv_bytes())
+    def receive() -> _Sent:
+        message: _Sent = pickle.loads(conn.recv_bytes())
         return message
 
     def answer(kind: str, value: Any) -> None:
@@ -202,13 +206,14 @@ def _serve(
             data = pickle.dumps(("error", EngineFailure(f"{type(value).__name__}: {exc}")))
         conn.send_bytes(data)
 
-    def run(call: Call) -> None:
-        kwargs = {
-            key: called_back(value.name) if isinstance(value, _Callback) else value
-            for key, value in call.kwargs.items()
+    def run(message: Message[C, object]) -> None:
+        stand_ins = {
+            name: called_back(value.name)
+            for name, value in vars(message).items()
+            if isinstance(value, _Callback)
         }
         try:
-            result = getattr(engine, call.command.value)(*call.args, **kwargs)
+            result = replaced(message, stand_ins).run(engine)
         except BaseException as exc:
             answer("error", exc)
         else:
@@ -232,7 +237,7 @@ def _serve(
             message = receive()
             if message == _STOP:
                 return
-            assert isinstance(message, Call), f"unexpected message {message!r}"
+            assert isinstance(message, Message), f"unexpected message {message!r}"
             run(message)
     except (EOFError, OSError):
         return  # the API process is gone

@@ -46,7 +46,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -55,8 +55,20 @@ from torch._C._distributed_c10d import TCPStore
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.messages import Call, Command
-from posttrain.engine.hosts.placement import RANK, Placement, WorkerHandle
+from posttrain.engine.hosts.messages import (
+    GeneratorState,
+    MeasureHeadroom,
+    MeasureResourceFootprint,
+    MeasureSessionFootprint,
+    Message,
+    OpenStream,
+    PeakBytes,
+    ResourceMessage,
+    SampleBatch,
+    SaveAdapter,
+    StreamMessage,
+)
+from posttrain.engine.hosts.placement import RANK, Hosted, Placement, WorkerHandle
 from posttrain.engine.hosts.process.remote import RemoteEngine
 from posttrain.engine.hosts.threads import use_intra_op_threads
 from posttrain.engine.parallel.data_parallel import DataParallel
@@ -68,27 +80,25 @@ from posttrain.types import MuonScaling
 # the next training command depends on. Not persist_session, save_training_state and
 # save_full_model: a sharded session's parameters, optimizer state and gradients
 # (parallel/fsdp.py) are gathered from every rank, so every rank takes part, and only rank 0
-# writes (RankEngine.writes_files). A decode stream's commands (hosts/remote_streams.py) go
+# writes (RankEngine.writes_files). A decode stream's messages (hosts/remote_streams.py) go
 # to rank 0 alone too, under the group's lock in the order they are made, as its samples do;
 # training between its blocks reaches every rank as always.
-RANK_ZERO = frozenset(
-    {
-        Command.SAMPLE_BATCH,
-        Command.OPEN_STREAM,
-        Command.STREAM_CALL,
-        Command.STREAM_STEP,
-        Command.CLOSE_STREAM,
-        Command.PEAK_BYTES,
-        Command.HEADROOM,
-        Command.RESOURCE_FOOTPRINT,
-        Command.SESSION_FOOTPRINT,
-        Command.GENERATOR_STATE,
-        Command.SAVE_ADAPTER,
-    }
+RANK_ZERO: tuple[type[Message[Any, Any]], ...] = (
+    SampleBatch,
+    OpenStream,
+    StreamMessage,
+    PeakBytes,
+    MeasureHeadroom,
+    MeasureResourceFootprint,
+    MeasureSessionFootprint,
+    GeneratorState,
+    SaveAdapter,
 )
 # How long a rank waits in a collective for the others: a live group's ranks run the same
-# command side by side, so only a rank that is gone (or wedged) makes one wait this long.
+# message side by side, so only a rank that is gone (or wedged) makes one wait this long.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+R = TypeVar("R")
 
 
 class RankEngine(LocalEngine):
@@ -172,11 +182,11 @@ class _Group:
         # may be on other nodes); its port is the OS's, so two groups never meet.
         self._store = TCPStore(placement.host, 0, None, True, wait_for_workers=False)
         store = (placement.host, self._store.port)
-        self.ranks: list[WorkerHandle] = [
+        self.ranks: list[WorkerHandle[RankEngine]] = [
             placement.start(
                 resource_id,
                 RANK,
-                (RankEngine, rank, world, store),
+                Hosted(RankEngine, (rank, world, store)),
                 label=f"rank {rank} of the trainer group of model resource {resource_id}",
                 index=rank,
             )
@@ -193,19 +203,19 @@ class _Group:
     def alive(self) -> bool:
         return self.died is None and all(rank.dead is None for rank in self.ranks)
 
-    def call(self, call: Call) -> Any:
-        """Rank 0's answer to the command; sent to every rank unless it is RANK_ZERO's."""
+    def call(self, message: Message[RankEngine, R]) -> R:
+        """Rank 0's answer to the message; sent to every rank unless it is RANK_ZERO's."""
         with self._lock:
             if self.died is not None:
                 raise self.died
-            if call.command in RANK_ZERO:
-                return self._guarded(lambda: self.ranks[0].call(call))
-            others = [self._pool.submit(rank.call, call) for rank in self.ranks[1:]]
+            if isinstance(message, RANK_ZERO):
+                return self._guarded(lambda: self.ranks[0].call(message))
+            others = [self._pool.submit(rank.call, message) for rank in self.ranks[1:]]
             for future in others:
                 future.add_done_callback(self._watch)
             error: BaseException | None = None
             try:
-                answer = self.ranks[0].call(call)
+                answer = self.ranks[0].call(message)
             except BaseException as exc:
                 error = exc
             outcomes = [future.exception() for future in others]
@@ -220,7 +230,7 @@ class _Group:
                     raise outcome  # rank 0's error; another rank's alone is never expected
             return answer
 
-    def _guarded(self, call: Callable[[], Any]) -> Any:
+    def _guarded(self, call: Callable[[], R]) -> R:
         try:
             return call()
         except WorkerDied as exc:
@@ -260,15 +270,12 @@ class TrainerGroupEngine(RemoteEngine[_Group]):
         group = self._host(resource_id)
         return [] if group is None else [rank.pid for rank in group.ranks]
 
-    def on_every_rank(
-        self, resource_id: str, command: Command, *args: Any, **kwargs: Any
-    ) -> list[Any]:
-        """Each rank's answer to a read-only command, rank 0 first (tests that the ranks
+    def on_every_rank(self, message: ResourceMessage[RankEngine, R]) -> list[R]:
+        """Each rank's answer to a read-only message, rank 0 first (tests that the ranks
         agree)."""
-        group = self._host(resource_id)
-        assert group is not None, f"model resource {resource_id} has no trainer group"
-        call = Call(command, (resource_id, *args), kwargs)
-        return [rank.call(call) for rank in group.ranks]
+        group = self._host(message.resource_id)
+        assert group is not None, f"model resource {message.resource_id} has no trainer group"
+        return [rank.call(message) for rank in group.ranks]
 
 
 def check_trainer_ranks(config: EngineConfig) -> None:

@@ -7,8 +7,9 @@ SPREAD with `--ray-strategy SPREAD`), removed when the resource unloads (`releas
 `{"CPU": 1}`, and `{"CPU": 1, "GPU": 1}` when the engine runs on CUDA: each actor then sees one
 GPU of its node (Ray sets CUDA_VISIBLE_DEVICES), as cuda:0. Each process is an
 `EngineHost` actor in its bundle, hosting the same engine object a local worker process does
-(LocalEngine, ReplicaEngine) and answering each call as the pipe does: a pickled `(kind,
-value)`, so results and posttrain's errors arrive as themselves. The actors are named
+(LocalEngine, RankEngine, ReplicaEngine) and answering each message (hosts/messages.py: its
+`run` on that engine) as the pipe does: a pickled `(kind, value)`, so results and posttrain's
+errors arrive as themselves. The actors are named
 `posttrain-<resource>-<role>-<n>` (role: worker, rank0, generator0, ...; n counts starts) in the
 `posttrain` namespace, for operators and tests.
 
@@ -18,7 +19,7 @@ thread (hosts/replicas/engine.py) sends them one at a time, and the replica's in
 them (hosts/replicas/worker.py), so a busy replica never holds a weights-sync, a `stage` never
 waits for the broadcast it announces, and none arrives out of order.
 
-A callable argument cannot cross to an actor: an inline generator's `between_tokens` (the
+A callable field cannot cross to an actor: an inline generator's `between_tokens` (the
 scheduler's hook that publishes PIPELINE weights-syncs mid-sample) is not passed, and those
 syncs publish at their FIFO place instead (service/scheduling/publishing.py); with `--generators
 process` PIPELINE installs still land mid-generation, since they are staged. A dead actor fails the
@@ -30,7 +31,7 @@ Ray's CPUs are places to schedule, not pinned cores. `--ray ADDRESS` joins a run
 whose nodes have posttrain installed. `close()` kills every actor, removes every group and
 disconnects (a local instance stops with it). The instance's address is logged at start.
 
-Imports: config, errors, engine.hosts (in_process, messages, placement), model.loader; ray, torch.
+Imports: config, errors, engine.hosts (messages, placement, threads), model.loader; ray, torch.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, NoReturn, TypeVar, cast
 
 import ray
 import torch
@@ -49,12 +50,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import posttrain
 from posttrain.config import EngineConfig
-from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.messages import Call
+from posttrain.engine.hosts.messages import Message, callables, replaced
 from posttrain.engine.hosts.placement import (
     GENERATOR,
     RANK,
     TRAINER,
+    Hosted,
+    Placement,
+    StagedHandle,
     bundle_index,
     processes_per_resource,
 )
@@ -70,6 +73,9 @@ READY_TIMEOUT_S = 120.0
 # A local instance schedules at least this many resources at the replica bound at once.
 LOCAL_RESOURCES = 4
 
+C = TypeVar("C")  # the class of the engine an actor hosts
+R = TypeVar("R")
+
 
 class EngineHost:
     """The actor (`ray.remote` is applied at runtime): one engine object and its calls."""
@@ -78,20 +84,19 @@ class EngineHost:
         self,
         config: EngineConfig,
         model_paths: dict[str, Path],
-        engine: tuple[Any, ...],
+        engine: Hosted[Any],
         staged: bool,
     ) -> None:
-        engine_class, *engine_args = engine or (LocalEngine,)
-        # A replica's changes arrive by `stage`, not on a pipe.
-        args = (*engine_args, None) if staged else tuple(engine_args)
-        self.engine = engine_class(config, model_paths, *args)
+        # A replica's changes arrive by `stage`, not on a pipe: its staging channel is None.
+        self.engine = engine.build(config, model_paths, *((None,) if staged else ()))
 
     def pid(self) -> int:
         return os.getpid()
 
-    def call(self, call: Call) -> bytes:
+    def call(self, message: Message[Any, object]) -> bytes:
+        answer: tuple[str, object]
         try:
-            answer = ("ok", getattr(self.engine, call.command.value)(*call.args, **call.kwargs))
+            answer = ("ok", message.run(self.engine))
         except BaseException as exc:
             answer = ("error", exc)
         try:
@@ -103,8 +108,9 @@ class EngineHost:
         self.engine.receive(pickle.loads(data))
 
 
-class RayWorker:
-    """The API process's handle on one EngineHost actor (a WorkerHandle)."""
+class RayWorker(StagedHandle[C], Generic[C]):
+    """The API process's handle on one EngineHost actor (a WorkerHandle; a StagedHandle,
+    whose `stage` does nothing unless it hosts a replica)."""
 
     def __init__(self, actor: Any, label: str, *, staged: bool) -> None:
         self.actor = actor
@@ -128,19 +134,19 @@ class RayWorker:
     def alive(self) -> bool:
         return self.dead is None
 
-    def call(self, call: Call) -> Any:
+    def call(self, message: Message[C, R]) -> R:
         # A callable cannot cross to an actor: see the module docstring.
-        sent = {k: (None if callable(v) else v) for k, v in call.kwargs.items()}
+        sent = replaced(message, {name: None for name in callables(message)})
         with self._lock:
             self._check()
             try:
-                data = ray.get(self.actor.call.remote(Call(call.command, call.args, sent)))
+                data = ray.get(self.actor.call.remote(sent))
             except ray.exceptions.RayActorError as exc:
                 self._died(exc)
         kind, value = pickle.loads(data)
         if kind == "error":
             raise value
-        return value
+        return cast(R, value)  # what the message's `run` answered there
 
     def stage(self, data: bytes) -> None:
         """Deliver one staged change and wait for it (the actor's second thread takes it
@@ -167,18 +173,18 @@ class RayWorker:
         if self.dead is not None:
             raise WorkerDied(f"{self.label} {self.dead}")
 
-    def _died(self, exc: ray.exceptions.RayActorError) -> None:
+    def _died(self, exc: ray.exceptions.RayActorError) -> NoReturn:
         why = (str(exc).strip().splitlines() or [""])[0][:200]  # Ray's first line says how
         self.dead = f"(pid {self.pid}) is gone ({type(exc).__name__}: {why})"
-        self._check()
+        raise WorkerDied(f"{self.label} {self.dead}")
 
 
-class RayPlacement:
+class RayPlacement(Placement):
     def __init__(self, config: EngineConfig, model_paths: dict[str, Path]) -> None:
         self.config = config
         self.model_paths = model_paths
         self._groups: dict[str, PlacementGroup] = {}
-        self._workers: dict[tuple[str, str, int], RayWorker] = {}
+        self._workers: dict[tuple[str, str, int], RayWorker[Any]] = {}
         self._lock = threading.Lock()
         self._started = 0
         self._host = ray.remote(EngineHost)
@@ -237,19 +243,19 @@ class RayPlacement:
             ) from None
 
     def start(
-        self, resource_id: str, role: str, engine: tuple[Any, ...], *, label: str, index: int = 0
-    ) -> RayWorker:
+        self, resource_id: str, role: str, engine: Hosted[C], *, label: str, index: int = 0
+    ) -> RayWorker[C]:
         assert role in (TRAINER, RANK), f"{role} is not a trainer's role"
         return self._start(resource_id, role, engine, label=label, index=index)
 
     def start_replica(
-        self, resource_id: str, engine: tuple[Any, ...], *, label: str, index: int
-    ) -> RayWorker:
+        self, resource_id: str, engine: Hosted[C], *, label: str, index: int
+    ) -> RayWorker[C]:
         return self._start(resource_id, GENERATOR, engine, label=label, index=index)
 
     def _start(
-        self, resource_id: str, role: str, engine: tuple[Any, ...], *, label: str, index: int
-    ) -> RayWorker:
+        self, resource_id: str, role: str, engine: Hosted[C], *, label: str, index: int
+    ) -> RayWorker[C]:
         with self._lock:
             group = self._groups[resource_id]
             staged = role == GENERATOR
@@ -265,7 +271,7 @@ class RayPlacement:
                     group, placement_group_bundle_index=bundle_index(self.config, role, index)
                 ),
             ).remote(self.config, self.model_paths, engine, staged)
-            worker = RayWorker(actor, label, staged=staged)
+            worker: RayWorker[C] = RayWorker(actor, label, staged=staged)
             self._workers[(resource_id, role, index)] = worker
             return worker
 

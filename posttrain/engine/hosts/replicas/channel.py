@@ -14,7 +14,7 @@ import threading
 
 from torch import Tensor
 
-from posttrain.engine.hosts.placement import Placement
+from posttrain.engine.hosts.placement import Hosted, Placement
 from posttrain.engine.hosts.replicas.weights_broadcast import Change, Root
 from posttrain.engine.hosts.replicas.worker import ReplicaEngine
 
@@ -26,7 +26,7 @@ class GeneratorReplica:
         self.index = index
         self.worker = placement.start_replica(
             resource_id,
-            (ReplicaEngine,),
+            Hosted(ReplicaEngine),
             label=f"generator replica {index} of model resource {resource_id}",
             index=index,
         )

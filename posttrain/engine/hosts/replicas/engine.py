@@ -47,18 +47,28 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from torch import Tensor
 from transformers import AutoConfig
 
 from posttrain.config import EngineConfig
-from posttrain.engine.hosts.messages import Call, Command
+from posttrain.engine.hosts.messages import (
+    CreateSession,
+    InstallGenerator,
+    LoadResource,
+    Message,
+    OpenStreamAtFence,
+    Rebuilt,
+    Received,
+    SampleAtFence,
+)
 from posttrain.engine.hosts.placement import Placement
 from posttrain.engine.hosts.process.local_placement import LocalPlacement
 from posttrain.engine.hosts.remote_streams import RemoteStream
 from posttrain.engine.hosts.replicas.channel import Channel, GeneratorReplica, in_buckets
 from posttrain.engine.hosts.replicas.weights_broadcast import Delivery, Root, pack
+from posttrain.engine.hosts.replicas.worker import ReplicaEngine
 from posttrain.engine.hosts.staged_changes import StagedChanges
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
 from posttrain.engine.interface import DecodeStream, Engine, Headroom, LanedEngine
@@ -81,6 +91,7 @@ BUCKET_BYTES = 64 << 20
 
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 class _Replicas:
     """A resource's replicas and what they must serve."""
@@ -147,9 +158,7 @@ class ReplicatedEngine(TrainerForwarding, LanedEngine):
                 for index in range(generator_replicas)
             ]
             for replica in started:
-                replica.worker.call(
-                    Call(Command.LOAD_RESOURCE, (resource_id, base_model), {"muon_scaling": None})
-                )
+                replica.worker.call(LoadResource(resource_id, base_model, muon_scaling=None))
             state.replicas = started
 
     def unload_resource(self, resource_id: str) -> None:
@@ -197,7 +206,7 @@ class ReplicatedEngine(TrainerForwarding, LanedEngine):
         fence = self.generator_fence(resource_id)
         for replica in list(state.replicas):
             if replica.alive:
-                replica.worker.call(Call(Command.RECEIVED, (fence,)))
+                replica.worker.call(Received(fence))
 
     # ------------------------------------------------------------ what generators serve
 
@@ -289,8 +298,7 @@ class ReplicatedEngine(TrainerForwarding, LanedEngine):
         running generation, each applying the changes staged up to its fence first. Bound to
         that replica: if it dies, the stream's operations fail with GeneratorReplicaDied."""
         replica = self._lane_replica(resource_id, lane)
-        call = Call(Command.OPEN_STREAM, (resource_id, session_id), {"fence": fence})
-        stream_id = _on_replica(replica, call)
+        stream_id = _on_replica(replica, OpenStreamAtFence(resource_id, session_id, fence))
         return RemoteStream(replica.worker.call, resource_id, stream_id, died=replica_died)
 
     def sample_batch(
@@ -306,9 +314,8 @@ class ReplicatedEngine(TrainerForwarding, LanedEngine):
         order, so its replica's fences never go back: it never serves weights newer than a
         sample's place. `between_tokens` is not called: publishes reach the replicas as
         staged changes, PIPELINE ones mid-generation."""
-        call = Call(Command.SAMPLE_BATCH, (resource_id, items), {"fence": fence})
-        answer = _on_replica(self._lane_replica(resource_id, lane), call)
-        return cast(list[list[SampleResult]], answer)
+        replica = self._lane_replica(resource_id, lane)
+        return _on_replica(replica, SampleAtFence(resource_id, items, fence))
 
     def _lane_replica(self, resource_id: str, lane: int) -> GeneratorReplica:
         """The lane's replica, a new one where it died (the lane's next sample starts it)."""
@@ -327,15 +334,13 @@ class ReplicatedEngine(TrainerForwarding, LanedEngine):
                 return state.replicas[index]  # another lane restarted it already
             dead.stop()
             new = GeneratorReplica(resource_id, index, self.placement)
-            call = new.worker.call
-            load = (resource_id, state.base_model)
-            call(Call(Command.LOAD_RESOURCE, load, {"muon_scaling": None}))
+            worker = new.worker
+            worker.call(LoadResource(resource_id, state.base_model, muon_scaling=None))
             for session_id, lora in state.sessions.items():
-                call(Call(Command.CREATE_SESSION, (resource_id, session_id, lora)))
+                worker.call(CreateSession(resource_id, session_id, lora))
                 tensors, version = self.trainer.generator_state(resource_id, session_id)
-                installed = (resource_id, session_id, tensors)
-                call(Call(Command.INSTALL_GENERATOR, installed, {"version": version}))
-            call(Call(Command.REBUILT, (state.fence,)))
+                worker.call(InstallGenerator(resource_id, session_id, tensors, version))
+            worker.call(Rebuilt(state.fence))
             state.replicas[index] = new
             return new
 
@@ -384,9 +389,9 @@ def replica_died(exc: WorkerDied) -> GeneratorReplicaDied:
     return GeneratorReplicaDied(f"{exc}; a new replica starts with the next sample")
 
 
-def _on_replica(replica: GeneratorReplica, call: Call) -> Any:
-    """`call` on the replica; its death reported as the replica's (replica_died)."""
+def _on_replica(replica: GeneratorReplica, message: Message[ReplicaEngine, R]) -> R:
+    """`message` on the replica; its death reported as the replica's (replica_died)."""
     try:
-        return replica.worker.call(call)
+        return replica.worker.call(message)
     except WorkerDied as exc:
         raise replica_died(exc) from exc

@@ -30,7 +30,7 @@ from posttrain.config import EngineConfig
 from posttrain.engine.generate.generator import generator_key
 from posttrain.engine.generate.sample_stream import JoinRoom, SessionSampleStream
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.engine.hosts.remote_streams import HostedStream
+from posttrain.engine.hosts.messages import HostedStream, ReplicaHosting
 from posttrain.engine.hosts.replicas.weights_broadcast import (
     Bucket,
     Change,
@@ -45,7 +45,7 @@ from posttrain.types import SampleRequest, SampleResult
 Staged = Change
 
 
-class ReplicaEngine(LocalEngine):
+class ReplicaEngine(LocalEngine, ReplicaHosting):
     """The engine inside a replica process: sessions' generators only, fed by staged changes."""
 
     def __init__(
@@ -218,7 +218,7 @@ class ReplicaEngine(LocalEngine):
 
 class FencedStream(HostedStream):
     """A replica's decode stream (a DecodeStream, engine/interface.py, driven by its lane through
-    hosts/remote_streams.py's commands): operations joining bring the fence of their place in
+    hosts/remote_streams.py's messages): operations joining bring the fence of their place in
     the resource's FIFO, and the changes staged up to it are applied before they are admitted.
     The lane admits only operations whose fence changes no session decoding here (service/
     sample_streams.py), so running rows keep their weights; PIPELINE installs land before each

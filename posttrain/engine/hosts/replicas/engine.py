@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -122,6 +123,7 @@ class ReplicatedEngine(TrainerForwarding, LanedEngine):
     ) -> None:
         """`placement` starts the replicas (hosts/placement.py; default: local processes)."""
         self.trainer = trainer
+        self.trainer_lock = nullcontext()  # trainer_forwarding.py says why none
         self.config = config
         self.model_paths = model_paths
         self.placement = placement or LocalPlacement(config, model_paths)

@@ -49,7 +49,7 @@ from posttrain.config import EngineConfig
 from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
 from posttrain.engine.hosts.vllm.replica import Change, Replica, Resource, write_install
 from posttrain.engine.hosts.vllm.requests import generate_body, result_of
-from posttrain.engine.hosts.vllm.scoring import LockedEngine, scored
+from posttrain.engine.hosts.vllm.scoring import scored
 from posttrain.engine.hosts.vllm.server import MAX_NUM_SEQS, SERVED_NAME, ServerSpec, VllmServer
 from posttrain.engine.hosts.vllm.stream import VllmStream
 from posttrain.engine.interface import DecodeStream, Engine, Headroom, LanedEngine, ModelInfo
@@ -81,8 +81,9 @@ class VllmEngine(TrainerForwarding, LanedEngine):
 
     def __init__(self, trainer: Engine, config: EngineConfig, model_paths: dict[str, Path]):
         assert config.vllm_python is not None, "EngineConfig checks --vllm-python"
-        # Every trainer call holds one lock: mismatch scoring runs on generator lanes.
-        self.trainer = LockedEngine(trainer, threading.RLock())
+        self.trainer = trainer
+        # Held around every call into the trainer: mismatch scoring runs on generator lanes.
+        self.trainer_lock = threading.RLock()
         self.config = config
         self.model_paths = model_paths
         self.device = resolve_device(config.device)
@@ -104,13 +105,15 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         muon_scaling: MuonScaling | None,
         generator_replicas: int = 1,
     ) -> None:
-        self.trainer.load_resource(
-            resource_id, base_model, muon_scaling=muon_scaling, generator_replicas=1
-        )
+        with self.trainer_lock:
+            self.trainer.load_resource(
+                resource_id, base_model, muon_scaling=muon_scaling, generator_replicas=1
+            )
         with self._lock:
             if resource_id in self._resources:
                 return  # servers live on through a trainer's reload; dead ones restart lazily
-            info = self.trainer.model_info(base_model)
+            with self.trainer_lock:
+                info = self.trainer.model_info(base_model)
             dtype = str(resolve_dtype(self.config.dtype, self.device)).removeprefix("torch.")
             spec = ServerSpec(
                 python=Path(self.config.vllm_python),  # type: ignore[arg-type]
@@ -150,7 +153,8 @@ class VllmEngine(TrainerForwarding, LanedEngine):
             for replica in state.replicas:
                 replica.server.stop()
             shutil.rmtree(state.files, ignore_errors=True)
-        self.trainer.unload_resource(resource_id)
+        with self.trainer_lock:
+            self.trainer.unload_resource(resource_id)
 
     def close(self) -> None:
         with self._lock:
@@ -159,7 +163,8 @@ class VllmEngine(TrainerForwarding, LanedEngine):
             for replica in state.replicas:
                 replica.server.stop()
         shutil.rmtree(self._root, ignore_errors=True)
-        self.trainer.close()
+        with self.trainer_lock:
+            self.trainer.close()
 
     def replica_pids(self, resource_id: str) -> list[int]:
         """The resource's vLLM server process ids (for operators and the fault tests)."""
@@ -179,19 +184,23 @@ class VllmEngine(TrainerForwarding, LanedEngine):
 
     def model_info(self, base_model: str) -> ModelInfo:
         refused = REFUSED + (REFUSED_ON_CPU if self.device.type == "cpu" else ())
-        return replace(self.trainer.model_info(base_model), refused_sample_fields=refused)
+        with self.trainer_lock:
+            info = self.trainer.model_info(base_model)
+        return replace(info, refused_sample_fields=refused)
 
     # ------------------------------------------------------------ what generators serve
 
     def create_session(self, resource_id: str, session_id: str, lora: LoraConfig | None) -> None:
         state = self._required(resource_id)
         with state.lock:
-            self.trainer.create_session(resource_id, session_id, lora)
+            with self.trainer_lock:
+                self.trainer.create_session(resource_id, session_id, lora)
             state.sessions[session_id] = lora
             self._install(resource_id, state, session_id)
 
     def drop_session(self, resource_id: str, session_id: str) -> None:
-        self.trainer.drop_session(resource_id, session_id)
+        with self.trainer_lock:
+            self.trainer.drop_session(resource_id, session_id)
         state = self._state(resource_id)
         if state is None:
             return
@@ -207,7 +216,8 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         queued after this); PIPELINE: generating servers take them at their next token."""
         state = self._required(resource_id)
         with state.lock:
-            self.trainer.publish(resource_id, session_id, version=version)
+            with self.trainer_lock:
+                self.trainer.publish(resource_id, session_id, version=version)
             self._install(resource_id, state, session_id, mid_generation=mid_generation)
             replicas = list(state.replicas)
         if mid_generation:  # outside the staging lock: a server's lock comes first
@@ -237,7 +247,8 @@ class VllmEngine(TrainerForwarding, LanedEngine):
     ) -> tuple[Path, int]:
         """The session's served weights as files a server loads: a directory holding a PEFT
         adapter, or one safetensors file of the whole model; and their policy version."""
-        tensors, version = self.trainer.generator_state(resource_id, session_id)
+        with self.trainer_lock:
+            tensors, version = self.trainer.generator_state(resource_id, session_id)
         state.written.add(directory)
         write_install(directory, tensors, state.sessions[session_id], state.base_model)
         return directory, version
@@ -390,8 +401,18 @@ class VllmEngine(TrainerForwarding, LanedEngine):
             with state.lock:
                 return state.last_change.get(session_id, 0) <= applied
 
-        context = self.trainer.model_info(state.base_model).context_length
-        return scored(self.trainer, resource_id, session_id, request, results, context, current)
+        with self.trainer_lock:
+            context = self.trainer.model_info(state.base_model).context_length
+        return scored(
+            self.trainer,
+            self.trainer_lock,
+            resource_id,
+            session_id,
+            request,
+            results,
+            context,
+            current,
+        )
 
     def _generate(
         self,
@@ -436,12 +457,14 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         """A sample's memory is the vLLM server's own (its KV cache is sized at start)."""
         if kind == OperationKind.SAMPLE:
             return 0
-        return self.trainer.peak_bytes(resource_id, kind, items)
+        with self.trainer_lock:
+            return self.trainer.peak_bytes(resource_id, kind, items)
 
     def headroom(self, resource_id: str, kind: OperationKind | None = None) -> Headroom:
         if kind == OperationKind.SAMPLE:
             return Headroom(free_bytes=1 << 62, bound="the vLLM server's own KV cache")
-        return self.trainer.headroom(resource_id, kind)
+        with self.trainer_lock:
+            return self.trainer.headroom(resource_id, kind)
 
     def _state(self, resource_id: str) -> Resource | None:
         with self._lock:

@@ -5,44 +5,26 @@ logprob function, and the result carries the mean and max |difference| (types.Lo
 also summed into /metrics).
 
 The trainer engine runs on the resource's trainer lane; scoring runs on a generator lane, so
-every call into the trainer goes through one lock (`LockedEngine`): a scoring never interleaves
-with a training step.
+each call into the trainer here holds the lock VllmEngine holds around every one of its own
+(`trainer_lock`, hosts/trainer_forwarding.py): a scoring never interleaves with a training step.
 
-Imports: types.
+Imports: types, engine.interface.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
 
+from posttrain.engine.interface import Engine
 from posttrain.types import LogprobMismatch, SampleRequest, SampleResult, SamplingParams
 
 
-class LockedEngine:
-    """An engine each of whose calls holds `lock`."""
-
-    def __init__(self, engine: Any, lock: threading.RLock) -> None:
-        self._engine = engine
-        self._lock = lock
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._engine, name)
-        if not callable(attribute):
-            return attribute
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                return attribute(*args, **kwargs)
-
-        return call
-
-
 def mismatch(
-    trainer: Any,
+    trainer: Engine,
+    lock: AbstractContextManager[object],
     resource_id: str,
     session_id: str,
     prompt: tuple[int, ...],
@@ -59,7 +41,9 @@ def mismatch(
         request = SampleRequest(
             (prompt + tokens,), 1, SamplingParams(max_tokens=1, seed=0), prompt_logprobs=True
         )
-        ((scored,),) = trainer.sample_batch(resource_id, [(session_id, request)])
+        with lock:
+            ((scored,),) = trainer.sample_batch(resource_id, [(session_id, request)])
+        assert scored.prompt_logprobs is not None, "asked for with prompt_logprobs"
         expected = scored.prompt_logprobs[len(prompt) :]
         diffs += [abs(a - b) for a, b in zip(expected, sequence.logprobs, strict=True)]
     if not diffs:
@@ -68,7 +52,8 @@ def mismatch(
 
 
 def scored(
-    trainer: Any,
+    trainer: Engine,
+    lock: AbstractContextManager[object],
     resource_id: str,
     session_id: str,
     request: SampleRequest,
@@ -78,11 +63,14 @@ def scored(
 ) -> list[SampleResult]:
     """`results` (one per prompt of `request`) with their mismatch: only for a result of one
     policy version while `current()` says the trainer serves what vLLM sampled with (checked
-    again after scoring: a change meanwhile leaves it None)."""
+    again after scoring: a change meanwhile leaves it None). `lock`: held around each call
+    into the trainer."""
     found = []
     for prompt, result in zip(request.prompts, results, strict=True):
         diff = None
         if len(result.policy_segments) == 1 and current():
-            diff = mismatch(trainer, resource_id, session_id, prompt, result, context_length)
+            diff = mismatch(
+                trainer, lock, resource_id, session_id, prompt, result, context_length
+            )
         found.append(replace(result, logprob_mismatch=diff if current() else None))
     return found

@@ -145,9 +145,7 @@ class TrainerForwarding(Engine):
         self, resource_id: str, session_id: str, directory: Path, *, base_model: str
     ) -> None:
         with self.trainer_lock:
-            self.trainer.save_full_model(
-                resource_id, session_id, directory, base_model=base_model
-            )
+            self.trainer.save_full_model(resource_id, session_id, directory, base_model=base_model)
 
     def export_merged(self, base_model: str, adapter_dir: Path, output_dir: Path) -> None:
         with self.trainer_lock:

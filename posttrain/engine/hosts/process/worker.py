@@ -16,7 +16,7 @@ A worker that dies (killed, crashed, out of memory) fails the call in flight and
 one with WorkerDied (INTERNAL_ERROR naming the worker and how it ended); the API process lives
 on, and its engine reports the resource unloaded so the service can load it again.
 
-Imports: config, errors, engine.hosts (messages, placement); torch only inside the worker.
+Imports: config, errors, engine.hosts (messages, placement).
 """
 
 from __future__ import annotations

@@ -90,9 +90,9 @@ from posttrain.types import (
 # each a staged change of its own (hosts/replicas/worker.py), the last one saying so.
 BUCKET_BYTES = 64 << 20
 
-
 T = TypeVar("T")
 R = TypeVar("R")
+
 
 class _Replicas:
     """A resource's replicas and what they must serve."""

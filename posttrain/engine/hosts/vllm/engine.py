@@ -73,8 +73,8 @@ REFUSED_ON_CPU = tuple(
     for name in ("prompt_logprobs", "topk_prompt_logprobs")
 )
 
-
 T = TypeVar("T")
+
 
 class VllmEngine(TrainerForwarding, LanedEngine):
     """A LanedEngine: the trainer engine for everything but sampling, vLLM servers for that."""

@@ -69,8 +69,6 @@ def scored(
     for prompt, result in zip(request.prompts, results, strict=True):
         diff = None
         if len(result.policy_segments) == 1 and current():
-            diff = mismatch(
-                trainer, lock, resource_id, session_id, prompt, result, context_length
-            )
+            diff = mismatch(trainer, lock, resource_id, session_id, prompt, result, context_length)
         found.append(replace(result, logprob_mismatch=diff if current() else None))
     return found

@@ -9,7 +9,8 @@ layers (--activation-checkpointing; auto: when the pass does not fit without, he
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import cache
 from typing import TypeVar
 
 from posttrain.config import EngineConfig
@@ -56,12 +57,8 @@ def operation_peak_bytes(
     trainable tensors; unused for a sample); `itemsize`: bytes per element of the weights.
     A training pass counts its decoder layers checkpointed where it will run so
     (layer_checkpointing)."""
-    checkpointed = layer_checkpointing(
-        config, resource, kind, sessions, requests, itemsize=itemsize
-    )
-    return _peak_bytes(
-        config, resource, kind, sessions, requests, itemsize=itemsize, checkpointed=checkpointed
-    )
+    peak = _peak_estimate(config, resource, kind, sessions, requests, itemsize=itemsize)
+    return peak(_is_checkpointed(config, resource, kind, requests, peak))
 
 
 def layer_checkpointing(
@@ -78,6 +75,39 @@ def layer_checkpointing(
     peak without does not fit what the device has free now and the checkpointed one is lower
     (a model of one or two layers keeps about as much either way). A pass without a backward
     (a forward, a sample, ...) has nothing to checkpoint."""
+    peak = _peak_estimate(config, resource, kind, sessions, requests, itemsize=itemsize)
+    return _is_checkpointed(config, resource, kind, requests, peak)
+
+
+def _peak_estimate(
+    config: EngineConfig,
+    resource: ResourceState,
+    kind: OperationKind,
+    sessions: list[SessionState | NotFound],
+    requests: list[OperationRequest],
+    *,
+    itemsize: int,
+) -> Callable[[bool], int]:
+    """The pass's estimated peak, checkpointed or not, each made at most once."""
+
+    @cache
+    def peak(checkpointed: bool) -> int:
+        return _peak_bytes(
+            config, resource, kind, sessions, requests, itemsize=itemsize, checkpointed=checkpointed
+        )
+
+    return peak
+
+
+def _is_checkpointed(
+    config: EngineConfig,
+    resource: ResourceState,
+    kind: OperationKind,
+    requests: list[OperationRequest],
+    peak: Callable[[bool], int],
+) -> bool:
+    """layer_checkpointing's rule; auto estimates the checkpointed peak only where the plain
+    one does not fit (a training pass asks on every run, and the common one fits)."""
     mode = config.activation_checkpointing
     if mode == "off" or kind not in TRAINING_KINDS:
         return False
@@ -85,14 +115,9 @@ def layer_checkpointing(
         return False
     if mode == "on":
         return True
-    peaks = [
-        _peak_bytes(
-            config, resource, kind, sessions, requests, itemsize=itemsize, checkpointed=checked
-        )
-        for checked in (False, True)
-    ]
-    free = headroom(resource.loaded.device, config.memory_limit).free_bytes
-    return peaks[0] > free and peaks[1] < peaks[0]
+    if peak(False) <= headroom(resource.loaded.device, config.memory_limit).free_bytes:
+        return False
+    return peak(True) < peak(False)
 
 
 def _peak_bytes(

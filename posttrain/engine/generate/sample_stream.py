@@ -15,12 +15,14 @@ its `between_tokens`.
 One generation runs on one model: a full-weight session samples its own model copy, so only
 operations whose sessions sample the stream's model may join (`can_join`).
 
-Memory: `reserve_rows(n)` makes the decode cache of the stream's next start a pool of n rows
-(own and prompt parts, sampler.Decoding.pool_rows): a join within its free rows (and prompts no
-longer than its prompt width) appends there and copies none of the running rows' KV; past it
-the cache reallocates with twice the rows (KVCache.add_rows). `pool_row_bytes` sizes a pool
-row for memory admission, `join_reserve_bytes` what a join may allocate beyond its own
-estimate (nothing within the pool).
+Memory: the stream sizes its own decode cache. At a start (`admit` with no row running) it is
+a pool (own and prompt parts, sampler.Decoding.pool_rows) of up to the caller's row limit, as
+many rows as POOL_SHARE of the memory spare beside the first operations holds (`pool_rows`): a
+join within its free rows (and prompts no longer than its prompt width) appends there and
+copies none of the running rows' KV; past it the cache reallocates with twice the rows
+(KVCache.add_rows). `fits` tells the caller whether a join allocates no more than what is spare
+beside its own estimate (nothing within the pool), so the caller's memory admission never
+needs the pool's sizes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS, GenerationReq
 from posttrain.engine.generate.sampler import Decoding, peak_own_positions
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
+
+# Of the memory free beside a stream's first operations, the share its pool may take: the rest
+# stays for what runs between its blocks (other sessions' training) and the joins' own passes.
+POOL_SHARE = 0.5
+
+
+def pool_rows(limit: int, rows: int, free_bytes: int, row_bytes: int) -> int:
+    """Rows a sample stream's decode cache is allocated for at its start (its pool: joins within
+    it copy none of the running rows' KV): the stream's row `limit`, fewer where POOL_SHARE of
+    what is free beside the first operations' estimate (`free_bytes`) holds fewer rows of
+    `row_bytes` each beyond their own `rows`; never fewer than those. Joins past the pool still
+    run, at the cost of a copy their admission counts (JoinRoom.reserve_bytes)."""
+    if row_bytes <= 0:
+        return max(rows, limit)
+    spare = int(max(0, free_bytes) * POOL_SHARE) // row_bytes
+    return max(rows, min(limit, rows + spare))
 
 
 def pool_row_bytes(kv_per_position: int, prompt_positions: int, max_tokens: int) -> int:
@@ -161,6 +179,11 @@ class SampleStream:
     def join_reserve_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
         return self.room().reserve_bytes([request for _, request in items])
 
+    def fits(self, items: list[tuple[SessionState, SampleRequest]], spare_bytes: int) -> bool:
+        """Whether `items` joining now allocate at most `spare_bytes` beyond their own
+        estimate (JoinRoom.reserve_bytes)."""
+        return self.join_reserve_bytes(items) <= spare_bytes
+
     def room(self) -> JoinRoom:
         """What a join finds now (JoinRoom)."""
         cache = self.decoding.cache
@@ -182,12 +205,25 @@ class SampleStream:
     def can_join(self, session: SessionState) -> bool:
         return sampling_model(self.resource, session) is self.model
 
-    def admit(self, items: list[tuple[SessionState, SampleRequest]]) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[SessionState, SampleRequest]],
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         """Operations joining at this block boundary; returns their ids in this stream (in
-        order from 0, as take_finished names them)."""
+        order from 0, as take_finished names them). At a start (no row running) with a
+        `row_limit`, the decode cache is a pool of up to that many rows, as many as a share of
+        `spare_bytes` (what is free beside the items' own estimate) holds (`pool_rows`)."""
         self._catch_up()
         if not self.running:
             self._pool_tokens = 0
+            if row_limit:
+                rows = sum(len(r.prompts) * r.num_samples for _, r in items)
+                self.reserve_rows(
+                    pool_rows(row_limit, rows, spare_bytes, self.pool_row_bytes(items))
+                )
         ids, requests = [], []
         for session, request in items:
             self._pool_tokens = max(self._pool_tokens, max_tokens_of(request.sampling_params))
@@ -259,10 +295,22 @@ class SessionSampleStream:
     def can_join(self, session_id: str) -> bool:
         return self.stream.can_join(self.session(session_id))
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         """`fence`: nothing is staged for an engine's own generators (a replica's stream
         applies its staged changes first: hosts/replicas/worker.py)."""
-        return self.stream.admit(self._sessions(items))
+        return self.stream.admit(
+            self._sessions(items), row_limit=row_limit, spare_bytes=spare_bytes
+        )
+
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
+        return self.stream.fits(self._sessions(items), spare_bytes)
 
     def block(
         self,
@@ -287,15 +335,6 @@ class SessionSampleStream:
 
     def running_rows(self) -> int:
         return self.stream.running_rows()
-
-    def reserve_rows(self, rows: int) -> None:
-        self.stream.reserve_rows(rows)
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.pool_row_bytes(self._sessions(items))
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.join_reserve_bytes(self._sessions(items))
 
     def room(self) -> JoinRoom:
         return self.stream.room()

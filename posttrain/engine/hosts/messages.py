@@ -398,10 +398,15 @@ def _stepped(stream: HostedStream, answer: T) -> Stepped[T]:
 class StreamAdmit(StreamMessage[Stepped[list[int]]]):
     items: list[tuple[str, SampleRequest]]
     fence: int = 0
+    row_limit: int = 0
+    spare_bytes: int = 0
 
     def run(self, engine: StreamHosting) -> Stepped[list[int]]:
         stream = engine.stream(self.resource_id, self.stream_id)
-        return _stepped(stream, stream.admit(self.items, self.fence))
+        answer = stream.admit(
+            self.items, self.fence, row_limit=self.row_limit, spare_bytes=self.spare_bytes
+        )
+        return _stepped(stream, answer)
 
 
 @dataclass(frozen=True)
@@ -431,27 +436,15 @@ class StreamRunningRows(StreamMessage[int]):
 
 
 @dataclass(frozen=True)
-class StreamReserveRows(StreamMessage[None]):
-    rows: int
+class StreamFits(StreamMessage[bool]):
+    """Whether a join fits, asked before the stream's first step (after one, the room the step
+    brought answers it in the caller's process)."""
 
-    def run(self, engine: StreamHosting) -> None:
-        engine.stream(self.resource_id, self.stream_id).reserve_rows(self.rows)
-
-
-@dataclass(frozen=True)
-class StreamPoolRowBytes(StreamMessage[int]):
     items: list[tuple[str, SampleRequest]]
+    spare_bytes: int
 
-    def run(self, engine: StreamHosting) -> int:
-        return engine.stream(self.resource_id, self.stream_id).pool_row_bytes(self.items)
-
-
-@dataclass(frozen=True)
-class StreamJoinReserveBytes(StreamMessage[int]):
-    items: list[tuple[str, SampleRequest]]
-
-    def run(self, engine: StreamHosting) -> int:
-        return engine.stream(self.resource_id, self.stream_id).join_reserve_bytes(self.items)
+    def run(self, engine: StreamHosting) -> bool:
+        return engine.stream(self.resource_id, self.stream_id).fits(self.items, self.spare_bytes)
 
 
 @dataclass(frozen=True)

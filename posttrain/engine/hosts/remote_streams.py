@@ -6,7 +6,7 @@ CloseStream. A step (StreamAdmit, StreamBlock) also brings back the operations f
 the rows running and the room a join finds (sample_stream.JoinRoom): what the caller asks after
 each, in the same round trip. A round trip costs about a CPU decode step's time across Ray
 (docs/continuous_batching.md, "Invariants"), so a quiet block is one, and weighing a candidate join
-at a boundary is none: `join_reserve_bytes` answers from the room, `can_join` once per session.
+at a boundary is none: `fits` answers from the room, `can_join` once per session.
 
 Between two of a stream's messages the host serves any other (another session's training
 between blocks, a PIPELINE publish), as the in-process engine does between blocks: the
@@ -38,11 +38,9 @@ from posttrain.engine.hosts.messages import (
     StreamAdmit,
     StreamBlock,
     StreamCanJoin,
+    StreamFits,
     StreamHosting,
-    StreamJoinReserveBytes,
     StreamMessage,
-    StreamPoolRowBytes,
-    StreamReserveRows,
 )
 from posttrain.engine.interface import DecodeStream
 from posttrain.errors import EngineFailure, WorkerDied
@@ -152,8 +150,16 @@ class RemoteStream(DecodeStream):
         self._finished.extend(stepped.finished)
         return stepped.answer
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
-        return self._step(StreamAdmit(self.resource_id, self.stream_id, items, fence))
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
+        admit = StreamAdmit(self.resource_id, self.stream_id, items, fence, row_limit, spare_bytes)
+        return self._step(admit)
 
     def block(self, most: int = 1) -> None:
         self._step(StreamBlock(self.resource_id, self.stream_id, most))
@@ -167,18 +173,12 @@ class RemoteStream(DecodeStream):
         self._check()
         return self._rows
 
-    def reserve_rows(self, rows: int) -> None:
-        self._send(StreamReserveRows(self.resource_id, self.stream_id, rows))
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self._send(StreamPoolRowBytes(self.resource_id, self.stream_id, items))
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
         """From the room the last step brought (before any step, the host's answer)."""
         if self._room is None:
-            return self._send(StreamJoinReserveBytes(self.resource_id, self.stream_id, items))
+            return self._send(StreamFits(self.resource_id, self.stream_id, items, spare_bytes))
         self._check()
-        return self._room.reserve_bytes([request for _, request in items])
+        return self._room.reserve_bytes([request for _, request in items]) <= spare_bytes
 
     def close(self) -> None:
         """Free the stream's decode state on its host; nothing to free where the host died."""

@@ -4,7 +4,8 @@ otherwise it waits for a boundary with room (here: the stream's end) and runs th
 
 The scheduler, worker and store are real; the engine is the fake one of fake_engine.py (a
 sample's peak is its sequence count, free_bytes what is free) with a decode stream of its own:
-an operation's rows run max_tokens blocks, and `reserve` is its join_reserve_bytes."""
+an operation's rows run max_tokens blocks, and `reserve` is what a join allocates beyond its
+estimate (DecodeStream.fits); its pool is sized by the engine's rule (sample_stream.pool_rows)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from fake_engine import FakeEngine, wire
 
 from posttrain.config import SchedulerConfig
-from posttrain.service.scheduling.admission import pool_rows
+from posttrain.engine.generate.sample_stream import pool_rows
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     OperationKind,
@@ -44,8 +45,18 @@ class CountingStream:
     def can_join(self, session_id: str) -> bool:
         return True
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         assert fence == 0, "the trainer's lane has nothing staged"
+        if not self.running_rows() and row_limit:  # a start: the pool, as the engine sizes it
+            rows = sum(len(request.prompts) * request.num_samples for _, request in items)
+            self.pool = pool_rows(row_limit, rows, spare_bytes, self.row_bytes)
         ids = []
         for _, request in items:
             stream_id = len(self.requests)
@@ -78,14 +89,8 @@ class CountingStream:
     def running_rows(self) -> int:
         return sum(self.rows[i] for i in self.left)
 
-    def reserve_rows(self, rows: int) -> None:
-        self.pool = rows
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.row_bytes
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.reserve
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
+        return self.reserve <= spare_bytes
 
     def close(self) -> None:
         self.closed = True

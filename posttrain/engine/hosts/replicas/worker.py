@@ -235,9 +235,16 @@ class FencedStream(HostedStream):
         whose create is still staged (its fence is ahead of the stream's) is not here yet."""
         return True
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         self.engine.advance(fence)
-        return self.stream.admit(items)
+        return self.stream.admit(items, row_limit=row_limit, spare_bytes=spare_bytes)
 
     def block(self, most: int = 1) -> None:
         """Up to `most` blocks, each after the PIPELINE installs due: fewer where a sequence
@@ -251,14 +258,8 @@ class FencedStream(HostedStream):
     def running_rows(self) -> int:
         return self.stream.running_rows()
 
-    def reserve_rows(self, rows: int) -> None:
-        self.stream.reserve_rows(rows)
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.pool_row_bytes(items)
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.join_reserve_bytes(items)
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
+        return self.stream.fits(items, spare_bytes)
 
     def room(self) -> JoinRoom:
         return self.stream.room()

@@ -7,12 +7,20 @@ vocabulary; the sub-configs of multimodal wrappers shrunk the same way), then cl
 - encoder-decoder, encoder-only or not causal: refused, not a decoder-only causal LM;
 - layers that carry a recurrent state (state-space, RWKV, xLSTM, linear attention, short
   convolutions) which posttrain's caches do not hold: refused, naming the layers;
-- a tiny build or forward that fails in transformers itself: refused with its error;
+- no tiny build of it that runs in transformers itself (four variants are tried: two or four
+  layers, two or as many KV heads as query heads): refused as not verified, with the error;
 - the rest through posttrain end to end at engine level (posttrain's loader into a
   LocalEngine, LoRA sessions): the trainer's logprobs against plain transformers'
   `log_softmax(model(ids).logits)` within 1e-5, and a seeded sample whose sampler logprobs
   equal a forward pass's within 1e-4 (the tolerances of tests/unit/engine/test_family_parity.py).
   Served only when both hold; otherwise refused with the observed failure.
+
+The types the Gated DeltaNet and Qwen3-VL work owns (OWNED_ELSEWHERE) are never refused here:
+served when exact, else pending (allowed at start-up with a warning).
+
+A tiny build keeps the family's default config otherwise: a feature its default leaves off
+(a sliding window, say) is not what the walk verified; tests/unit/engine/test_family_*.py
+switch them on for the families they cover.
 
 It writes docs/model_families.md (the table) and posttrain/model/families.py (the verdicts
 the start-up check reads). Why: a user can bring any of these families; each is either
@@ -144,6 +152,23 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 # Settings a family's default config needs beyond the shrinking (a layer-pattern format).
 _FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0}},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1},
+    "zaya": {"num_experts_per_tok": 1},
+    "gemma3n_text": {"num_kv_shared_layers": 2},  # four layers: two share the first two's KV
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    },
+    "kolibri1_1": {
+        "index_num_heads": 2,
+        "index_layers": [1],
+        "index_topk": 4,
+        "index_pool_size": 64,
+        "index_compression": 4,
+        "index_num_local_tokens": 4,
+        "index_num_sink_tokens": 2,
+        "mlp_only_intermediate_size": 128,
+    },
 }
 _TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 0}
 
@@ -197,7 +222,10 @@ def _tiny_settings(
         elif name in ("head_dim", "num_key_value_heads", "num_experts_per_tok") and value is None:
             settings[name] = tiny[name]  # derived in the modeling code of some families
         elif isinstance(value, list | str) and len(value) == default_layers and layers < len(value):
-            settings[name] = _pattern(value, layers)  # one entry per layer: keep each kind
+            if name in tiny and all(isinstance(v, int) for v in value):
+                settings[name] = [tiny[name]] * layers  # a per-layer width
+            else:
+                settings[name] = _pattern(value, layers)  # one entry per layer: each kind
         elif name in _TOKEN_IDS and isinstance(value, int):
             settings[name] = _TOKEN_IDS[name]
         elif name in ("vocab_size", "vocab_size_per_layer_input") and isinstance(value, int):

@@ -12,12 +12,14 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
 import model_families  # noqa: E402
 
+from posttrain import cli  # noqa: E402
 from posttrain.config import BUILTIN_MODEL_DIR  # noqa: E402
 from posttrain.model import families  # noqa: E402
 from posttrain.model.loader import servable_problem  # noqa: E402
@@ -69,7 +71,7 @@ def test_the_walk_reproduces_the_table_for_a_fixed_set_of_families():
     assert {t for t, v in walked.items() if v.status == "served"} == SERVED_HERE
 
 
-def test_a_refused_type_stops_the_start_up_check_naming_it_and_the_reason(tmp_path):
+def test_a_refused_type_stops_the_start_up_check_naming_it_and_the_reason(tmp_path, capsys):
     config = next(model_families.tiny_configs("mamba"))
     config.save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -77,6 +79,10 @@ def test_a_refused_type_stops_the_start_up_check_naming_it_and_the_reason(tmp_pa
     problem = servable_problem(tmp_path)
     assert problem == f"model_type 'mamba' is not served: {families.REFUSED['mamba']}"
     assert "Mamba state-space layers" in problem
+    with pytest.raises(SystemExit) as exit_info:  # `posttrain serve` stops before it starts
+        cli.main(["serve", "--model", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert problem in capsys.readouterr().err
 
 
 def test_a_type_the_table_does_not_list_or_lists_as_pending_is_allowed_with_a_warning(caplog):

@@ -26,7 +26,7 @@ from posttrain.model.loader import servable_problem  # noqa: E402
 
 ROW = re.compile(r"^\| `([^`]+)` \| (served|refused|pending) \| (.*) \|$")
 # Walked again here (the table's verdicts must come out): served families of each kind (dense,
-# GPT-2's fused qkv, latent attention with MoE, soft-capping with sliding windows, a mixture
+# GPT-2's fused qkv, latent attention with MoE, eager soft-capped attention, a mixture
 # of experts, attention sinks, fused qkv and gate_up), refused ones of each kind (an encoder,
 # a decoder half of an encoder-decoder, a state-space model, short convolutions, posttrain
 # failing on it), and a pending one. A change to posttrain that turns one of these (say the

@@ -187,6 +187,8 @@ _RECURRENT = {
     "kimidelta": "Kimi delta attention (a recurrent state per sequence)",
     "deltaattention": "delta-rule linear attention (a recurrent state per sequence)",
     "bambamixer": "Mamba-2 state-space layers (a convolution and an SSM state per sequence)",
+    # In transformers' causal-LM families every *Mixer is a Mamba-style state-space mixer.
+    "mixer": "state-space mixer layers (a convolution and an SSM state per sequence)",
 }
 
 

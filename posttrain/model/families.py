@@ -202,8 +202,8 @@ REFUSED: dict[str, str] = {
     "ergo": "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')",
     "ernie": "a bidirectional encoder with an optional causal head: not a decoder-only causal LM",
     "falcon_h1": (
-        "posttrain fails on it (AttributeError: '_ProbeCache' object has no attribute "
-        "'get_conv_state')"
+        "posttrain has no cache for its state-space mixer layers (a convolution and an "
+        "SSM state per sequence)"
     ),
     "falcon_mamba": (
         "posttrain has no cache for its Mamba state-space layers (a convolution and an "

@@ -9,6 +9,7 @@ estimate (DecodeStream.fits); its pool is sized by the engine's rule (sample_str
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from fake_engine import FakeEngine, wire
@@ -41,6 +42,8 @@ class CountingStream:
     done: list[int] = field(default_factory=list)
     closed: bool = False
     fail: bool = False  # block raises
+    followed: set[int] = field(default_factory=set)  # DecodeStream.follow's
+    reported: dict[int, int] = field(default_factory=dict)  # stream id -> tokens reported
 
     def can_join(self, session_id: str) -> bool:
         return True
@@ -85,6 +88,20 @@ class CountingStream:
             result = SampleResult([sequence] * request.num_samples, [PolicySegment(0, 0)])
             out.append((stream_id, [result for _ in request.prompts]))
         return out
+
+    def follow(self, ids: Collection[int]) -> None:
+        self.followed = set(ids)
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        """One token (1) per sequence and block of each followed operation still running."""
+        progress = []
+        for stream_id in sorted(self.followed & set(self.left)):
+            blocks = self.requests[stream_id].sampling_params.max_tokens or 1
+            drawn = blocks - self.left[stream_id] - self.reported.get(stream_id, 0)
+            if drawn:
+                self.reported[stream_id] = self.reported.get(stream_id, 0) + drawn
+                progress.append((stream_id, [[1] * drawn] * self.rows[stream_id]))
+        return progress
 
     def running_rows(self) -> int:
         return sum(self.rows[i] for i in self.left)

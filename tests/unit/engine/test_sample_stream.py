@@ -99,4 +99,6 @@ def test_a_followed_operation_reports_each_token_once_from_its_first_even_when_f
     assert len(reports) > 1 and [len(t) for t in reports[0]] == [5, 5, 5, 5]
     sequences = [q.tokens for result in finished[0] for q in result.sequences]
     # Every token once, in order; the last block's come with the result alone.
-    assert all(s[: len(d)] == d and len(d) >= len(s) - 2 for s, d in zip(sequences, drawn))
+    assert all(
+        s[: len(d)] == d and len(d) >= len(s) - 2 for s, d in zip(sequences, drawn, strict=True)
+    )

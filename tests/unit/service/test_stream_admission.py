@@ -5,10 +5,12 @@ otherwise it waits for a boundary with room (here: the stream's end) and runs th
 The scheduler, worker and store are real; the engine is the fake one of fake_engine.py (a
 sample's peak is its sequence count, free_bytes what is free) with a decode stream of its own:
 an operation's rows run max_tokens blocks, and `reserve` is what a join allocates beyond its
-estimate (DecodeStream.fits); its pool is sized by the engine's rule (sample_stream.pool_rows)."""
+estimate (DecodeStream.fits); its pool is sized by the engine's rule (sample_stream.pool_rows).
+A watched sample's tokens reach its watcher after every block (service/operations/progress.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -195,5 +197,43 @@ def test_a_stream_is_closed_when_its_pass_ends_and_when_it_fails(tmp_path):
         assert wired.op(done).status == OperationStatus.COMPLETED
         assert wired.op(failed).status == OperationStatus.FAILED
         assert [stream.closed for stream in engine.streams] == [True, True]
+    finally:
+        wired.scheduler.close()
+
+
+def test_a_watched_sample_gets_its_tokens_block_by_block_and_a_closed_channel_at_its_end(
+    tmp_path,
+):
+    engine = StreamingEngine(free_bytes=10)
+    wired = wire(tmp_path, engine)
+    progress = wired.scheduler.progress
+    wired.repo.add_operation_listener(progress.operation_written)
+
+    async def watch_one() -> tuple[list[dict[int, list[int]]], str, OperationStatus]:
+        rid = wired.resource()
+        s = wired.session(rid)
+        release = wired.hold(rid)
+        watched = wired.submit_op(s, OperationKind.SAMPLE, request(2, 5), "watched")
+        wired.submit(s, OperationKind.SAMPLE, request(1, 5), "unwatched")
+        channel = progress.watch(watched.id)
+        release.set()
+        takes = []
+        while not channel.closed:
+            takes.append(await channel.take())
+        assert channel.record is not None
+        return takes, watched.id, channel.record.status
+
+    try:
+        takes, op_id, status = asyncio.run(watch_one())
+        assert status == OperationStatus.COMPLETED
+        drawn: dict[int, list[int]] = {0: [], 1: []}
+        for take in takes:
+            for sequence, tokens in take.items():
+                drawn[sequence] += tokens
+        # The fake draws a token per block; the last block's come with the result alone.
+        assert drawn == {0: [1] * 4, 1: [1] * 4}
+        (stream,) = engine.streams
+        assert stream.reported == {0: 4}  # the unwatched operation (1) was never reported
+        assert progress.watched([op_id]) == set()  # the channel closed with the operation
     finally:
         wired.scheduler.close()

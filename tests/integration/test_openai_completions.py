@@ -218,6 +218,12 @@ def test_a_streamed_completion_shows_its_text_while_its_operation_runs(shared_se
     assert statuses[:2] == [OperationStatus.RUNNING] * 2, statuses[:3]
     assert len(texts) > 10
     assert "".join(texts) == whole.choices[0].text
+    stop = whole.choices[0].text[60:63]  # nothing past a stop string is ever sent
+    cut = oai.completions.create(**args, stop=[stop]).choices[0]
+    streamed = oai.completions.create(**args, stop=[stop], stream=True)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == cut.text and stop not in cut.text
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["stop"]
 
 
 def test_an_inference_checkpoint_keeps_its_logprobs_while_its_session_trains_on(shared_server):

@@ -103,6 +103,18 @@ class DecodeStream(Protocol):
     # (id, one result per prompt) of the operations completed since the last call.
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]: ...
 
+    # The operations (ids in this stream) whose tokens take_progress reports from now on, the
+    # set replacing the last one: only operations someone watches (a streamed OpenAI reply)
+    # pay for reporting. A stream in another process sends the set with its next step.
+    def follow(self, ids: Collection[int]) -> None: ...
+
+    # (id, per sequence: prompt-major, then sample order, the tokens drawn since the last
+    # report) of the followed operations still running that drew any since: an operation
+    # followed for the first time reports every token drawn so far, so a watch that starts
+    # late misses none. A stream in another process reports what its last step brought; a
+    # vLLM lane's reports nothing (its requests answer whole: hosts/vllm/stream.py).
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]: ...
+
     # Sequences still decoding (0: the stream is idle).
     def running_rows(self) -> int: ...
 

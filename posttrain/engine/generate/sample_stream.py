@@ -5,12 +5,13 @@ A SampleStream is a sampler.Decoding in terms of sample operations ((session, Sa
 items, as generator.sample_batch takes them): `admit` turns an operation's prompts into
 GenerationRequests routed to its session's generator, `block` runs one decode block, and
 `take_finished` hands over the operations completed since (one result per prompt, as
-sample_batch gives). Its caller (the scheduler's sample pass, service/scheduling/sample_streams.py,
-through SessionSampleStream: the engine's DecodeStream) decides what joins when, and may run other
-work between blocks. A weights change published between blocks (a PIPELINE publish, or another
-session's weights-sync) is picked up at the next `admit` or `block`: running rows whose weights
-changed continue on the new ones (sampler.Decoding.weights_published), as generate does after
-its `between_tokens`.
+sample_batch gives); `take_progress` the tokens the followed operations drew since (a streamed
+reply shows them as they come). Its caller (the scheduler's sample pass,
+service/scheduling/sample_streams.py, through SessionSampleStream: the engine's DecodeStream)
+decides what joins when, and may run other work between blocks. A weights change published
+between blocks (a PIPELINE publish, or another session's weights-sync) is picked up at the next
+`admit` or `block`: running rows whose weights changed continue on the new ones
+(sampler.Decoding.weights_published), as generate does after its `between_tokens`.
 
 One generation runs on one model: a full-weight session samples its own model copy, so only
 operations whose sessions sample the stream's model may join (`can_join`).
@@ -28,7 +29,7 @@ needs the pool's sizes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel
@@ -131,6 +132,9 @@ class SampleStream:
         self._results: list[list[SampleResult | None]] = []  # per item, per prompt
         self._open: list[int] = []  # per item, prompts not finished
         self._first_request: list[int] = []  # per item, its first request's index
+        self._num_prompts: list[int] = []  # per item
+        self._followed: set[int] = set()  # items whose progress take_progress reports
+        self._reported: dict[int, list[int]] = {}  # per followed item, tokens reported per row
         self._served = self._generations()  # what the running rows were decoded with
         self._pool_tokens = 0  # the longest max_tokens the pool's rows were admitted for
 
@@ -234,6 +238,7 @@ class SampleStream:
             self._results.append([None] * len(request.prompts))
             self._open.append(len(request.prompts))
             self._first_request.append(len(self._item_of_request))
+            self._num_prompts.append(len(request.prompts))
             for prompt in request.prompts:
                 self._item_of_request.append(item)
                 requests.append(
@@ -281,7 +286,36 @@ class SampleStream:
                 assert all(r is not None for r in results)
                 done.append((item, [r for r in results if r is not None]))
                 self._results[item] = []  # handed over: the stream keeps no copy
+                self._reported.pop(item, None)
         return done
+
+    def follow(self, items: Collection[int]) -> None:
+        """The items whose tokens take_progress reports from now on (DecodeStream.follow)."""
+        self._followed = set(items)
+        for item in list(self._reported):
+            if item not in self._followed:
+                del self._reported[item]
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        """(item, per sequence the tokens drawn since the last report) of the followed items
+        still running that drew any since; a newly followed item reports from its start."""
+        progress = []
+        generation = self.decoding.generation
+        for item in sorted(self._followed):
+            if item >= len(self._open) or self._open[item] == 0:
+                continue  # unknown, or finished: its result carries every token
+            first = self._first_request[item]
+            rows = [
+                row
+                for r in range(first, first + self._num_prompts[item])
+                for row in generation.rows_of(r)
+            ]
+            reported = self._reported.setdefault(item, [0] * len(rows))
+            drawn = [row.tokens[n:] for row, n in zip(rows, reported, strict=True)]
+            if any(drawn):
+                self._reported[item] = [len(row.tokens) for row in rows]
+                progress.append((item, drawn))
+        return progress
 
 
 class SessionSampleStream:
@@ -332,6 +366,12 @@ class SessionSampleStream:
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         return self.stream.take_finished()
+
+    def follow(self, ids: Collection[int]) -> None:
+        self.stream.follow(ids)
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        return self.stream.take_progress()
 
     def running_rows(self) -> int:
         return self.stream.running_rows()

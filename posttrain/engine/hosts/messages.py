@@ -359,8 +359,9 @@ class DiscardGradients(ResourceMessage[Measured, None]):
 
 # ---------------------------------------------------------------- decode streams
 # A stream driven step by step from the API process (hosts/remote_streams.py): one message per
-# DecodeStream method, but `take_finished` and `running_rows`, which each step brings back
-# (Stepped), and `close`, which is CloseStream.
+# DecodeStream method, but `take_finished`, `take_progress` and `running_rows`, which each step
+# brings back (Stepped), `follow`, whose set each step carries, and `close`, which is
+# CloseStream.
 
 
 @dataclass(frozen=True)
@@ -381,17 +382,21 @@ class StreamMessage(ResourceMessage[StreamHosting, R]):
 @dataclass(frozen=True)
 class Stepped(Generic[T]):
     """A step's answer, and what its caller asks after each step, in the same round trip: the
-    operations finished since the last step, the rows running now, and what a join finds now
+    operations finished since the last step, the tokens the followed ones drew since
+    (DecodeStream.take_progress), the rows running now, and what a join finds now
     (sample_stream.JoinRoom)."""
 
     answer: T
     finished: list[tuple[int, list[SampleResult]]]
+    progress: list[tuple[int, list[list[int]]]]
     running_rows: int
     room: JoinRoom
 
 
 def _stepped(stream: HostedStream, answer: T) -> Stepped[T]:
-    return Stepped(answer, stream.take_finished(), stream.running_rows(), stream.room())
+    progress = stream.take_progress()  # first, as the caller takes them (StreamPass)
+    finished = stream.take_finished()
+    return Stepped(answer, finished, progress, stream.running_rows(), stream.room())
 
 
 @dataclass(frozen=True)
@@ -400,9 +405,11 @@ class StreamAdmit(StreamMessage[Stepped[list[int]]]):
     fence: int = 0
     row_limit: int = 0
     spare_bytes: int = 0
+    followed: tuple[int, ...] = ()  # DecodeStream.follow's set, as of this step
 
     def run(self, engine: StreamHosting) -> Stepped[list[int]]:
         stream = engine.stream(self.resource_id, self.stream_id)
+        stream.follow(self.followed)
         answer = stream.admit(
             self.items, self.fence, row_limit=self.row_limit, spare_bytes=self.spare_bytes
         )
@@ -412,9 +419,11 @@ class StreamAdmit(StreamMessage[Stepped[list[int]]]):
 @dataclass(frozen=True)
 class StreamBlock(StreamMessage[Stepped[None]]):
     most: int = 1
+    followed: tuple[int, ...] = ()  # DecodeStream.follow's set, as of this step
 
     def run(self, engine: StreamHosting) -> Stepped[None]:
         stream = engine.stream(self.resource_id, self.stream_id)
+        stream.follow(self.followed)
         stream.block(self.most)
         return _stepped(stream, None)
 

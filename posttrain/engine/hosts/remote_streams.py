@@ -3,8 +3,9 @@ the host keeps each open stream by id (`StreamHost`, part of LocalEngine), and t
 drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through the
 stream messages of hosts/messages.py: OpenStream, one message per DecodeStream method, and
 CloseStream. A step (StreamAdmit, StreamBlock) also brings back the operations finished since,
-the rows running and the room a join finds (sample_stream.JoinRoom): what the caller asks after
-each, in the same round trip. A round trip costs about a CPU decode step's time across Ray
+the tokens the followed ones drew since (`follow`'s set travels with each step), the rows
+running and the room a join finds (sample_stream.JoinRoom): what the caller asks after each,
+in the same round trip. A round trip costs about a CPU decode step's time across Ray
 (docs/continuous_batching.md, "Invariants"), so a quiet block is one, and weighing a candidate join
 at a boundary is none: `fits` answers from the room, `can_join` once per session.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol, TypeVar
 
 from posttrain.engine.generate.sample_stream import JoinRoom
@@ -115,6 +116,8 @@ class RemoteStream(DecodeStream):
         self._room: JoinRoom | None = None  # as of the last step
         self._joins: dict[str, bool] = {}  # can_join's answers, by session
         self._finished: list[tuple[int, list[SampleResult]]] = []  # brought by steps, not taken
+        self._progress: list[tuple[int, list[list[int]]]] = []  # likewise
+        self._followed: tuple[int, ...] = ()  # sent with every step
         # The host's death, once seen (as `died` reports it): every later call fails with it
         # (the stream is bound to that host), also those answered here.
         self._died: EngineFailure | None = None
@@ -148,6 +151,7 @@ class RemoteStream(DecodeStream):
         stepped = self._send(step)
         self._rows, self._room = stepped.running_rows, stepped.room
         self._finished.extend(stepped.finished)
+        self._progress.extend(stepped.progress)
         return stepped.answer
 
     def admit(
@@ -158,15 +162,26 @@ class RemoteStream(DecodeStream):
         row_limit: int = 0,
         spare_bytes: int = 0,
     ) -> list[int]:
-        admit = StreamAdmit(self.resource_id, self.stream_id, items, fence, row_limit, spare_bytes)
+        admit = StreamAdmit(
+            self.resource_id, self.stream_id, items, fence, row_limit, spare_bytes, self._followed
+        )
         return self._step(admit)
 
     def block(self, most: int = 1) -> None:
-        self._step(StreamBlock(self.resource_id, self.stream_id, most))
+        self._step(StreamBlock(self.resource_id, self.stream_id, most, self._followed))
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         self._check()
         taken, self._finished = self._finished, []
+        return taken
+
+    def follow(self, ids: Collection[int]) -> None:
+        """Sent with the next step (the host follows them from then on)."""
+        self._followed = tuple(sorted(ids))
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        self._check()
+        taken, self._progress = self._progress, []
         return taken
 
     def running_rows(self) -> int:

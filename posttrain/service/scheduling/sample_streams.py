@@ -37,8 +37,11 @@ When a stream starts (or restarts after running idle), it is given the row limit
 free beside the first operations' estimate, and allocates its decode cache as a pool for as
 many rows as fit (engine/generate/sample_stream.py pool_rows), so joins within it copy none of
 the running rows' KV; the service knows no pool sizes.
-After every step, each operation whose every sequence ended is recorded COMPLETED at once
-(service/operations/recording.py), while the others decode on. The pass ends when no row runs.
+After every step, the tokens drawn by the operations someone watches go to their watchers
+(service/operations/progress.py: a streamed OpenAI reply; the stream follows those,
+DecodeStream.follow, and reports nothing of the others), then each operation whose every
+sequence ended is recorded COMPLETED at once (service/operations/recording.py), while the
+others decode on. The pass ends when no row runs.
 
 The row limit: a stream starts with at most max_sample_rows sequences (the worker's gather) and
 decodes at most `stream_rows` = max_sample_rows + stream_join_rows at once (an eighth more
@@ -65,6 +68,7 @@ from posttrain.service.durability.durable_sessions import changed_parts
 from posttrain.service.durability.routed_experts import RoutedExpertsStore
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.operations.kinds import InFlight, Lane, Outcome, Ready
+from posttrain.service.operations.progress import SampleProgress
 from posttrain.service.operations.recording import OperationRecorder
 from posttrain.service.scheduling.worker import Boundary, QueuedOperation, Stream
 from posttrain.types import OperationKind, SampleOutput, SampleRequest
@@ -121,6 +125,8 @@ class Scheduler(Protocol):
     def recorder(self) -> OperationRecorder: ...
     @property
     def routed_experts(self) -> RoutedExpertsStore: ...
+    @property
+    def progress(self) -> SampleProgress: ...
 
     # The preamble of queued operations: RUNNING, or finished if their session stopped.
     def start(self, group: list[QueuedOperation]) -> list[Ready]: ...
@@ -183,6 +189,7 @@ class StreamPass:
                 self._queued.update((item.operation_id, item) for item in joined)
                 self._admit(self.scheduler.start(joined))
             if self.stream.running_rows():
+                self._follow()
                 # On the trainer's lane one block at a time: queued training runs between.
                 self.stream.block(1 if self.lane is None else LANE_BLOCKS_PER_CALL)
                 self.block_calls += 1
@@ -277,9 +284,19 @@ class StreamPass:
         self.operations += len(members)
         self._finish_done()  # every sequence may have ended on its first token
 
+    def _follow(self) -> None:
+        """The stream reports the tokens of the operations someone watches (a streamed reply:
+        service/operations/progress.py), from the next step on."""
+        ids = {op.id: stream_id for stream_id, (op, _, _) in self._live.items()}
+        watched = self.scheduler.progress.watched(ids)
+        self.stream.follow([ids[op_id] for op_id in watched])
+
     def _finish_done(self) -> None:
-        """Record each operation whose every sequence ended, now."""
+        """Hand the tokens drawn meanwhile to their watchers, then record each operation whose
+        every sequence ended, now."""
         scheduler = self.scheduler
+        for stream_id, drawn in self.stream.take_progress():
+            scheduler.progress.publish(self._live[stream_id][0].id, drawn)
         outcomes: list[tuple[OperationRecord, Outcome]] = []
         changed: dict[str, tuple[str, ...]] = {}
         for stream_id, results in self.stream.take_finished():

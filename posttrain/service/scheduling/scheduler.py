@@ -34,6 +34,7 @@ from posttrain.service.durability.routed_experts import RoutedExpertsStore
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.operations.arrivals import Arrivals, end_current_arrival
 from posttrain.service.operations.kinds import KINDS, Lane, Outcome, Ready
+from posttrain.service.operations.progress import SampleProgress
 from posttrain.service.operations.recording import OperationRecorder
 from posttrain.service.scheduling.admission import plan_passes
 from posttrain.service.scheduling.publishing import PublishMailbox, is_deferred
@@ -63,9 +64,12 @@ class Scheduler:
         limits: SchedulerConfig | None = None,
         routed_experts: RoutedExpertsStore | None = None,
         durability: SessionDurability | None = None,
+        progress: SampleProgress | None = None,
     ) -> None:
         self.repo = repo
         self.engine = engine
+        # The tokens of running sample operations, for their watchers (sample_streams.py).
+        self.progress = progress or SampleProgress()
         # Routes of sampled sequences behind their routed_experts_key
         # (service/durability/routed_experts.py).
         if routed_experts is None:  # not `or`: an empty store is falsy (it has a len)

@@ -223,9 +223,9 @@ def test_weighing_a_join_asks_the_worker_nothing_after_a_step():
 def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it():
     """ProcessEngine.sample_stream: a stream open in the worker, driven call by call
     (hosts/remote_streams.py), with a forward-backward of the same session between blocks;
-    a block and what the caller asks after it (finished operations, running rows) is one round
-    trip; closed, the worker holds it no more; a killed worker fails its calls, not its
-    close."""
+    a block and what the caller asks after it (finished operations, the followed ones' tokens,
+    running rows) is one round trip; closed, the worker holds it no more; a killed worker fails
+    its calls, not its close."""
     torch.manual_seed(0)
     local = LocalEngine(CONFIG, MODELS)
     local.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
@@ -246,14 +246,22 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
 
         stream._host_call = counted  # the stream's own round trips (training goes apart)
         (stream_id,) = stream.admit([("s", PROMPT)], row_limit=4, spare_bytes=1 << 40)
+        stream.follow([stream_id])  # its progress comes back with the next steps
         finished = stream.take_finished()
         blocks = 0
+        drawn: list[list[int]] = []
         while stream.running_rows():
             forward_backward(engine, "r", "s", ForwardBackwardRequest(BATCH, CE))
             stream.block()
             blocks += 1
+            for progress_id, tokens in stream.take_progress():
+                assert progress_id == stream_id
+                drawn = [a + b for a, b in zip(drawn, tokens, strict=True)] if drawn else tokens
             finished += stream.take_finished()
         assert blocks >= 5 and finished == [(stream_id, expected)]
+        sequences = [q.tokens for result in expected for q in result.sequences]
+        assert len(drawn) == len(sequences) and len(drawn[0]) >= 4
+        assert all(q[: len(d)] == d for q, d in zip(sequences, drawn, strict=True))
         assert sent == [StreamAdmit] + [StreamBlock] * blocks  # admit, then one per block
         stream.close()
         stream.close()  # idempotent

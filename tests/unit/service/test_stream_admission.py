@@ -5,10 +5,13 @@ otherwise it waits for a boundary with room (here: the stream's end) and runs th
 The scheduler, worker and store are real; the engine is the fake one of fake_engine.py (a
 sample's peak is its sequence count, free_bytes what is free) with a decode stream of its own:
 an operation's rows run max_tokens blocks, and `reserve` is what a join allocates beyond its
-estimate (DecodeStream.fits); its pool is sized by the engine's rule (sample_stream.pool_rows)."""
+estimate (DecodeStream.fits); its pool is sized by the engine's rule (sample_stream.pool_rows).
+A watched sample's tokens reach its watcher after every block (service/operations/progress.py)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from fake_engine import FakeEngine, wire
@@ -41,6 +44,8 @@ class CountingStream:
     done: list[int] = field(default_factory=list)
     closed: bool = False
     fail: bool = False  # block raises
+    followed: set[int] = field(default_factory=set)  # DecodeStream.follow's
+    reported: dict[int, int] = field(default_factory=dict)  # stream id -> tokens reported
 
     def can_join(self, session_id: str) -> bool:
         return True
@@ -85,6 +90,20 @@ class CountingStream:
             result = SampleResult([sequence] * request.num_samples, [PolicySegment(0, 0)])
             out.append((stream_id, [result for _ in request.prompts]))
         return out
+
+    def follow(self, ids: Collection[int]) -> None:
+        self.followed = set(ids)
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        """One token (1) per sequence and block of each followed operation still running."""
+        progress = []
+        for stream_id in sorted(self.followed & set(self.left)):
+            blocks = self.requests[stream_id].sampling_params.max_tokens or 1
+            drawn = blocks - self.left[stream_id] - self.reported.get(stream_id, 0)
+            if drawn:
+                self.reported[stream_id] = self.reported.get(stream_id, 0) + drawn
+                progress.append((stream_id, [[1] * drawn] * self.rows[stream_id]))
+        return progress
 
     def running_rows(self) -> int:
         return sum(self.rows[i] for i in self.left)
@@ -178,5 +197,43 @@ def test_a_stream_is_closed_when_its_pass_ends_and_when_it_fails(tmp_path):
         assert wired.op(done).status == OperationStatus.COMPLETED
         assert wired.op(failed).status == OperationStatus.FAILED
         assert [stream.closed for stream in engine.streams] == [True, True]
+    finally:
+        wired.scheduler.close()
+
+
+def test_a_watched_sample_gets_its_tokens_block_by_block_and_a_closed_channel_at_its_end(
+    tmp_path,
+):
+    engine = StreamingEngine(free_bytes=10)
+    wired = wire(tmp_path, engine)
+    progress = wired.scheduler.progress
+    wired.repo.add_operation_listener(progress.operation_written)
+
+    async def watch_one() -> tuple[list[dict[int, list[int]]], str, OperationStatus]:
+        rid = wired.resource()
+        s = wired.session(rid)
+        release = wired.hold(rid)
+        watched = wired.submit_op(s, OperationKind.SAMPLE, request(2, 5), "watched")
+        wired.submit(s, OperationKind.SAMPLE, request(1, 5), "unwatched")
+        channel = progress.watch(watched.id)
+        release.set()
+        takes = []
+        while not channel.closed:
+            takes.append(await channel.take())
+        assert channel.record is not None
+        return takes, watched.id, channel.record.status
+
+    try:
+        takes, op_id, status = asyncio.run(watch_one())
+        assert status == OperationStatus.COMPLETED
+        drawn: dict[int, list[int]] = {0: [], 1: []}
+        for take in takes:
+            for sequence, tokens in take.items():
+                drawn[sequence] += tokens
+        # The fake draws a token per block; the last block's come with the result alone.
+        assert drawn == {0: [1] * 4, 1: [1] * 4}
+        (stream,) = engine.streams
+        assert stream.reported == {0: 4}  # the unwatched operation (1) was never reported
+        assert progress.watched([op_id]) == set()  # the channel closed with the operation
     finally:
         wired.scheduler.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -254,6 +254,12 @@ class FencedStream(HostedStream):
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         return self.stream.take_finished()
+
+    def follow(self, ids: Collection[int]) -> None:
+        self.stream.follow(ids)
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        return self.stream.take_progress()
 
     def running_rows(self) -> int:
         return self.stream.running_rows()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from posttrain.engine.hosts.vllm.requests import merged, parts
@@ -131,6 +131,14 @@ class VllmStream(DecodeStream):
             results = self._finish(op.session_id, op.request, op.results(), op.applied)
             finished.append((stream_id, results))
         return finished
+
+    def follow(self, ids: Collection[int]) -> None:
+        """Nothing to follow: a generate request answers whole (take_progress)."""
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        """Nothing: vLLM's generate requests answer whole, so an operation's tokens show only
+        once it finished (a streamed reply then carries its text in one piece)."""
+        return []
 
     def running_rows(self) -> int:
         """Rows of the operations not handed back yet (an answered one counts until then)."""

@@ -204,16 +204,14 @@ def main() -> None:
             f"{'s / 1k tok':>12}"
         )
         ours: dict[int, dict[str, float]] = {}
-        for length in lengths:
+        theirs = None
+        # The baseline right after posttrain at its length: the longest run comes last.
+        for length in sorted(set(lengths) | ({baseline_at} if baseline_at else set())):
             ours[length] = probe("posttrain", directory, vocab, length, threads)
             print(row("posttrain (ckpt on)", length, ours[length]), flush=True)
-        theirs = None
-        if baseline_at:
-            if baseline_at not in ours:
-                ours[baseline_at] = probe("posttrain", directory, vocab, baseline_at, threads)
-                print(row("posttrain (ckpt on)", baseline_at, ours[baseline_at]), flush=True)
-            theirs = probe("transformers", directory, vocab, baseline_at, threads)
-            print(row("transformers+peft ckpt", baseline_at, theirs), flush=True)
+            if length == baseline_at:
+                theirs = probe("transformers", directory, vocab, length, threads)
+                print(row("transformers+peft ckpt", length, theirs), flush=True)
     short, long = min(lengths), max(lengths)
     growth = {n: m["peak"] - m["before"] for n, m in ours.items()}
     factor = long // short

@@ -43,7 +43,15 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR, EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.types import ForwardBackwardRequest, LoraConfig, LossConfig, LossType, TrainingSample
+from posttrain.types import (
+    ForwardBackwardRequest,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    SampleRequest,
+    SamplingParams,
+    TrainingSample,
+)
 
 MODEL_ID = "qwen3-long"
 RESOURCE, SESSION = "r", "s"
@@ -110,6 +118,24 @@ def posttrain_runner(model_dir: str, vocab: int):  # type: ignore[no-untyped-def
     return step
 
 
+def sampler_runner(model_dir: str, vocab: int):  # type: ignore[no-untyped-def]
+    """One greedy token after a prompt of `length` tokens, with the prompt's logprobs: the
+    prefill in passes of 8,192 positions, each attending as a CausalChunk (no [Q, K] mask)."""
+    engine = LocalEngine(EngineConfig(device="cpu"), {MODEL_ID: Path(model_dir)})
+    engine.load_resource(RESOURCE, MODEL_ID, muon_scaling=None)
+    engine.create_session(RESOURCE, SESSION, LoraConfig(rank=8, alpha=16, train_unembed=False))
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def step(length: int, seed: int) -> float:
+        prompt = tuple(sample_tokens(length - 1, vocab, seed))
+        request = SampleRequest((prompt,), 1, greedy, prompt_logprobs=True)
+        ((result,),) = engine.sample_batch(RESOURCE, [(SESSION, request)])
+        assert not isinstance(result, Exception), result
+        return float(result.prompt_logprobs[-1])
+
+    return step
+
+
 def transformers_runner(model_dir: str, vocab: int):  # type: ignore[no-untyped-def]
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
@@ -135,7 +161,8 @@ def run_probe(spec: str) -> None:
     """One variant, one length, in this fresh process: a warm-up step, then the measured one;
     prints a JSON line (peak RSS, RSS before, seconds)."""
     probe = json.loads(spec)
-    make = posttrain_runner if probe["variant"] == "posttrain" else transformers_runner
+    runners = {"posttrain": posttrain_runner, "sample": sampler_runner}
+    make = runners.get(probe["variant"], transformers_runner)
     step = make(probe["model_dir"], probe["vocab"])
     step(WARM_UP, seed=2)
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
@@ -173,8 +200,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a small model and short lengths")
-    parser.add_argument("--lengths", type=int, nargs="+", help="tokens per sample")
+    parser.add_argument("--lengths", type=int, nargs="*", help="tokens per training sample")
     parser.add_argument("--baseline-at", type=int, help="length compared with transformers+peft")
+    parser.add_argument("--sample-lengths", type=int, nargs="*", help="prompt tokens sampled")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,8 +211,15 @@ def main() -> None:
     if args.probe:
         run_probe(args.probe)
         return
-    lengths = args.lengths or ([512, 4096] if args.quick else [4096, 8192, 16384, 32768])
+    lengths = (
+        args.lengths
+        if args.lengths is not None
+        else ([512, 4096] if args.quick else [4096, 8192, 16384, 32768])
+    )
     baseline_at = args.baseline_at if args.baseline_at is not None else (0 if args.quick else 16384)
+    sample_lengths = args.sample_lengths
+    if sample_lengths is None:
+        sample_lengths = [] if args.quick else [4096, 32768]
     threads = torch.get_num_threads()
     vocab = (QUICK_MODEL if args.quick else MODEL)["vocab_size"]
     print(f"torch {torch.__version__}, {threads} threads, cpu, float32")
@@ -210,6 +245,19 @@ def main() -> None:
             if length == baseline_at:
                 theirs = probe("transformers", directory, vocab, length, threads)
                 print(row("transformers+peft ckpt", length, theirs), flush=True)
+        sampled = {}
+        for length in sample_lengths:
+            sampled[length] = probe("sample", directory, vocab, length, threads)
+            print(row("posttrain sample", length, sampled[length]), flush=True)
+    if len(sampled) > 1:
+        low, high = min(sampled), max(sampled)
+        grown = [sampled[n]["peak"] - sampled[n]["before"] for n in (low, high)]
+        print(
+            f"sampling: growth({high}) / growth({low}) = {grown[1] / grown[0]:.2f}"
+            f" ({high // low}x the prompt; the KV cache and prefix cache are linear in it)"
+        )
+    if not ours:
+        return
     short, long = min(lengths), max(lengths)
     growth = {n: m["peak"] - m["before"] for n, m in ours.items()}
     factor = long // short

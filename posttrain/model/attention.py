@@ -17,6 +17,10 @@ flash-attention kernel, on CUDA in the memory-efficient one (both return the log
 model/attention_kernels.py); elsewhere, and for sliding windows (which can hide a whole prompt,
 where the CPU kernel reports a log-sum-exp of 0 instead of -inf), as explicit matmuls.
 
+A long prompt's prefill runs in chunks over the KV cache; a chunk of rows that share their
+start attends as a `CausalChunk`: the cached columns and the chunk's own (causal) columns as
+two fused parts merged the same way, so no [Q, K] mask is built for a 32k-token prompt.
+
 The model selects attention by name (`config._attn_implementation`); `install` names ours.
 For an sdpa model it is IMPLEMENTATION: sdpa for every mask outside sampler passes (training,
 Hugging Face `generate`), so installing it changes nothing else. For an eager model (attention
@@ -301,7 +305,7 @@ def pass_layout(
     masks_per_layer: list[Layout],
 ) -> Iterator[None]:
     """Attend with masks_per_layer[layer] inside this block (boolean [B, 1, Q, K] masks over
-    the cache's visible columns, or SharedPrefixAttention)."""
+    the cache's visible columns, or one of the layouts above)."""
     token = _PASS.set(masks_per_layer)
     try:
         yield

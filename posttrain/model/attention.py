@@ -17,6 +17,10 @@ flash-attention kernel, on CUDA in the memory-efficient one (both return the log
 model/attention_kernels.py); elsewhere, and for sliding windows (which can hide a whole prompt,
 where the CPU kernel reports a log-sum-exp of 0 instead of -inf), as explicit matmuls.
 
+A long prompt's prefill runs in chunks over the KV cache; a chunk of rows that share their
+start attends as a `CausalChunk`: the cached columns and the chunk's own (causal) columns as
+two fused parts merged the same way, so no [Q, K] mask is built for a 32k-token prompt.
+
 The model selects attention by name (`config._attn_implementation`); `install` names ours.
 For an sdpa model it is IMPLEMENTATION: sdpa for every mask outside sampler passes (training,
 Hugging Face `generate`), so installing it changes nothing else. For an eager model (attention
@@ -81,9 +85,7 @@ class SharedPrefixAttention:
         default_factory=dict, repr=False, compare=False
     )
 
-    def attend(
-        self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float
-    ) -> Tensor:
+    def attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         """query [B, Hq, Q, D], own keys and values [B, Hkv, S, D] -> output [B, Q, Hq, D]."""
         rows, query_heads, width, head_dim = query.shape
         kv_heads = key.shape[1]
@@ -183,6 +185,50 @@ class JoiningPassAttention:
         return torch.cat([decoded, prefilled_XHD.index_select(0, self.real_W)[:, None]])
 
 
+@dataclass(frozen=True)
+class CausalChunk:
+    """One pass's attention layout when every row appends the same Q positions after the same
+    P cached ones (a chunk of one long prompt's prefill, or of prompts of one length): each
+    query sees every cached column and the chunk's own columns up to itself. Attended as two
+    parts merged by their log-sum-exps (attention_kernels.py): the queries over the P cached
+    columns (no mask) and over the Q own columns (the kernel's causal masking). No [Q, P + Q]
+    mask or score tensor is built, so a layer's attention memory is linear in P + Q where the
+    boolean mask (and the float copy sdpa makes of it) costs Q * (P + Q) each."""
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        """query [B, Hq, Q, D], keys and values of the visible columns [B, Hkv, P + Q, D] ->
+        output [B, Q, Hq, D]."""
+        rows, query_heads, width, head_dim = query.shape
+        kv_heads = key.shape[1]
+        repeat = query_heads // kv_heads
+        past = key.shape[2] - width
+        # The own part's keys per query head: Q positions, as small as the chunk.
+        own_keys = key[:, :, past:].repeat_interleave(repeat, 1)
+        own_values = value[:, :, past:].repeat_interleave(repeat, 1)
+        out_o, lse_o = partial_attention(
+            query, own_keys, own_values, None, scale, fused=True, causal=True
+        )
+        if past == 0:
+            return out_o.to(query.dtype).transpose(1, 2).contiguous()
+        # Query head h uses KV head h // r: [Hq, Q] regroups as [Hkv, r * Q], so the cached
+        # keys enter without a copy per query head.
+        q_BHZD = query.reshape(rows, kv_heads, repeat * width, head_dim)
+        out_p, lse_p = partial_attention(
+            q_BHZD, key[:, :, :past], value[:, :, :past], None, scale, fused=True
+        )
+        out_BHqQD = merge_by_lse(
+            out_p.reshape(query.shape), lse_p.reshape(query.shape[:-1]), out_o, lse_o
+        )
+        return out_BHqQD.to(query.dtype).transpose(1, 2).contiguous()
+
+    def mask(self, query: Tensor, key: Tensor) -> Tensor:
+        """The same visibility as a boolean [1, 1, Q, P + Q] mask (True = attend), for
+        attention functions that only take a mask (eager families)."""
+        width, columns = query.shape[2], key.shape[2]
+        rows_Q1 = torch.arange(columns - width, columns, device=key.device)[:, None]
+        return (torch.arange(columns, device=key.device)[None, :] <= rows_Q1)[None, None]
+
+
 def _stack_heads(bias_BQK: Tensor, repeat: int) -> Tensor:
     """A per-position bias [B, Q, K] for the stacked query rows [B, 1, r * Q, K]."""
     rows, width, columns = bias_BQK.shape
@@ -243,22 +289,23 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
+# What one layer attends with in a sampler pass: a boolean mask or one of the layouts above.
+Layout = Tensor | SharedPrefixAttention | JoiningPassAttention | CausalChunk
+
 # The layout of the current sampler pass, one mask per decoder layer (None: no pass; the
 # model's own masks apply). It travels beside the model's forward rather than as its
 # `attention_mask`, because families build and hand on masks differently (a per-layer-type
 # mapping only some forwards accept, a 4-D tensor others): each attention call picks its
 # layer's entry here, whatever the family's forward did with the placeholder mask.
-_PASS: ContextVar[list[Tensor | SharedPrefixAttention | JoiningPassAttention] | None] = ContextVar(
-    "posttrain_pass", default=None
-)
+_PASS: ContextVar[list[Layout] | None] = ContextVar("posttrain_pass", default=None)
 
 
 @contextmanager
 def pass_layout(
-    masks_per_layer: list[Tensor | SharedPrefixAttention | JoiningPassAttention],
+    masks_per_layer: list[Layout],
 ) -> Iterator[None]:
     """Attend with masks_per_layer[layer] inside this block (boolean [B, 1, Q, K] masks over
-    the cache's visible columns, or SharedPrefixAttention)."""
+    the cache's visible columns, or one of the layouts above)."""
     token = _PASS.set(masks_per_layer)
     try:
         yield
@@ -266,16 +313,12 @@ def pass_layout(
         _PASS.reset(token)
 
 
-def _layout_mask(
-    module: nn.Module, given: Tensor | None
-) -> Tensor | SharedPrefixAttention | JoiningPassAttention | None:
+def _layout_mask(module: nn.Module, given: Tensor | None) -> Layout | None:
     layout = _PASS.get()
     return given if layout is None else layout[_layer_idx(module)]
 
 
-def layer_layout(
-    module: nn.Module, given: Tensor | None
-) -> Tensor | SharedPrefixAttention | JoiningPassAttention | None:
+def layer_layout(module: nn.Module, given: Tensor | None) -> Layout | None:
     """What `module`'s layer attends with in the current sampler pass (`given`, the model's own
     mask, outside one): for attention modules that attend by themselves (latent_attention.py)."""
     return _layout_mask(module, given)
@@ -305,6 +348,12 @@ def attention_forward(
         return mask.attend(_layer_idx(module), query, key, value, scale), None
     if isinstance(mask, JoiningPassAttention):
         return mask.attend(module, query, key, value, **kwargs), None
+    if isinstance(mask, CausalChunk):
+        if key.shape[-1] != value.shape[-1]:  # latent attention: the fused kernels take one
+            mask = mask.mask(query, key)
+        else:
+            scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            return mask.attend(query, key, value, scale), None
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
@@ -324,6 +373,8 @@ def eager_forward(
     assert not isinstance(mask, JoiningPassAttention), "joins prefill apart on eager models"
     if isinstance(mask, SharedPrefixAttention):
         key, value, mask = _materialized(mask, _layer_idx(module), query, key, value)
+    elif isinstance(mask, CausalChunk):
+        mask = _additive(mask.mask(query, key), query.dtype)
     elif mask is not None and mask.dtype == torch.bool:
         mask = _additive(mask, query.dtype)
     return eager(module, query, key, value, mask, **kwargs)

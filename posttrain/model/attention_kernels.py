@@ -7,6 +7,10 @@ attention over their union:
 
     lse = logaddexp(lse_1, lse_2),   out = out_1 * exp(lse_1 - lse) + out_2 * exp(lse_2 - lse)
 
+A part may be causal (queries and keys the same positions, query i seeing keys 0..i): the
+kernels mask it themselves, so a prefill chunk's own part builds no [L, S] mask
+(model/attention.py, CausalChunk).
+
 Kernels (`fused`), each returning the log-sum-exp so nothing is recomputed:
 - CPU: PyTorch's flash-attention kernel for the CPU;
 - CUDA: the memory-efficient kernel (`_scaled_dot_product_efficient_attention` with
@@ -41,19 +45,32 @@ def merge_by_lse(out_1: Tensor, lse_1: Tensor, out_2: Tensor, lse_2: Tensor) -> 
 
 
 def partial_attention(
-    q_BHLD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, bias: Tensor | None, scale: float, fused: bool
+    q_BHLD: Tensor,
+    k_BHSD: Tensor,
+    v_BHSD: Tensor,
+    bias: Tensor | None,
+    scale: float,
+    fused: bool,
+    *,
+    causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention of q over k, v with an additive bias: (output [B, H, L, D], float32
     log-sum-exp of the scaled, biased scores [B, H, L]; -inf and output 0 where a query sees
-    nothing). `fused`: the device's fused kernel (no query may see nothing)."""
+    nothing). `fused`: the device's fused kernel (no query may see nothing). `causal` (L = S,
+    no bias): query i sees keys 0..i, the kernels' own causal masking (no [L, S] mask)."""
+    assert not causal or (bias is None and q_BHLD.shape[2] == k_BHSD.shape[2])
     if fused and q_BHLD.device.type == "cpu":
         mask = None if bias is None else bias.to(q_BHLD.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHLD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale
+            q_BHLD, k_BHSD, v_BHSD, is_causal=causal, attn_mask=mask, scale=scale
         )
         return out, lse.float()
     if fused and q_BHLD.device.type == "cuda":
-        return efficient_attention_cuda(q_BHLD, k_BHSD, v_BHSD, bias, scale)
+        return efficient_attention_cuda(q_BHLD, k_BHSD, v_BHSD, bias, scale, causal=causal)
+    if causal:
+        width = q_BHLD.shape[2]
+        future = torch.ones(width, width, dtype=torch.bool, device=q_BHLD.device).triu(1)
+        bias = torch.zeros(width, width, device=q_BHLD.device).masked_fill_(future, -torch.inf)
     return matmul_attention(q_BHLD, k_BHSD, v_BHSD, bias, scale)
 
 
@@ -82,7 +99,13 @@ def aligned_bias(bias: Tensor, shape: tuple[int, int, int, int], dtype: torch.dt
 
 
 def efficient_attention_cuda(
-    q_BHLD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, bias: Tensor | None, scale: float
+    q_BHLD: Tensor,
+    k_BHSD: Tensor,
+    v_BHSD: Tensor,
+    bias: Tensor | None,
+    scale: float,
+    *,
+    causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """partial_attention in CUDA's memory-efficient kernel (it returns the log-sum-exp; its
     log-sum-exp tensor is padded along L, so it is cut back)."""
@@ -91,6 +114,6 @@ def efficient_attention_cuda(
     if bias is not None:
         attn_bias = aligned_bias(bias, (rows, heads, width, k_BHSD.shape[2]), q_BHLD.dtype)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q_BHLD, k_BHSD, v_BHSD, attn_bias, True, scale=scale
+        q_BHLD, k_BHSD, v_BHSD, attn_bias, True, is_causal=causal, scale=scale
     )
     return out, lse[..., :width].float()

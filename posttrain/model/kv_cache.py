@@ -83,6 +83,10 @@ class KVCache:
         self._valid_BQ: Tensor | None = None  # None: every query position of the pass is real
         self._num_new_B: Tensor | None = None
         self._visible = 0
+        # Whether the current pass's rows all append the same positions after the same
+        # number of cached ones (set by begin when it reads the lengths): attention may then
+        # run as a CausalChunk (model/attention.py) instead of through a mask.
+        self.same_start = False
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A KV tensor whose live rows (the first num_rows) are zeros: masked columns are
@@ -139,10 +143,12 @@ class KVCache:
         so nothing is read back from the device."""
         assert num_new_B.shape == (self.num_rows,), "one count per row"
         lengths_B = self.lengths_B[: self.num_rows]
+        self.same_start = False
         if uniform is None:
             width = int(num_new_B.max())
             longest = int((lengths_B + num_new_B).max())
             same_width = bool((num_new_B == width).all())
+            self.same_start = same_width and bool((lengths_B == longest - width).all())
         else:
             (width, longest), same_width = uniform, True
         assert longest <= self.capacity, "KV cache capacity exceeded"

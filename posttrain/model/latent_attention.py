@@ -44,7 +44,7 @@ from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from posttrain.model import attention
-from posttrain.model.attention import JoiningPassAttention, SharedPrefixAttention
+from posttrain.model.attention import CausalChunk, JoiningPassAttention, SharedPrefixAttention
 from posttrain.model.lora import LoraLinear
 
 # The attention classes whose forward this module replaces in cached passes; their modeling
@@ -113,6 +113,8 @@ def _forward(
         return m.o_proj(out_BQHD.reshape(rows, width, -1)), None
     if isinstance(layout, SharedPrefixAttention):
         first, second, mask = attention.materialized(layout, m.layer_idx, query_BHQD, first, second)
+    elif isinstance(layout, CausalChunk):
+        mask = layout.mask(query_BHQD, first)
     else:
         mask = layout
     key, value = _expand(module, _whole(first, second, latent_width(module)))
@@ -249,7 +251,7 @@ def _through_values(projection: nn.Module, out_BQHR: Tensor, nope: int) -> Tenso
     for rows, lora_A, lora_B, scale in adapters:
         out_rows = out if rows is None else out.index_select(0, rows)
         low = out_rows.to(lora_A.dtype) @ lora_A.t()
-        delta = (scale * torch.einsum("bqhk,hvk->bqhv", low, lora_B[:, nope:]))
+        delta = scale * torch.einsum("bqhk,hvk->bqhv", low, lora_B[:, nope:])
         delta = delta.to(values_BQHV.dtype)
         if rows is None:
             values_BQHV = values_BQHV + delta

@@ -140,7 +140,12 @@ def forward_rows(
         assert num_new_B is not None, "a pass appends num_new_B[b] positions to row b"
         positions_BQ = cache.begin(num_new_B, uniform)
     kinds = layer_types(config)
-    masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
+    layouts: list[attention.Layout]
+    if _is_causal_chunk(gm, cache, kinds):
+        layouts = [attention.CausalChunk()] * len(kinds)
+    else:
+        masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
+        layouts = [masks[kind] for kind in kinds]
     # The model gets a placeholder 4-D mask, which every family's mask creation passes on
     # as-is; the attention function reads the real one of its layer from the pass layout.
     rows, width = positions_BQ.shape
@@ -149,7 +154,7 @@ def forward_rows(
     )
     with (
         gm.lora.route(adapter_routing or routing_of(keys_B, tokens_BQ.device)),
-        attention.pass_layout([masks[kind] for kind in kinds]),
+        attention.pass_layout(layouts),
         routing.capture() if routes_out is not None else nullcontext() as captured,
     ):
         hidden_BQH: Tensor = gm.model.base_model(
@@ -165,6 +170,22 @@ def forward_rows(
         # One [B * Q, K] entry per MoE layer, tokens flattened row-major as the blocks see them.
         routes_out.append(torch.stack(captured, dim=1).view(rows, width, len(captured), -1))
     return hidden_BQH
+
+
+def _is_causal_chunk(
+    gm: GeneratorModel,
+    cache: KVCache | FanoutKVCache | StaticDecodeCache | JoiningPassCache,
+    kinds: list[str],
+) -> bool:
+    """Whether this pass attends as a CausalChunk: a plain KVCache pass (a prefill) whose rows
+    share their start and width, every layer full attention, the model on posttrain's sdpa
+    attention. A long prompt's prefill chunk then builds no [Q, K] mask (model/attention.py)."""
+    return (
+        type(cache) is KVCache
+        and cache.same_start
+        and all(kind == "full_attention" for kind in kinds)
+        and gm.model.config._attn_implementation == attention.IMPLEMENTATION
+    )
 
 
 def head_logits(

@@ -38,7 +38,8 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   gathered copy: the sampler's peak_own_positions), per decode pass rows x vocab float32
   logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p sorts and masks), and
   per generated token the Python lists of its token and logprob and its share of the recorded
-  result.
+  result. Prompts prefilled side by side attend through [Q, K] masks (bounded by the prefill
+  pass's positions times the longest prompt); a lone prompt's chunks build none.
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
   prompt row rounded up to the pool's width and the generated part as above; the stream sizes
   it itself (generate/sample_stream.py pool_rows, pool_row_bytes) from what is free.
@@ -84,6 +85,8 @@ LOGIT_COPIES = 4
 # (measured: tests/unit/engine/test_memory_estimate.py).
 RECOMPUTED_LAYERS = 2
 SAMPLE_LOGIT_COPIES = 8
+# Boolean prefill masks per pass: the full-attention and the sliding-window one.
+MASK_COPIES = 2
 # Per token of a batch: its packed inputs (tokens, targets, masks, positions as int64) and
 # float32 per-token outputs (logprobs, loss terms, their gradients).
 PACKED_BYTES_PER_TOKEN = 8 * INT64 + 8 * FLOAT32
@@ -247,9 +250,7 @@ def training_pass_bytes(
         # intermediates are freed as it goes), and no backward runs: no safety factor.
         activations = tokens * (per_token + 2 * shape.hidden * shape.dtype_bytes)
     else:
-        saved = saved_activation_bytes(
-            shape, tokens, checkpointed=checkpointed, longest=longest
-        )
+        saved = saved_activation_bytes(shape, tokens, checkpointed=checkpointed, longest=longest)
         activations = math.ceil(ACTIVATION_SAFETY * saved)
     return (
         activations
@@ -334,6 +335,15 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
     longest = max((len(p) for request in requests for p in request.prompts), default=0)
     layer = _layer_elements(shape, longest)
     pass_bytes = pass_tokens * (layer + 2 * shape.hidden) * shape.dtype_bytes
+    # Prompts prefilled side by side attend through boolean [Q, K] masks over the cached
+    # columns (one per layer type) and sdpa's copy of one in the model's dtype; a lone prompt
+    # attends as a CausalChunk (model/attention.py) and builds none.
+    if len(requests) > 1 or any(len(request.prompts) > 1 for request in requests):
+        pass_bytes += (
+            min(prompt_positions, PREFILL_TOKENS_PER_PASS)
+            * longest
+            * (MASK_COPIES + shape.dtype_bytes)
+        )
     prompt_logits = min(prompt_positions, chunk_tokens) * shape.vocab * FLOAT32 * LOGIT_COPIES
     row_logits = rows * shape.vocab * FLOAT32 * SAMPLE_LOGIT_COPIES
     return (

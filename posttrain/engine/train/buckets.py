@@ -12,7 +12,9 @@ expressed in tokens of work: another bucket is worth it only when the padding it
 more than one more forward. For this cost some optimal grouping is contiguous in length order
 (a row of a longer bucket that is shorter than a row of a shorter bucket can swap places with it
 without raising either bucket's longest row), so a dynamic programme over rows sorted by length
-finds it exactly.
+finds it exactly. The optimum pads no row by more than `overhead_tokens` (splitting its bucket
+just above that row would otherwise be cheaper), so a 32k-token row is never padded to a bucket
+far above it, whatever lengths share its batch.
 
 There is no cap on a bucket's tokens: every bucket's activations stay alive until the one
 backward over the whole batch's loss, so splitting a bucket would not lower peak memory, and

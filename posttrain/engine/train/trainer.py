@@ -451,11 +451,12 @@ def _bucket_logprobs(
         ids = take(packed.tokens_ST)  # sharded: embedded on each rank's rows (parallel/fsdp.py)
         inputs = shards.embedding_inputs(ids) if shards is not None else {"input_ids": ids}
         # No KV cache: a training forward reads none, and a checkpointed layer's recompute
-        # would write it twice.
+        # would write it twice. No attention mask: rows are right-padded, so causal attention
+        # alone keeps every real position from seeing padding (padded positions' outputs are
+        # never read), and without a mask the model attends with the fused causal kernel
+        # instead of building a [B, 1, L, L] mask (quadratic memory in a long row).
         with layers:
-            hidden_BLH = model.base_model(
-                **inputs, attention_mask=take(packed.attention_mask_ST), use_cache=False
-            )
+            hidden_BLH = model.base_model(**inputs, attention_mask=None, use_cache=False)
         hidden_BLH = hidden_BLH.last_hidden_state
         hidden_BLH = at_targets(packed, rows, loss_width, hidden_BLH)  # the loss axis
         # The backward of all buckets runs after this block: a head chunk recomputed then

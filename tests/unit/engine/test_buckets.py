@@ -95,6 +95,20 @@ def test_the_plan_is_as_cheap_as_any_grouping(seed):
     assert cost == brute_force_cost(lengths, overhead)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_no_row_is_padded_by_more_than_one_forwards_overhead(seed):
+    """A long row (32k tokens among RL-sized ones) is never padded to a bucket far above it:
+    a row padded by more than the overhead would make splitting its bucket below it cheaper,
+    so the optimal plan pads every row by at most `overhead_tokens`."""
+    rng = random.Random(seed)
+    overhead = 256
+    lengths = [32768, 32768 - rng.randrange(600)]
+    lengths += [rng.randrange(64, 32768) for _ in range(rng.randrange(1, 20))]
+    for bucket in plan_buckets(lengths, overhead):
+        width = max(lengths[row] for row in bucket)
+        assert all(width - lengths[row] <= overhead for row in bucket), (lengths, bucket)
+
+
 def test_routing_is_re_expressed_in_bucket_positions():
     routing = [("a", range(0, 3)), ("b", range(3, 6)), ("all", None)]
     assert bucket_routing(routing, [1, 4, 5]) == [("a", [0]), ("b", [1, 2]), ("all", None)]

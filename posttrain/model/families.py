@@ -8,7 +8,7 @@ learns at `posttrain serve` what is missing rather than from a failed operation 
 the walk never saw (a newer transformers) is allowed with a warning, since the table cannot
 speak for it; so is a pending type (PENDING: one the Gated DeltaNet and Qwen3-VL work is
 adding, which this table never refuses). The data below is generated;
-tests/unit/model/test_model_families.py keeps it and the table in agreement.
+tests/unit/model/test_family_table.py keeps it and the table in agreement.
 """
 
 from __future__ import annotations

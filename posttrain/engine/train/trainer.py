@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from posttrain.config import EngineConfig
+from posttrain.engine.images import image_inputs
 from posttrain.engine.parallel.fsdp import FsdpShards
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train.accumulate import accumulate_many, frozen
@@ -450,6 +451,11 @@ def _bucket_logprobs(
     with lora.route(assignments), replay_routes(forced) if forced else nullcontext():
         ids = take(packed.tokens_ST)  # sharded: embedded on each rank's rows (parallel/fsdp.py)
         inputs = shards.embedding_inputs(ids) if shards is not None else {"input_ids": ids}
+        # Images enter through the model's own forward: its vision tower, the placement of
+        # its embeddings and its position ids (M-RoPE) are the family's code.
+        images = [image for row in rows for image in packed.images_S[row]]
+        if images:
+            inputs.update(image_inputs(resource.loaded, images, ids))
         # No KV cache: a training forward reads none, and a checkpointed layer's recompute
         # would write it twice.
         with layers:

@@ -49,12 +49,14 @@ class ImageProblem(ValueError):
 
 @dataclass(frozen=True)
 class ImageGrid:
-    """One processed image: its patches [P, C], its grid (t, h, w) in patches, and how many
-    placeholder tokens stand for it in the token sequence."""
+    """One processed image: its patches [P, C], its grid (t, h, w) in patches, how many
+    placeholder tokens stand for it in the token sequence, and its size as sent."""
 
     pixel_values_PC: Tensor
     grid_thw: tuple[int, int, int]
     num_tokens: int
+    width: int
+    height: int
 
 
 def is_vision_language(config: PreTrainedConfig) -> bool:
@@ -88,14 +90,15 @@ class VisionInputs:
             directory, backend="pil", local_files_only=True
         )
         self.merge_size = int(self.processor.merge_size)
-        self._grids: OrderedDict[str, ImageGrid] = OrderedDict()
+        self._grids: OrderedDict[tuple[str, str], ImageGrid] = OrderedDict()
 
     def grid(self, data: bytes, image_format: str, *, max_pixels: int) -> ImageGrid:
         """The processed image in `data`; raises ImageProblem for bytes that are not a
         `image_format` image or hold more than `max_pixels` pixels."""
-        key = image_hash(data)
+        key = (image_hash(data), image_format)
         kept = self._grids.get(key)
         if kept is not None:
+            _check_size(kept.width, kept.height, max_pixels)
             self._grids.move_to_end(key)
             return kept
         image = decoded(data, image_format, max_pixels=max_pixels)
@@ -106,6 +109,8 @@ class VisionInputs:
             pixel_values_PC=out["pixel_values"],
             grid_thw=(t, h, w),
             num_tokens=t * h * w // self.merge_size**2,
+            width=image.width,
+            height=image.height,
         )
         self._grids[key] = grid
         if len(self._grids) > _KEPT_GRIDS:
@@ -138,14 +143,22 @@ def decoded(data: bytes, image_format: str, *, max_pixels: int) -> Image.Image:
                 raise ImageProblem(
                     f"the bytes are a {image.format or 'unknown'} image, not {image_format}"
                 )
-            width, height = image.size
-            if width * height > max_pixels:
-                raise ImageProblem(
-                    f"the image is {width}x{height} = {width * height} pixels; the limit is"
-                    f" {max_pixels} (--max-image-pixels)"
-                )
+            _check_size(*image.size, max_pixels)
             image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as exc:
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as exc:
         raise ImageProblem(f"the bytes are not a readable {image_format} image ({exc})") from exc
     return image.convert("RGB")
+
+
+def _check_size(width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise ImageProblem(
+            f"the image is {width}x{height} = {width * height} pixels; the limit is"
+            f" {max_pixels} (--max-image-pixels)"
+        )

@@ -161,6 +161,7 @@ def model_shape(
     (model/kv_shape.py), its passes on `device` (a CPU: sdpa's kernel there takes only keys
     and values of one width; None or another device: a fused kernel takes MLA's too, as CUDA's
     memory-efficient one does)."""
+    config = config.get_text_config()  # a vision-language model's language model
     top_k = getattr(config, "num_experts_per_tok", None)
     ffn = config.intermediate_size
     if top_k:

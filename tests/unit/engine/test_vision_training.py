@@ -1,0 +1,192 @@
+"""Image chunks through training on a tiny random-init Qwen3-VL (tests/vision_models.py):
+
+- forward logprobs of image+text samples, one alone and two of different lengths and images in
+  one padded pass, equal transformers' own forward (its processor's pixel_values and
+  image_grid_thw, mm_token_type_ids) at every position, image positions included;
+- the image is read: another image changes the text positions' logprobs;
+- LoRA SFT on image+text lowers the loss, and adapts the language model only (the vision tower
+  and merger hold no adapters);
+- the submit check: a wrong expected_tokens, corrupt bytes, a JPEG named png, an image past the
+  pixel limit and a placeholder id in a text chunk are InvalidRequests naming the sample and
+  the chunk, and the sample is left as it was."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_calls import forward_backward
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+import vision_models as vm  # noqa: E402
+
+from posttrain.config import EngineConfig  # noqa: E402
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.images import checked_images  # noqa: E402
+from posttrain.errors import InvalidRequest  # noqa: E402
+from posttrain.types import (  # noqa: E402
+    AdamParams,
+    ForwardBackwardRequest,
+    ImageInput,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    OptimStepRequest,
+    TrainingSample,
+)
+
+CE = LossConfig(LossType.CROSS_ENTROPY)
+MAX_PIXELS = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return vm.build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl") / "m")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> LocalEngine:
+    engine = LocalEngine(EngineConfig(device="cpu", logprob_chunk_tokens=5), {"m": model_dir})
+    engine.load_resource("r", "m", muon_scaling=None)
+    return engine
+
+
+def placeholders(model_dir: Path, data: bytes) -> tuple[dict[str, torch.Tensor], int]:
+    """transformers' processor output for one image, and its placeholder count."""
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    out = processor(images=[image], return_tensors="pt")
+    return dict(out), int(out["image_grid_thw"].prod()) // vm.MERGE**2
+
+
+def image_sample(
+    model_dir: Path, data: bytes, before: list[int], after: list[int], *, chunk: int = 1
+) -> tuple[TrainingSample, list[int]]:
+    """A cross-entropy sample over before + <vision_start> image <vision_end> + after, the
+    image's positions held by 0s as the API leaves them; and the full token sequence with
+    the placeholders in place."""
+    _, count = placeholders(model_dir, data)
+    head = [*before, vm.VISION_START]
+    sequence = [*head, *[0] * count, vm.VISION_END, *after]
+    full = [*head, *[vm.IMAGE_TOKEN] * count, vm.VISION_END, *after]
+    sample = TrainingSample(
+        tokens=tuple(sequence[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tuple(float(t) for t in full[1:]),
+            "weights": tuple(0.0 if t == vm.IMAGE_TOKEN else 1.0 for t in full[1:]),
+        },
+        images=(ImageInput(len(head), count, chunk, data, "png"),),
+    )
+    return sample, full
+
+
+def transformers_logprobs(model_dir: Path, data: bytes, full: list[int]) -> torch.Tensor:
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    out, _ = placeholders(model_dir, data)
+    ids = torch.tensor([full[:-1]])
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids,
+            pixel_values=out["pixel_values"],
+            image_grid_thw=out["image_grid_thw"],
+            mm_token_type_ids=(ids == vm.IMAGE_TOKEN).to(torch.int32),
+        ).logits[0]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(full[1:])[:, None])[:, 0]
+
+
+def forward_logprobs(
+    engine: LocalEngine, model_dir: Path, samples: tuple[TrainingSample, ...], session: str
+) -> list[torch.Tensor]:
+    checked = checked_images(model_dir, samples, max_image_pixels=MAX_PIXELS)
+    request = ForwardBackwardRequest(
+        checked, CE, True, return_loss_fn_outputs=True, report_all_logprobs=True
+    )
+    result = forward_backward(engine, "r", session, request)
+    assert result.loss_fn_outputs is not None
+    return [torch.tensor(values) for values in result.loss_fn_outputs]
+
+
+def test_image_logprobs_equal_transformers_forward(engine, model_dir):
+    engine.create_session("r", "exact", LoraConfig(rank=4, alpha=8, seed=1))
+    first, second = vm.png(64, 48, seed=1), vm.png(40, 72, seed=2)
+    a, full_a = image_sample(model_dir, first, [1, 5, 6], [7, 8, 9, 10])
+    b, full_b = image_sample(model_dir, second, [1, 11], [12, 13, 14, 15, 16, 17, 18, 19])
+    alone = forward_logprobs(engine, model_dir, (a,), "exact")[0]
+    together = forward_logprobs(engine, model_dir, (a, b), "exact")
+    expected_a = transformers_logprobs(model_dir, first, full_a)
+    expected_b = transformers_logprobs(model_dir, second, full_b)
+    torch.testing.assert_close(alone, expected_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(together[0], expected_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(together[1], expected_b, rtol=0, atol=1e-5)
+    # The image is read: another image moves the logprobs after it.
+    other, _ = image_sample(model_dir, vm.png(64, 48, seed=9), [1, 5, 6], [7, 8, 9, 10])
+    moved = forward_logprobs(engine, model_dir, (other,), "exact")[0]
+    assert (moved[-4:] - alone[-4:]).abs().max() > 1e-4
+    engine.drop_session("r", "exact")
+
+
+def test_lora_sft_on_images_lowers_the_loss_and_adapts_the_language_model_only(engine, model_dir):
+    engine.create_session("r", "sft", LoraConfig(rank=4, alpha=8, seed=1))
+    samples = tuple(
+        image_sample(model_dir, vm.png(64, 48, seed=k), [1, 5 + k], [20 + k, 30 + k, 40])[0]
+        for k in range(2)
+    )
+    checked = checked_images(model_dir, samples, max_image_pixels=MAX_PIXELS)
+    step = OptimStepRequest(adam=AdamParams(learning_rate=5e-2, weight_decay=0.0))
+    losses = []
+    for _ in range(4):
+        result = forward_backward(engine, "r", "sft", ForwardBackwardRequest(checked, CE))
+        losses.append(result.loss)
+        engine.optim_step("r", "sft", step)
+    assert losses[-1] < losses[0] - 0.5, losses
+    lora = engine._resources["r"].lora
+    adapted = [name for name in lora.layers if name != lora.head_name]  # train_unembed's head
+    assert adapted and all(".language_model." in name for name in adapted), sorted(adapted)
+    engine.drop_session("r", "sft")
+
+
+def refused(model_dir: Path, sample: TrainingSample, *, max_pixels: int = MAX_PIXELS) -> str:
+    with pytest.raises(InvalidRequest) as caught:
+        checked_images(model_dir, (sample,), max_image_pixels=max_pixels)
+    assert caught.value.param == "samples[0].model_input"
+    return caught.value.message
+
+
+def test_bad_images_are_refused_naming_the_chunk(model_dir):
+    data = vm.png(64, 48, seed=1)
+    sample, _ = image_sample(model_dir, data, [1, 5, 6], [7, 8], chunk=3)
+    image = sample.images[0]
+    wrong = TrainingSample(
+        tokens=sample.tokens,
+        loss_fn_inputs=sample.loss_fn_inputs,
+        images=(ImageInput(image.offset, image.num_tokens - 1, 3, data, "png"),),
+    )
+    message = refused(model_dir, wrong)
+    assert "chunk 3" in message and f"{image.num_tokens} tokens" in message
+    assert f"expected_tokens is {image.num_tokens - 1}" in message
+
+    def with_image(data: bytes, image_format: str = "png") -> TrainingSample:
+        placed = ImageInput(image.offset, image.num_tokens, 3, data, image_format)
+        return TrainingSample(sample.tokens, sample.loss_fn_inputs, images=(placed,))
+
+    assert "chunk 3" in refused(model_dir, with_image(data[:40]))
+    assert "not a readable png" in refused(model_dir, with_image(b"not an image"))
+    jpeg = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(jpeg, format="JPEG")
+    assert "not png" in refused(model_dir, with_image(jpeg.getvalue()))
+    assert "'gif' is not served" in refused(model_dir, with_image(data, "gif"))
+    assert "the limit is 1000" in refused(model_dir, with_image(data), max_pixels=1000)
+    smuggled = TrainingSample(
+        (vm.IMAGE_TOKEN, *sample.tokens[1:]), sample.loss_fn_inputs, images=sample.images
+    )
+    assert "placeholder" in refused(model_dir, smuggled)
+    # A JPEG named as one is taken.
+    taken = checked_images(
+        model_dir, (with_image(jpeg.getvalue(), "jpeg"),), max_image_pixels=MAX_PIXELS
+    )
+    assert taken[0].tokens[image.offset] == vm.IMAGE_TOKEN

@@ -1,8 +1,9 @@
 """Images on the Tinker surface, through the real tinker 0.38 SDK (tests/tinker_env.py) and a
 real `posttrain serve --model NAME=DIR` of a tiny random-init Qwen3-VL with its image processor
 (tests/vision_models.py): forward logprobs of image+text datums equal transformers' own
-forward, LoRA SFT lowers the loss, and a wrong expected_tokens or a corrupt PNG is refused with
-the datum and chunk named."""
+forward, LoRA SFT lowers the loss, forward_backward_custom sees the same logprobs, and a wrong
+expected_tokens or a corrupt PNG is refused with the datum and chunk named; an image prompt to
+compute_logprobs is refused naming the chunk (sampling takes text prompts only)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ def test_image_datums_train_through_the_sdk_and_match_transformers(tinker_python
     for forward, reference in zip(seen["forward"], expected, strict=True):
         assert forward == pytest.approx(reference, abs=1e-5)
     assert seen["losses"][-1] < seen["losses"][0], seen["losses"]
+    # The custom loss saw the same logprobs as the built-in cross-entropy's first step.
+    assert seen["custom_loss"] == pytest.approx(seen["losses"][0], rel=1e-5)
+    assert "prompt.chunks[1]" in seen["image_prompt"] or "chunk 1" in seen["image_prompt"]
+    assert "image chunk" in seen["image_prompt"]
     assert "data[1].model_input" in seen["wrong_count"] and "chunk 1" in seen["wrong_count"]
     assert f"expected_tokens is {counts['a'] + 1}" in seen["wrong_count"]
     assert "data[1].model_input" in seen["corrupt"] and "not a readable png" in seen["corrupt"]

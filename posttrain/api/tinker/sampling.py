@@ -17,9 +17,17 @@ from posttrain.types import SampleRequest, SamplingParams
 def prompt_tokens(body: Sample) -> tuple[int, ...]:
     tokens: list[int] = []
     for index, chunk in enumerate(body.prompt.chunks):
+        if chunk.type == "image":
+            # The generator's passes place text positions only: an image's vision embeddings
+            # and its M-RoPE position offsets are not in prefill and decode.
+            raise InvalidRequest(
+                f"prompt chunk {index} is an image chunk: sampling and compute_logprobs take"
+                " text prompts only (forward and forward_backward take images)",
+                param=f"prompt.chunks[{index}]",
+            )
         if chunk.type != "encoded_text" or chunk.tokens is None:
             raise InvalidRequest(
-                f"prompt chunk of type {chunk.type!r}: posttrain serves text models only",
+                f"prompt chunk of type {chunk.type!r}: prompts take encoded_text chunks",
                 param=f"prompt.chunks[{index}]",
             )
         tokens.extend(chunk.tokens)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import tinker
+import torch
 from tinker import types
 
 API_KEY = "tml-posttrain-test"
@@ -67,6 +68,22 @@ def train(url: str, model: str, png_dir: str) -> dict:
             losses.append(result.metrics["loss:sum"])
             training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         out["losses"] = losses
+        # A custom loss, -sum(weights * logprobs), is cross-entropy: the same loss and logprobs.
+        custom_run = client.create_lora_training_client(base_model=model, rank=4, seed=1)
+
+        def negated(data: list[types.Datum], logprobs: list[torch.Tensor]):
+            weights = [d.loss_fn_inputs["weights"].to_torch() for d in data]
+            loss = -sum((w * x).sum() for w, x in zip(weights, logprobs, strict=True))
+            return loss, {"custom": float(loss)}
+
+        custom = custom_run.forward_backward_custom([first, second], negated).result()
+        out["custom_loss"] = custom.metrics["custom"]
+        sampler = training.save_weights_and_get_sampling_client()
+        try:
+            sampler.compute_logprobs(first.model_input).result()
+            out["image_prompt"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            out["image_prompt"] = f"{type(exc).__name__}: {exc}"
         wrong, _ = image_datum(a, counts["a"] + 1, [1, 5, 6], [7, 8, 9, 10])
         corrupt, _ = image_datum(a[:50], counts["a"], [1, 5, 6], [7, 8, 9, 10])
         for name, datum in (("wrong_count", wrong), ("corrupt", corrupt)):

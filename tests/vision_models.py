@@ -1,6 +1,6 @@
 """Random-init vision-language models built by the tests (nothing is downloaded), each with the
 image processor its family's `preprocessor_config.json` names saved beside it and the
-built-in tokenizer's files: Qwen3-VL (dense) at two text layers, hidden 64, and a vision tower
+built-in tokenizer's files: Qwen3-VL (dense, or MoE) at two text layers, hidden 64, and a vision tower
 of two blocks with one deepstack layer, so every path of the family's forward (vision
 embeddings, deepstack features, M-RoPE) runs.
 
@@ -21,7 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import (
+    Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
+)
 
 from posttrain.config import BUILTIN_MODEL_DIR
 
@@ -31,10 +37,18 @@ PATCH = 16
 MERGE = 2
 
 
-def build_qwen3_vl(directory: Path, *, seed: int = 0) -> Path:
-    """A tiny Qwen3-VL with its processor and tokenizer in `directory`; the directory."""
-    config = Qwen3VLConfig(
+def build_qwen3_vl(directory: Path, *, seed: int = 0, moe: bool = False) -> Path:
+    """A tiny Qwen3-VL (`moe`: Qwen3-VL-MoE, 4 experts, top 2, every layer sparse) with its
+    processor and tokenizer in `directory`; the directory."""
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    config_class, model_class = (
+        (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+        if moe
+        else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    )
+    config = config_class(
         text_config=dict(
+            **(experts if moe else {}),
             vocab_size=VOCAB,
             hidden_size=64,
             intermediate_size=128,
@@ -73,7 +87,7 @@ def build_qwen3_vl(directory: Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    Qwen3VLForConditionalGeneration(config).save_pretrained(directory)
+    model_class(config).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUILTIN_MODEL_DIR / name, directory / name)
     processor = Qwen2VLImageProcessorPil(

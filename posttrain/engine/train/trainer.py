@@ -52,7 +52,7 @@ from posttrain.engine.train.token_gradients import (
     needed_by_members,
     token_gradient,
 )
-from posttrain.errors import NonFiniteLoss
+from posttrain.errors import NonFiniteLoss, Unsupported
 from posttrain.model.logit_head import output_head
 from posttrain.model.routing import replay as replay_routes
 from posttrain.types import (
@@ -455,6 +455,11 @@ def _bucket_logprobs(
         # its embeddings and its position ids (M-RoPE) are the family's code.
         images = [image for row in rows for image in packed.images_S[row]]
         if images:
+            if shards is not None:  # the sharded embedding gives inputs_embeds, not ids
+                raise Unsupported(
+                    "image chunks with a sharded model (--trainer-ranks) are not served",
+                    param="model_input",
+                )
             inputs.update(image_inputs(resource.loaded, images, ids))
         # No KV cache: a training forward reads none, and a checkpointed layer's recompute
         # would write it twice.

@@ -1,4 +1,5 @@
-"""Image chunks through training on a tiny random-init Qwen3-VL (tests/vision_models.py):
+"""Image chunks through training on a tiny random-init Qwen3-VL, dense and MoE
+(tests/vision_models.py):
 
 - forward logprobs of image+text samples, one alone and two of different lengths and images in
   one padded pass, equal transformers' own forward (its processor's pixel_values and
@@ -128,6 +129,23 @@ def test_image_logprobs_equal_transformers_forward(engine, model_dir):
     moved = forward_logprobs(engine, model_dir, (other,), "exact")[0]
     assert (moved[-4:] - alone[-4:]).abs().max() > 1e-4
     engine.drop_session("r", "exact")
+
+
+def test_moe_image_logprobs_equal_transformers_forward(tmp_path):
+    model_dir = vm.build_qwen3_vl(tmp_path / "moe", moe=True)
+    engine = LocalEngine(EngineConfig(device="cpu", logprob_chunk_tokens=5), {"m": model_dir})
+    engine.load_resource("r", "m", muon_scaling=None)
+    engine.create_session("r", "moe", LoraConfig(rank=4, alpha=8, seed=1))
+    data = vm.png(64, 48, seed=1)
+    sample, full = image_sample(model_dir, data, [1, 5, 6], [7, 8, 9, 10])
+    ours = forward_logprobs(engine, model_dir, (sample,), "moe")[0]
+    torch.testing.assert_close(
+        ours, transformers_logprobs(model_dir, data, full), rtol=0, atol=1e-5
+    )
+    # LoRA covers the experts of the language model.
+    assert any(
+        ".language_model." in n and "experts" in n for n in engine._resources["r"].lora.layers
+    )
 
 
 def test_lora_sft_on_images_lowers_the_loss_and_adapts_the_language_model_only(engine, model_dir):

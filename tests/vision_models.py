@@ -1,8 +1,8 @@
 """Random-init vision-language models built by the tests (nothing is downloaded), each with the
 image processor its family's `preprocessor_config.json` names saved beside it and the
-built-in tokenizer's files: Qwen3-VL (dense, or MoE) at two text layers, hidden 64, and a vision tower
-of two blocks with one deepstack layer, so every path of the family's forward (vision
-embeddings, deepstack features, M-RoPE) runs.
+built-in tokenizer's files: Qwen3-VL (dense, or MoE) at two text layers, hidden 64, and a
+vision tower of two blocks with one deepstack layer, so every path of the family's forward
+(vision embeddings, deepstack features, M-RoPE) runs.
 
 The text vocabulary is the built-in tokenizer's 99 ids plus the family's four vision ids
 (vision start and end, image and video placeholders) at 99..102, as in the real checkpoints

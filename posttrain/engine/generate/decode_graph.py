@@ -44,7 +44,7 @@ log = logging.getLogger("posttrain")
 
 def static_passes_supported(gm: GeneratorModel) -> bool:
     """Whether DecodeStep can run this model's decode passes (see the module docstring)."""
-    config = gm.model.config
+    config = gm.model.config.get_text_config()  # a vision-language model: its language model
     return (
         gm.moe is None
         and config._attn_implementation == attention.IMPLEMENTATION

@@ -130,7 +130,7 @@ def forward_rows(
     rows' adapter routing made once (routing_of(keys_B)), for passes a CUDA graph captures
     (no index tensor may be made from the host inside one). `ragged`: a FanoutKVCache's rows
     hold different own lengths, `uniform`'s longest the longest (FanoutKVCache.begin)."""
-    config = gm.model.config
+    config = gm.model.config.get_text_config()  # a vision-language model: its language model
     if isinstance(cache, StaticDecodeCache):
         positions_BQ = cache.begin()
     elif ragged:

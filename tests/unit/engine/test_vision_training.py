@@ -7,6 +7,7 @@
 - the image is read: another image changes the text positions' logprobs;
 - LoRA SFT on image+text lowers the loss, and adapts the language model only (the vision tower
   and merger hold no adapters);
+- text prompts sample on the model, their logprobs equal a forward pass's;
 - the submit check: a wrong expected_tokens, corrupt bytes, a JPEG named png, an image past the
   pixel limit and a placeholder id in a text chunk are InvalidRequests naming the sample and
   the chunk, and the sample is left as it was."""
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_calls import forward_backward
+from engine_calls import forward_backward, sample
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
@@ -38,6 +39,8 @@ from posttrain.types import (  # noqa: E402
     LossConfig,
     LossType,
     OptimStepRequest,
+    SampleRequest,
+    SamplingParams,
     TrainingSample,
 )
 
@@ -166,6 +169,29 @@ def test_lora_sft_on_images_lowers_the_loss_and_adapts_the_language_model_only(e
     adapted = [name for name in lora.layers if name != lora.head_name]  # train_unembed's head
     assert adapted and all(".language_model." in name for name in adapted), sorted(adapted)
     engine.drop_session("r", "sft")
+
+
+def test_text_sampling_on_a_vision_language_model_matches_its_forward(engine, model_dir):
+    engine.create_session("r", "text", LoraConfig(rank=4, alpha=8, seed=1))
+    prompt = (1, 5, 6, 7)
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+    request = SampleRequest(prompts=(prompt,), num_samples=2, sampling_params=params)
+    (result,) = sample(engine, "r", "text", request)
+    for sequence in result.sequences:
+        tokens = (*prompt, *sequence.tokens)
+        scored = TrainingSample(
+            tokens=tokens[:-1],
+            loss_fn_inputs={
+                "target_tokens": tuple(float(t) for t in tokens[1:]),
+                "weights": (1.0,) * (len(tokens) - 1),
+            },
+        )
+        (forward,) = forward_logprobs(engine, model_dir, (scored,), "text")
+        assert sequence.logprobs is not None
+        torch.testing.assert_close(
+            forward[len(prompt) - 1 :], torch.tensor(sequence.logprobs), rtol=0, atol=1e-5
+        )
+    engine.drop_session("r", "text")
 
 
 def refused(model_dir: Path, sample: TrainingSample, *, max_pixels: int = MAX_PIXELS) -> str:

@@ -287,6 +287,12 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     return_routed_experts: bool = False
+    # Per prompt, its images in offset order (ImageInput); () when no prompt has one.
+    prompt_images: tuple[tuple[ImageInput, ...], ...] = ()
+
+    def images_of(self, index: int) -> tuple[ImageInput, ...]:
+        """The images of prompt `index`."""
+        return self.prompt_images[index] if self.prompt_images else ()
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from posttrain.errors import EngineFailure
 from posttrain.model import attention, latent_attention, routing
 from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
-from posttrain.model.vision import VisionInputs, is_vision_language
+from posttrain.model.vision import VisionInputs, is_vision_language, keep_tower_attention
 from posttrain.types import MoeShape
 
 
@@ -89,7 +89,10 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     # type as the unbound function (`device` read as `self`); it moves the model in place.
     model.to(device)  # type: ignore[arg-type]
     model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval unannotated
+    towers = model.config._attn_implementation
     attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
+    if is_vision_language(model.config):
+        keep_tower_attention(model, towers)
     routing.install(model)  # routing capture and replay of MoE routers
     latent_attention.install(model)  # MLA: its compressed latents in posttrain's caches
     for parameter in model.parameters():

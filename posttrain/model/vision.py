@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
-from transformers import AutoConfig, AutoImageProcessor, PreTrainedConfig
+from transformers import AutoConfig, AutoImageProcessor, PreTrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
@@ -67,6 +67,15 @@ def is_vision_language(config: PreTrainedConfig) -> bool:
         model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
         and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     )
+
+
+def keep_tower_attention(model: PreTrainedModel, implementation: str) -> None:
+    """Give the sub-models other than the language model (the vision tower) back their own
+    attention `implementation`: posttrain's attention (model/attention.py) serves decoder
+    layers, whose masks a sampler pass lays out per layer; a vision tower's attention is
+    bidirectional within each image and has no such layer."""
+    towers = {key: implementation for key in model.config.sub_configs if key != "text_config"}
+    model.set_attn_implementation(towers)
 
 
 def image_hash(data: bytes) -> str:

@@ -2,8 +2,9 @@
 real `posttrain serve --model NAME=DIR` of a tiny random-init Qwen3-VL with its image processor
 (tests/vision_models.py): forward logprobs of image+text datums equal transformers' own
 forward, LoRA SFT lowers the loss, forward_backward_custom sees the same logprobs, and a wrong
-expected_tokens or a corrupt PNG is refused with the datum and chunk named; an image prompt to
-compute_logprobs is refused naming the chunk (sampling takes text prompts only)."""
+expected_tokens or a corrupt PNG is refused with the datum and chunk named; compute_logprobs of
+the image prompt equals the forward at its text positions, and samples drawn after it carry
+the logprobs a prefill of prompt + sample gives."""
 
 from __future__ import annotations
 
@@ -91,8 +92,18 @@ def test_image_datums_train_through_the_sdk_and_match_transformers(tinker_python
     assert seen["losses"][-1] < seen["losses"][0], seen["losses"]
     # The custom loss saw the same logprobs as the built-in cross-entropy's first step.
     assert seen["custom_loss"] == pytest.approx(seen["losses"][0], rel=1e-5)
-    assert "prompt.chunks[1]" in seen["image_prompt"] or "chunk 1" in seen["image_prompt"]
-    assert "image chunk" in seen["image_prompt"]
+    # compute_logprobs of the image prompt: forward's logprobs at every text target (forward
+    # scores target 0 inside the image, compute_logprobs the placeholders).
+    full_a = [1, 5, 6, vm.VISION_START, *[vm.IMAGE_TOKEN] * counts["a"], vm.VISION_END, 7, 8, 9]
+    scored = seen["scored"]
+    assert scored[0] is None and len(scored) == len(full_a)
+    for i in range(len(full_a) - 1):
+        if full_a[i + 1] != vm.IMAGE_TOKEN:
+            assert scored[i + 1] == pytest.approx(seen["forward"][0][i], abs=1e-5)
+    # Sampling after the image prompt: two samples, each's logprobs as a prefill scores them.
+    assert len(seen["samples"]) == 2
+    for drawn in seen["samples"]:
+        assert drawn["logprobs"] == pytest.approx(drawn["rescored"], abs=1e-5)
     assert "data[1].model_input" in seen["wrong_count"] and "chunk 1" in seen["wrong_count"]
     assert f"expected_tokens is {counts['a'] + 1}" in seen["wrong_count"]
     assert "data[1].model_input" in seen["corrupt"] and "not a readable png" in seen["corrupt"]

@@ -78,12 +78,21 @@ def train(url: str, model: str, png_dir: str) -> dict:
 
         custom = custom_run.forward_backward_custom([first, second], negated).result()
         out["custom_loss"] = custom.metrics["custom"]
-        sampler = training.save_weights_and_get_sampling_client()
-        try:
-            sampler.compute_logprobs(first.model_input).result()
-            out["image_prompt"] = "no error"
-        except Exception as exc:  # noqa: BLE001 - the message is what is checked
-            out["image_prompt"] = f"{type(exc).__name__}: {exc}"
+        # The base model's sampler scores what the first forward scored.
+        sampler = client.create_sampling_client(base_model=model)
+        out["scored"] = sampler.compute_logprobs(first.model_input).result()
+        # The placeholder id stops a sequence: the random model samples it often.
+        params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[101])
+        sampled = sampler.sample(first.model_input, 2, params).result()
+        out["samples"] = []
+        for sequence in sampled.sequences:
+            extended = types.ModelInput(
+                chunks=[*first.model_input.chunks, types.EncodedTextChunk(tokens=sequence.tokens)]
+            )
+            rescored = sampler.compute_logprobs(extended).result()
+            out["samples"].append(
+                {"logprobs": sequence.logprobs, "rescored": rescored[-len(sequence.tokens) :]}
+            )
         wrong, _ = image_datum(a, counts["a"] + 1, [1, 5, 6], [7, 8, 9, 10])
         corrupt, _ = image_datum(a[:50], counts["a"], [1, 5, 6], [7, 8, 9, 10])
         for name, datum in (("wrong_count", wrong), ("corrupt", corrupt)):

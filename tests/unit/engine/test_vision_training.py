@@ -7,7 +7,8 @@
 - the image is read: another image changes the text positions' logprobs;
 - LoRA SFT on image+text lowers the loss, and adapts the language model only (the vision tower
   and merger hold no adapters);
-- text prompts sample on the model, their logprobs equal a forward pass's;
+- text prompts sample on the model, their logprobs equal a forward pass's; so do image
+  prompts (two images of one size in one request, two samples each) and their prompt logprobs;
 - the submit check: a wrong expected_tokens, corrupt bytes, a JPEG named png, an image past the
   pixel limit and a placeholder id in a text chunk are InvalidRequests naming the sample and
   the chunk, and the sample is left as it was."""
@@ -192,6 +193,56 @@ def test_text_sampling_on_a_vision_language_model_matches_its_forward(engine, mo
             forward[len(prompt) - 1 :], torch.tensor(sequence.logprobs), rtol=0, atol=1e-5
         )
     engine.drop_session("r", "text")
+
+
+def test_image_prompts_sample_with_logprobs_equal_a_forward_pass(engine, model_dir):
+    """Two prompts whose images have one size (equal tokens, told apart by their bytes),
+    two samples each: every sampled and prompt logprob equals the training forward's."""
+    engine.create_session("r", "images", LoraConfig(rank=4, alpha=8, seed=1))
+    prompts, images = [], []
+    for seed in (1, 2):
+        scored, full = image_sample(model_dir, vm.png(64, 48, seed=seed), [1, 5, 6], [7, 8])
+        (placed,) = checked_images(model_dir, (scored,), max_image_pixels=MAX_PIXELS)
+        prompts.append(tuple(full))
+        images.append(placed.images)
+    assert prompts[0] == prompts[1]
+    # The random model samples its placeholder often; as the last token it is a target only,
+    # never an input of the scoring forward.
+    params = SamplingParams(
+        max_tokens=4, temperature=1.0, seed=11, stop_token_ids=(vm.IMAGE_TOKEN,)
+    )
+    request = SampleRequest(
+        prompts=tuple(prompts),
+        num_samples=2,
+        sampling_params=params,
+        prompt_logprobs=True,
+        prompt_images=tuple(images),
+    )
+    results = sample(engine, "r", "images", request)
+    assert results[0].prompt_logprobs != results[1].prompt_logprobs  # the images differ
+    for prompt, prompt_images, result in zip(prompts, images, results, strict=True):
+        for sequence in result.sequences:
+            tokens = (*prompt, *sequence.tokens)
+            scored = TrainingSample(
+                tokens=tokens[:-1],
+                loss_fn_inputs={
+                    "target_tokens": tuple(float(t) for t in tokens[1:]),
+                    "weights": (1.0,) * (len(tokens) - 1),
+                },
+                images=prompt_images,
+            )
+            (forward,) = forward_logprobs(engine, model_dir, (scored,), "images")
+            assert sequence.logprobs is not None and result.prompt_logprobs is not None
+            torch.testing.assert_close(
+                forward[len(prompt) - 1 :], torch.tensor(sequence.logprobs), rtol=0, atol=1e-5
+            )
+            torch.testing.assert_close(
+                forward[: len(prompt) - 1],
+                torch.tensor(result.prompt_logprobs[1:]),
+                rtol=0,
+                atol=1e-5,
+            )
+    engine.drop_session("r", "images")
 
 
 def refused(model_dir: Path, sample: TrainingSample, *, max_pixels: int = MAX_PIXELS) -> str:

@@ -6,7 +6,7 @@
   image_grid_thw, mm_token_type_ids) at every position, image positions included;
 - the image is read: another image changes the text positions' logprobs;
 - LoRA SFT on image+text lowers the loss, and adapts the language model only (the vision tower
-  and merger hold no adapters);
+  and merger hold no adapters); full-weight SFT lowers it too;
 - text prompts sample on the model, their logprobs equal a forward pass's; so do image
   prompts (two images of one size in one request, two samples each) and their prompt logprobs;
 - the submit check: a wrong expected_tokens, corrupt bytes, a JPEG named png, an image past the
@@ -170,6 +170,24 @@ def test_lora_sft_on_images_lowers_the_loss_and_adapts_the_language_model_only(e
     adapted = [name for name in lora.layers if name != lora.head_name]  # train_unembed's head
     assert adapted and all(".language_model." in name for name in adapted), sorted(adapted)
     engine.drop_session("r", "sft")
+
+
+def test_full_weight_sft_on_images_lowers_the_loss(engine, model_dir):
+    engine.create_session("r", "full", None)
+    samples = tuple(
+        image_sample(model_dir, vm.png(64, 48, seed=k), [1, 5 + k], [20 + k, 30 + k, 40])[0]
+        for k in range(2)
+    )
+    checked = checked_images(model_dir, samples, max_image_pixels=MAX_PIXELS)
+    step = OptimStepRequest(adam=AdamParams(learning_rate=1e-2, weight_decay=0.0))
+    losses = []
+    for _ in range(3):
+        losses.append(
+            forward_backward(engine, "r", "full", ForwardBackwardRequest(checked, CE)).loss
+        )
+        engine.optim_step("r", "full", step)
+    assert losses[-1] < losses[0] - 0.5, losses
+    engine.drop_session("r", "full")
 
 
 def test_text_sampling_on_a_vision_language_model_matches_its_forward(engine, model_dir):

@@ -33,7 +33,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from posttrain.errors import InvalidRequest
 from posttrain.model.loader import LoadedModel
-from posttrain.model.vision import ImageGrid, ImageProblem, VisionInputs, is_vision_language
+from posttrain.model.vision import ImageProblem, VisionInputs, image_hash, is_vision_language
 from posttrain.types import ImageInput, SampleRequest, TrainingSample
 
 # An image that reaches a forward passed the pixel limit at submit.
@@ -148,50 +148,96 @@ def image_inputs(
     return vision.forward_inputs(grids, tokens_BT)
 
 
+def shifted_positions(
+    model: PreTrainedModel,
+    vision: VisionInputs,
+    prompt: tuple[int, ...],
+    images: tuple[ImageInput, ...],
+) -> tuple[Tensor, int]:
+    """The M-RoPE position ids [3, len(prompt)] of a prompt with its placeholders in place:
+    the model's own (`get_rope_index`), shifted so that the position after the prompt is
+    len(prompt) (module docstring); and the shift."""
+    device = next(model.parameters()).device
+    ids_1Q = torch.tensor([prompt], device=device)
+    grids = [
+        vision.grid(image.data, image.format, max_pixels=_CHECKED_AT_SUBMIT) for image in images
+    ]
+    # nn.Module's attribute lookup types every attribute as a tensor or module.
+    rope_index = cast(Callable[..., tuple[Tensor, Tensor]], model.base_model.get_rope_index)
+    # The model's positions [3, 1, Q] and the offset of the position after the prompt from
+    # its length [1, 1].
+    positions_31Q, delta_11 = rope_index(
+        input_ids=ids_1Q,
+        mm_token_type_ids=(ids_1Q == vision.image_token_id).to(torch.int32),
+        image_grid_thw=torch.tensor([g.grid_thw for g in grids], device=device),
+    )
+    shift = -int(delta_11.reshape(()))
+    return positions_31Q[:, 0] + shift, shift
+
+
+def prefix_key(
+    model: PreTrainedModel,
+    vision: VisionInputs,
+    prompt: tuple[int, ...],
+    images: tuple[ImageInput, ...],
+) -> tuple[int, ...]:
+    """What the prefix cache keys an image prompt by: its tokens, each image's placeholders
+    replaced by an id of the image's bytes (equal-sized images have equal placeholders), and,
+    where the prompt's positions are shifted, its first token by an id of (token, shift): a
+    prefix's KV depends on the shift, so prompts share cached prefixes only under one shift.
+    The ids are negative: no real token equals one."""
+    key = list(prompt)
+    for image in images:
+        virtual = -2 - int(image_hash(image.data)[:15], 16)
+        key[image.offset : image.offset + image.num_tokens] = [virtual] * image.num_tokens
+    _, shift = shifted_positions(model, vision, prompt, images)
+    if shift:
+        key[0] = -2 - int(image_hash(f"{shift}:{prompt[0]}".encode())[:15], 16)
+    return tuple(key)
+
+
+def cacheable_length(prompt_length: int, images: tuple[ImageInput, ...]) -> int:
+    """The longest prefix a prompt may take from the prefix cache: all but its last token,
+    ending before an image rather than inside one (an image's embeddings come whole)."""
+    limit = prompt_length - 1
+    for image in images:
+        if image.offset < limit < image.offset + image.num_tokens:
+            return image.offset
+    return limit
+
+
 @dataclass(frozen=True)
 class ImagePass:
-    """The images of a prefill pass, per row (a row with images holds its whole prompt from
-    position 0)."""
+    """The images of a prefill pass, per row: the row's whole prompt, its images, and the
+    position the pass starts it at (a prefix-cache hit ends before an image, never in one)."""
 
     model: PreTrainedModel
     vision: VisionInputs
+    prompts_B: list[tuple[int, ...]]
     images_B: list[tuple[ImageInput, ...]]
+    starts_B: list[int]
 
     def inputs(
         self, tokens_BQ: Tensor, positions_BQ: Tensor, num_new_B: Tensor
     ) -> dict[str, Tensor]:
-        """The forward's image arguments and its position ids [3, B, Q]: a text row's
-        positions on every axis, an image row's M-RoPE positions shifted (module docstring)."""
-        grids_B = [
-            [
-                self.vision.grid(image.data, image.format, max_pixels=_CHECKED_AT_SUBMIT)
-                for image in images
-            ]
-            for images in self.images_B
+        """The forward's image arguments (the images the pass's positions hold) and its
+        position ids [3, B, Q]: a text row's positions on every axis, an image row's
+        shifted M-RoPE positions (module docstring)."""
+        grids = [
+            self.vision.grid(image.data, image.format, max_pixels=_CHECKED_AT_SUBMIT)
+            for images, start in zip(self.images_B, self.starts_B, strict=True)
+            for image in images
+            if image.offset >= start
         ]
-        inputs = self.vision.forward_inputs([g for grids in grids_B for g in grids], tokens_BQ)
+        # After a prefix-cache hit a pass may hold no image, only positions that follow one.
+        inputs = self.vision.forward_inputs(grids, tokens_BQ) if grids else {}
         rope_3BQ = positions_BQ.unsqueeze(0).expand(3, -1, -1).clone()
-        for b, grids in enumerate(grids_B):
-            if grids:
+        for b, (prompt, images, start) in enumerate(
+            zip(self.prompts_B, self.images_B, self.starts_B, strict=True)
+        ):
+            if images:
                 count = int(num_new_B[b])
-                assert int(positions_BQ[b, 0]) == 0, "an image prompt prefills from position 0"
-                rope_3BQ[:, b, :count] = self._shifted_positions(tokens_BQ[b, :count], grids)
+                full_3P, _ = shifted_positions(self.model, self.vision, prompt, images)
+                rope_3BQ[:, b, :count] = full_3P[:, start : start + count]
         inputs["position_ids"] = rope_3BQ
         return inputs
-
-    def _shifted_positions(self, tokens_Q: Tensor, grids: list[ImageGrid]) -> Tensor:
-        ids_1Q = tokens_Q.unsqueeze(0)
-        device = tokens_Q.device
-        # The model's own M-RoPE positions ([3, 1, Q]) and the offset of the position after
-        # the prompt from its length ([1, 1]).
-        # nn.Module's attribute lookup types every attribute as a tensor or module.
-        rope_index = cast(
-            Callable[..., tuple[Tensor, Tensor]], self.model.base_model.get_rope_index
-        )
-        positions_31Q, delta_11 = rope_index(
-            input_ids=ids_1Q,
-            mm_token_type_ids=(ids_1Q == self.vision.image_token_id).to(torch.int32),
-            image_grid_thw=torch.tensor([g.grid_thw for g in grids], device=device),
-        )
-        shifted: Tensor = positions_31Q[:, 0] - delta_11.reshape(()).to(device)
-        return shifted

@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine.generate.prefix_cache import PrefixCache
-from posttrain.engine.images import ImagePass
+from posttrain.engine.images import ImagePass, cacheable_length, prefix_key
 from posttrain.engine.train.logprobs import log_softmax_float32
 from posttrain.model import attention, routing
 from posttrain.model.fanout_kv_cache import FanoutKVCache
@@ -79,7 +79,7 @@ class PromptGroup:
     wants_routes: bool = False
     routes: list[Tensor] = field(default_factory=list)
     # The prompt's images (placeholders in `prompt`): prefilled whole, in one pass, with the
-    # vision embeddings (engine/images.py), and never from or into the prefix cache.
+    # vision embeddings (engine/images.py); the prefix cache keys them by their bytes.
     images: tuple[ImageInput, ...] = ()
 
 
@@ -269,14 +269,21 @@ def _image_pass(
     routes_out: list[Tensor] | None,
 ) -> tuple[Tensor, list[int], list[int]]:
     """Every suffix in one pass (an image's embeddings come whole from the vision tower, so
-    its placeholders are not split between passes), as extend_rows yields a pass."""
+    its placeholders are not split between passes), as extend_rows yields a pass; an image
+    prompt's suffix starts after a prefix-cache hit, which ends before an image."""
     assert gm.vision is not None, "image prompts are checked against the model at submit"
     counts = [len(suffix) for suffix in suffixes]
     batch_BQ = torch.zeros(len(suffixes), max(counts), dtype=torch.int64)
     for b, suffix in enumerate(suffixes):
         batch_BQ[b, : counts[b]] = torch.tensor(suffix, dtype=torch.int64)
     device = gm.embedding.device
-    images = ImagePass(gm.model, gm.vision, [group.images for group in groups])
+    images = ImagePass(
+        gm.model,
+        gm.vision,
+        [group.prompt for group in groups],
+        [group.images for group in groups],
+        [group.cache_hit_tokens for group in groups],
+    )
     num_new_B = torch.tensor(counts, dtype=torch.int64, device=device)
     hidden_BQH = forward_rows(
         gm, cache, batch_BQ.to(device), num_new_B, keys, routes_out, images=images
@@ -290,16 +297,15 @@ def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
     cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
     for row, group in enumerate(groups):
         group.cache_hit_tokens = 0
-        if (
-            group.wants_prompt_logprobs
-            or group.wants_routes
-            or group.images
-            or not gm.prefix_cache.enabled
-        ):
-            continue  # prompt logprobs and routes need every position to run; images run whole
+        if group.wants_prompt_logprobs or group.wants_routes or not gm.prefix_cache.enabled:
+            continue  # prompt logprobs and routes need every position to run
         namespace = (group.adapter_key, group.generation)
         # At most len - 1: the last prompt token must run to give the first logits.
-        spans = gm.prefix_cache.lookup(namespace, group.prompt, max_tokens=len(group.prompt) - 1)
+        spans = gm.prefix_cache.lookup(
+            namespace,
+            cache_key(gm, group),
+            max_tokens=cacheable_length(len(group.prompt), group.images),
+        )
         for span in spans:
             cache.write_span(row, group.cache_hit_tokens, span)
             group.cache_hit_tokens += span.shape[3]
@@ -309,13 +315,20 @@ def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
 def keep_prompts(gm: GeneratorModel, groups: list[PromptGroup], cache: KVCache) -> None:
     """The prompts' KV (row g of `cache` is groups[g]'s, all computed) into the prefix cache."""
     for row, group in enumerate(groups):
-        if group.images:  # its KV is not a function of its tokens alone
-            continue
         gm.prefix_cache.insert(
             (group.adapter_key, group.generation),
-            group.prompt,
+            cache_key(gm, group),
             partial(cache.span, row),
         )
+
+
+def cache_key(gm: GeneratorModel, group: PromptGroup) -> tuple[int, ...]:
+    """What the prefix cache keys the group's prompt by: its tokens, or for an image prompt
+    the tokens with its images' bytes and position shift in them (engine/images.py)."""
+    if not group.images:
+        return group.prompt
+    assert gm.vision is not None, "image prompts are checked against the model at submit"
+    return prefix_key(gm.model, gm.vision, group.prompt, group.images)
 
 
 def _harvest_prompt_logprobs(

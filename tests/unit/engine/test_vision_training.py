@@ -9,6 +9,8 @@
   and merger hold no adapters); full-weight SFT lowers it too;
 - text prompts sample on the model, their logprobs equal a forward pass's; so do image
   prompts (two images of one size in one request, two samples each) and their prompt logprobs;
+- the prefix cache keys image prompts by their images' bytes: a repeated image prompt hits and
+  samples the same, another image of the same size reuses only the text before it;
 - the submit check: a wrong expected_tokens, corrupt bytes, a JPEG named png, an image past the
   pixel limit and a placeholder id in a text chunk are InvalidRequests naming the sample and
   the chunk, and the sample is left as it was."""
@@ -40,7 +42,9 @@ from posttrain.types import (  # noqa: E402
     LossConfig,
     LossType,
     OptimStepRequest,
+    SampledSequence,
     SampleRequest,
+    SampleResult,
     SamplingParams,
     TrainingSample,
 )
@@ -261,6 +265,67 @@ def test_image_prompts_sample_with_logprobs_equal_a_forward_pass(engine, model_d
                 atol=1e-5,
             )
     engine.drop_session("r", "images")
+
+
+def assert_sampled_as_forward(
+    engine: LocalEngine,
+    model_dir: Path,
+    prompt: tuple[int, ...],
+    images: tuple[ImageInput, ...],
+    sequence: SampledSequence,
+    session: str,
+) -> None:
+    tokens = (*prompt, *sequence.tokens)
+    scored = TrainingSample(
+        tokens=tokens[:-1],
+        loss_fn_inputs={
+            "target_tokens": tuple(float(t) for t in tokens[1:]),
+            "weights": (1.0,) * (len(tokens) - 1),
+        },
+        images=images,
+    )
+    (forward,) = forward_logprobs(engine, model_dir, (scored,), session)
+    assert sequence.logprobs is not None
+    torch.testing.assert_close(
+        forward[len(prompt) - 1 :], torch.tensor(sequence.logprobs), rtol=0, atol=1e-5
+    )
+
+
+def test_the_prefix_cache_keys_image_prompts_by_their_bytes(engine, model_dir):
+    """A repeated image prompt prefills from the cache and samples the same; the same tokens
+    with another image of that size reuse only the text before the image."""
+    engine.create_session("r", "cached", LoraConfig(rank=4, alpha=8, seed=1))
+    prompts = {}
+    for seed in (1, 2):
+        scored, full = image_sample(model_dir, vm.png(64, 48, seed=seed), [1, 5, 6], [7, 8])
+        (placed,) = checked_images(model_dir, (scored,), max_image_pixels=MAX_PIXELS)
+        prompts[seed] = (tuple(full), placed.images)
+    params = SamplingParams(
+        max_tokens=4, temperature=1.0, seed=11, stop_token_ids=(vm.IMAGE_TOKEN,)
+    )
+
+    def sampled(seed: int) -> SampleResult:
+        prompt, images = prompts[seed]
+        request = SampleRequest(
+            prompts=(prompt,), num_samples=2, sampling_params=params, prompt_images=(images,)
+        )
+        (result,) = sample(engine, "r", "cached", request)
+        return result
+
+    first, again = sampled(1), sampled(1)
+    prompt, images = prompts[1]
+    assert [s.prompt_cache_hit_tokens for s in first.sequences] == [0, 0]
+    assert [s.prompt_cache_hit_tokens for s in again.sequences] == [len(prompt) - 1] * 2
+    for fresh, cached in zip(first.sequences, again.sequences, strict=True):
+        assert cached.tokens == fresh.tokens
+        assert cached.logprobs == pytest.approx(fresh.logprobs, abs=1e-6)
+        assert_sampled_as_forward(engine, model_dir, prompt, images, cached, "cached")
+    other = sampled(2)
+    image_start = images[0].offset
+    assert [s.prompt_cache_hit_tokens for s in other.sequences] == [image_start] * 2
+    for sequence in other.sequences:
+        assert_sampled_as_forward(engine, model_dir, *prompts[2], sequence, "cached")
+    engine.drop_session("r", "cached")
 
 
 def refused(model_dir: Path, sample: TrainingSample, *, max_pixels: int = MAX_PIXELS) -> str:

@@ -32,7 +32,7 @@ import vision_models as vm  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.engine.images import checked_images  # noqa: E402
+from posttrain.engine.images import checked_images, checked_prompt_images  # noqa: E402
 from posttrain.errors import InvalidRequest  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
@@ -363,6 +363,11 @@ def test_bad_images_are_refused_naming_the_chunk(model_dir):
         (vm.IMAGE_TOKEN, *sample.tokens[1:]), sample.loss_fn_inputs, images=sample.images
     )
     assert "placeholder" in refused(model_dir, smuggled)
+    # A sample prompt's images are checked the same way, naming the prompt.
+    prompt = SampleRequest(prompts=(sample.tokens,), prompt_images=(wrong.images,))
+    with pytest.raises(InvalidRequest) as caught:
+        checked_prompt_images(model_dir, prompt, max_image_pixels=MAX_PIXELS)
+    assert caught.value.param == "model_inputs[0]" and "chunk 3" in caught.value.message
     # A JPEG named as one is taken.
     taken = checked_images(
         model_dir, (with_image(jpeg.getvalue(), "jpeg"),), max_image_pixels=MAX_PIXELS

@@ -7,6 +7,7 @@
 - the image is read: another image changes the text positions' logprobs;
 - LoRA SFT on image+text lowers the loss, and adapts the language model only (the vision tower
   and merger hold no adapters); full-weight SFT lowers it too;
+- two images of different sizes in one prompt: forward equals transformers, samples the forward;
 - text prompts sample on the model, their logprobs equal a forward pass's; so do image
   prompts (two images of one size in one request, two samples each) and their prompt logprobs;
 - the prefix cache keys image prompts by their images' bytes: a repeated image prompt hits and
@@ -326,6 +327,53 @@ def test_the_prefix_cache_keys_image_prompts_by_their_bytes(engine, model_dir):
     for sequence in other.sequences:
         assert_sampled_as_forward(engine, model_dir, *prompts[2], sequence, "cached")
     engine.drop_session("r", "cached")
+
+
+def test_two_images_in_one_prompt_train_and_sample_as_transformers(engine, model_dir):
+    """A prompt with two images of different sizes: forward logprobs equal transformers'
+    (both images' embeddings and M-RoPE positions), and sampled logprobs the forward's."""
+    engine.create_session("r", "two", LoraConfig(rank=4, alpha=8, seed=1))
+    first, second = vm.png(64, 48, seed=3), vm.png(40, 72, seed=4)
+    out_1, count_1 = placeholders(model_dir, first)
+    out_2, count_2 = placeholders(model_dir, second)
+    head = [1, 5, vm.VISION_START]
+    middle = [vm.VISION_END, 6, 7, vm.VISION_START]
+    tail = [vm.VISION_END, 8, 9, 10]
+    full = [*head, *[vm.IMAGE_TOKEN] * count_1, *middle, *[vm.IMAGE_TOKEN] * count_2, *tail]
+    second_at = len(head) + count_1 + len(middle)
+    images = (
+        ImageInput(len(head), count_1, 1, first, "png"),
+        ImageInput(second_at, count_2, 3, second, "png"),
+    )
+    scored = TrainingSample(
+        tokens=tuple(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tuple(float(t) for t in full[1:]),
+            "weights": (1.0,) * (len(full) - 1),
+        },
+        images=images,
+    )
+    (ours,) = forward_logprobs(engine, model_dir, (scored,), "two")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([full[:-1]])
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids,
+            pixel_values=torch.cat([out_1["pixel_values"], out_2["pixel_values"]]),
+            image_grid_thw=torch.cat([out_1["image_grid_thw"], out_2["image_grid_thw"]]),
+            mm_token_type_ids=(ids == vm.IMAGE_TOKEN).to(torch.int32),
+        ).logits[0]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(full[1:])[:, None])
+    torch.testing.assert_close(ours, expected[:, 0], rtol=0, atol=1e-5)
+
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop_token_ids=(vm.IMAGE_TOKEN,))
+    request = SampleRequest(
+        prompts=(tuple(full),), num_samples=2, sampling_params=params, prompt_images=(images,)
+    )
+    (result,) = sample(engine, "r", "two", request)
+    for sequence in result.sequences:
+        assert_sampled_as_forward(engine, model_dir, tuple(full), images, sequence, "two")
+    engine.drop_session("r", "two")
 
 
 def refused(model_dir: Path, sample: TrainingSample, *, max_pixels: int = MAX_PIXELS) -> str:

@@ -28,7 +28,12 @@ from posttrain.errors import EngineFailure
 from posttrain.model import attention, latent_attention, routing
 from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
-from posttrain.model.vision import VisionInputs, is_vision_language, keep_tower_attention
+from posttrain.model.vision import (
+    VisionInputs,
+    is_vision_language,
+    keep_tower_attention,
+    tower_activation_bytes,
+)
 from posttrain.types import MoeShape
 
 
@@ -104,6 +109,9 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
+    vision = VisionInputs(path) if is_vision_language(model.config) else None
+    if vision is not None:
+        vision.token_activation_bytes = tower_activation_bytes(model, vision.merge_size)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -113,7 +121,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         eos_token_ids=frozenset(eos_ids),
         kv=kv_shape(model),
         moe=routing.moe_shape(model),
-        vision=VisionInputs(path) if is_vision_language(model.config) else None,
+        vision=vision,
     )
 
 

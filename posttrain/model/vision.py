@@ -29,12 +29,14 @@ from pathlib import Path
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import AutoConfig, AutoImageProcessor, PreTrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
+
+from posttrain.model.logit_head import output_projection
 
 # The formats an image chunk may name, as PIL reports them.
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
@@ -78,6 +80,20 @@ def keep_tower_attention(model: PreTrainedModel, implementation: str) -> None:
     model.set_attn_implementation(towers)
 
 
+def tower_activation_bytes(model: PreTrainedModel, merge_size: int) -> int:
+    """An upper bound on the vision tower's activation bytes per image placeholder token: the
+    merge window's patches (merge_size**2) through every Linear outside the decoder layers and
+    the head, twice (beside each output, the input of a norm or residual add)."""
+    head = output_projection(model)
+    widths = sum(
+        module.out_features
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and ".layers." not in f".{name}." and module is not head
+    )
+    itemsize = next(model.parameters()).element_size()
+    return 2 * widths * merge_size**2 * itemsize
+
+
 def image_hash(data: bytes) -> str:
     """The key of an image's bytes (processed grids, prefix caches)."""
     return hashlib.sha256(data).hexdigest()
@@ -99,6 +115,8 @@ class VisionInputs:
             directory, backend="pil", local_files_only=True
         )
         self.merge_size = int(self.processor.merge_size)
+        # Set by the loader once the model is built (tower_activation_bytes).
+        self.token_activation_bytes = 0
         self._grids: OrderedDict[tuple[str, str], ImageGrid] = OrderedDict()
 
     def grid(self, data: bytes, image_format: str, *, max_pixels: int) -> ImageGrid:

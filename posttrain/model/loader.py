@@ -25,7 +25,7 @@ from transformers import (
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.errors import EngineFailure
-from posttrain.model import attention, latent_attention, routing
+from posttrain.model import attention, families, latent_attention, routing
 from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
 from posttrain.model.vision import (
@@ -143,9 +143,10 @@ def path_kv_shape(path: Path) -> KVShape:
 
 def servable_problem(path: Path) -> str | None:
     """Why the directory cannot be served, or None: it must hold a config transformers builds
-    into a decoder-only causal LM, with attention posttrain runs (sdpa or eager), and a
-    tokenizer. Reads configs and tokenizer files only; the model is built on the meta device,
-    so no weights are read or allocated."""
+    into a decoder-only causal LM of a family the family table does not refuse
+    (families.py), with attention posttrain runs (sdpa or eager), and a tokenizer. Reads
+    configs and tokenizer files only; the model is built on the meta device, so no weights are
+    read or allocated."""
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure here is the directory's problem
@@ -160,6 +161,9 @@ def servable_problem(path: Path) -> str | None:
             f"model_type {config.model_type!r} takes images, and the directory has no"
             " preprocessor_config.json naming its image processor"
         )
+    refused = families.refusal(config.model_type)  # the family table's verdict
+    if refused is not None:
+        return refused
     try:
         model = _meta_model(config)
     except Exception as exc:  # noqa: BLE001

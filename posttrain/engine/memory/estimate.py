@@ -41,7 +41,7 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   result.
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
   prompt row rounded up to the pool's width and the generated part as above; the stream sizes
-  it itself (generate/sample_stream.py pool_row_bytes), for the service's admission.
+  it itself (generate/sample_stream.py pool_rows, pool_row_bytes) from what is free.
 - a vision-language model's images: per placeholder token, its merge window's patches through
   every Linear of the vision tower (the sum of their output widths, twice: inputs of norms and
   residuals beside), an upper bound whether the tower is frozen (one block at a time) or

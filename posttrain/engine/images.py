@@ -1,5 +1,5 @@
 """Image chunks of training samples checked against the model before anything is queued: each
-image decoded and processed by the model's own image processor (model/vision.py), its
+image decoded and processed by the model's own image processor (model/vision/), its
 placeholder count compared with the count the client expected, and its positions filled with
 the model's image placeholder token.
 

@@ -115,7 +115,7 @@ class ModelShape:
     # Heads whose [T, T] scores a pass materialises (sdpa unfused: MLA on a CPU); 0 elsewhere.
     score_heads: int = 0
     # A vision-language model: bytes its vision tower's activations take per image placeholder
-    # token (model/vision.py VisionInputs.token_activation_bytes); 0 for a text model.
+    # token (model/vision/images.py VisionInputs.token_activation_bytes); 0 for a text model.
     vision_token_bytes: int = 0
 
     @property

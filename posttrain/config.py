@@ -329,6 +329,14 @@ class LimitsConfig(BaseModel):
         description="most tokens one operation processes: a forward-backward's sample tokens,"
         " or a sample operation's sequences x (prompt + max_tokens)",
     )
+    # Decoding is bounded before the processor runs: 16 MP is above any VL model's own
+    # resize cap (Qwen3-VL's default longest edge is 16.7 MP) and well under PIL's bomb limit.
+    max_image_pixels: int = Field(
+        1 << 24,
+        ge=1,
+        description="most pixels (width x height) of one image chunk; larger images get a 400",
+        json_schema_extra=flag("limits and auth", metavar="PIXELS"),
+    )
 
 
 class RoutedExpertsConfig(BaseModel):

@@ -148,6 +148,21 @@ class ExpertRoutes:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """An image in a model input: `data` holds PNG or JPEG bytes (`format` "png" or "jpeg")
+    that stand for the `num_tokens` token positions [offset, offset + num_tokens); `chunk` is
+    the image's index among the input's chunks, which errors name. The tokens at those
+    positions are the model's image placeholder once the service has checked the image
+    (engine/images.py)."""
+
+    offset: int
+    num_tokens: int
+    chunk: int
+    data: bytes
+    format: str
+
+
+@dataclass(frozen=True)
 class TrainingSample:
     """One sample: `tokens` is the model input ((prompt + completion)[:-1]); every
     `loss_fn_inputs` value has exactly len(tokens) entries (checked by the api layer).
@@ -165,6 +180,7 @@ class TrainingSample:
     routed_experts_key: str | None = None
     routed_experts: ExpertRoutes | None = None
     targets_per_position: int = 1
+    images: tuple[ImageInput, ...] = ()  # in offset order; () for a text-only sample
 
     @property
     def loss_length(self) -> int:
@@ -271,6 +287,12 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     return_routed_experts: bool = False
+    # Per prompt, its images in offset order (ImageInput); () when no prompt has one.
+    prompt_images: tuple[tuple[ImageInput, ...], ...] = ()
+
+    def images_of(self, index: int) -> tuple[ImageInput, ...]:
+        """The images of prompt `index`."""
+        return self.prompt_images[index] if self.prompt_images else ()
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,16 @@ DEFAULT_POSITIONS = 2048
 ORIGINAL = "original_max_position_embeddings"
 
 
+def text_config(config: Mapping[str, object]) -> Mapping[str, object]:
+    """The part of a config.json (as a dict) that describes the language model: the nested
+    `text_config` of a vision-language model, else the config itself."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) else config
+
+
 def context_length(config: Mapping[str, object]) -> int:
     """Positions a model of this config.json (as a dict) takes in one sequence."""
+    config = text_config(config)
     positions = _int(config.get("max_position_embeddings"), DEFAULT_POSITIONS)
     extended = [_scaled(config, positions, rope) for rope in _rope_dicts(config)]
     return max([positions, *extended])

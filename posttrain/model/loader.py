@@ -17,6 +17,7 @@ from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedConfig,
     PreTrainedModel,
@@ -27,6 +28,12 @@ from posttrain.errors import EngineFailure
 from posttrain.model import attention, families, latent_attention, routing
 from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
+from posttrain.model.vision import (
+    VisionInputs,
+    is_vision_language,
+    keep_tower_attention,
+    tower_activation_bytes,
+)
 from posttrain.types import MoeShape
 
 
@@ -40,6 +47,8 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     kv: KVShape  # what its attention layers write to a KV cache, probed from its modules
     moe: MoeShape | None = None  # the shape of its expert routes; None: dense
+    # A vision-language model's image processor and placeholder token; None: text only.
+    vision: VisionInputs | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,7 +79,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         # use_kernels=False: transformers (5.2x) otherwise swaps layers for Hugging Face Hub
         # kernels on CUDA at the first train()/eval(), code fetched at run time whose numerics
         # the sampler / trainer agreement was never checked against (and, offline, a failure).
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model = _auto_class(config).from_pretrained(
             path, dtype=dtype, local_files_only=True, use_kernels=False
         )
     # The start-up check (servable_problem) reads no weights, so a missing, truncated or
@@ -84,17 +94,24 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     # type as the unbound function (`device` read as `self`); it moves the model in place.
     model.to(device)  # type: ignore[arg-type]
     model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval unannotated
+    towers = model.config._attn_implementation
     attention.install(model)  # sdpa, plus the sampler's shared-prefix attention
+    if is_vision_language(model.config):
+        keep_tower_attention(model, towers)
     routing.install(model)  # routing capture and replay of MoE routers
     latent_attention.install(model)  # MLA: its compressed latents in posttrain's caches
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    config = model.config
+    # A vision-language model keeps its vocabulary and stop tokens in its text config.
+    config = model.config.get_text_config()
     eos = config.eos_token_id
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
+    vision = VisionInputs(path) if is_vision_language(model.config) else None
+    if vision is not None:
+        vision.token_activation_bytes = tower_activation_bytes(model, vision.merge_size)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -104,6 +121,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         eos_token_ids=frozenset(eos_ids),
         kv=kv_shape(model),
         moe=routing.moe_shape(model),
+        vision=vision,
     )
 
 
@@ -133,10 +151,16 @@ def servable_problem(path: Path) -> str | None:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure here is the directory's problem
         return f"transformers cannot read its config ({type(exc).__name__}: {exc})"
-    if getattr(config, "is_encoder_decoder", False) or type(config) not in (
-        MODEL_FOR_CAUSAL_LM_MAPPING
+    is_vision = is_vision_language(config)
+    if getattr(config, "is_encoder_decoder", False) or (
+        type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not is_vision
     ):
         return f"model_type {config.model_type!r} is not a decoder-only causal LM"
+    if is_vision and not (path / "preprocessor_config.json").is_file():
+        return (
+            f"model_type {config.model_type!r} takes images, and the directory has no"
+            " preprocessor_config.json naming its image processor"
+        )
     refused = families.refusal(config.model_type)  # the family table's verdict
     if refused is not None:
         return refused
@@ -158,6 +182,14 @@ def _meta_model(config: PreTrainedConfig) -> PreTrainedModel:
     """The causal LM `config` describes, built on the meta device: no weights are read or
     allocated."""
     # transformers leaves from_config unannotated; it returns the mapped model class's instance.
-    from_config: Callable[[PreTrainedConfig], PreTrainedModel] = AutoModelForCausalLM.from_config
+    from_config: Callable[[PreTrainedConfig], PreTrainedModel] = _auto_class(config).from_config
     with torch.device("meta"):
         return from_config(config)
+
+
+def _auto_class(
+    config: PreTrainedConfig,
+) -> type[AutoModelForCausalLM] | type[AutoModelForImageTextToText]:
+    """The auto class that builds `config`: image-text-to-text for a vision-language model
+    (its vision tower and the language model in one forward), else causal LM."""
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM

@@ -74,7 +74,7 @@ def output_head(model: PreTrainedModel) -> nn.Module:
     applies)."""
     projection = output_projection(model)
     assert projection is not None, f"{type(model).__name__} has no output embeddings"
-    transform = logit_transform(model.config)
+    transform = logit_transform(model.config.get_text_config())
     return projection if transform is None else TransformedHead(projection, transform)
 
 

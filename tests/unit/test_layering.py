@@ -160,11 +160,12 @@ def test_the_import_graph_has_no_cycle():
 
 
 # What the service may import of the engine: the protocol, the builder, the engine's files as
-# the service reads them, and the two request rules checked before an operation is queued.
+# the service reads them, and the request rules checked before an operation is queued.
 ENGINE_SURFACE = {
     "posttrain.engine.interface",
     "posttrain.engine.build",
     "posttrain.engine.files",
+    "posttrain.engine.images",
     "posttrain.engine.optim.step_settings",
     "posttrain.engine.train.expert_routes",
 }

@@ -79,15 +79,28 @@ class WireSpan:
 
 
 @dataclass(frozen=True)
+class WireImage:
+    """An image chunk of a model input: its bytes and format, the token positions
+    [offset, offset + expected_tokens) it stands for, and its chunk index."""
+
+    offset: int
+    expected_tokens: int
+    chunk: int
+    data: bytes
+    format: str
+
+
+@dataclass(frozen=True)
 class WireDatum:
-    """One datum: its input tokens (the text chunks joined) and its loss inputs by name. The
-    span tuples are empty when the datum carries no provenance (the SDK sends both or
-    neither)."""
+    """One datum: its input tokens (the text chunks joined, an image chunk's
+    `expected_tokens` positions held by 0s) and its loss inputs by name. The span tuples are
+    empty when the datum carries no provenance (the SDK sends both or neither)."""
 
     tokens: tuple[int, ...]
     inputs: dict[str, WireTensor]
     model_input_spans: tuple[WireSpan, ...] = ()
     loss_fn_input_spans: tuple[WireSpan, ...] = ()
+    images: tuple[WireImage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,8 +216,10 @@ def _loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
 
 def _datum(msg: pb.Datum, i: int) -> WireDatum:
     where = f"data[{i}]"
+    tokens, images = _tokens(msg, f"{where}.model_input")
     return WireDatum(
-        tokens=_tokens(msg, f"{where}.model_input"),
+        tokens=tokens,
+        images=images,
         inputs={
             name: _tensor(msg.loss_fn_inputs[name], f"{where}.loss_fn_inputs.{name}")
             for name in sorted(msg.loss_fn_inputs)
@@ -214,24 +229,56 @@ def _datum(msg: pb.Datum, i: int) -> WireDatum:
     )
 
 
-def _tokens(msg: pb.Datum, param: str) -> tuple[int, ...]:
+def _tokens(msg: pb.Datum, param: str) -> tuple[tuple[int, ...], tuple[WireImage, ...]]:
+    """The datum's tokens, an image's positions held by 0s, and its image chunks."""
     parts = []
+    images = []
+    offset = 0
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind == "encoded_text":
             parts.append(_array(chunk.encoded_text.tokens, _I32, param, f"chunk {j}'s tokens"))
+        elif kind == "image":
+            image = _image(chunk.image, j, offset, param)
+            images.append(image)
+            parts.append(np.zeros(image.expected_tokens, dtype=_I32))
         elif kind is None:
             raise InvalidRequest(f"chunk {j} is empty (no encoded_text)", param=param)
         else:
             raise InvalidRequest(
-                f"chunk {j} is an {kind} chunk: posttrain serves text models only, so "
-                "model_input takes encoded_text chunks",
+                f"chunk {j} is an {kind} chunk: model_input takes encoded_text and image"
+                " chunks",
                 param=param,
             )
+        offset += len(parts[-1])
     if not parts:
-        return ()
+        return (), ()
     tokens: list[int] = np.concatenate(parts).tolist()
-    return tuple(tokens)
+    return tuple(tokens), tuple(images)
+
+
+def _image(msg: pb.ImageChunk, j: int, offset: int, param: str) -> WireImage:
+    # A datum's length counts an image as its expected_tokens (the SDK's ImageChunk.length),
+    # so its loss inputs' lengths are known only with it.
+    if not msg.HasField("expected_tokens") or msg.expected_tokens <= 0:
+        raise InvalidRequest(
+            f"chunk {j} is an image chunk without a positive expected_tokens; a datum's"
+            " length counts an image as its expected_tokens",
+            param=param,
+        )
+    if msg.HasField("override_dimensions"):
+        raise InvalidRequest(
+            f"chunk {j}: override_dimensions is not served (the image is processed at its"
+            " own size)",
+            param=param,
+        )
+    return WireImage(
+        offset=offset,
+        expected_tokens=msg.expected_tokens,
+        chunk=j,
+        data=bytes(msg.data),
+        format=msg.format,
+    )
 
 
 def _spans(spans: Sequence[pb.ProvenanceSpan], param: str) -> tuple[WireSpan, ...]:

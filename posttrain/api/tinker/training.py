@@ -15,7 +15,13 @@ from posttrain.api.tinker.codec import WireDatum, WireForwardBackward
 from posttrain.api.tinker.losses import check_tinker_inputs, logprobs_shape, tinker_loss
 from posttrain.api.tinker.wire import OptimStep
 from posttrain.errors import InvalidRequest
-from posttrain.types import AdamParams, ForwardBackwardRequest, OptimStepRequest, TrainingSample
+from posttrain.types import (
+    AdamParams,
+    ForwardBackwardRequest,
+    ImageInput,
+    OptimStepRequest,
+    TrainingSample,
+)
 
 
 def forward_backward_request(
@@ -65,8 +71,21 @@ def _sample(index: int, datum: WireDatum) -> TrainingSample:
         if not all(math.isfinite(v) for v in values):
             raise InvalidRequest(f"{key} holds a value that is not finite", param=param)
         inputs[key] = values
+    images = tuple(
+        ImageInput(
+            offset=image.offset,
+            num_tokens=image.expected_tokens,
+            chunk=image.chunk,
+            data=image.data,
+            format=image.format,
+        )
+        for image in datum.images
+    )
     return TrainingSample(
-        tokens=tuple(datum.tokens), loss_fn_inputs=inputs, targets_per_position=per_position
+        tokens=tuple(datum.tokens),
+        loss_fn_inputs=inputs,
+        targets_per_position=per_position,
+        images=images,
     )
 
 

@@ -109,9 +109,15 @@ class CreateSamplingSession(Body):
 
 
 class Chunk(Body):
+    """A prompt chunk: encoded_text (`tokens`) or image (`data` base64, as the SDK's
+    ImageChunk serializes it, `format`, `expected_tokens`)."""
+
     model_config = ConfigDict(extra="allow")
     type: str = "encoded_text"
     tokens: list[int] | None = None
+    data: str | None = None
+    format: str | None = None
+    expected_tokens: int | None = None
 
 
 class Prompt(Body):

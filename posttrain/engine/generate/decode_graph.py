@@ -44,9 +44,12 @@ log = logging.getLogger("posttrain")
 
 def static_passes_supported(gm: GeneratorModel) -> bool:
     """Whether DecodeStep can run this model's decode passes (see the module docstring)."""
-    config = gm.model.config
+    config = gm.model.config.get_text_config()  # a vision-language model: its language model
+    # A vision-language model's prompts prefill with its vision tower (generate/prefill.py),
+    # which the static prefill steps do not run.
     return (
         gm.moe is None
+        and gm.vision is None
         and config._attn_implementation == attention.IMPLEMENTATION
         and static_decode_supported(layer_types(config))
     )

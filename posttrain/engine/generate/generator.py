@@ -134,8 +134,9 @@ def sample_batch(
                 prompt_logprobs=request.prompt_logprobs,
                 topk_prompt_logprobs=request.topk_prompt_logprobs,
                 return_routed_experts=request.return_routed_experts,
+                images=request.images_of(index),
             )
-            for prompt in request.prompts
+            for index, prompt in enumerate(request.prompts)
         )
     results = generate(model, requests, versions=resource.served, between_tokens=between_tokens)
     split: list[list[SampleResult]] = []
@@ -160,4 +161,5 @@ def generator_model(
         kv=loaded.kv,
         moe=loaded.moe,
         cuda_graphs=config.cuda_graphs,
+        vision=loaded.vision,
     )

@@ -77,7 +77,7 @@ def joins_in_pass(
     if batch is None or batch.wants_routes:
         return False  # routes are recorded per decode pass, [B, 1, L, K]
     groups = [generation.groups[g] for g in group_ids]
-    if any(g.wants_prompt_logprobs or g.wants_routes for g in groups):
+    if any(g.wants_prompt_logprobs or g.wants_routes or g.images for g in groups):
         return False
     return sum(len(g.prompt) for g in groups) <= PREFILL_TOKENS_PER_PASS
 

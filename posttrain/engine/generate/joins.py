@@ -40,7 +40,9 @@ from posttrain.engine.state import WeightsVersion
 from posttrain.engine.train.expert_routes import to_routes
 from posttrain.model.fanout_kv_cache import FanoutKVCache
 from posttrain.model.kv_cache import KVCache
+from posttrain.model.vision import image_hash
 from posttrain.types import (
+    ImageInput,
     PolicySegment,
     SampledSequence,
     SampleResult,
@@ -66,6 +68,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     return_routed_experts: bool = False  # ignored by a dense model (api.md 1.4.6)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, placeholders in `prompt`
 
 
 @dataclass
@@ -92,7 +95,8 @@ class Generation:
         Prompts are shared within one `add` only: a joining request never reads the prefix
         of a running group (its weights may have been published since)."""
         first_group, first_row = len(self.groups), len(self.rows)
-        index: dict[tuple[str, tuple[int, ...]], int] = {}
+        # Placeholders of equal-sized images are equal tokens: the images' bytes tell apart.
+        index: dict[tuple[str, tuple[int, ...], tuple[str, ...]], int] = {}
         for request in requests:
             r = len(self.requests)
             self.requests.append(request)
@@ -100,11 +104,16 @@ class Generation:
             self._first_row.append(len(self.rows))
             self.segments.append([PolicySegment(0, versions[request.adapter_key].version)])
             wants_routes = request.return_routed_experts and gm.moe is not None
-            key = (request.adapter_key, request.prompt)
+            hashes = tuple(image_hash(image.data) for image in request.images)
+            key = (request.adapter_key, request.prompt, hashes)
             if key not in index:
                 index[key] = len(self.groups)
                 generation = versions[request.adapter_key].generation
-                self.groups.append(PromptGroup(request.adapter_key, request.prompt, generation))
+                self.groups.append(
+                    PromptGroup(
+                        request.adapter_key, request.prompt, generation, images=request.images
+                    )
+                )
             g = index[key]
             self.group_of_request.append(g)
             group = self.groups[g]
@@ -276,7 +285,10 @@ def switch_weights(
     for g in sorted(changed):
         current = versions[groups[g].adapter_key]
         groups[g].generation = current.generation
-        fresh.append(PromptGroup(groups[g].adapter_key, groups[g].prompt, current.generation))
+        group = groups[g]
+        fresh.append(
+            PromptGroup(group.adapter_key, group.prompt, current.generation, images=group.images)
+        )
     group_cache, _ = prefill(gm, fresh, with_logits=False)
     for fresh_row, g in enumerate(sorted(changed)):
         cache.replace_prefix(g, group_cache, fresh_row)

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.engine.generate.prefix_cache import PrefixCache
+from posttrain.engine.images import ImagePass, cacheable_length, prefix_key
 from posttrain.engine.train.logprobs import log_softmax_float32
 from posttrain.model import attention, routing
 from posttrain.model.fanout_kv_cache import FanoutKVCache
@@ -31,7 +32,8 @@ from posttrain.model.kv_shape import KVShape
 from posttrain.model.logit_head import output_head
 from posttrain.model.lora import LoraModel
 from posttrain.model.static_decode_cache import StaticDecodeCache
-from posttrain.types import MoeShape, TopkPromptLogprobs
+from posttrain.model.vision import VisionInputs
+from posttrain.types import ImageInput, MoeShape, TopkPromptLogprobs
 
 # Query positions of one prefill pass, summed over its rows: bounds activation memory for many
 # or long prompts while keeping passes large enough to be efficient.
@@ -51,6 +53,7 @@ class GeneratorModel:
     kv: KVShape  # the KV shape its attention writes (LoadedModel.kv)
     moe: MoeShape | None = None  # the model's expert-route shape; None: dense
     cuda_graphs: bool = False  # EngineConfig.cuda_graphs: static passes in CUDA graphs on CUDA
+    vision: VisionInputs | None = None  # a vision-language model's image processor
 
     @property
     def embedding(self) -> Tensor:
@@ -75,6 +78,9 @@ class PromptGroup:
     # return_routed_experts: the experts of each prompt position, [Q, L, K] pieces in order.
     wants_routes: bool = False
     routes: list[Tensor] = field(default_factory=list)
+    # The prompt's images (placeholders in `prompt`): prefilled whole, in one pass, with the
+    # vision embeddings (engine/images.py); the prefix cache keys them by their bytes.
+    images: tuple[ImageInput, ...] = ()
 
 
 def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, Tensor | None]]:
@@ -121,6 +127,7 @@ def forward_rows(
     uniform: tuple[int, int] | None = None,
     adapter_routing: list[tuple[str, Tensor | None]] | None = None,
     ragged: bool = False,
+    images: ImagePass | None = None,
 ) -> Tensor:
     """Append the real positions of tokens_BQ to the cache rows; hidden states [B, Q, H].
     `num_new_B`: the real positions of each row (None with a StaticDecodeCache, whose pass
@@ -129,8 +136,9 @@ def forward_rows(
     `uniform`: what the caller knows of the rows' lengths (KVCache.begin). `adapter_routing`: the
     rows' adapter routing made once (routing_of(keys_B)), for passes a CUDA graph captures
     (no index tensor may be made from the host inside one). `ragged`: a FanoutKVCache's rows
-    hold different own lengths, `uniform`'s longest the longest (FanoutKVCache.begin)."""
-    config = gm.model.config
+    hold different own lengths, `uniform`'s longest the longest (FanoutKVCache.begin).
+    `images`: the rows' images, into the model's own forward (engine/images.py)."""
+    config = gm.model.config.get_text_config()  # a vision-language model: its language model
     if isinstance(cache, StaticDecodeCache):
         positions_BQ = cache.begin()
     elif ragged:
@@ -157,12 +165,16 @@ def forward_rows(
         attention.pass_layout(layouts),
         routing.capture() if routes_out is not None else nullcontext() as captured,
     ):
+        inputs = {"position_ids": positions_BQ}
+        if images is not None:
+            assert num_new_B is not None, "an image pass is a prefill"
+            inputs = images.inputs(tokens_BQ, positions_BQ, num_new_B)
         hidden_BQH: Tensor = gm.model.base_model(
             input_ids=tokens_BQ,
-            position_ids=positions_BQ,
             attention_mask=placeholder,
             cache=cache,
             use_cache=True,
+            **inputs,
         ).last_hidden_state
     cache.commit()
     if routes_out is not None:
@@ -243,7 +255,12 @@ def prefill(
     suffixes = [g.prompt[g.cache_hit_tokens :] for g in groups]
     last_hidden: list[Tensor | None] = [None] * len(groups)
     routes_out: list[Tensor] | None = [] if any(g.wants_routes for g in groups) else None
-    for hidden_BQH, starts, counts in extend_rows(gm, cache, suffixes, keys, routes_out):
+    passes = (
+        [_image_pass(gm, cache, groups, suffixes, keys, routes_out)]
+        if any(g.images for g in groups)
+        else extend_rows(gm, cache, suffixes, keys, routes_out)
+    )
+    for hidden_BQH, starts, counts in passes:
         for row, group in enumerate(groups):
             if counts[row] == 0:
                 continue
@@ -264,6 +281,37 @@ def prefill(
     return cache, head_logits(gm, hidden_GH, keys).float()
 
 
+def _image_pass(
+    gm: GeneratorModel,
+    cache: KVCache,
+    groups: list[PromptGroup],
+    suffixes: list[tuple[int, ...]],
+    keys: list[str],
+    routes_out: list[Tensor] | None,
+) -> tuple[Tensor, list[int], list[int]]:
+    """Every suffix in one pass (an image's embeddings come whole from the vision tower, so
+    its placeholders are not split between passes), as extend_rows yields a pass; an image
+    prompt's suffix starts after a prefix-cache hit, which ends before an image."""
+    assert gm.vision is not None, "image prompts are checked against the model at submit"
+    counts = [len(suffix) for suffix in suffixes]
+    batch_BQ = torch.zeros(len(suffixes), max(counts), dtype=torch.int64)
+    for b, suffix in enumerate(suffixes):
+        batch_BQ[b, : counts[b]] = torch.tensor(suffix, dtype=torch.int64)
+    device = gm.embedding.device
+    images = ImagePass(
+        gm.model,
+        gm.vision,
+        [group.prompt for group in groups],
+        [group.images for group in groups],
+        [group.cache_hit_tokens for group in groups],
+    )
+    num_new_B = torch.tensor(counts, dtype=torch.int64, device=device)
+    hidden_BQH = forward_rows(
+        gm, cache, batch_BQ.to(device), num_new_B, keys, routes_out, images=images
+    )
+    return hidden_BQH, [0] * len(groups), counts
+
+
 def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
     """A cache of one row per group holding the longest prefix of its prompt the prefix cache
     has (group.cache_hit_tokens); the rest is what a prefill pass runs."""
@@ -274,7 +322,11 @@ def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
             continue  # prompt logprobs and routes need every position to run
         namespace = (group.adapter_key, group.generation)
         # At most len - 1: the last prompt token must run to give the first logits.
-        spans = gm.prefix_cache.lookup(namespace, group.prompt, max_tokens=len(group.prompt) - 1)
+        spans = gm.prefix_cache.lookup(
+            namespace,
+            cache_key(gm, group),
+            max_tokens=cacheable_length(len(group.prompt), group.images),
+        )
         for span in spans:
             cache.write_span(row, group.cache_hit_tokens, span)
             group.cache_hit_tokens += span.shape[3]
@@ -286,9 +338,18 @@ def keep_prompts(gm: GeneratorModel, groups: list[PromptGroup], cache: KVCache) 
     for row, group in enumerate(groups):
         gm.prefix_cache.insert(
             (group.adapter_key, group.generation),
-            group.prompt,
+            cache_key(gm, group),
             partial(cache.span, row),
         )
+
+
+def cache_key(gm: GeneratorModel, group: PromptGroup) -> tuple[int, ...]:
+    """What the prefix cache keys the group's prompt by: its tokens, or for an image prompt
+    the tokens with its images' bytes and position shift in them (engine/images.py)."""
+    if not group.images:
+        return group.prompt
+    assert gm.vision is not None, "image prompts are checked against the model at submit"
+    return prefix_key(gm.model, gm.vision, group.prompt, group.images)
 
 
 def _harvest_prompt_logprobs(

@@ -239,7 +239,7 @@ class SampleStream:
             self._open.append(len(request.prompts))
             self._first_request.append(len(self._item_of_request))
             self._num_prompts.append(len(request.prompts))
-            for prompt in request.prompts:
+            for index, prompt in enumerate(request.prompts):
                 self._item_of_request.append(item)
                 requests.append(
                     GenerationRequest(
@@ -250,6 +250,7 @@ class SampleStream:
                         prompt_logprobs=request.prompt_logprobs,
                         topk_prompt_logprobs=request.topk_prompt_logprobs,
                         return_routed_experts=request.return_routed_experts,
+                        images=request.images_of(index),
                     )
                 )
         self.decoding.admit(requests)

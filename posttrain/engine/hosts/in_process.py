@@ -46,7 +46,7 @@ from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train import trainer
 from posttrain.errors import InvalidRequest, NotFound
-from posttrain.model.context_length import context_length
+from posttrain.model.context_length import context_length, text_config
 from posttrain.model.loader import load_model, resolve_device, resolve_dtype, route_shape
 from posttrain.model.lora import AdapterSpec, LoraModel
 from posttrain.types import (
@@ -104,7 +104,7 @@ class LocalEngine(StreamHost, Engine, Measured):
                     context,
                 )
             self._info[base_model] = ModelInfo(
-                vocab_size=int(config["vocab_size"]),
+                vocab_size=int(str(text_config(config)["vocab_size"])),
                 context_length=context,
                 max_seq_length=context if limit is None else min(limit, context),
                 max_batch_size=self.config.max_batch_size,

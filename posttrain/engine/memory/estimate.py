@@ -43,6 +43,10 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
   prompt row rounded up to the pool's width and the generated part as above; the stream sizes
   it itself (generate/sample_stream.py pool_rows, pool_row_bytes) from what is free.
+- a vision-language model's images: per placeholder token, its merge window's patches through
+  every Linear of the vision tower (the sum of their output widths, twice: inputs of norms and
+  residuals beside), an upper bound whether the tower is frozen (one block at a time) or
+  trained (every block's saved).
 - optim-step's AdamW moments (two per trainable tensor) appear at a session's first step, and
   each tensor's update allocates temporaries of its size.
 
@@ -113,6 +117,9 @@ class ModelShape:
     cache_width: int | None = None
     # Heads whose [T, T] scores a pass materialises (sdpa unfused: MLA on a CPU); 0 elsewhere.
     score_heads: int = 0
+    # A vision-language model: bytes its vision tower's activations take per image placeholder
+    # token (model/vision/images.py VisionInputs.token_activation_bytes); 0 for a text model.
+    vision_token_bytes: int = 0
 
     @property
     def cache_elements(self) -> int:
@@ -164,6 +171,7 @@ def model_shape(
     (model/kv_shape.py), its passes on `device` (a CPU: sdpa's kernel there takes only keys
     and values of one width; None or another device: a fused kernel takes MLA's too, as CUDA's
     memory-efficient one does)."""
+    config = config.get_text_config()  # a vision-language model's language model
     top_k = getattr(config, "num_experts_per_tok", None)
     ffn = config.intermediate_size
     if top_k:
@@ -252,10 +260,12 @@ def training_pass_bytes(
     else:
         saved = saved_activation_bytes(shape, tokens, checkpointed=checkpointed, longest=longest)
         activations = math.ceil(ACTIVATION_SAFETY * saved)
+    image_tokens = sum(image.num_tokens for sample in samples for image in sample.images)
     return (
         activations
         + _logits_bytes(shape, rows, tokens, chunk_tokens)
         + tokens * PACKED_BYTES_PER_TOKEN
+        + image_tokens * shape.vision_token_bytes
     )
 
 
@@ -346,11 +356,18 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
         )
     prompt_logits = min(prompt_positions, chunk_tokens) * shape.vocab * FLOAT32 * LOGIT_COPIES
     row_logits = rows * shape.vocab * FLOAT32 * SAMPLE_LOGIT_COPIES
+    image_tokens = sum(
+        image.num_tokens
+        for request in requests
+        for images in request.prompt_images
+        for image in images
+    )
     return (
         cache
         + math.ceil(ACTIVATION_SAFETY * pass_bytes)
         + max(prompt_logits, row_logits)
         + generated * PYTHON_BYTES_PER_GENERATED_TOKEN
+        + image_tokens * shape.vision_token_bytes
     )
 
 

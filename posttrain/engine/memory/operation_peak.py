@@ -132,6 +132,10 @@ def _peak_bytes(
 ) -> int:
     loaded = resource.loaded
     shape = estimate.model_shape(loaded.model.config, loaded.kv, itemsize, device=loaded.device)
+    if loaded.vision is not None:
+        shape = dataclasses.replace(
+            shape, vision_token_bytes=loaded.vision.token_activation_bytes
+        )
     chunk = config.logprob_chunk_tokens
     if kind == OperationKind.SAMPLE:  # the sampler's activations: no session tensor counts
         return estimate.sample_bytes(

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from posttrain.engine.train.losses import LossBatch
-from posttrain.types import ExpertRoutes, TrainingSample
+from posttrain.types import ExpertRoutes, ImageInput, TrainingSample
 
 FLOAT_KEYS = {
     "weights": "weights_ST",
@@ -42,6 +42,8 @@ class PackedBatch:
     routes_S: list[ExpertRoutes | None]
     # Per sample, its targets per position K_s (1 unless a top-k cross-entropy).
     targets_per_position_S: list[int]
+    # Per sample, its images in offset order (placeholders already in tokens_ST).
+    images_S: list[tuple[ImageInput, ...]]
 
     @property
     def loss_lengths_S(self) -> list[int]:
@@ -100,6 +102,7 @@ def pack(samples: tuple[TrainingSample, ...], device: torch.device) -> PackedBat
         loss_batch=loss_batch,
         routes_S=[s.routed_experts for s in samples],
         targets_per_position_S=[s.targets_per_position for s in samples],
+        images_S=[s.images for s in samples],
     )
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from posttrain.config import EngineConfig
+from posttrain.engine.images import image_inputs
 from posttrain.engine.parallel.fsdp import FsdpShards
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.engine.train.accumulate import accumulate_many, frozen
@@ -51,7 +52,7 @@ from posttrain.engine.train.token_gradients import (
     needed_by_members,
     token_gradient,
 )
-from posttrain.errors import NonFiniteLoss
+from posttrain.errors import NonFiniteLoss, Unsupported
 from posttrain.model.logit_head import output_head
 from posttrain.model.routing import replay as replay_routes
 from posttrain.types import (
@@ -450,6 +451,16 @@ def _bucket_logprobs(
     with lora.route(assignments), replay_routes(forced) if forced else nullcontext():
         ids = take(packed.tokens_ST)  # sharded: embedded on each rank's rows (parallel/fsdp.py)
         inputs = shards.embedding_inputs(ids) if shards is not None else {"input_ids": ids}
+        # Images enter through the model's own forward: its vision tower, the placement of
+        # its embeddings and its position ids (M-RoPE) are the family's code.
+        images = [image for row in rows for image in packed.images_S[row]]
+        if images:
+            if shards is not None:  # the sharded embedding gives inputs_embeds, not ids
+                raise Unsupported(
+                    "image chunks with a sharded model (--trainer-ranks) are not served",
+                    param="model_input",
+                )
+            inputs.update(image_inputs(resource.loaded, images, ids))
         # No KV cache: a training forward reads none, and a checkpointed layer's recompute
         # would write it twice. No attention mask: rows are right-padded, so causal attention
         # alone keeps every real position from seeing padding (padded positions' outputs are

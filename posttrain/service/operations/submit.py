@@ -18,6 +18,7 @@ import dataclasses
 import time
 
 from posttrain.config import LimitsConfig
+from posttrain.engine.images import checked_images, checked_prompt_images
 from posttrain.engine.optim.step_settings import resolve_step_settings
 from posttrain.engine.train.expert_routes import check_routes
 from posttrain.errors import Conflict, EngineFailure, InvalidRequest, NotFound, posttrainError
@@ -166,10 +167,22 @@ class OperationService:
                     param="compute_config.num_generator_replicas",
                 )
             request = self._checked_sample(session.base_model, request)
+            if any(request.prompt_images):
+                model_dir = self.resources.model_info(session.base_model).tokenizer_dir
+                assert model_dir is not None, "the service fills in a served model's directory"
+                request = checked_prompt_images(
+                    model_dir, request, max_image_pixels=self.limits.max_image_pixels
+                )
         if isinstance(request, ForwardBackwardRequest | CustomForwardBackwardRequest):
             # Keys become the routes they name now: a key that expires while the operation
             # is queued cannot fail it later.
             samples = self.scheduler.routed_experts.resolved(session_id, request.samples)
+            if any(sample.images for sample in samples):
+                model_dir = self.resources.model_info(session.base_model).tokenizer_dir
+                assert model_dir is not None, "the service fills in a served model's directory"
+                samples = checked_images(
+                    model_dir, samples, max_image_pixels=self.limits.max_image_pixels
+                )
             request = dataclasses.replace(request, samples=samples)
             self._check_samples(session.base_model, request.samples)
         if isinstance(request, OptimStepRequest):

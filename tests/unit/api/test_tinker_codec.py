@@ -21,6 +21,7 @@ from posttrain.api.tinker import tinker_public_pb2 as pb
 from posttrain.api.tinker.codec import (
     TOPK_EMPTY,
     WireDatum,
+    WireImage,
     WireSequence,
     WireSpan,
     WireTensor,
@@ -250,7 +251,21 @@ def test_a_body_that_decompresses_past_the_limit_is_too_large():
         decode_forward_backward(bomb, "zstd", max_decoded_bytes=16 << 20)
 
 
-def test_image_and_dmel_chunks_name_the_datum():
+def test_an_image_chunk_holds_its_expected_tokens_positions_and_keeps_its_bytes():
+    msg = request(loss_fn="cross_entropy")
+    datum = msg.data.add()
+    text(datum, [1, 99])
+    image = datum.model_input.add().image
+    image.data, image.format, image.expected_tokens = b"\x89PNG...", "png", 3
+    text(datum, [100, 7])
+
+    (decoded,) = decode_forward_backward(msg.SerializeToString(), None).datums
+
+    assert decoded.tokens == (1, 99, 0, 0, 0, 100, 7)
+    assert decoded.images == (WireImage(2, 3, 1, b"\x89PNG...", "png"),)
+
+
+def test_image_chunks_without_expected_tokens_and_dmel_chunks_name_the_datum():
     msg = request(loss_fn="cross_entropy")
     for _ in range(3):
         text(msg.data.add(), [1, 2])
@@ -259,7 +274,14 @@ def test_image_and_dmel_chunks_name_the_datum():
     datum.model_input.add().image.data = b"\x89PNG"
     error = rejected(msg.SerializeToString())
     assert error.param == "data[3].model_input"
-    assert "chunk 1 is an image chunk" in error.message and "text models only" in error.message
+    assert "chunk 1 is an image chunk without a positive expected_tokens" in error.message
+
+    msg = request(loss_fn="cross_entropy")
+    image = msg.data.add().model_input.add().image
+    image.data, image.format, image.expected_tokens = b"\x89PNG", "png", 4
+    image.override_dimensions.width = 8
+    error = rejected(msg.SerializeToString())
+    assert error.param == "data[0].model_input" and "override_dimensions" in error.message
 
     msg = request(loss_fn="cross_entropy")
     msg.data.add().model_input.add().dmel.dmel = b"\x00"

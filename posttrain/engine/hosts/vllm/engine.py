@@ -68,7 +68,10 @@ from posttrain.types import (
 )
 
 # Sample fields no vLLM server honours here, and why (a 400 naming the field).
-REFUSED = (("return_routed_experts", "vLLM generators do not record MoE expert routes"),)
+REFUSED = (
+    ("return_routed_experts", "vLLM generators do not record MoE expert routes"),
+    ("prompt_images", "vLLM generators here take token prompts only, not images"),
+)
 # vLLM 0.32's CPU backend fails prompt logprobs whenever LoRA is enabled (its LoRA logits
 # processor indexes prompt rows with the sampled rows' adapter indices) and the engine dies.
 REFUSED_ON_CPU = tuple(

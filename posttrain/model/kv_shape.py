@@ -54,6 +54,23 @@ class _ProbeCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
+    # A hybrid's linear-attention layers (Gated DeltaNet, model/linear_attention.py) that run
+    # before the first attention layer read and write recurrent state instead: none is kept.
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def update_conv_state(self, states_BCQ: Tensor, *args: object, **kwargs: object) -> Tensor:
+        return states_BCQ
+
+    def get_recurrent_states_to_keep(self, layer_idx: int) -> int:
+        return 0
+
+    def update_recurrent_state(self, *args: object, **kwargs: object) -> None:
+        return None
+
 
 def kv_shape(model: PreTrainedModel) -> KVShape:
     """The KV shape `model`'s attention layers write (a causal LM, on any device, meta too)."""

@@ -11,7 +11,9 @@ nothing on a real one.
 
 Every attention layer of a model posttrain serves has the same KV heads and head dim (the KV
 cache holds them in one tensor); the layer count is the number of attention layers, the
-modules that carry the `layer_idx` the cache protocol and model/attention.py index by.
+modules that carry the `layer_idx` the cache protocol and model/attention.py index by. A
+hybrid's linear-attention layers carry one too (the KV of their index stays unused) and add a
+recurrent state per row (model/linear_attention.py).
 
 Not here: the cache itself (kv_cache.py), the memory estimate (engine/memory/estimate.py).
 """
@@ -25,14 +27,18 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from posttrain.model.linear_attention import RecurrentShape, recurrent_shape
+
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one position of one row costs in a KV cache: num_layers x 2 x heads x head_dim."""
+    """What one position of one row costs in a KV cache: num_layers x 2 x heads x head_dim;
+    and what a row's recurrent state holds beside it (linear-attention layers; None: none)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    recurrent: RecurrentShape | None = None
 
 
 class _FirstUpdate(Exception):
@@ -96,4 +102,9 @@ def kv_shape(model: PreTrainedModel) -> KVShape:
     # same one, so the distinct indices count the attention layers.
     layers = {index for m in model.modules() if isinstance(index := vars(m).get("layer_idx"), int)}
     assert layers == set(range(len(layers))), f"attention layer indices {sorted(layers)}"
-    return KVShape(num_layers=len(layers), num_kv_heads=heads, head_dim=head_dim)
+    return KVShape(
+        num_layers=len(layers),
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        recurrent=recurrent_shape(model),
+    )

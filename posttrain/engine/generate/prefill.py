@@ -243,13 +243,20 @@ def prefill(
     return cache, head_logits(gm, hidden_GH, keys).float()
 
 
+def prefix_cache_serves(gm: GeneratorModel) -> bool:
+    """Whether prompts go through the prefix cache: enabled, and the model keeps no recurrent
+    state (linear-attention layers, model/linear_attention.py), which a span of positions
+    cannot carry; such a model recomputes every prompt."""
+    return gm.prefix_cache.enabled and gm.kv.recurrent is None
+
+
 def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
     """A cache of one row per group holding the longest prefix of its prompt the prefix cache
     has (group.cache_hit_tokens); the rest is what a prefill pass runs."""
     cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
     for row, group in enumerate(groups):
         group.cache_hit_tokens = 0
-        if group.wants_prompt_logprobs or group.wants_routes or not gm.prefix_cache.enabled:
+        if group.wants_prompt_logprobs or group.wants_routes or not prefix_cache_serves(gm):
             continue  # prompt logprobs and routes need every position to run
         namespace = (group.adapter_key, group.generation)
         # At most len - 1: the last prompt token must run to give the first logits.
@@ -262,6 +269,8 @@ def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
 
 def keep_prompts(gm: GeneratorModel, groups: list[PromptGroup], cache: KVCache) -> None:
     """The prompts' KV (row g of `cache` is groups[g]'s, all computed) into the prefix cache."""
+    if not prefix_cache_serves(gm):
+        return
     for row, group in enumerate(groups):
         gm.prefix_cache.insert(
             (group.adapter_key, group.generation),

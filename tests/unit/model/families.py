@@ -120,8 +120,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # Hybrids of Gated DeltaNet linear attention and gated full attention (Qwen3-Next, Qwen3.5 text,
 # dense and MoE): layer 0 linear, layer 1 full; grouped linear heads (2 query/key heads, 4
-# value heads) and a short causal convolution. Served for training; sampling is refused
-# (model/linear_attention.py), so they are not in FAMILIES, whose tests sample.
+# value heads) and a short causal convolution.
 _LINEAR: dict[str, object] = {
     "head_dim": HEAD_DIM,
     "layer_types": ["linear_attention", "full_attention"],
@@ -142,6 +141,8 @@ LINEAR_ATTENTION_FAMILIES: dict[str, dict[str, object]] = {
     "qwen3_5_text": dict(_LINEAR),
     "qwen3_5_moe_text": {**_LINEAR, **_LINEAR_MOE},
 }
+
+FAMILIES.update(LINEAR_ATTENTION_FAMILIES)
 
 
 def _sized(value: object, size: Size) -> object:

@@ -143,6 +143,12 @@ class KVCache(LinearAttentionCalls):
     def capacity(self) -> int:
         return self.kv.shape[4]
 
+    def recurrent_bytes(self) -> int:
+        """Bytes of the rows' recurrent states (0: no linear-attention layers)."""
+        if self.recurrent is None:
+            return 0
+        return self.recurrent.conv.nbytes + self.recurrent.delta.nbytes
+
     # ------------------------------------------------------------ one forward pass
 
     def begin(self, num_new_B: Tensor, uniform: tuple[int, int] | None = None) -> Tensor:

@@ -152,8 +152,14 @@ class RecurrentPass:
     `state` receive the states after each row's num_new_B[b] new positions, starting from
     `initial` (a KV cache's own rows, or a fanout row's prompt state)."""
 
-    def __init__(self, state: RecurrentState, num_new_B: Tensor, width: int, ragged: bool,
-                 initial: Initial | None = None) -> None:
+    def __init__(
+        self,
+        state: RecurrentState,
+        num_new_B: Tensor,
+        width: int,
+        ragged: bool,
+        initial: Initial | None = None,
+    ) -> None:
         self.state = state
         self.rows = num_new_B.shape[0]
         self.num_new_B = num_new_B

@@ -97,7 +97,6 @@ class LoraLinear(nn.Module):
                 out.index_add_(0, rows, delta, alpha=adapter.scale)
         return out
 
-
     def _token_rows(self, x: Tensor, rows: Tensor) -> Tensor:
         """`rows` as indices into x's first axis: the rows' tokens where the MoE block around
         this layer flattened them (row-major, as its experts see them)."""
@@ -135,9 +134,12 @@ class LoraModel:
                 for projection_name, projection in experts.projections.items():
                     self.layers[f"{name}.{projection_name}"] = projection
         for block in model.modules():
-            found = [m for m in block.children() if isinstance(m, LoraExperts)]
-            for linear in (m for m in block.modules() if isinstance(m, LoraLinear)) if found else ():
-                linear.flat_rows_from = found[0]
+            block_experts = next((m for m in block.children() if isinstance(m, LoraExperts)), None)
+            if block_experts is None:
+                continue
+            for linear in block.modules():
+                if isinstance(linear, LoraLinear):
+                    linear.flat_rows_from = block_experts
 
     def add_adapter(self, key: str, spec: AdapterSpec) -> list[tuple[str, nn.Parameter]]:
         """Create adapter `key` on every target layer; returns its named trainable parameters."""

@@ -290,9 +290,7 @@ def training_pass_bytes(
         # intermediates are freed as it goes), and no backward runs: no safety factor.
         activations = tokens * (per_token + 2 * shape.hidden * shape.dtype_bytes)
     else:
-        saved = saved_activation_bytes(
-            shape, tokens, checkpointed=checkpointed, longest=longest
-        )
+        saved = saved_activation_bytes(shape, tokens, checkpointed=checkpointed, longest=longest)
         activations = math.ceil(ACTIVATION_SAFETY * saved)
     return (
         activations

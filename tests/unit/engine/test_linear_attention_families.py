@@ -3,8 +3,11 @@ LINEAR_ATTENTION_FAMILIES) at engine level: the trainer's logprobs are plain tra
 samples of different lengths in one padded batch, LoRA adapts every projection of the linear
 attention layers as well as the gated attention and MLPs, the trainer's LoRA gradients equal
 autograd through plain transformers with the adapters merged into its weights, LoRA training
-lowers the loss, their MoE routers replay given routes, and sampling is refused with an error
-that names the linear-attention layers (model/linear_attention.py)."""
+lowers the loss; sampling with per-row recurrent states (model/linear_attention.py) gives the
+trainer's logprobs for ragged prefills and forks; a row's state is the layers' fixed-size
+conv and delta-rule states; the memory estimate counts a linear layer's activations. The
+family tests (families.FAMILIES) cover the rest: greedy decode against a full recompute,
+sampling parameters, two sessions, full weights, checkpoints, joins and routing replay."""
 
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
-from posttrain.errors import Unsupported  # noqa: E402
-from posttrain.model import routing  # noqa: E402
+from posttrain.engine.memory import estimate  # noqa: E402
+from posttrain.model.kv_cache import KVCache  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,
@@ -136,30 +139,84 @@ def test_lora_training_lowers_the_loss(family, family_dirs):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
-def test_moe_routers_capture_and_replay_routes(family, family_dirs):
-    """Routes captured on one model's forward, replayed on another's (different router
-    weights), give the first model's experts; without replay the second picks its own."""
-    first = families.model(family, seed=0)
-    second = families.model(family, seed=1)
-    for model in (first, second):
-        routing.install(model)
-        assert routing.moe_shape(model) is not None
-    tokens = torch.tensor([LONG])
-    with torch.no_grad(), routing.capture() as routes:
-        first(input_ids=tokens)
-    with torch.no_grad(), routing.capture() as free:
-        second(input_ids=tokens)
-    assert any(not torch.equal(a, b) for a, b in zip(routes, free, strict=True))
-    with torch.no_grad(), routing.replay(list(routes)), routing.capture() as replayed:
-        second(input_ids=tokens)
-    for a, b in zip(routes, replayed, strict=True):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sampling_is_refused_naming_the_linear_attention_layers(family, family_dirs):
+def test_sampler_logprobs_equal_a_forward_for_prompts_of_different_lengths_and_forks(
+    family, family_dirs
+):
+    """Two prompts of different lengths prefill in one ragged pass (each row's state taken at
+    its own end), three samples fork from each prompt's state, and every sampled token's
+    logprob is the trainer's forward of the whole sequence within 1e-5."""
     engine = engine_for(family_dirs[family])
-    request = SampleRequest((SHORT,), 2, SamplingParams(max_tokens=4, seed=1))
-    with pytest.raises(Unsupported, match="linear-attention"):
-        sample(engine, "r", "s", request)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    results = sample(engine, "r", "s", SampleRequest((LONG, SHORT), 3, params))
+    for prompt, result in zip((LONG, SHORT), results, strict=True):
+        assert len({tuple(s.tokens) for s in result.sequences}) == 3
+        for sequence in result.sequences:
+            tokens = (*prompt, *sequence.tokens)
+            request = ForwardBackwardRequest((ce_sample(tokens),), CE, True, True)
+            (scored,) = forward_backward(engine, "r", "s", request).loss_fn_outputs
+            torch.testing.assert_close(
+                torch.tensor(sequence.logprobs),
+                torch.tensor(scored[-len(sequence.tokens) :]),
+                atol=1e-5,
+                rtol=0,
+            )
+
+
+def test_a_rows_recurrent_state_is_its_layers_conv_and_delta_rule_states(family_dirs):
+    """What a row holds beside the KV, whatever its length: per linear-attention layer the
+    conv state (channels x (kernel - 1) in the model's dtype) and the delta rule's state
+    (value heads x key dim x value dim, float32)."""
+    loaded = families.load("qwen3_next", family_dirs["qwen3_next"])
+    recurrent = loaded.kv.recurrent
+    assert recurrent is not None
+    config = loaded.model.config
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
+        config.linear_num_value_heads * config.linear_value_head_dim
+    )
+    assert recurrent.layers == (0,)
+    assert recurrent.conv_channels == channels
+    assert recurrent.conv_columns == config.linear_conv_kernel_dim - 1
+    delta = config.linear_num_value_heads * 8 * 8
+    assert recurrent.bytes_per_row(4) == 4 * (channels * 3 + delta)
+    cache = KVCache.for_model(
+        loaded.kv, num_rows=3, capacity=8, dtype=torch.float32, device=torch.device("cpu")
+    )
+    longer = KVCache.for_model(
+        loaded.kv, num_rows=3, capacity=800, dtype=torch.float32, device=torch.device("cpu")
+    )
+    assert cache.recurrent_bytes() == longer.recurrent_bytes() == 3 * recurrent.bytes_per_row(4)
+
+
+def test_saved_activations_of_a_hybrid_are_counted(tmp_path):
+    """The estimate counts what autograd saves for a hybrid's linear-attention layer (the
+    chunked delta rule's float32 tensors) within the family tests' bounds."""
+    size = families.Size(hidden_size=256, num_hidden_layers=2, max_position_embeddings=4096)
+    extra = {"linear_key_head_dim": 32, "linear_value_head_dim": 32, "head_dim": 64}
+    directory = families.build("qwen3_5_text", tmp_path / "m", size=size, extra=extra)
+    engine = LocalEngine(
+        EngineConfig(device="cpu", activation_checkpointing="off"), {"m": directory}
+    )
+    engine.load_resource("r", "m", muon_scaling=None)
+    engine.create_session("r", "s", LoraConfig(rank=8, seed=1))
+    loaded = engine._resource("r").loaded
+    weights = {p.untyped_storage().data_ptr() for p in loaded.model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    rows, tokens = 2, 256
+    samples = tuple(
+        ce_sample(tuple(3 + (t + r) % 90 for t in range(tokens + 1))) for r in range(rows)
+    )
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward_backward(engine, "r", "s", ForwardBackwardRequest(samples, CE))
+    shape = estimate.model_shape(loaded.model.config, loaded.kv, 4)
+    assert shape.linear_layers == 1 and shape.recurrent_row_bytes > 0
+    counted = estimate.saved_activation_bytes(shape, rows * tokens)
+    measured = sum(saved.values())
+    assert measured <= counted <= 1.6 * measured, (measured, counted)

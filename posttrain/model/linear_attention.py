@@ -171,7 +171,8 @@ class RecurrentPass:
         if ragged:
             appending = num_new_B[num_new_B > 0]
             shortest = int(appending.min()) if appending.numel() else width
-            self.keep = width - shortest + 1
+            # Rows that run all `width` positions or none need only the final state.
+            self.keep = width - shortest + 1 if shortest < width else 0
 
     def _own(self, slot: int) -> tuple[Tensor, Tensor]:
         return self.state.conv[slot, : self.rows], self.state.delta[slot, : self.rows]

@@ -186,7 +186,8 @@ def extend_rows(
     keys_B: list[str],
     routes_out: list[Tensor] | None = None,
 ) -> Iterator[tuple[Tensor, list[int], list[int]]]:
-    """Append tokens_B[b] to row b in passes of at most PREFILL_TOKENS_PER_PASS positions.
+    """Append tokens_B[b] to row b in passes of at most PREFILL_TOKENS_PER_PASS positions
+    (a hybrid's: each pass as many positions for every row that runs).
 
     Yields (hidden [B, Q, H], start offset into tokens_B[b], count) per pass, so callers can
     read the hidden states of the positions they need; with `routes_out`, each pass's routes
@@ -196,6 +197,12 @@ def extend_rows(
     width_limit = max(1, PREFILL_TOKENS_PER_PASS // max(1, len(tokens_B)))
     while any(d < len(t) for d, t in zip(done, tokens_B, strict=True)):
         counts = [min(len(t) - d, width_limit) for d, t in zip(done, tokens_B, strict=True)]
+        if gm.kv.recurrent is not None:
+            # Linear attention: every row that runs runs as many positions (the shortest's),
+            # so a row's recurrent state is the pass's final one (model/linear_attention.py
+            # steps token by token from the shortest row's end otherwise).
+            step = min(c for c in counts if c > 0)
+            counts = [min(c, step) for c in counts]
         width = max(counts)
         batch_BQ = torch.zeros(len(tokens_B), width, dtype=torch.int64)
         for b, (tokens, start, count) in enumerate(zip(tokens_B, done, counts, strict=True)):

@@ -25,6 +25,8 @@ import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
+from posttrain.engine.generate import generator  # noqa: E402
+from posttrain.engine.generate.prefill import forward_rows, new_cache  # noqa: E402
 from posttrain.engine.memory import estimate  # noqa: E402
 from posttrain.model.kv_cache import KVCache  # noqa: E402
 from posttrain.types import (  # noqa: E402
@@ -220,3 +222,38 @@ def test_saved_activations_of_a_hybrid_are_counted(tmp_path):
     counted = estimate.saved_activation_bytes(shape, rows * tokens)
     measured = sum(saved.values())
     assert measured <= counted <= 1.6 * measured, (measured, counted)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text"])
+def test_a_ragged_pass_takes_each_rows_state_at_its_own_end(family, family_dirs):
+    """Rows appending different counts of positions in one pass (right-padded), then a token
+    each: the same hidden states and recurrent states as each row run alone."""
+    engine = engine_for(family_dirs[family])
+    resource = engine._resource("r")
+    generator.served(resource, engine._session("r", "s")[1])
+    gm = generator.generator_model(engine.config, resource, resource.loaded.model)
+    prompts, key = [LONG[:9], SHORT[:3]], "s@generator"
+
+    def run(rows: list[tuple[int, ...]]) -> tuple[torch.Tensor, KVCache]:
+        cache = new_cache(gm, len(rows), 16)
+        width = max(len(r) for r in rows)
+        batch_BQ = torch.tensor([[*r, *(0,) * (width - len(r))] for r in rows])
+        counts = torch.tensor([len(r) for r in rows])
+        with torch.no_grad():
+            forward_rows(gm, cache, batch_BQ, counts, [key] * len(rows))
+            next_B1 = torch.tensor([[70]] * len(rows))
+            hidden = forward_rows(
+                gm, cache, next_B1, torch.ones(len(rows), dtype=torch.int64), [key] * len(rows)
+            )
+        return hidden[:, -1], cache
+
+    together, cache = run(prompts)
+    assert cache.recurrent is not None
+    for row, prompt in enumerate(prompts):
+        alone, own = run([prompt])
+        assert own.recurrent is not None
+        torch.testing.assert_close(together[row], alone[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            cache.recurrent.delta[:, row], own.recurrent.delta[:, 0], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(cache.recurrent.conv[:, row], own.recurrent.conv[:, 0])

@@ -75,6 +75,7 @@ class PromptGroup:
     # return_routed_experts: the experts of each prompt position, [Q, L, K] pieces in order.
     wants_routes: bool = False
     routes: list[Tensor] = field(default_factory=list)
+    prefix_cache_refused: str | None = None  # SampleResult's: why the prefix cache was skipped
 
 
 def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, Tensor | None]]:
@@ -250,6 +251,10 @@ def prefill(
     return cache, head_logits(gm, hidden_GH, keys).float()
 
 
+# Why a hybrid's prompts skip the prefix cache (SampleResult.prefix_cache_refused, /metrics).
+PREFIX_CACHE_REFUSED_RECURRENT = "linear_attention_state"
+
+
 def prefix_cache_serves(gm: GeneratorModel) -> bool:
     """Whether prompts go through the prefix cache: enabled, and the model keeps no recurrent
     state (linear-attention layers, model/linear_attention.py), which a span of positions
@@ -263,6 +268,8 @@ def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
     cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
     for row, group in enumerate(groups):
         group.cache_hit_tokens = 0
+        if gm.prefix_cache.enabled and gm.kv.recurrent is not None:
+            group.prefix_cache_refused = PREFIX_CACHE_REFUSED_RECURRENT
         if group.wants_prompt_logprobs or group.wants_routes or not prefix_cache_serves(gm):
             continue  # prompt logprobs and routes need every position to run
         namespace = (group.adapter_key, group.generation)

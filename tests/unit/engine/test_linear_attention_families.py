@@ -24,18 +24,25 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
-from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.engine.generate import generator  # noqa: E402
-from posttrain.engine.generate.prefill import forward_rows, new_cache  # noqa: E402
+from posttrain.engine.generate.prefill import (  # noqa: E402
+    PREFIX_CACHE_REFUSED_RECURRENT,
+    forward_rows,
+    new_cache,
+)
+from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.engine.memory import estimate  # noqa: E402
 from posttrain.model.kv_cache import KVCache  # noqa: E402
+from posttrain.service.metrics import OperationMetrics  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
     ForwardBackwardRequest,
     LoraConfig,
     LossConfig,
     LossType,
+    OperationKind,
     OptimStepRequest,
+    SampleOutput,
     SampleRequest,
     SamplingParams,
     TrainingSample,
@@ -257,3 +264,15 @@ def test_a_ragged_pass_takes_each_rows_state_at_its_own_end(family, family_dirs)
             cache.recurrent.delta[:, row], own.recurrent.delta[:, 0], atol=1e-5, rtol=0
         )
         torch.testing.assert_close(cache.recurrent.conv[:, row], own.recurrent.conv[:, 0])
+
+
+def test_a_hybrids_prompts_skip_the_prefix_cache_with_the_reason_counted(family_dirs):
+    engine = engine_for(family_dirs["qwen3_5_text"])
+    request = SampleRequest((SHORT,), 2, SamplingParams(max_tokens=3, seed=1))
+    for _ in range(2):
+        (result,) = sample(engine, "r", "s", request)
+        assert result.prefix_cache_refused == PREFIX_CACHE_REFUSED_RECURRENT
+        assert all(s.prompt_cache_hit_tokens == 0 for s in result.sequences)
+    metrics = OperationMetrics()
+    metrics.count_tokens(OperationKind.SAMPLE, request, SampleOutput((result, result)))
+    assert metrics.prefix_cache_refusals() == [(PREFIX_CACHE_REFUSED_RECURRENT, 2)]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_calls import forward_backward, sample
+from peft import PeftModel
 from torch.func import functional_call
 from transformers import AutoModelForCausalLM
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 import families  # noqa: E402
 
 from posttrain.config import EngineConfig  # noqa: E402
+from posttrain.engine.checkpoint import formats  # noqa: E402
 from posttrain.engine.generate import generator  # noqa: E402
 from posttrain.engine.generate.prefill import (  # noqa: E402
     PREFIX_CACHE_REFUSED_RECURRENT,
@@ -33,6 +35,7 @@ from posttrain.engine.generate.prefill import (  # noqa: E402
 from posttrain.engine.hosts.in_process import LocalEngine  # noqa: E402
 from posttrain.engine.memory import estimate  # noqa: E402
 from posttrain.model.kv_cache import KVCache  # noqa: E402
+from posttrain.model.lora import AdapterSpec, LoraModel  # noqa: E402
 from posttrain.service.metrics import OperationMetrics  # noqa: E402
 from posttrain.types import (  # noqa: E402
     AdamParams,
@@ -276,3 +279,37 @@ def test_a_hybrids_prompts_skip_the_prefix_cache_with_the_reason_counted(family_
     metrics = OperationMetrics()
     metrics.count_tokens(OperationKind.SAMPLE, request, SampleOutput((result, result)))
     assert metrics.prefix_cache_refusals() == [(PREFIX_CACHE_REFUSED_RECURRENT, 2)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+def test_an_exported_adapter_loads_in_peft_and_gives_the_same_logits(tmp_path, family):
+    """The PEFT adapter of every projection (linear attention, shared expert and its gate,
+    experts as target parameters) applied by peft to plain transformers gives our logits."""
+    base_dir = families.build(family, tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    lora = LoraModel(model)
+    named = lora.add_adapter("a", AdapterSpec(RANK, ALPHA, 0.0, seed=5, train_unembed=False))
+    with torch.no_grad():
+        for name, parameter in named:
+            if name.endswith("lora_B"):
+                parameter.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    state = lora.adapter_state("a")
+    adapter_dir = tmp_path / "adapter"
+    adapter_dir.mkdir()
+    targets = formats.peft_target_modules(lora, {n.rsplit(".", 1)[0] for n in state})
+    formats.save_peft_adapter(
+        adapter_dir,
+        state,
+        lora=LoraConfig(rank=RANK, alpha=ALPHA, seed=5),
+        base_model="base",
+        target_modules=targets,
+    )
+    tokens = torch.tensor([LONG])
+    with torch.no_grad(), lora.route([("a", None)]):
+        ours = model(input_ids=tokens).logits
+    plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        base = plain(input_ids=tokens).logits
+        theirs = PeftModel.from_pretrained(plain, adapter_dir).eval()(input_ids=tokens).logits
+    assert (ours - base).abs().max() > 0.1  # the adapter changes the model
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)

@@ -234,15 +234,16 @@ def test_saved_activations_of_a_hybrid_are_counted(tmp_path):
     assert measured <= counted <= 1.6 * measured, (measured, counted)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text"])
-def test_a_ragged_pass_takes_each_rows_state_at_its_own_end(family, family_dirs):
-    """Rows appending different counts of positions in one pass (right-padded), then a token
-    each: the same hidden states and recurrent states as each row run alone."""
-    engine = engine_for(family_dirs[family])
+@pytest.mark.parametrize("short", [3, 1])
+def test_a_ragged_pass_takes_each_rows_state_at_its_own_end(short, family_dirs):
+    """Rows appending different counts of positions in one pass (right-padded; a row of one
+    position: no chunked part), then a token each: the same hidden states and recurrent
+    states as each row run alone."""
+    engine = engine_for(family_dirs["qwen3_5_text"])
     resource = engine._resource("r")
     generator.served(resource, engine._session("r", "s")[1])
     gm = generator.generator_model(engine.config, resource, resource.loaded.model)
-    prompts, key = [LONG[:9], SHORT[:3]], "s@generator"
+    prompts, key = [LONG[:9], SHORT[:short]], "s@generator"
 
     def run(rows: list[tuple[int, ...]]) -> tuple[torch.Tensor, KVCache]:
         cache = new_cache(gm, len(rows), 16)

@@ -18,13 +18,17 @@ KV rows, so every row operation of a cache (keep, grow, joins, copies) moves the
   real positions are exact; only the state must be taken at each row's own end. The conv state
   is gathered at each row's end; for the delta rule the pass asks transformers to keep the
   per-position states of the last positions (`get_recurrent_states_to_keep`: from the shortest
-  row's end on) and takes each row's at its end. A row appending nothing keeps its state.
+  row's end on, stepped token by token) and takes each row's at its end. A row appending
+  nothing keeps its state. The sampler's prefills avoid the token-by-token steps: each of their
+  passes runs as many positions for every row that runs (engine/generate/prefill.py).
 - a fanout cache's own row that holds no position yet starts from its prompt's state (the
   prefix row's): a fork copies the prompt's state, not its tokens.
 
 Not served: spans of positions (the prefix cache stores KV spans; a recurrent state exists
-only at a row's end), packed joining passes (one row of many sequences) and the static decode
-passes; the sampler keeps hybrids off them (engine/generate).
+only at a row's end, so a hybrid's prompts skip it, the reason counted in /metrics), packed
+joining passes (one row of many sequences) and the static decode passes; the sampler keeps
+hybrids off them (engine/generate). The KV cache keeps its (unused) slots at the linear
+layers' indices: the cache is indexed by decoder layer (kv_shape.py).
 
 Legend: L = linear-attention layers, R = allocated rows, B = rows of a pass, C = conv
 channels, K1 = conv kernel - 1, Hv = value heads, Dk / Dv = key / value head dims, Q = new

@@ -200,8 +200,6 @@ class KVCache(LinearAttentionCalls):
         columns_K = torch.arange(self._visible, device=positions_BQ.device)
         causal_BQK = columns_K[None, None, :] <= positions_BQ[:, :, None]
         masks = {"full_attention": causal_BQK[:, None]}
-        if "linear_attention" in layer_types:  # read by no attention: a layout entry only
-            masks["linear_attention"] = masks["full_attention"]
         if "sliding_attention" in layer_types:
             assert sliding_window is not None, "sliding-attention layers need a window"
             recent_BQK = columns_K[None, None, :] > positions_BQ[:, :, None] - sliding_window

@@ -12,8 +12,8 @@ nothing on a real one.
 Every attention layer of a model posttrain serves has the same KV heads and head dim (the KV
 cache holds them in one tensor); the layer count is the number of attention layers, the
 modules that carry the `layer_idx` the cache protocol and model/attention.py index by. A
-hybrid's linear-attention layers carry one too (the KV of their index stays unused) and add a
-recurrent state per row (model/linear_attention.py).
+hybrid's attention modules are numbered 0, 1, ... (linear_attention.install), its linear
+layers keep no KV and add a recurrent state per row instead (model/linear_attention.py).
 
 Not here: the cache itself (kv_cache.py), the memory estimate (engine/memory/estimate.py).
 """
@@ -27,7 +27,11 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from posttrain.model.linear_attention import RecurrentShape, recurrent_shape
+from posttrain.model.linear_attention import (
+    LINEAR_ATTENTION_CLASSES,
+    RecurrentShape,
+    recurrent_shape,
+)
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,12 @@ def kv_shape(model: PreTrainedModel) -> KVShape:
         raise AssertionError(f"{type(model).__name__}: a forward pass never updated its cache")
     # Attention modules carry their layer's index; a decoder layer that carries it too has the
     # same one, so the distinct indices count the attention layers.
-    layers = {index for m in model.modules() if isinstance(index := vars(m).get("layer_idx"), int)}
+    layers = {
+        index
+        for m in model.modules()
+        if isinstance(index := vars(m).get("layer_idx"), int)
+        and type(m).__name__ not in LINEAR_ATTENTION_CLASSES
+    }
     assert layers == set(range(len(layers))), f"attention layer indices {sorted(layers)}"
     return KVShape(
         num_layers=len(layers),

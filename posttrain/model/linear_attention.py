@@ -27,8 +27,8 @@ KV rows, so every row operation of a cache (keep, grow, joins, copies) moves the
 Not served: spans of positions (the prefix cache stores KV spans; a recurrent state exists
 only at a row's end, so a hybrid's prompts skip it, the reason counted in /metrics), packed
 joining passes (one row of many sequences) and the static decode passes; the sampler keeps
-hybrids off them (engine/generate). The KV cache keeps its (unused) slots at the linear
-layers' indices: the cache is indexed by decoder layer (kv_shape.py).
+hybrids off them (engine/generate). `install` numbers a hybrid's attention modules 0, 1, ...,
+so its KV caches hold no slot for a linear layer.
 
 Legend: L = linear-attention layers, R = allocated rows, B = rows of a pass, C = conv
 channels, K1 = conv kernel - 1, Hv = value heads, Dk / Dv = key / value head dims, Q = new
@@ -76,6 +76,32 @@ class RecurrentShape:
 def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
     """The model's Gated DeltaNet modules, in model order."""
     return [m for m in model.modules() if type(m).__name__ in LINEAR_ATTENTION_CLASSES]
+
+
+def install(model: nn.Module) -> None:
+    """Number a hybrid's attention modules 0, 1, ... in model order (their `layer_idx`, which
+    posttrain's KV caches and pass layouts index by), so its KV caches hold the attention
+    layers only, not a slot for every linear layer; the linear layers keep their decoder
+    index (the recurrent state's, RecurrentShape.layers). Idempotent; nothing for a model
+    without linear attention."""
+    if not linear_attention_modules(model):
+        return
+    indexed = [
+        m
+        for m in model.modules()
+        if isinstance(vars(m).get("layer_idx"), int)
+        and type(m).__name__ not in LINEAR_ATTENTION_CLASSES
+    ]
+    if any(hasattr(m, "_posttrain_decoder_layer") for m in indexed):
+        return
+    order = {
+        index: i for i, index in enumerate(sorted({int(vars(m)["layer_idx"]) for m in indexed}))
+    }
+    for module in indexed:
+        decoder_layer = int(vars(module)["layer_idx"])
+        # Plain ints as nn.Module attributes (nn.Module's stub types a Tensor or a Module).
+        module._posttrain_decoder_layer = decoder_layer  # type: ignore[assignment]
+        module.layer_idx = order[decoder_layer]  # type: ignore[assignment]
 
 
 def recurrent_shape(model: nn.Module) -> RecurrentShape | None:

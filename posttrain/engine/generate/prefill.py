@@ -140,7 +140,9 @@ def forward_rows(
     else:
         assert num_new_B is not None, "a pass appends num_new_B[b] positions to row b"
         positions_BQ = cache.begin(num_new_B, uniform)
-    kinds = layer_types(config)
+    # The attention layers' kinds, in the order their modules' layer_idx number them (a
+    # hybrid's linear layers have none: model/linear_attention.install).
+    kinds = [kind for kind in layer_types(config) if kind != "linear_attention"]
     masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
     # The model gets a placeholder 4-D mask, which every family's mask creation passes on
     # as-is; the attention function reads the real one of its layer from the pass layout.

@@ -201,7 +201,7 @@ def model_shape(
             + LINEAR_CONV_COPIES * recurrent.conv_channels
         )
     return ModelShape(
-        layers=kv.num_layers,
+        layers=kv.num_layers + (0 if recurrent is None else len(recurrent.layers)),
         hidden=config.hidden_size,
         query_width=attention.query,
         kv_width=attention.kv,
@@ -353,7 +353,8 @@ def custom_forward_backward_bytes(
 
 def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_tokens: int) -> int:
     """Peak bytes of one generation over several sample operations (sampler.generate)."""
-    kv_per_position = shape.layers * shape.cache_elements * shape.dtype_bytes
+    kv_layers = shape.layers - shape.linear_layers
+    kv_per_position = kv_layers * shape.cache_elements * shape.dtype_bytes
     prompt_positions = sum(len(p) for request in requests for p in request.prompts)
     rows = sum(len(request.prompts) * request.num_samples for request in requests)
     own_positions = sum(

@@ -187,6 +187,7 @@ def test_a_rows_recurrent_state_is_its_layers_conv_and_delta_rule_states(family_
         config.linear_num_value_heads * config.linear_value_head_dim
     )
     assert recurrent.layers == (0,)
+    assert loaded.kv.num_layers == 1  # KV for the attention layer only
     assert recurrent.conv_channels == channels
     assert recurrent.conv_columns == config.linear_conv_kernel_dim - 1
     delta = config.linear_num_value_heads * 8 * 8

@@ -57,6 +57,7 @@ _COMMON = dict(
 )
 HEAD_DIM = object()  # a family setting that takes the size's head width
 MOE_WIDTH = object()  # a family setting that takes the size's expert width
+HYBRID_LAYERS = object()  # layer_types alternating linear and full attention, the size's depth
 
 # model_type -> config overrides beyond _COMMON.
 FAMILIES: dict[str, dict[str, object]] = {
@@ -119,11 +120,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 # Hybrids of Gated DeltaNet linear attention and gated full attention (Qwen3-Next, Qwen3.5 text,
-# dense and MoE): layer 0 linear, layer 1 full; grouped linear heads (2 query/key heads, 4
+# dense and MoE): layers alternate linear and full, layer 0 linear; grouped linear heads (2 query/key heads, 4
 # value heads) and a short causal convolution.
 _LINEAR: dict[str, object] = {
     "head_dim": HEAD_DIM,
-    "layer_types": ["linear_attention", "full_attention"],
+    "layer_types": HYBRID_LAYERS,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 8,
@@ -150,6 +151,8 @@ def _sized(value: object, size: Size) -> object:
         return size.head_dim
     if value is MOE_WIDTH:
         return size.hidden_size // 2
+    if value is HYBRID_LAYERS:
+        return ["linear_attention", "full_attention"] * (size.num_hidden_layers // 2)
     return value
 
 

@@ -120,8 +120,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 # Hybrids of Gated DeltaNet linear attention and gated full attention (Qwen3-Next, Qwen3.5 text,
-# dense and MoE): layers alternate linear and full, layer 0 linear; grouped linear heads (2 query/key heads, 4
-# value heads) and a short causal convolution.
+# dense and MoE): layers alternate linear and full, layer 0 linear; grouped linear heads (2
+# query/key heads, 4 value heads) and a short causal convolution.
 _LINEAR: dict[str, object] = {
     "head_dim": HEAD_DIM,
     "layer_types": HYBRID_LAYERS,

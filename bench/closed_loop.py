@@ -176,7 +176,6 @@ def joining(
     """A sample stream: every due operation joins at the next block boundary, and an agent's
     next turn is due as soon as its operation's row finishes."""
     stream = engine.sample_stream(resource, session)
-    stream.reserve_rows(len(requests))  # one row per agent: the most that ever run
     start = time.perf_counter()
     due = [(agent, 0, start) for agent in range(len(requests))]
     running: dict[int, tuple[int, int, float]] = {}
@@ -184,7 +183,9 @@ def joining(
     try:
         while due or running:
             if due:
-                ids = stream.admit([(session, requests[a][t]) for a, t, _ in due])
+                items = [(session, requests[a][t]) for a, t, _ in due]
+                # A pool of one row per agent (the most that ever run), ample memory assumed.
+                ids = stream.admit(items, row_limit=len(requests), spare_bytes=1 << 62)
                 running.update(zip(ids, due, strict=True))
                 due = []
             if stream.running_rows():  # every row may have ended on its first token

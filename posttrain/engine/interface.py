@@ -75,8 +75,23 @@ class DecodeStream(Protocol):
     # first token; returns their ids in this stream, as take_finished names them. `fence`: on a
     # generator lane (LanedEngine.lane_stream), the changes staged up to it are applied first
     # (the scheduler admits only what changes no decoding session); 0 on the trainer's lane,
-    # whose generators serve what was published, with nothing staged.
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]: ...
+    # whose generators serve what was published, with nothing staged. At a start (no row
+    # running) the stream sizes its decode cache itself: a pool for up to `row_limit` rows,
+    # as many as a share of `spare_bytes` (what is free beside the items' own estimate) holds,
+    # so later joins within it copy none of the running rows' KV.
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]: ...
+
+    # Whether `items` joining now allocate at most `spare_bytes` beyond their own estimate
+    # (nothing within the pool; past it, a copy of the running cache): the caller's memory
+    # admission of a join, with no pool sizes in the caller.
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool: ...
 
     # Up to `most` decode blocks of every running sequence: fewer where a sequence ended in one
     # (its operation may have finished), or a generator lane's stream was woken
@@ -88,19 +103,20 @@ class DecodeStream(Protocol):
     # (id, one result per prompt) of the operations completed since the last call.
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]: ...
 
+    # The operations (ids in this stream) whose tokens take_progress reports from now on, the
+    # set replacing the last one: only operations someone watches (a streamed OpenAI reply)
+    # pay for reporting. A stream in another process sends the set with its next step.
+    def follow(self, ids: Collection[int]) -> None: ...
+
+    # (id, per sequence: prompt-major, then sample order, the tokens drawn since the last
+    # report) of the followed operations still running that drew any since: an operation
+    # followed for the first time reports every token drawn so far, so a watch that starts
+    # late misses none. A stream in another process reports what its last step brought; a
+    # vLLM lane's reports nothing (its requests answer whole: hosts/vllm/stream.py).
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]: ...
+
     # Sequences still decoding (0: the stream is idle).
     def running_rows(self) -> int: ...
-
-    # Before a start (no row running): the decode cache is a pool of `rows` rows, so joins
-    # within it copy none of the running rows' KV.
-    def reserve_rows(self, rows: int) -> None: ...
-
-    # Bytes one pool row may hold when the stream starts with `items` (memory admission).
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int: ...
-
-    # Bytes `items` joining now may allocate beyond their own estimate: nothing within the
-    # pool; past it the running rows' KV reallocated (copied) while the old allocation exists.
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int: ...
 
     # The pass ended (finished or failed): free the decode state (the pool) now; nothing is
     # called on the stream after it. A stream in another process (hosts/remote_streams.py)

@@ -24,7 +24,7 @@ from transformers import (
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.errors import EngineFailure
-from posttrain.model import attention, latent_attention, linear_attention, routing
+from posttrain.model import attention, families, latent_attention, linear_attention, routing
 from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
 from posttrain.types import MoeShape
@@ -127,9 +127,10 @@ def path_kv_shape(path: Path) -> KVShape:
 
 def servable_problem(path: Path) -> str | None:
     """Why the directory cannot be served, or None: it must hold a config transformers builds
-    into a decoder-only causal LM, with attention posttrain runs (sdpa or eager), and a
-    tokenizer. Reads configs and tokenizer files only; the model is built on the meta device,
-    so no weights are read or allocated."""
+    into a decoder-only causal LM of a family the family table does not refuse
+    (families.py), with attention posttrain runs (sdpa or eager), and a tokenizer. Reads
+    configs and tokenizer files only; the model is built on the meta device, so no weights are
+    read or allocated."""
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure here is the directory's problem
@@ -138,6 +139,9 @@ def servable_problem(path: Path) -> str | None:
         MODEL_FOR_CAUSAL_LM_MAPPING
     ):
         return f"model_type {config.model_type!r} is not a decoder-only causal LM"
+    refused = families.refusal(config.model_type)  # the family table's verdict
+    if refused is not None:
+        return refused
     try:
         model = _meta_model(config)
     except Exception as exc:  # noqa: BLE001

@@ -29,6 +29,7 @@ from posttrain.service.operations.arrivals import Arrivals
 from posttrain.service.operations.completion import CompletionWatch
 from posttrain.service.operations.payloads import PayloadService
 from posttrain.service.operations.polls import PollHold
+from posttrain.service.operations.progress import SampleProgress
 from posttrain.service.operations.submit import OperationService
 from posttrain.service.scheduling.scheduler import Scheduler
 from posttrain.service.signing import UrlSigner, signing_key
@@ -75,6 +76,7 @@ class Services:
 
     def close(self) -> None:
         self.watch.close()
+        self.scheduler.progress.close()
         self.expiry.close()
         self.scheduler.close()
         self.engine.close()  # after the threads that call it: no orphan worker processes
@@ -92,6 +94,8 @@ def wire_services(config: ServerConfig) -> Services:
     repo = Repo(connect(config.data_dir))
     watch = CompletionWatch()
     repo.add_operation_listener(watch.operation_written)
+    progress = SampleProgress()  # watchers of running samples, closed as they finish
+    repo.add_operation_listener(progress.operation_written)
     model_paths = {spec.id: spec.path for spec in config.models}
     engine = build_engine(config.engine, model_paths)
     signer = UrlSigner(signing_key(config.signing_key, config.data_dir), config.url_ttl_s)
@@ -110,6 +114,7 @@ def wire_services(config: ServerConfig) -> Services:
         durability=SessionDurability(
             config.data_dir, repo, engine, persist_every=config.persist_every
         ),
+        progress=progress,
     )
     resources = ResourceService(config, repo, engine, scheduler)
     sessions = SessionService(repo, engine, scheduler, resources)
@@ -123,7 +128,8 @@ def wire_services(config: ServerConfig) -> Services:
     expiry.add_sweep(tinker.checkpoints.sweep)  # checkpoint names past their TTL
     polls = PollHold(watch, operations, hold_s=config.poll_hold_seconds)
     targets = ModelTargets(resources, sessions, checkpoints, tinker)
-    openai = OpenAIService(targets, Completions(targets, resources, sessions, operations, polls))
+    completions = Completions(targets, resources, sessions, operations, watch, scheduler.progress)
+    openai = OpenAIService(targets, completions)
     return Services(
         config,
         repo,

@@ -4,18 +4,25 @@ a model without a template refused."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import openai
 import pytest
 from conftest import ServerProcess
 from helpers import API_KEY, BASE_MODEL
+from test_openai_completions import latest_sample
 from transformers import AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.statuses import OperationStatus
 
 TOKENIZER = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
 NO_TEMPLATE = "my-org/tiny-without-template"
+# The built-in model with a template of bare contents: on "reverse reverse reverse" it runs on
+# for hundreds of tokens (in its own ChatML turn it answers in one or two).
+PLAIN = "my-org/tiny-plain-chat"
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 MESSAGES = [
     {"role": "system", "content": "add"},
     {"role": "user", "content": "12+34="},
@@ -29,7 +36,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("openai-chat")
     directory = root / "models" / "tiny"
     shutil.copytree(BUILTIN_MODEL_DIR, directory)  # its tokenizer carries no chat template
-    proc = ServerProcess.started(root, "--model", f"{NO_TEMPLATE}={directory}")
+    plain = root / "models" / "plain"
+    shutil.copytree(BUILTIN_MODEL_DIR, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config["chat_template"] = PLAIN_TEMPLATE
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    proc = ServerProcess.started(
+        root, "--model", f"{NO_TEMPLATE}={directory}", "--model", f"{PLAIN}={plain}"
+    )
     yield proc
     proc.stop()
 
@@ -115,3 +129,27 @@ def test_a_streamed_chat_carries_the_message_of_a_whole_one(server):
     assert [e.logprob for e in streamed] == [e.logprob for e in whole.choices[0].logprobs.content]
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_a_streamed_chat_shows_its_message_while_its_operation_runs(server):
+    """Content deltas of n = 2 choices come while the operation is still RUNNING, and
+    concatenate per choice to the message of the same request answered whole."""
+    oai = client(server)
+    messages = [{"role": "user", "content": "reverse reverse reverse"}]
+    args = {"model": PLAIN, "messages": messages, "max_tokens": 300, "n": 2}
+    args |= {"temperature": 1.0, "seed": 11}
+    whole = oai.chat.completions.create(**args)
+    assert whole.usage.completion_tokens > 200  # long enough to stream in many blocks
+    whole_op, _ = latest_sample(server)
+    contents: dict[int, list[str]] = {0: [], 1: []}
+    statuses = []
+    for chunk in oai.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                contents[choice.index].append(choice.delta.content)
+                op_id, status = latest_sample(server)
+                assert op_id != whole_op
+                statuses.append(status)
+    assert statuses[:2] == [OperationStatus.RUNNING] * 2, statuses[:3]
+    for index in (0, 1):
+        assert "".join(contents[index]) == whole.choices[index].message.content

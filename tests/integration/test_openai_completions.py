@@ -4,15 +4,19 @@ logprobs against a forward pass, echo against forward_only, seeds, stops, auth a
 from __future__ import annotations
 
 import re
+import sqlite3
+from contextlib import closing
 
 import httpx
 import openai
 import pytest
 import torch
+from conftest import ServerProcess
 from helpers import API_KEY, BASE_MODEL, open_session, sft_sample
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config import BUILTIN_MODEL_DIR
+from posttrain.statuses import OperationStatus
 
 TOKENIZER = AutoTokenizer.from_pretrained(BUILTIN_MODEL_DIR)
 PROMPT = "<|im_start|>7+8="
@@ -185,6 +189,41 @@ def test_a_streamed_completion_carries_the_text_of_a_whole_one(shared_server):
     )
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert raw.text.rstrip().endswith("data: [DONE]")
+
+
+def latest_sample(server: ServerProcess) -> tuple[str, str]:
+    """(id, status) of the sample operation submitted last, read from the server's store."""
+    path = server.data_dir / "posttrain.sqlite3"
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        query = "SELECT id, status FROM operations WHERE kind = 'sample' ORDER BY seq DESC"
+        return db.execute(query).fetchone()
+
+
+def test_a_streamed_completion_shows_its_text_while_its_operation_runs(shared_server):
+    """Text deltas come after decode blocks, while the operation is still RUNNING, and
+    concatenate to the text of the same request answered whole."""
+    oai = client(shared_server.base_url)
+    args = {"model": BASE_MODEL, "prompt": "reverse reverse reverse", "max_tokens": 300}
+    args |= {"temperature": 1.0, "seed": 11}
+    whole = oai.completions.create(**args)
+    assert whole.usage.completion_tokens > 100  # long enough to stream in many blocks
+    whole_op, _ = latest_sample(shared_server)
+    texts, statuses = [], []
+    for chunk in oai.completions.create(**args, stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            texts.append(chunk.choices[0].text)
+            op_id, status = latest_sample(shared_server)
+            assert op_id != whole_op
+            statuses.append(status)
+    assert statuses[:2] == [OperationStatus.RUNNING] * 2, statuses[:3]
+    assert len(texts) > 10
+    assert "".join(texts) == whole.choices[0].text
+    stop = whole.choices[0].text[60:63]  # nothing past a stop string is ever sent
+    cut = oai.completions.create(**args, stop=[stop]).choices[0]
+    streamed = oai.completions.create(**args, stop=[stop], stream=True)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == cut.text and stop not in cut.text
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["stop"]
 
 
 def test_an_inference_checkpoint_keeps_its_logprobs_while_its_session_trains_on(shared_server):

@@ -1,23 +1,32 @@
 """OpenAI reply bodies from a service Completion: text completions and chat completions,
 whole (replies) or as server-sent events (`stream: true`).
 
-The scheduler answers an operation once it finished, so a stream sends each choice's text in
-one chunk after the request's operations completed (OpenAI's chunk shapes, a role chunk first
-for chat, a finish chunk per choice, a usage chunk where stream_options.include_usage asks,
-then `data: [DONE]`): a client reading a stream reads the same text a whole reply carries.
+A stream sends each choice's text as the service hands it over (service/openai/completions.py
+CompletionStream: deltas after every decode block, then the rest of the text once the
+operation finished), in OpenAI's chunk shapes: for chat a role chunk per choice first, content
+chunks as text comes, a finish chunk per choice, a usage chunk where
+stream_options.include_usage asks, then `data: [DONE]`; a client that concatenates a choice's
+chunks reads the text a whole reply carries. A failure after the reply began is an error event
+(OpenAI's error object), which the SDK raises.
 
-Imports: service.
+Imports: errors, service.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from posttrain.service.openai.completions import Completion, TokenLogprobs, completion_id
+from posttrain.errors import posttrainError
+from posttrain.service.openai.completions import (
+    Completion,
+    CompletionStream,
+    TokenLogprobs,
+    completion_id,
+)
 
 
 def _usage(completion: Completion) -> dict[str, int]:
@@ -92,34 +101,61 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def completion_events(model: str, completion: Completion, *, include_usage: bool) -> Iterator[str]:
-    whole = completion_body(model, completion)
-    head = {key: whole[key] for key in ("id", "object", "created", "model")}
-    for choice in whole["choices"]:
-        yield _event({**head, "choices": [{**choice, "finish_reason": None}]})
-        finish = {"index": choice["index"], "text": "", "logprobs": None}
-        yield _event({**head, "choices": [{**finish, "finish_reason": choice["finish_reason"]}]})
-    if include_usage:
-        yield _event({**head, "choices": [], "usage": whole["usage"]})
+def _error_event(exc: posttrainError) -> str:
+    """A failure after the reply began (its status was sent): OpenAI's error object as an
+    event, which the SDK raises as an APIError."""
+    error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": None}
+    return _event({"error": error})
+
+
+def _chunk(head: dict[str, Any], choice: dict[str, Any], finish_reason: str | None) -> str:
+    return _event({**head, "choices": [{**choice, "finish_reason": finish_reason}]})
+
+
+async def completion_events(
+    model: str, stream: CompletionStream, *, include_usage: bool
+) -> AsyncIterator[str]:
+    head: dict[str, Any] = {"id": completion_id(), "object": "text_completion", "model": model}
+    head["created"] = int(time.time())
+    try:
+        async for event in stream.events():
+            if isinstance(event, Completion):
+                for choice in event.choices:
+                    finish = {"index": choice.index, "text": "", "logprobs": None}
+                    yield _chunk(head, finish, choice.finish_reason)
+                if include_usage:
+                    yield _event({**head, "choices": [], "usage": _usage(event)})
+                continue
+            for delta in event:
+                logprobs = None if delta.logprobs is None else asdict(delta.logprobs)
+                text = {"index": delta.index, "text": delta.text, "logprobs": logprobs}
+                yield _chunk(head, text, None)
+    except posttrainError as exc:
+        yield _error_event(exc)
     yield "data: [DONE]\n\n"
 
 
-def chat_events(
-    model: str, completion: Completion, k: int, *, include_usage: bool
-) -> Iterator[str]:
-    whole = chat_body(model, completion, k)
-    head = {key: whole[key] for key in ("id", "created", "model")} | {
-        "object": "chat.completion.chunk"
-    }
-    for choice in whole["choices"]:
-        index = choice["index"]
-        role = {"index": index, "delta": {"role": "assistant", "content": ""}}
-        yield _event({**head, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
-        delta = {"index": index, "delta": {"content": choice["message"]["content"]}}
-        content = {**delta, "logprobs": choice["logprobs"], "finish_reason": None}
-        yield _event({**head, "choices": [content]})
-        finish = {"index": index, "delta": {}, "logprobs": None}
-        yield _event({**head, "choices": [{**finish, "finish_reason": choice["finish_reason"]}]})
-    if include_usage:
-        yield _event({**head, "choices": [], "usage": whole["usage"]})
+async def chat_events(
+    model: str, stream: CompletionStream, k: int, *, include_usage: bool
+) -> AsyncIterator[str]:
+    head: dict[str, Any] = {"id": f"chat{completion_id()}", "object": "chat.completion.chunk"}
+    head |= {"created": int(time.time()), "model": model}
+    for index in range(stream.num_choices):
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        yield _chunk(head, role, None)
+    try:
+        async for event in stream.events():
+            if isinstance(event, Completion):
+                for choice in event.choices:
+                    finish = {"index": choice.index, "delta": {}, "logprobs": None}
+                    yield _chunk(head, finish, choice.finish_reason)
+                if include_usage:
+                    yield _event({**head, "choices": [], "usage": _usage(event)})
+                continue
+            for delta in event:
+                logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs, k)
+                content = {"index": delta.index, "delta": {"content": delta.text}}
+                yield _chunk(head, {**content, "logprobs": logprobs}, None)
+    except posttrainError as exc:
+        yield _error_event(exc)
     yield "data: [DONE]\n\n"

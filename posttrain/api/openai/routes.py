@@ -46,22 +46,26 @@ def _include_usage(options: dict[str, Any] | None) -> bool:
 
 async def create_completion(body: BodyDep, svc: ServicesDep, user: UserDep) -> Any:
     request = parse(CompletionBody, check_unserved(body))
-    completion = await svc.openai.completions.complete(user, completion_job(request))
+    job = completion_job(request)
     if request.stream:
+        stream = await svc.openai.completions.stream(user, job)
         usage = _include_usage(request.stream_options)
-        events = completion_events(request.model, completion, include_usage=usage)
+        events = completion_events(request.model, stream, include_usage=usage)
         return StreamingResponse(events, media_type="text/event-stream")
+    completion = await svc.openai.completions.complete(user, job)
     return completion_body(request.model, completion)
 
 
 async def create_chat_completion(body: BodyDep, svc: ServicesDep, user: UserDep) -> Any:
     request = parse(ChatBody, check_unserved(body))
-    completion = await svc.openai.completions.complete(user, chat_job(request))
+    job = chat_job(request)
     k = request.top_logprobs or 0
     if request.stream:
+        stream = await svc.openai.completions.stream(user, job)
         usage = _include_usage(request.stream_options)
-        events = chat_events(request.model, completion, k, include_usage=usage)
+        events = chat_events(request.model, stream, k, include_usage=usage)
         return StreamingResponse(events, media_type="text/event-stream")
+    completion = await svc.openai.completions.complete(user, job)
     return chat_body(request.model, completion, k)
 
 

@@ -5,28 +5,31 @@ A SampleStream is a sampler.Decoding in terms of sample operations ((session, Sa
 items, as generator.sample_batch takes them): `admit` turns an operation's prompts into
 GenerationRequests routed to its session's generator, `block` runs one decode block, and
 `take_finished` hands over the operations completed since (one result per prompt, as
-sample_batch gives). Its caller (the scheduler's sample pass, service/scheduling/sample_streams.py,
-through SessionSampleStream: the engine's DecodeStream) decides what joins when, and may run other
-work between blocks. A weights change published between blocks (a PIPELINE publish, or another
-session's weights-sync) is picked up at the next `admit` or `block`: running rows whose weights
-changed continue on the new ones (sampler.Decoding.weights_published), as generate does after
-its `between_tokens`.
+sample_batch gives); `take_progress` the tokens the followed operations drew since (a streamed
+reply shows them as they come). Its caller (the scheduler's sample pass,
+service/scheduling/sample_streams.py, through SessionSampleStream: the engine's DecodeStream)
+decides what joins when, and may run other work between blocks. A weights change published
+between blocks (a PIPELINE publish, or another session's weights-sync) is picked up at the next
+`admit` or `block`: running rows whose weights changed continue on the new ones
+(sampler.Decoding.weights_published), as generate does after its `between_tokens`.
 
 One generation runs on one model: a full-weight session samples its own model copy, so only
 operations whose sessions sample the stream's model may join (`can_join`).
 
-Memory: `reserve_rows(n)` makes the decode cache of the stream's next start a pool of n rows
-(own and prompt parts, sampler.Decoding.pool_rows): a join within its free rows (and prompts no
-longer than its prompt width) appends there and copies none of the running rows' KV; past it
-the cache reallocates with twice the rows (KVCache.add_rows). `pool_row_bytes` sizes a pool
-row for memory admission, `join_reserve_bytes` what a join may allocate beyond its own
-estimate (nothing within the pool).
+Memory: the stream sizes its own decode cache. At a start (`admit` with no row running) it is
+a pool (own and prompt parts, sampler.Decoding.pool_rows) of up to the caller's row limit, as
+many rows as POOL_SHARE of the memory spare beside the first operations holds (`pool_rows`): a
+join within its free rows (and prompts no longer than its prompt width) appends there and
+copies none of the running rows' KV; past it the cache reallocates with twice the rows
+(KVCache.add_rows). `fits` tells the caller whether a join allocates no more than what is spare
+beside its own estimate (nothing within the pool), so the caller's memory admission never
+needs the pool's sizes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel
@@ -38,6 +41,22 @@ from posttrain.engine.generate.joins import PREFIX_POOL_POSITIONS, GenerationReq
 from posttrain.engine.generate.sampler import Decoding, peak_own_positions
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
+
+# Of the memory free beside a stream's first operations, the share its pool may take: the rest
+# stays for what runs between its blocks (other sessions' training) and the joins' own passes.
+POOL_SHARE = 0.5
+
+
+def pool_rows(limit: int, rows: int, free_bytes: int, row_bytes: int) -> int:
+    """Rows a sample stream's decode cache is allocated for at its start (its pool: joins within
+    it copy none of the running rows' KV): the stream's row `limit`, fewer where POOL_SHARE of
+    what is free beside the first operations' estimate (`free_bytes`) holds fewer rows of
+    `row_bytes` each beyond their own `rows`; never fewer than those. Joins past the pool still
+    run, at the cost of a copy their admission counts (JoinRoom.reserve_bytes)."""
+    if row_bytes <= 0:
+        return max(rows, limit)
+    spare = int(max(0, free_bytes) * POOL_SHARE) // row_bytes
+    return max(rows, min(limit, rows + spare))
 
 
 def pool_row_bytes(kv_per_position: int, prompt_positions: int, max_tokens: int) -> int:
@@ -113,6 +132,9 @@ class SampleStream:
         self._results: list[list[SampleResult | None]] = []  # per item, per prompt
         self._open: list[int] = []  # per item, prompts not finished
         self._first_request: list[int] = []  # per item, its first request's index
+        self._num_prompts: list[int] = []  # per item
+        self._followed: set[int] = set()  # items whose progress take_progress reports
+        self._reported: dict[int, list[int]] = {}  # per followed item, tokens reported per row
         self._served = self._generations()  # what the running rows were decoded with
         self._pool_tokens = 0  # the longest max_tokens the pool's rows were admitted for
 
@@ -165,6 +187,11 @@ class SampleStream:
     def join_reserve_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
         return self.room().reserve_bytes([request for _, request in items])
 
+    def fits(self, items: list[tuple[SessionState, SampleRequest]], spare_bytes: int) -> bool:
+        """Whether `items` joining now allocate at most `spare_bytes` beyond their own
+        estimate (JoinRoom.reserve_bytes)."""
+        return self.join_reserve_bytes(items) <= spare_bytes
+
     def room(self) -> JoinRoom:
         """What a join finds now (JoinRoom)."""
         cache = self.decoding.cache
@@ -186,12 +213,25 @@ class SampleStream:
     def can_join(self, session: SessionState) -> bool:
         return sampling_model(self.resource, session) is self.model
 
-    def admit(self, items: list[tuple[SessionState, SampleRequest]]) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[SessionState, SampleRequest]],
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         """Operations joining at this block boundary; returns their ids in this stream (in
-        order from 0, as take_finished names them)."""
+        order from 0, as take_finished names them). At a start (no row running) with a
+        `row_limit`, the decode cache is a pool of up to that many rows, as many as a share of
+        `spare_bytes` (what is free beside the items' own estimate) holds (`pool_rows`)."""
         self._catch_up()
         if not self.running:
             self._pool_tokens = 0
+            if row_limit:
+                rows = sum(len(r.prompts) * r.num_samples for _, r in items)
+                self.reserve_rows(
+                    pool_rows(row_limit, rows, spare_bytes, self.pool_row_bytes(items))
+                )
         ids, requests = [], []
         for session, request in items:
             self._pool_tokens = max(self._pool_tokens, max_tokens_of(request.sampling_params))
@@ -202,6 +242,7 @@ class SampleStream:
             self._results.append([None] * len(request.prompts))
             self._open.append(len(request.prompts))
             self._first_request.append(len(self._item_of_request))
+            self._num_prompts.append(len(request.prompts))
             for prompt in request.prompts:
                 self._item_of_request.append(item)
                 requests.append(
@@ -249,7 +290,36 @@ class SampleStream:
                 assert all(r is not None for r in results)
                 done.append((item, [r for r in results if r is not None]))
                 self._results[item] = []  # handed over: the stream keeps no copy
+                self._reported.pop(item, None)
         return done
+
+    def follow(self, items: Collection[int]) -> None:
+        """The items whose tokens take_progress reports from now on (DecodeStream.follow)."""
+        self._followed = set(items)
+        for item in list(self._reported):
+            if item not in self._followed:
+                del self._reported[item]
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        """(item, per sequence the tokens drawn since the last report) of the followed items
+        still running that drew any since; a newly followed item reports from its start."""
+        progress = []
+        generation = self.decoding.generation
+        for item in sorted(self._followed):
+            if item >= len(self._open) or self._open[item] == 0:
+                continue  # unknown, or finished: its result carries every token
+            first = self._first_request[item]
+            rows = [
+                row
+                for r in range(first, first + self._num_prompts[item])
+                for row in generation.rows_of(r)
+            ]
+            reported = self._reported.setdefault(item, [0] * len(rows))
+            drawn = [row.tokens[n:] for row, n in zip(rows, reported, strict=True)]
+            if any(drawn):
+                self._reported[item] = [len(row.tokens) for row in rows]
+                progress.append((item, drawn))
+        return progress
 
 
 class SessionSampleStream:
@@ -263,10 +333,22 @@ class SessionSampleStream:
     def can_join(self, session_id: str) -> bool:
         return self.stream.can_join(self.session(session_id))
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         """`fence`: nothing is staged for an engine's own generators (a replica's stream
         applies its staged changes first: hosts/replicas/worker.py)."""
-        return self.stream.admit(self._sessions(items))
+        return self.stream.admit(
+            self._sessions(items), row_limit=row_limit, spare_bytes=spare_bytes
+        )
+
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
+        return self.stream.fits(self._sessions(items), spare_bytes)
 
     def block(
         self,
@@ -289,17 +371,14 @@ class SessionSampleStream:
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         return self.stream.take_finished()
 
+    def follow(self, ids: Collection[int]) -> None:
+        self.stream.follow(ids)
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        return self.stream.take_progress()
+
     def running_rows(self) -> int:
         return self.stream.running_rows()
-
-    def reserve_rows(self, rows: int) -> None:
-        self.stream.reserve_rows(rows)
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.pool_row_bytes(self._sessions(items))
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.join_reserve_bytes(self._sessions(items))
 
     def room(self) -> JoinRoom:
         return self.stream.room()

@@ -8,7 +8,8 @@
 - placed on Ray: ray/.
 
 Shared by them: messages.py (the one message vocabulary), placement.py (how processes start),
-remote_streams.py (a decode stream across a process), staged_changes.py and
-trainer_forwarding.py (what a host with generators apart shares), full_weight_sessions.py and
-threads.py (the cores a process uses).
+remote_streams.py (a decode stream across a process), lanes.py, staged_changes.py and
+trainer_forwarding.py (what a host with generators apart shares: lanes.py's GeneratorLanes is
+the one lanes implementation of replicas/ and vllm/), full_weight_sessions.py and threads.py
+(the cores a process uses).
 """

@@ -359,8 +359,9 @@ class DiscardGradients(ResourceMessage[Measured, None]):
 
 # ---------------------------------------------------------------- decode streams
 # A stream driven step by step from the API process (hosts/remote_streams.py): one message per
-# DecodeStream method, but `take_finished` and `running_rows`, which each step brings back
-# (Stepped), and `close`, which is CloseStream.
+# DecodeStream method, but `take_finished`, `take_progress` and `running_rows`, which each step
+# brings back (Stepped), `follow`, whose set each step carries, and `close`, which is
+# CloseStream.
 
 
 @dataclass(frozen=True)
@@ -381,35 +382,48 @@ class StreamMessage(ResourceMessage[StreamHosting, R]):
 @dataclass(frozen=True)
 class Stepped(Generic[T]):
     """A step's answer, and what its caller asks after each step, in the same round trip: the
-    operations finished since the last step, the rows running now, and what a join finds now
+    operations finished since the last step, the tokens the followed ones drew since
+    (DecodeStream.take_progress), the rows running now, and what a join finds now
     (sample_stream.JoinRoom)."""
 
     answer: T
     finished: list[tuple[int, list[SampleResult]]]
+    progress: list[tuple[int, list[list[int]]]]
     running_rows: int
     room: JoinRoom
 
 
 def _stepped(stream: HostedStream, answer: T) -> Stepped[T]:
-    return Stepped(answer, stream.take_finished(), stream.running_rows(), stream.room())
+    progress = stream.take_progress()  # first, as the caller takes them (StreamPass)
+    finished = stream.take_finished()
+    return Stepped(answer, finished, progress, stream.running_rows(), stream.room())
 
 
 @dataclass(frozen=True)
 class StreamAdmit(StreamMessage[Stepped[list[int]]]):
     items: list[tuple[str, SampleRequest]]
     fence: int = 0
+    row_limit: int = 0
+    spare_bytes: int = 0
+    followed: tuple[int, ...] = ()  # DecodeStream.follow's set, as of this step
 
     def run(self, engine: StreamHosting) -> Stepped[list[int]]:
         stream = engine.stream(self.resource_id, self.stream_id)
-        return _stepped(stream, stream.admit(self.items, self.fence))
+        stream.follow(self.followed)
+        answer = stream.admit(
+            self.items, self.fence, row_limit=self.row_limit, spare_bytes=self.spare_bytes
+        )
+        return _stepped(stream, answer)
 
 
 @dataclass(frozen=True)
 class StreamBlock(StreamMessage[Stepped[None]]):
     most: int = 1
+    followed: tuple[int, ...] = ()  # DecodeStream.follow's set, as of this step
 
     def run(self, engine: StreamHosting) -> Stepped[None]:
         stream = engine.stream(self.resource_id, self.stream_id)
+        stream.follow(self.followed)
         stream.block(self.most)
         return _stepped(stream, None)
 
@@ -431,27 +445,15 @@ class StreamRunningRows(StreamMessage[int]):
 
 
 @dataclass(frozen=True)
-class StreamReserveRows(StreamMessage[None]):
-    rows: int
+class StreamFits(StreamMessage[bool]):
+    """Whether a join fits, asked before the stream's first step (after one, the room the step
+    brought answers it in the caller's process)."""
 
-    def run(self, engine: StreamHosting) -> None:
-        engine.stream(self.resource_id, self.stream_id).reserve_rows(self.rows)
-
-
-@dataclass(frozen=True)
-class StreamPoolRowBytes(StreamMessage[int]):
     items: list[tuple[str, SampleRequest]]
+    spare_bytes: int
 
-    def run(self, engine: StreamHosting) -> int:
-        return engine.stream(self.resource_id, self.stream_id).pool_row_bytes(self.items)
-
-
-@dataclass(frozen=True)
-class StreamJoinReserveBytes(StreamMessage[int]):
-    items: list[tuple[str, SampleRequest]]
-
-    def run(self, engine: StreamHosting) -> int:
-        return engine.stream(self.resource_id, self.stream_id).join_reserve_bytes(self.items)
+    def run(self, engine: StreamHosting) -> bool:
+        return engine.stream(self.resource_id, self.stream_id).fits(self.items, self.spare_bytes)
 
 
 @dataclass(frozen=True)

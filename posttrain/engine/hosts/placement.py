@@ -81,8 +81,8 @@ class StagedHandle(WorkerHandle[C_co], Protocol):
     """A generator replica's process: its calls, and its staged changes beside them."""
 
     def stage(self, data: bytes) -> None:
-        """A replica's staged change (a pickled `Staged`), without waiting for its calls; a
-        dead replica misses it (it is rebuilt, not replayed)."""
+        """A replica's staged change (a pickled `Arrival`, hosts/replicas/staged.py), without
+        waiting for its calls; a dead replica misses it (it is rebuilt, not replayed)."""
         ...
 
 

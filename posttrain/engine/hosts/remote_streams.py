@@ -3,10 +3,11 @@ the host keeps each open stream by id (`StreamHost`, part of LocalEngine), and t
 drives it step by step (`RemoteStream`, what RemoteEngine.sample_stream hands out) through the
 stream messages of hosts/messages.py: OpenStream, one message per DecodeStream method, and
 CloseStream. A step (StreamAdmit, StreamBlock) also brings back the operations finished since,
-the rows running and the room a join finds (sample_stream.JoinRoom): what the caller asks after
-each, in the same round trip. A round trip costs about a CPU decode step's time across Ray
+the tokens the followed ones drew since (`follow`'s set travels with each step), the rows
+running and the room a join finds (sample_stream.JoinRoom): what the caller asks after each,
+in the same round trip. A round trip costs about a CPU decode step's time across Ray
 (docs/continuous_batching.md, "Invariants"), so a quiet block is one, and weighing a candidate join
-at a boundary is none: `join_reserve_bytes` answers from the room, `can_join` once per session.
+at a boundary is none: `fits` answers from the room, `can_join` once per session.
 
 Between two of a stream's messages the host serves any other (another session's training
 between blocks, a PIPELINE publish), as the in-process engine does between blocks: the
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol, TypeVar
 
 from posttrain.engine.generate.sample_stream import JoinRoom
@@ -38,11 +39,9 @@ from posttrain.engine.hosts.messages import (
     StreamAdmit,
     StreamBlock,
     StreamCanJoin,
+    StreamFits,
     StreamHosting,
-    StreamJoinReserveBytes,
     StreamMessage,
-    StreamPoolRowBytes,
-    StreamReserveRows,
 )
 from posttrain.engine.interface import DecodeStream
 from posttrain.errors import EngineFailure, WorkerDied
@@ -117,6 +116,8 @@ class RemoteStream(DecodeStream):
         self._room: JoinRoom | None = None  # as of the last step
         self._joins: dict[str, bool] = {}  # can_join's answers, by session
         self._finished: list[tuple[int, list[SampleResult]]] = []  # brought by steps, not taken
+        self._progress: list[tuple[int, list[list[int]]]] = []  # likewise
+        self._followed: tuple[int, ...] = ()  # sent with every step
         # The host's death, once seen (as `died` reports it): every later call fails with it
         # (the stream is bound to that host), also those answered here.
         self._died: EngineFailure | None = None
@@ -150,35 +151,49 @@ class RemoteStream(DecodeStream):
         stepped = self._send(step)
         self._rows, self._room = stepped.running_rows, stepped.room
         self._finished.extend(stepped.finished)
+        self._progress.extend(stepped.progress)
         return stepped.answer
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
-        return self._step(StreamAdmit(self.resource_id, self.stream_id, items, fence))
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
+        admit = StreamAdmit(
+            self.resource_id, self.stream_id, items, fence, row_limit, spare_bytes, self._followed
+        )
+        return self._step(admit)
 
     def block(self, most: int = 1) -> None:
-        self._step(StreamBlock(self.resource_id, self.stream_id, most))
+        self._step(StreamBlock(self.resource_id, self.stream_id, most, self._followed))
 
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         self._check()
         taken, self._finished = self._finished, []
         return taken
 
+    def follow(self, ids: Collection[int]) -> None:
+        """Sent with the next step (the host follows them from then on)."""
+        self._followed = tuple(sorted(ids))
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        self._check()
+        taken, self._progress = self._progress, []
+        return taken
+
     def running_rows(self) -> int:
         self._check()
         return self._rows
 
-    def reserve_rows(self, rows: int) -> None:
-        self._send(StreamReserveRows(self.resource_id, self.stream_id, rows))
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self._send(StreamPoolRowBytes(self.resource_id, self.stream_id, items))
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
         """From the room the last step brought (before any step, the host's answer)."""
         if self._room is None:
-            return self._send(StreamJoinReserveBytes(self.resource_id, self.stream_id, items))
+            return self._send(StreamFits(self.resource_id, self.stream_id, items, spare_bytes))
         self._check()
-        return self._room.reserve_bytes([request for _, request in items])
+        return self._room.reserve_bytes([request for _, request in items]) <= spare_bytes
 
     def close(self) -> None:
         """Free the stream's decode state on its host; nothing to free where the host died."""

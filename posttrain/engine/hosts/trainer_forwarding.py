@@ -1,6 +1,6 @@
 """The Engine calls a host of generators apart (hosts/replicas/engine.py, hosts/vllm/engine.py)
 leaves to its trainer engine unchanged: model facts, training, checkpoints, limits and persistence.
-A subclass owns resources, sessions, publishing and sampling (and may refine model_info).
+A subclass (hosts/lanes.py's GeneratorLanes) owns resources, sessions, publishing and sampling.
 
 Every call into the trainer here holds `trainer_lock`: a VllmEngine's RLock, which it also
 takes around its own calls, since its mismatch scoring samples on the trainer from generator

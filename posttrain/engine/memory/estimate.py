@@ -48,7 +48,7 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   per prompt and two per sequence (the old and the new while rows grow).
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
   prompt row rounded up to the pool's width and the generated part as above; the stream sizes
-  it itself (generate/sample_stream.py pool_row_bytes), for the service's admission.
+  it itself (generate/sample_stream.py pool_rows, pool_row_bytes) from what is free.
 - optim-step's AdamW moments (two per trainable tensor) appear at a session's first step, and
   each tensor's update allocates temporaries of its size.
 

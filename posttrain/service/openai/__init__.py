@@ -1,5 +1,6 @@
 """The OpenAI-compatible surface's services: which session a `model` names (targets.py) and
-completions as sample operations of the one scheduler (completions.py).
+completions as sample operations of the one scheduler (completions.py), their
+texts token by token, whole or streamed (texts.py).
 
 Imports: service, types.
 """

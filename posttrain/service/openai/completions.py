@@ -22,6 +22,14 @@ sent, the one drawn after an echoed prompt), a stop string and what follows it a
 the text, and a token's text is what decoding it adds to the text before it (so the texts of
 the tokens concatenate to the text).
 
+A streamed reply (`stream`, CompletionStream) shows each choice's text as its tokens are
+drawn: the sample stream hands them over after every decode block
+(service/operations/progress.py), and texts.StreamedText says what of them may be shown (no
+character split, nothing that a stop string may still cut); the rest of each choice's text
+follows once the operation finished, so the deltas concatenate to the text a whole reply
+carries. Where logprobs are asked for or the prompt is echoed, or the sample does not run as a
+stream (a vLLM lane), each choice's text comes whole at the end.
+
 Not here: the wire shapes and the SSE framing (api/openai/).
 
 Imports: service, types.
@@ -30,8 +38,11 @@ Imports: service, types.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import hashlib
+import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +56,9 @@ from posttrain.service.lifecycle.resources import ResourceService
 from posttrain.service.lifecycle.sessions import SessionService
 from posttrain.service.openai.chat import ChatPrompt, chat_tokens, end_of_turn_ids
 from posttrain.service.openai.targets import ModelTargets, Target
-from posttrain.service.operations.polls import PollHold
+from posttrain.service.openai.texts import StreamedText, stop_cut, token_texts
+from posttrain.service.operations.completion import CompletionWatch
+from posttrain.service.operations.progress import SampleProgress
 from posttrain.service.operations.submit import OperationService
 from posttrain.statuses import OPERATION_TERMINAL, OperationErrorCode, OperationStatus
 from posttrain.types import (
@@ -111,6 +124,50 @@ class Drawn:
     prompt_scores: SampleResult | None = None  # the prompt's logprobs, when the draw scored it
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A job resolved: the session that samples it, its tokenizer and prompts, and the job
+    with a chat turn's end among its stop tokens."""
+
+    target: Target
+    tokenizer: PreTrainedTokenizerBase
+    prompts: tuple[tuple[int, ...], ...]
+    job: CompletionJob
+
+    def draw_request(self) -> SampleRequest | None:
+        """The sample operation drawing n sequences per prompt; None where nothing is drawn
+        (max_tokens 0). With the prompt echoed and logprobs asked for, where no scoring
+        operation follows, it scores its own prompt."""
+        job = self.job
+        if job.sampling_params.max_tokens == 0:
+            return None
+        scores_prompt = job.echo and job.logprobs is not None and not _needs_scoring(job)
+        return SampleRequest(
+            prompts=self.prompts,
+            num_samples=job.n,
+            sampling_params=job.sampling_params,
+            prompt_logprobs=scores_prompt,
+            topk_prompt_logprobs=(job.logprobs or 0) if scores_prompt else 0,
+        )
+
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether a streamed reply shows text as it is drawn: not where logprobs are asked
+        for (a sampled token's top-k comes from a scoring operation after the draw) or the
+        prompt is echoed; those send each choice whole once it finished."""
+        return self.job.logprobs is None and not self.job.echo
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text of choice `index` a streamed reply sends next; a choice's last one carries its
+    logprobs where they were asked for (its text then comes whole)."""
+
+    index: int
+    text: str
+    logprobs: TokenLogprobs | None = None
+
+
 class Completions:
     def __init__(
         self,
@@ -118,13 +175,15 @@ class Completions:
         resources: ResourceService,
         sessions: SessionService,
         operations: OperationService,
-        polls: PollHold,
+        watch: CompletionWatch,
+        progress: SampleProgress,
     ) -> None:
         self.targets = targets
         self.resources = resources
         self.sessions = sessions
         self.operations = operations
-        self.polls = polls
+        self.watch = watch
+        self.progress = progress
         self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
 
     def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase:
@@ -136,6 +195,23 @@ class Completions:
         return self._tokenizers[base_model]
 
     async def complete(self, user: str, job: CompletionJob) -> Completion:
+        prepared = await self._prepared(user, job)
+        request = prepared.draw_request()
+        output = None
+        if request is not None:
+            op = await self._submit(user, prepared.target, request)
+            output = await self._settled(user, prepared.target, op)
+        return await self._completed(user, prepared, output)
+
+    async def stream(self, user: str, job: CompletionJob) -> CompletionStream:
+        """The job submitted (a bad request raises here, before any reply is sent); its reply
+        as it is drawn is the stream's `events`."""
+        prepared = await self._prepared(user, job)
+        request = prepared.draw_request()
+        op = None if request is None else await self._submit(user, prepared.target, request)
+        return CompletionStream(self, user, prepared, op)
+
+    async def _prepared(self, user: str, job: CompletionJob) -> Prepared:
         target = await anyio.to_thread.run_sync(self.targets.resolve, user, job.model)
         tokenizer = await anyio.to_thread.run_sync(self.tokenizer, target.base_model)
         base = target.base_model
@@ -149,15 +225,19 @@ class Completions:
             stop_ids = params.stop_token_ids + end_of_turn_ids(tokenizer)
             params = dataclasses.replace(params, stop_token_ids=stop_ids)
             job = dataclasses.replace(job, sampling_params=params)
-        k = job.logprobs
-        scoring = _needs_scoring(job)
-        drawn = await self._draw(
-            user, target, prompts, job, scores_prompt=job.echo and k is not None and not scoring
-        )
+        return Prepared(target, tokenizer, prompts, job)
+
+    async def _completed(
+        self, user: str, prepared: Prepared, output: SampleOutput | None
+    ) -> Completion:
+        """The reply once the draw finished (`output`; None where nothing was drawn): a
+        scoring operation first where the logprobs asked for need one."""
+        job, tokenizer = prepared.job, prepared.tokenizer
+        drawn = _drawn(prepared, output)
         scores = [d.prompt_scores for d in drawn]
-        if scoring:
-            assert k is not None, "only logprobs ask for a scoring operation"
-            scores = list(await self._scored(user, target, drawn, k))
+        if _needs_scoring(job):
+            assert job.logprobs is not None, "only logprobs ask for a scoring operation"
+            scores = list(await self._scored(user, prepared.target, drawn, job.logprobs))
 
         def texts() -> list[Choice]:  # decoding is per token: off the event loop
             return [
@@ -167,44 +247,11 @@ class Completions:
 
         choices = await anyio.to_thread.run_sync(texts)
         return Completion(
-            base_model=target.base_model,
+            base_model=prepared.target.base_model,
             choices=choices,
-            prompt_tokens=sum(len(p) for p in prompts),
+            prompt_tokens=sum(len(p) for p in prepared.prompts),
             completion_tokens=sum(c.num_completion_tokens for c in choices),
         )
-
-    async def _draw(
-        self,
-        user: str,
-        target: Target,
-        prompts: tuple[tuple[int, ...], ...],
-        job: CompletionJob,
-        *,
-        scores_prompt: bool,
-    ) -> list[Drawn]:
-        """n sequences per prompt, prompt-major (OpenAI's choice order); `scores_prompt`: each
-        with its prompt's logprobs and their top `job.logprobs`."""
-        if job.sampling_params.max_tokens == 0:
-            return [Drawn(p, [], [], "length") for p in prompts for _ in range(job.n)]
-        request = SampleRequest(
-            prompts=prompts,
-            num_samples=job.n,
-            sampling_params=job.sampling_params,
-            prompt_logprobs=scores_prompt,
-            topk_prompt_logprobs=(job.logprobs or 0) if scores_prompt else 0,
-        )
-        output = await self._run(user, target, request)
-        return [
-            Drawn(
-                prompt,
-                list(sequence.tokens),
-                list(sequence.logprobs),
-                "stop" if sequence.stop_reason == StopReason.STOP else "length",
-                result if scores_prompt else None,
-            )
-            for prompt, result in zip(prompts, output.results, strict=True)
-            for sequence in result.sequences
-        ]
 
     async def _scored(
         self, user: str, target: Target, drawn: list[Drawn], k: int
@@ -216,9 +263,10 @@ class Completions:
             prompt_logprobs=True,
             topk_prompt_logprobs=k,
         )
-        return (await self._run(user, target, request)).results
+        op = await self._submit(user, target, request)
+        return (await self._settled(user, target, op)).results
 
-    async def _run(self, user: str, target: Target, request: SampleRequest) -> SampleOutput:
+    async def _submit(self, user: str, target: Target, request: SampleRequest) -> OperationRecord:
         def submit() -> OperationRecord:
             session = self.sessions.get(user, target.session_id)
             fingerprint = hashlib.sha256(repr(request).encode()).hexdigest()
@@ -234,20 +282,124 @@ class Completions:
             except InvalidRequest as exc:  # the sample checks name the Together fields
                 raise InvalidRequest(exc.message, param=_openai_param(exc.param)) from None
 
-        op = await anyio.to_thread.run_sync(submit)
-        while op.status not in OPERATION_TERMINAL:
-            settled = await self.polls.settled(
-                user, target.session_id, OperationKind.SAMPLE, op.id, hold_s=30.0
-            )
-            op = settled.op
-            if not settled.was_held and op.status not in OPERATION_TERMINAL:
-                await asyncio.sleep(0.05)  # polls are not held on this server: poll gently
-        if op.error_code == OperationErrorCode.INVALID_INPUT:
-            raise InvalidRequest(f"sample operation {op.id} failed: {op.error_message}")
-        if op.status != OperationStatus.COMPLETED:
-            raise EngineFailure(f"sample operation {op.id} failed: {op.error_message}")
-        assert isinstance(op.output, SampleOutput), f"{op.id} completed without a SampleOutput"
-        return op.output
+        return await anyio.to_thread.run_sync(submit)
+
+    async def read(self, user: str, target: Target, op: OperationRecord) -> OperationRecord:
+        def read() -> OperationRecord:
+            return self.operations.get(user, target.session_id, OperationKind.SAMPLE, op.id)
+
+        return await anyio.to_thread.run_sync(read)
+
+    async def _settled(self, user: str, target: Target, op: OperationRecord) -> SampleOutput:
+        """The operation's output once it finished: woken by its completion (watched before
+        its status is read, so a completion between the two is not missed)."""
+        waiter = self.watch.watch(op.id, asyncio.get_running_loop())
+        try:
+            op = await self.read(user, target, op)
+            if op.status not in OPERATION_TERMINAL:
+                await waiter.wait()
+                op = waiter.record or await self.read(user, target, op)
+        finally:
+            self.watch.forget(waiter)
+        return _output(op)
+
+
+class CompletionStream:
+    """A submitted job's reply as it is drawn (`events`): the text each choice's tokens add,
+    after every decode block of the operation (service/operations/progress.py), then the rest
+    of each choice's final text and the whole Completion. What was sent is always a prefix of
+    the final text (texts.StreamedText), so a client that concatenates the deltas reads the
+    text a whole reply carries."""
+
+    def __init__(
+        self,
+        completions: Completions,
+        user: str,
+        prepared: Prepared,
+        op: OperationRecord | None,
+    ) -> None:
+        self.completions = completions
+        self.user = user
+        self.prepared = prepared
+        self.op = op  # the draw; None where nothing is drawn
+        self.num_choices = len(prepared.prompts) * prepared.job.n
+
+    async def events(self) -> AsyncIterator[list[TextDelta] | Completion]:
+        """Batches of deltas (one per block at most), then the Completion last; a failed
+        operation raises (after the deltas sent)."""
+        completions, prepared = self.completions, self.prepared
+        stop = prepared.job.sampling_params.stop
+        shown = [StreamedText(prepared.tokenizer, stop) for _ in range(self.num_choices)]
+        output = None
+        if self.op is not None:
+            op = self.op
+            if prepared.streams_tokens:
+                progress = completions.progress
+                channel = progress.watch(op.id, asyncio.get_running_loop())
+                try:
+                    op = await completions.read(self.user, prepared.target, op)
+                    while op.status not in OPERATION_TERMINAL:
+                        drawn = await channel.take()
+                        # A block's few tokens per choice: decoded on the loop, as they come.
+                        deltas = [
+                            TextDelta(index, text)
+                            for index, tokens in sorted(drawn.items())
+                            if (text := shown[index].add(tokens))
+                        ]
+                        if deltas:
+                            yield deltas
+                        if channel.closed:
+                            op = channel.record or await completions.read(
+                                self.user, prepared.target, op
+                            )
+                            break
+                finally:
+                    progress.forget(channel)
+                output = _output(op)
+            else:
+                output = await completions._settled(self.user, prepared.target, op)
+        completion = await completions._completed(self.user, prepared, output)
+        rests = []
+        for choice, streamed in zip(completion.choices, shown, strict=True):
+            assert choice.text.startswith(streamed.shown), "a stream shows a prefix of the text"
+            rest = choice.text[len(streamed.shown) :]
+            if rest or choice.logprobs is not None or not streamed.shown:
+                rests.append(TextDelta(choice.index, rest, choice.logprobs))
+        yield rests
+        yield completion
+
+
+def _output(op: OperationRecord) -> SampleOutput:
+    """A finished sample operation's output; its failure as the error to answer."""
+    if op.error_code == OperationErrorCode.INVALID_INPUT:
+        raise InvalidRequest(f"sample operation {op.id} failed: {op.error_message}")
+    if op.status not in OPERATION_TERMINAL:
+        raise EngineFailure(f"sample operation {op.id} did not finish: the server is stopping")
+    if op.status != OperationStatus.COMPLETED:
+        raise EngineFailure(f"sample operation {op.id} failed: {op.error_message}")
+    assert isinstance(op.output, SampleOutput), f"{op.id} completed without a SampleOutput"
+    return op.output
+
+
+def _drawn(prepared: Prepared, output: SampleOutput | None) -> list[Drawn]:
+    """n sequences per prompt, prompt-major (OpenAI's choice order), as the draw's `output`
+    gave them (None: nothing drawn); each with its prompt's logprobs where the draw scored it."""
+    job = prepared.job
+    if output is None:
+        return [Drawn(p, [], [], "length") for p in prepared.prompts for _ in range(job.n)]
+    request = prepared.draw_request()
+    scores_prompt = request is not None and request.prompt_logprobs
+    return [
+        Drawn(
+            prompt,
+            list(sequence.tokens),
+            list(sequence.logprobs),
+            "stop" if sequence.stop_reason == StopReason.STOP else "length",
+            result if scores_prompt else None,
+        )
+        for prompt, result in zip(prepared.prompts, output.results, strict=True)
+        for sequence in result.sequences
+    ]
 
 
 # The sample checks (service/operations/submit.py) name Together's fields; a client here sent these.
@@ -297,14 +449,10 @@ def _encoded(
 
 
 def _texts(tokenizer: PreTrainedTokenizerBase, tokens: list[int], *, shown: bool) -> list[str]:
-    """Each token's text: what decoding it adds to the text of the tokens before it. `shown`:
-    special tokens as their own text (the `tokens` of logprobs), else as none (the text)."""
-    texts, previous = [], ""
-    for end in range(1, len(tokens) + 1):
-        text = _decoded(tokenizer, tokens[:end], skip_special_tokens=not shown)
-        texts.append(text[len(previous) :])
-        previous = text
-    return texts
+    """Each token's text (texts.token_texts: what decoding it adds to the text before it, a
+    character split between tokens given whole to its last). `shown`: special tokens as their
+    own text (the `tokens` of logprobs), else as none (the text)."""
+    return token_texts(tokenizer, tokens, skip_special_tokens=not shown)
 
 
 def _decoded(
@@ -325,11 +473,11 @@ def _choice(
     tokens, logprobs = list(drawn.tokens), list(drawn.logprobs)
     texts = _texts(tokenizer, tokens, shown=False)
     finish_reason = drawn.finish_reason
-    cut = _stop_cut("".join(texts), job.sampling_params.stop)
+    cut = stop_cut("".join(texts), job.sampling_params.stop)
     if cut is not None:  # the stop string and what follows it are not returned
-        kept = 0
-        while kept < len(tokens) and sum(map(len, texts[:kept])) < cut:
-            kept += 1
+        # The tokens whose text starts before the cut (a token the stop string starts in).
+        kept = bisect.bisect_left(list(itertools.accumulate(map(len, texts), initial=0)), cut)
+        kept = min(kept, len(tokens))
         tokens, logprobs, texts = tokens[:kept], logprobs[:kept], texts[:kept]
         finish_reason = "stop"
     text = "".join(texts)[:cut]
@@ -367,14 +515,8 @@ def _choice(
                 entry.setdefault(_decoded(tokenizer, [alt]), alt_logprob)
         entry[shown[position]] = logprob
         top.append(entry)
-    offsets = [sum(map(len, texts[:position])) for position in range(len(texts))]
+    offsets = list(itertools.accumulate(map(len, texts), initial=0))[:-1]
     logprobs_out = TokenLogprobs(
         tokens=shown, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets
     )
     return Choice(index, text, finish_reason, logprobs_out, num_completion_tokens)
-
-
-def _stop_cut(text: str, stop: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string starts in the completion's text, if one occurs."""
-    found = [text.find(s) for s in stop if s and s in text]
-    return min(found) if found else None

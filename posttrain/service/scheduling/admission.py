@@ -7,9 +7,9 @@ state, gradients and step stay as they were; the others run, split into consecut
 where together they would not fit. Passes keep the group's order, so each session's order
 holds (a group has at most one forward-backward per session; samples change no state).
 
-A sample stream's pool (`pool_rows`) is sized here too, from what is free beside its first
-operations. Not here: the estimate (engine/memory/estimate.py) and what is free
-(engine/memory/headroom.py).
+Not here: the estimate (engine/memory/estimate.py), what is free (engine/memory/headroom.py),
+and a sample stream's pool, which the stream sizes itself from what is free beside its first
+operations (engine/generate/sample_stream.py pool_rows).
 
 Imports: engine.interface.
 """
@@ -50,23 +50,6 @@ def plan_passes(
     if current:
         passes.append(current)
     return passes, refused
-
-
-# Of the memory free beside a stream's first operations, the share its pool may take: the rest
-# stays for what runs between its blocks (other sessions' training) and the joins' own passes.
-POOL_SHARE = 0.5
-
-
-def pool_rows(limit: int, rows: int, free_bytes: int, row_bytes: int) -> int:
-    """Rows a sample stream's decode cache is allocated for at its start (its pool: joins within
-    it copy none of the running rows' KV): the stream's row `limit`, fewer where POOL_SHARE of
-    what is free beside the first operations' estimate (`free_bytes`) holds fewer rows of
-    `row_bytes` each beyond their own `rows`; never fewer than those. Joins past the pool still
-    run, at the cost of a copy their admission counts (DecodeStream.join_reserve_bytes)."""
-    if row_bytes <= 0:
-        return max(rows, limit)
-    spare = int(max(0, free_bytes) * POOL_SHARE) // row_bytes
-    return max(rows, min(limit, rows + spare))
 
 
 def refusal(kind: OperationKind, needed: int, room: Headroom) -> ResourceExhausted:

@@ -6,21 +6,22 @@ Where the engine hands out a DecodeStream (engine/interface.py: the in-process e
 workers and trainer groups, as processes or Ray actors, through step-wise commands,
 hosts/remote_streams.py; on a generator lane, LanedEngine.lane_stream: a replica process's
 stream, hosts/replicas/engine.py, or a vLLM server's, hosts/vllm/stream.py), the
-scheduler's sample group runs here instead of one `sample_batch` call. Before every decode
-block:
+scheduler's sample group runs here instead of one `sample_batch` call: StreamPass.blocks is a
+generator that the worker drives (service/scheduling/worker.py `_drive`), yielding at every
+decode block boundary. Before every decode block:
 
 1. PIPELINE weights-syncs ready meanwhile publish (the mailbox's in-flight hook, as between the
    tokens of a whole-batch pass); the stream switches the running rows of their sessions.
-2. The worker goes through its queue once (ResourceWorker.between_blocks): it runs what may run
-   between blocks (other sessions' forward-backwards, optim-steps, weights-syncs of sessions with
-   no row decoding, checkpoints, PIPELINE publishes), each recorded through the usual path, and
-   hands over the queued samples that may join: same model, the rows of the stream within
-   its row limit (below), and memory admission (service/scheduling/admission.py's rule, the join
-   counted:
-   its estimated peak plus what it may allocate beyond (DecodeStream.join_reserve_bytes:
-   nothing within the stream's pool, else a copy of the running cache), within what is free).
-3. Operations of the group that memory admission split off (plan_passes) join before any queued
+2. Operations of the group that memory admission split off (plan_passes) join before any queued
    sample, once they fit, or when the stream is idle.
+3. The stream yields a Boundary; the worker goes through its queue once
+   (ResourceWorker.between_blocks): it runs what may run between blocks (other sessions'
+   forward-backwards, optim-steps, weights-syncs of sessions with no row decoding, checkpoints,
+   PIPELINE publishes) as groups of their own, each recorded through the usual path, and sends
+   back the queued samples that may join (`may_join`): same model, the rows of the stream within
+   its row limit (below), and memory admission (admission.py's rule, the join counted: its
+   estimated peak plus what it may allocate beyond, which the stream itself judges,
+   DecodeStream.fits: nothing within its pool, else a copy of the running cache).
 4. Joined operations are marked RUNNING, prefilled and drawn their first token; then one block.
    A stream takes at most STREAM_MAX_OPERATIONS operations, then runs down (fairness: joins
    do not extend one generation without end).
@@ -32,11 +33,15 @@ sample's generator state is the changes staged up to its place in the FIFO, whic
 generator applies before it joins, so it joins only where none of the changes between the
 stream's fence and its own alters a session decoding or joining there (`_fence_allows`); else
 it and every later sample wait for the next generation, as whole batches of one fence did.
-When a stream starts (or restarts after running idle), its decode cache is allocated as a pool
-for up to the row limit, as many rows as admission.pool_rows lets fit beside the first
-operations, so joins within it copy none of the running rows' KV.
-After every step, each operation whose every sequence ended is recorded COMPLETED at once
-(service/operations/recording.py), while the others decode on. The pass ends when no row runs.
+When a stream starts (or restarts after running idle), it is given the row limit and what is
+free beside the first operations' estimate, and allocates its decode cache as a pool for as
+many rows as fit (engine/generate/sample_stream.py pool_rows), so joins within it copy none of
+the running rows' KV; the service knows no pool sizes.
+After every step, the tokens drawn by the operations someone watches go to their watchers
+(service/operations/progress.py: a streamed OpenAI reply; the stream follows those,
+DecodeStream.follow, and reports nothing of the others), then each operation whose every
+sequence ended is recorded COMPLETED at once (service/operations/recording.py), while the
+others decode on. The pass ends when no row runs.
 
 The row limit: a stream starts with at most max_sample_rows sequences (the worker's gather) and
 decodes at most `stream_rows` = max_sample_rows + stream_join_rows at once (an eighth more
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol, cast
 
 from posttrain.config import SchedulerConfig
@@ -62,9 +68,9 @@ from posttrain.service.durability.durable_sessions import changed_parts
 from posttrain.service.durability.routed_experts import RoutedExpertsStore
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.operations.kinds import InFlight, Lane, Outcome, Ready
+from posttrain.service.operations.progress import SampleProgress
 from posttrain.service.operations.recording import OperationRecorder
-from posttrain.service.scheduling.admission import pool_rows
-from posttrain.service.scheduling.worker import QueuedOperation, ResourceWorker
+from posttrain.service.scheduling.worker import Boundary, QueuedOperation, Stream
 from posttrain.types import OperationKind, SampleOutput, SampleRequest
 
 log = logging.getLogger("posttrain.scheduler")
@@ -119,6 +125,8 @@ class Scheduler(Protocol):
     def recorder(self) -> OperationRecorder: ...
     @property
     def routed_experts(self) -> RoutedExpertsStore: ...
+    @property
+    def progress(self) -> SampleProgress: ...
 
     # The preamble of queued operations: RUNNING, or finished if their session stopped.
     def start(self, group: list[QueuedOperation]) -> list[Ready]: ...
@@ -126,14 +134,13 @@ class Scheduler(Protocol):
 
 class StreamPass:
     """One sample stream on a resource's worker thread, from its first operations until no
-    sequence decodes."""
+    sequence decodes: `blocks` is the generator the worker drives (worker.Stream)."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         resource_id: str,
         stream: DecodeStream,
-        worker: ResourceWorker,
         queued: list[QueuedOperation],
         lane: Lane | None = None,
     ) -> None:
@@ -142,7 +149,6 @@ class StreamPass:
         self.scheduler = scheduler
         self.resource_id = resource_id
         self.stream = stream
-        self.worker = worker
         self.lane = lane
         # A lane's: the fence its generator serves (the latest an admitted operation brought).
         self.fence = 0 if lane is None else lane.fence
@@ -150,18 +156,19 @@ class StreamPass:
         self._live: dict[int, Ready] = {}  # stream id -> admitted member
         self._waiting: list[list[Ready]] = []  # passes memory admission split off
         self.operations = 0
-        self.blocks = 0
+        self.block_calls = 0
 
-    def run(self, passes: list[list[Ready]]) -> None:
-        """The group's passes (plan_passes), the first admitted now; until no row runs. The
-        stream is closed when it ends, also when it fails (its decode cache pool is freed; a
-        stream in a worker process lives there until then)."""
+    def blocks(self, passes: list[list[Ready]]) -> Stream:
+        """The group's passes (plan_passes), the first admitted now; yields at each block
+        boundary (the worker walks its queue there and sends the samples that join) until no
+        row runs. The stream is closed when it ends, also when it fails or is closed (its
+        decode cache pool is freed; a stream in a worker process lives there until then)."""
         try:
-            self._run(passes)
+            yield from self._blocks(passes)
         finally:
             self.stream.close()
 
-    def _run(self, passes: list[list[Ready]]) -> None:
+    def _blocks(self, passes: list[list[Ready]]) -> Stream:
         started = time.monotonic()
         first, *self._waiting = passes
         self._admit(first)
@@ -175,18 +182,24 @@ class StreamPass:
                 # PIPELINE weights-syncs publish here; on a generator lane their installs
                 # land in the generator between blocks as staged changes (replica_worker.py).
                 self.scheduler.mailbox.publish_in_flight(self.resource_id)
-            self._boundary()
+            if self._waiting and self._fits(self._waiting[0]):
+                self._admit(self._waiting.pop(0))
+            joined = yield Boundary(self._sessions(), self._may_join())
+            if joined:
+                self._queued.update((item.operation_id, item) for item in joined)
+                self._admit(self.scheduler.start(joined))
             if self.stream.running_rows():
+                self._follow()
                 # On the trainer's lane one block at a time: queued training runs between.
                 self.stream.block(1 if self.lane is None else LANE_BLOCKS_PER_CALL)
-                self.blocks += 1
+                self.block_calls += 1
                 self._finish_done()
         if self.operations > 1:
             self.scheduler.metrics.shared_pass(self.operations)
         log.debug(
             "%d sample operations in one stream, %d block calls, %.3fs",
             self.operations,
-            self.blocks,
+            self.block_calls,
             time.monotonic() - started,
         )
 
@@ -195,9 +208,11 @@ class StreamPass:
         members = [*self._live.values(), *(m for p in self._waiting for m in p)]
         return {session.id for _, session, _ in members}
 
-    def _boundary(self) -> None:
-        if self._waiting and self._fits(self._waiting[0]):
-            self._admit(self._waiting.pop(0))
+    def _may_join(self) -> Callable[[QueuedOperation], bool]:
+        """This boundary's rule for a queued sample, which counts each one it lets join: the
+        stream's row limit and operation bound, the fence on a generator lane, the model, and
+        memory (its estimated peak beside those joining before it, plus what it allocates
+        beyond, DecodeStream.fits, within what is free)."""
         rows, peaks = self.stream.running_rows(), 0
         engine, limit = self.scheduler.engine, stream_rows(self.scheduler.limits)
         taken = self.operations
@@ -216,20 +231,14 @@ class StreamPass:
             assert isinstance(op.request, SampleRequest)
             item = (op.session_id, op.request)
             peak = peaks + engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, [item])
-            need = peak + self.stream.join_reserve_bytes([*joining, item])
-            if need > engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes:
+            free = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
+            if not self.stream.fits([*joining, item], free - peak):
                 return False
             joining.append(item)
             rows, peaks, taken = rows + op.rows, peak, taken + 1
             return True
 
-        if self.lane is None:
-            joined = self.worker.between_blocks(self._sessions(), may_join)
-        else:
-            joined = self.worker.lane_joins(may_join)
-        if joined:
-            self._queued.update((item.operation_id, item) for item in joined)
-            self._admit(self.scheduler.start(joined))
+        return may_join
 
     def _fence_allows(self, op: QueuedOperation, joining: list[tuple[str, SampleRequest]]) -> bool:
         """On a generator lane: whether the changes staged between the stream's fence and
@@ -249,41 +258,45 @@ class StreamPass:
         """Whether operations split off by memory admission fit beside the running rows."""
         engine = self.scheduler.engine
         items = _items(members)
-        need = self.stream.join_reserve_bytes(items) + engine.peak_bytes(
-            self.resource_id, OperationKind.SAMPLE, list(items)
-        )
+        spare = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
+        spare -= engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, list(items))
         rows = sum(_rows(request) for _, _, request in members)
-        return (
-            self.stream.running_rows() + rows <= stream_rows(self.scheduler.limits)
-            and need <= engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
-        )
+        return self.stream.running_rows() + rows <= stream_rows(
+            self.scheduler.limits
+        ) and self.stream.fits(items, spare)
 
     def _admit(self, members: list[Ready]) -> None:
         if not members:
             return
         items = _items(members)
+        limit, spare = 0, 0
         if not self.stream.running_rows():
-            self._reserve_pool(items)
+            # A start: the stream allocates its pool for up to the row limit, as much as the
+            # memory spare beside these operations' estimate lets it (sample_stream.pool_rows).
+            engine = self.scheduler.engine
+            limit = stream_rows(self.scheduler.limits)
+            spare = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
+            spare -= engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, list(items))
         if self.lane is not None:  # each operation's fence, the latest of them for all
             self.fence = max(self.fence, *(self._queued[op.id].fence for op, _, _ in members))
-        ids = self.stream.admit(items, self.fence)
+        ids = self.stream.admit(items, self.fence, row_limit=limit, spare_bytes=spare)
         self._live.update(zip(ids, members, strict=True))
         self.operations += len(members)
         self._finish_done()  # every sequence may have ended on its first token
 
-    def _reserve_pool(self, items: list[tuple[str, SampleRequest]]) -> None:
-        """The decode cache of the start about to happen: a pool for the stream's row limit,
-        sized by memory admission (admission.pool_rows)."""
-        engine = self.scheduler.engine
-        free = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
-        free -= engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, list(items))
-        rows = sum(_rows(request) for _, request in items)
-        limit = stream_rows(self.scheduler.limits)
-        self.stream.reserve_rows(pool_rows(limit, rows, free, self.stream.pool_row_bytes(items)))
+    def _follow(self) -> None:
+        """The stream reports the tokens of the operations someone watches (a streamed reply:
+        service/operations/progress.py), from the next step on."""
+        ids = {op.id: stream_id for stream_id, (op, _, _) in self._live.items()}
+        watched = self.scheduler.progress.watched(ids)
+        self.stream.follow([ids[op_id] for op_id in watched])
 
     def _finish_done(self) -> None:
-        """Record each operation whose every sequence ended, now."""
+        """Hand the tokens drawn meanwhile to their watchers, then record each operation whose
+        every sequence ended, now."""
         scheduler = self.scheduler
+        for stream_id, drawn in self.stream.take_progress():
+            scheduler.progress.publish(self._live[stream_id][0].id, drawn)
         outcomes: list[tuple[OperationRecord, Outcome]] = []
         changed: dict[str, tuple[str, ...]] = {}
         for stream_id, results in self.stream.take_finished():

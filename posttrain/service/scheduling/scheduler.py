@@ -34,11 +34,18 @@ from posttrain.service.durability.routed_experts import RoutedExpertsStore
 from posttrain.service.metrics import OperationMetrics
 from posttrain.service.operations.arrivals import Arrivals, end_current_arrival
 from posttrain.service.operations.kinds import KINDS, Lane, Outcome, Ready
+from posttrain.service.operations.progress import SampleProgress
 from posttrain.service.operations.recording import OperationRecorder
 from posttrain.service.scheduling.admission import plan_passes
 from posttrain.service.scheduling.publishing import PublishMailbox, is_deferred
 from posttrain.service.scheduling.sample_streams import StreamPass
-from posttrain.service.scheduling.worker import Job, OnFailure, QueuedOperation, ResourceWorker
+from posttrain.service.scheduling.worker import (
+    Job,
+    OnFailure,
+    QueuedOperation,
+    ResourceWorker,
+    Stream,
+)
 from posttrain.statuses import OperationStatus, SessionStatus
 from posttrain.store.repo import Repo
 from posttrain.types import OperationKind, OperationRequest, WeightsSyncRequest, WeightSyncType
@@ -57,9 +64,12 @@ class Scheduler:
         limits: SchedulerConfig | None = None,
         routed_experts: RoutedExpertsStore | None = None,
         durability: SessionDurability | None = None,
+        progress: SampleProgress | None = None,
     ) -> None:
         self.repo = repo
         self.engine = engine
+        # The tokens of running sample operations, for their watchers (sample_streams.py).
+        self.progress = progress or SampleProgress()
         # Routes of sampled sequences behind their routed_experts_key
         # (service/durability/routed_experts.py).
         if routed_experts is None:  # not `or`: an empty store is falsy (it has a len)
@@ -165,13 +175,14 @@ class Scheduler:
 
     # ------------------------------------------------------------ the one operation path
 
-    def _run_group(self, resource_id: str, group: list[QueuedOperation]) -> None:
+    def _run_group(self, resource_id: str, group: list[QueuedOperation]) -> Stream | None:
         """Operations of one kind in one engine pass (a group of one for most kinds), or in
         consecutive passes where memory admission splits it; each completes or fails on its
-        own, and each pass is recorded before the next runs."""
+        own, and each pass is recorded before the next runs. A sample group that runs as a
+        stream comes back as the stream, which the worker drives to its end."""
         ready = self.start(group)
         if not ready:
-            return
+            return None
         kind = group[0].kind
         passes, refused = plan_passes(
             kind,
@@ -197,11 +208,10 @@ class Scheduler:
                     resource_id, session_id, fence=lane.fence, lane=lane.index
                 )
             if stream is not None:
-                worker = self.worker(resource_id)
-                StreamPass(self, resource_id, stream, worker, group, lane).run(passes)
-                return
+                return StreamPass(self, resource_id, stream, group, lane).blocks(passes)
         for members in passes:
             self._run_pass(resource_id, kind, members, lane)
+        return None
 
     def _run_pass(
         self, resource_id: str, kind: OperationKind, ready: list[Ready], lane: Lane | None

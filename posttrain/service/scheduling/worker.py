@@ -9,6 +9,12 @@ the recorder of its failure (a lifecycle job marks its resource or session ERROR
 group its operations FAILED with a code); the worker hands the exception to it and moves on,
 and whoever waits on the job's future sees it finished without catching anything.
 
+A sample group that runs as a stream (service/scheduling/sample_streams.py) comes back from the
+group runner as a generator that yields at each decode block boundary; the worker drives it
+(`_drive`): at each boundary it walks its queue once, runs what may run between blocks as groups
+of their own and sends the stream the samples that join, then resumes it. Nothing re-enters the
+worker: a group runs only from the loop or from the driver, never inside another group's run.
+
 Imports: types.
 """
 
@@ -19,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -70,6 +76,19 @@ class QueuedOperation:
         return 1
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """A running sample stream at a decode block boundary, as the queue walk needs it."""
+
+    decoding: set[str]  # sessions with an operation in the stream; a joining one's is added
+    may_join: Callable[[QueuedOperation], bool]  # whether a queued sample fits (and counts it)
+
+
+# A sample stream (StreamPass.blocks): yields at each decode block boundary, is sent the samples
+# that join there, and returns once no row decodes.
+Stream = Generator[Boundary, list[QueuedOperation], None]
+
+
 @dataclass
 class _Item:
     future: Future[object]
@@ -77,13 +96,13 @@ class _Item:
     operation: QueuedOperation | None = None
 
 
-class _Running(threading.local):
-    """Per thread (the trainer's lane and each generator lane), the groups it runs, innermost
-    last: a sample stream's group, and a group run between its decode blocks. Each thread
-    starts with none (threading.local runs __init__ once per thread)."""
+class _Driving(threading.local):
+    """Per thread (the trainer's lane and each generator lane), the group of the sample stream
+    it drives, which the samples joining at a boundary become members of; None between
+    streams (threading.local runs __init__ once per thread)."""
 
     def __init__(self) -> None:
-        self.groups: list[list[_Item]] = []
+        self.group: list[_Item] | None = None
 
 
 class ResourceWorker:
@@ -101,7 +120,7 @@ class ResourceWorker:
     def __init__(
         self,
         name: str,
-        run_group: Callable[[list[QueuedOperation]], None],
+        run_group: Callable[[list[QueuedOperation]], Stream | None],
         fail_group: Callable[[list[QueuedOperation], Exception], None],
         *,
         max_batch: int = 8,
@@ -132,7 +151,7 @@ class ResourceWorker:
         self._wake_lanes = wake_lanes
         self._samples: deque[_Item | None] = deque()
         self._lanes: list[threading.Thread] = []
-        self._local = _Running()
+        self._local = _Driving()
         self._name = name
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -217,7 +236,7 @@ class ResourceWorker:
                     group += self._take_batch_mates(head.operation)
             started = time.monotonic()
             try:
-                self._run(group)
+                self._execute(group, lane=False)
             finally:
                 with self._ready:
                     self._busy_s += time.monotonic() - started
@@ -270,16 +289,12 @@ class ResourceWorker:
             for item in group:
                 assert item.operation is not None
                 item.operation = dataclasses.replace(item.operation, lane=lane)
-            self._run(group)
-
-    def _running(self) -> list[list[_Item]]:
-        """This thread's running groups, innermost last."""
-        return self._local.groups
+            self._execute(group, lane=True)
 
     def between_blocks_of_a_stream(self) -> bool:
-        """Whether the group running on this thread runs between a sample stream's blocks
-        (nested in the stream's group)."""
-        return len(self._running()) > 1
+        """Whether this thread drives a sample stream (what fails now runs between its
+        blocks)."""
+        return self._local.group is not None
 
     def between_blocks(
         self, decoding: set[str], may_join: Callable[[QueuedOperation], bool]
@@ -300,7 +315,8 @@ class ResourceWorker:
           it), and one that runs alone (a barrier) or a job that may not run ends the pass:
           nothing overtakes a barrier.
         `decoding`: sessions with rows in the stream; a joining sample's session is added."""
-        group = self._running()[-1]
+        group = self._local.group
+        assert group is not None, "called at a boundary of the stream this thread drives"
         joined: list[QueuedOperation] = []
         blocked: set[str] = set()
         joining = True
@@ -346,7 +362,7 @@ class ResourceWorker:
                         continue
                     self._items.remove(item)
                     unit = [item, *self._take_batch_mates(op, frozenset(decoding | blocked))]
-            self._run(unit)
+            self._execute(unit, lane=False)
         return joined
 
     def lane_joins(self, may_join: Callable[[QueuedOperation], bool]) -> list[QueuedOperation]:
@@ -357,7 +373,8 @@ class ResourceWorker:
         the queue takes a sample first, so a stream takes one only while every lane is busy.
         Nothing else runs on a lane (training runs on the trainer's). Returns them, in order;
         they become members of the stream's group."""
-        group = self._running()[-1]
+        group = self._local.group
+        assert group is not None, "called at a boundary of the stream this lane drives"
         joined: list[QueuedOperation] = []
         with self._ready:
             handed = list(self._samples)
@@ -396,34 +413,79 @@ class ResourceWorker:
                 return
             self._ready.wait(min(deadline - now, 0.001))
 
-    def _run(self, group: list[_Item]) -> None:
+    def _execute(self, group: list[_Item], *, lane: bool) -> None:
+        """Run the group; a sample stream it starts, to its end (`lane`: a generator lane's)."""
+        stream = self._run(group)
+        if stream is not None:
+            self._drive(group, stream, lane)
+
+    def _run(self, group: list[_Item]) -> Stream | None:
+        """Run the group and finish it; a sample stream it starts comes back unfinished, for
+        the caller to drive."""
         job = group[0].job
-        operations = [item.operation for item in group if item.operation is not None]
         result: object = None
-        running = self._running()
-        running.append(group)  # a sample stream's joins are appended to it
         try:
             if job is not None:
                 result = job.run()
             else:
-                self._run_group(operations)
+                stream = self._run_group(self._operations(group))
+                if stream is not None:
+                    return stream
         except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
-            operations = [item.operation for item in group if item.operation is not None]
-            try:
-                self._record_failure(group[0], job, operations, exc)
-            except Exception as lost:  # noqa: BLE001 - recording failed too (the store?):
-                # the waiters get that error, and the worker lives on for the next job.
-                log.exception("recording the failure of a job on %s failed", self._thread.name)
-                for item in group:
-                    if not item.future.done():
-                        item.future.set_exception(lost)
-        finally:
-            running.pop()
-            # After the outcome is recorded: a deferred weights-sync waiting for one of these
-            # operations may complete now (service/scheduling/publishing.py).
+            self._failed(group, job, exc)
+        self._finish(group, result)
+        return None
+
+    def _drive(self, group: list[_Item], stream: Stream, lane: bool) -> None:
+        """The stream to its end: at each block boundary, the queue walk (between_blocks, or a
+        generator lane's lane_joins), whose joining samples the stream is sent; then the group,
+        with its joins, finishes as one."""
+        self._local.group = group
+        error: Exception | None = None
+        try:
+            boundary = next(stream, None)
+            while boundary is not None:
+                if lane:
+                    joined = self.lane_joins(boundary.may_join)
+                else:
+                    joined = self.between_blocks(boundary.decoding, boundary.may_join)
+                try:
+                    boundary = stream.send(joined)
+                except StopIteration:
+                    boundary = None
+        except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
+            error = exc
+        # Before the failure is recorded: it is the stream's own, not one between blocks.
+        self._local.group = None
+        try:
+            stream.close()  # a generator stopped by a failure closes its decode stream here
+        except Exception as exc:  # noqa: BLE001 - the one job boundary (module docstring)
+            error = error or exc
+        if error is not None:
+            self._failed(group, None, error)
+        self._finish(group, None)
+
+    @staticmethod
+    def _operations(group: list[_Item]) -> list[QueuedOperation]:
+        return [item.operation for item in group if item.operation is not None]
+
+    def _failed(self, group: list[_Item], job: Job | None, exc: Exception) -> None:
+        """Hand a group's failure to its recorder."""
+        try:
+            self._record_failure(group[0], job, self._operations(group), exc)
+        except Exception as lost:  # noqa: BLE001 - recording failed too (the store?):
+            # the waiters get that error, and the worker lives on for the next job.
+            log.exception("recording the failure of a job on %s failed", self._thread.name)
             for item in group:
-                if item.operation is not None:
-                    item.operation.done()
+                if not item.future.done():
+                    item.future.set_exception(lost)
+
+    def _finish(self, group: list[_Item], result: object) -> None:
+        # After the outcome is recorded: a deferred weights-sync waiting for one of these
+        # operations may complete now (service/scheduling/publishing.py).
+        for item in group:
+            if item.operation is not None:
+                item.operation.done()
         for item in group:  # finished: recorded, or (a job without a recorder) raised
             if not item.future.done():
                 item.future.set_result(result)

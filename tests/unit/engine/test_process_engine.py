@@ -22,7 +22,7 @@ from posttrain.engine.hosts.messages import (
     StreamAdmit,
     StreamBlock,
     StreamCanJoin,
-    StreamJoinReserveBytes,
+    StreamFits,
     StreamRunningRows,
 )
 from posttrain.engine.hosts.process.remote import ProcessEngine
@@ -177,18 +177,17 @@ def test_close_leaves_no_worker_process():
 
 
 def test_weighing_a_join_asks_the_worker_nothing_after_a_step():
-    """At a block boundary every queued sample is weighed (can_join, join_reserve_bytes):
-    that is no round trip. join_reserve_bytes answers from the room the last step brought,
-    as the worker itself does: nothing within the pool's rows, a copy of the cache past them,
-    the pool's growth for a longer max_tokens; can_join is asked once per session."""
+    """At a block boundary every queued sample is weighed (can_join, fits): that is no round
+    trip. fits answers from the room the last step brought, as the worker itself does: nothing
+    within the pool's rows, a copy of the cache past them, the pool's growth for a longer
+    max_tokens; can_join is asked once per session."""
     engine = ProcessEngine(CONFIG, MODELS)
     try:
         engine.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
         engine.create_session("r", "s", LORA)
         stream = engine.sample_stream("r", "s")
         assert stream is not None
-        stream.reserve_rows(4)
-        stream.admit([("s", PROMPT)])  # 2 of the pool's 4 rows
+        stream.admit([("s", PROMPT)], row_limit=4, spare_bytes=1 << 40)  # 2 of the pool's 4 rows
         params = PROMPT.sampling_params
         candidates = [
             [("s", PROMPT)],
@@ -202,19 +201,20 @@ def test_weighing_a_join_asks_the_worker_nothing_after_a_step():
             sent.append(type(message))
             return host_call(message)
 
-        def asked(items):  # the worker's own answer
-            return stream._send(StreamJoinReserveBytes("r", stream.stream_id, items))
+        def asked(items, spare=0):  # the worker's own answer
+            return stream._send(StreamFits("r", stream.stream_id, items, spare))
 
         stream._host_call = counted
-        local = [stream.join_reserve_bytes(items) for items in candidates]
+        local = [stream.fits(items, 0) for items in candidates]
         assert stream.can_join("s") and stream.can_join("s")
         assert sent == [StreamCanJoin]  # the first can_join
         stream._host_call = host_call
         worker = [asked(items) for items in candidates]
         assert local == worker
-        assert local[0] == 0 and local[1] > 0 and local[2] > 0
+        assert local == [True, False, False]  # within the pool; a copy; the pool's growth
         stream.block()
-        assert stream.join_reserve_bytes(candidates[1]) == asked(candidates[1])
+        assert stream.fits(candidates[1], 0) == asked(candidates[1]) is False
+        assert stream.fits(candidates[1], 1 << 40) == asked(candidates[1], 1 << 40) is True
         stream.close()
     finally:
         engine.close()
@@ -223,9 +223,9 @@ def test_weighing_a_join_asks_the_worker_nothing_after_a_step():
 def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it():
     """ProcessEngine.sample_stream: a stream open in the worker, driven call by call
     (hosts/remote_streams.py), with a forward-backward of the same session between blocks;
-    a block and what the caller asks after it (finished operations, running rows) is one round
-    trip; closed, the worker holds it no more; a killed worker fails its calls, not its
-    close."""
+    a block and what the caller asks after it (finished operations, the followed ones' tokens,
+    running rows) is one round trip; closed, the worker holds it no more; a killed worker fails
+    its calls, not its close."""
     torch.manual_seed(0)
     local = LocalEngine(CONFIG, MODELS)
     local.load_resource("r", BUILTIN_MODEL_ID, muon_scaling=None)
@@ -237,7 +237,6 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
         engine.create_session("r", "s", LORA)
         stream = engine.sample_stream("r", "s")
         assert stream is not None and stream.can_join("s")
-        stream.reserve_rows(4)
         sent: list[type[Message]] = []
         host_call = stream._host_call
 
@@ -246,15 +245,23 @@ def test_a_stream_in_a_worker_decodes_what_a_batch_does_and_its_death_fails_it()
             return host_call(message)
 
         stream._host_call = counted  # the stream's own round trips (training goes apart)
-        (stream_id,) = stream.admit([("s", PROMPT)])
+        (stream_id,) = stream.admit([("s", PROMPT)], row_limit=4, spare_bytes=1 << 40)
+        stream.follow([stream_id])  # its progress comes back with the next steps
         finished = stream.take_finished()
         blocks = 0
+        drawn: list[list[int]] = []
         while stream.running_rows():
             forward_backward(engine, "r", "s", ForwardBackwardRequest(BATCH, CE))
             stream.block()
             blocks += 1
+            for progress_id, tokens in stream.take_progress():
+                assert progress_id == stream_id
+                drawn = [a + b for a, b in zip(drawn, tokens, strict=True)] if drawn else tokens
             finished += stream.take_finished()
         assert blocks >= 5 and finished == [(stream_id, expected)]
+        sequences = [q.tokens for result in expected for q in result.sequences]
+        assert len(drawn) == len(sequences) and len(drawn[0]) >= 4
+        assert all(q[: len(d)] == d for q, d in zip(sequences, drawn, strict=True))
         assert sent == [StreamAdmit] + [StreamBlock] * blocks  # admit, then one per block
         stream.close()
         stream.close()  # idempotent

@@ -70,3 +70,35 @@ def test_a_joining_prompt_extending_the_running_one_hits_the_prefix_cache_it_fil
     assert {q.prompt_cache_hit_tokens for q in joined.sequences} == {6}
     ((alone,),) = engine.sample_batch("r", [("s", extending)])
     assert_same(joined, alone)
+
+
+def test_a_followed_operation_reports_each_token_once_from_its_first_even_when_followed_late():
+    engine = engine_for({BUILTIN_MODEL_ID: BUILTIN_MODEL_DIR}, BUILTIN_MODEL_ID)
+    resource = engine._resource("r")
+    s = engine._session("r", "s")[1]
+    followed = SampleRequest(
+        ((5, 6, 7), (9, 10)), 2, SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+    )
+    unwatched = SampleRequest(((11, 12),), 1, SamplingParams(max_tokens=12, seed=3))
+    stream = SampleStream(engine.config, resource, resource.loaded.model, block_steps=2)
+    assert stream.admit([(s, followed), (s, unwatched)]) == [0, 1]
+    stream.block()
+    stream.block()
+    stream.follow([0])  # late: five tokens per sequence were drawn already (admit's first)
+    drawn: list[list[int]] = [[] for _ in range(4)]  # prompt-major, then sample
+    reports, finished = [], {}
+    while stream.running:
+        progress = stream.take_progress()
+        assert [item for item, _ in progress] in ([], [0])  # only the followed one
+        for _, tokens in progress:
+            reports.append(tokens)
+            for sequence, new in enumerate(tokens):
+                drawn[sequence] += new
+        stream.block()
+        finished.update(stream.take_finished())
+    assert len(reports) > 1 and [len(t) for t in reports[0]] == [5, 5, 5, 5]
+    sequences = [q.tokens for result in finished[0] for q in result.sequences]
+    # Every token once, in order; the last block's come with the result alone.
+    assert all(
+        s[: len(d)] == d and len(d) >= len(s) - 2 for s, d in zip(sequences, drawn, strict=True)
+    )

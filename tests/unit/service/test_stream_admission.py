@@ -4,16 +4,20 @@ otherwise it waits for a boundary with room (here: the stream's end) and runs th
 
 The scheduler, worker and store are real; the engine is the fake one of fake_engine.py (a
 sample's peak is its sequence count, free_bytes what is free) with a decode stream of its own:
-an operation's rows run max_tokens blocks, and `reserve` is its join_reserve_bytes."""
+an operation's rows run max_tokens blocks, and `reserve` is what a join allocates beyond its
+estimate (DecodeStream.fits); its pool is sized by the engine's rule (sample_stream.pool_rows).
+A watched sample's tokens reach its watcher after every block (service/operations/progress.py)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from fake_engine import FakeEngine, wire
 
 from posttrain.config import SchedulerConfig
-from posttrain.service.scheduling.admission import pool_rows
+from posttrain.engine.generate.sample_stream import pool_rows
 from posttrain.statuses import OperationStatus
 from posttrain.types import (
     OperationKind,
@@ -40,12 +44,24 @@ class CountingStream:
     done: list[int] = field(default_factory=list)
     closed: bool = False
     fail: bool = False  # block raises
+    followed: set[int] = field(default_factory=set)  # DecodeStream.follow's
+    reported: dict[int, int] = field(default_factory=dict)  # stream id -> tokens reported
 
     def can_join(self, session_id: str) -> bool:
         return True
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         assert fence == 0, "the trainer's lane has nothing staged"
+        if not self.running_rows() and row_limit:  # a start: the pool, as the engine sizes it
+            rows = sum(len(request.prompts) * request.num_samples for _, request in items)
+            self.pool = pool_rows(row_limit, rows, spare_bytes, self.row_bytes)
         ids = []
         for _, request in items:
             stream_id = len(self.requests)
@@ -75,17 +91,25 @@ class CountingStream:
             out.append((stream_id, [result for _ in request.prompts]))
         return out
 
+    def follow(self, ids: Collection[int]) -> None:
+        self.followed = set(ids)
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        """One token (1) per sequence and block of each followed operation still running."""
+        progress = []
+        for stream_id in sorted(self.followed & set(self.left)):
+            blocks = self.requests[stream_id].sampling_params.max_tokens or 1
+            drawn = blocks - self.left[stream_id] - self.reported.get(stream_id, 0)
+            if drawn:
+                self.reported[stream_id] = self.reported.get(stream_id, 0) + drawn
+                progress.append((stream_id, [[1] * drawn] * self.rows[stream_id]))
+        return progress
+
     def running_rows(self) -> int:
         return sum(self.rows[i] for i in self.left)
 
-    def reserve_rows(self, rows: int) -> None:
-        self.pool = rows
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.row_bytes
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.reserve
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
+        return self.reserve <= spare_bytes
 
     def close(self) -> None:
         self.closed = True
@@ -173,5 +197,43 @@ def test_a_stream_is_closed_when_its_pass_ends_and_when_it_fails(tmp_path):
         assert wired.op(done).status == OperationStatus.COMPLETED
         assert wired.op(failed).status == OperationStatus.FAILED
         assert [stream.closed for stream in engine.streams] == [True, True]
+    finally:
+        wired.scheduler.close()
+
+
+def test_a_watched_sample_gets_its_tokens_block_by_block_and_a_closed_channel_at_its_end(
+    tmp_path,
+):
+    engine = StreamingEngine(free_bytes=10)
+    wired = wire(tmp_path, engine)
+    progress = wired.scheduler.progress
+    wired.repo.add_operation_listener(progress.operation_written)
+
+    async def watch_one() -> tuple[list[dict[int, list[int]]], str, OperationStatus]:
+        rid = wired.resource()
+        s = wired.session(rid)
+        release = wired.hold(rid)
+        watched = wired.submit_op(s, OperationKind.SAMPLE, request(2, 5), "watched")
+        wired.submit(s, OperationKind.SAMPLE, request(1, 5), "unwatched")
+        channel = progress.watch(watched.id)
+        release.set()
+        takes = []
+        while not channel.closed:
+            takes.append(await channel.take())
+        assert channel.record is not None
+        return takes, watched.id, channel.record.status
+
+    try:
+        takes, op_id, status = asyncio.run(watch_one())
+        assert status == OperationStatus.COMPLETED
+        drawn: dict[int, list[int]] = {0: [], 1: []}
+        for take in takes:
+            for sequence, tokens in take.items():
+                drawn[sequence] += tokens
+        # The fake draws a token per block; the last block's come with the result alone.
+        assert drawn == {0: [1] * 4, 1: [1] * 4}
+        (stream,) = engine.streams
+        assert stream.reported == {0: 4}  # the unwatched operation (1) was never reported
+        assert progress.watched([op_id]) == set()  # the channel closed with the operation
     finally:
         wired.scheduler.close()

@@ -1,15 +1,20 @@
 """The queue rule at a decode block boundary (ResourceWorker.between_blocks): which queued items
 run between two blocks of a running sample stream, which samples join it, and what waits for
-the stream's end. The worker is the real one; its group runner plays the stream's driver
-(service/scheduling/sample_streams.py): a sample group calls between_blocks once, as at one
-boundary."""
+the stream's end. The worker is the real one, and drives the stream; its group runner plays the
+stream (service/scheduling/sample_streams.py): a sample group yields one boundary."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 
-from posttrain.service.scheduling.worker import Job, QueuedOperation, ResourceWorker
+from posttrain.service.scheduling.worker import (
+    Boundary,
+    Job,
+    QueuedOperation,
+    ResourceWorker,
+    Stream,
+)
 from posttrain.types import OperationKind, SampleRequest
 
 SAMPLE, FB, STEP, SYNC = (
@@ -33,16 +38,20 @@ def run_boundary(
     stream's own entry, which lists its members and joins), and what joined."""
     ran: list[list[str]] = []
     joined: list[str] = []
-    worker: ResourceWorker
+    streams = 0
 
-    def run_group(group: list[QueuedOperation]) -> None:
-        if group[0].kind != SAMPLE or joined or any(g and g[0] == "stream" for g in ran):
-            ran.append([op.operation_id for op in group])
-            return
-        decoding = {op.session_id for op in group}
-        took = worker.between_blocks(decoding, may_join)
+    def stream(group: list[QueuedOperation]) -> Stream:
+        took = yield Boundary({op.session_id for op in group}, may_join)
         joined.extend(op.operation_id for op in took)
         ran.append(["stream", *(op.operation_id for op in group), *joined])
+
+    def run_group(group: list[QueuedOperation]) -> Stream | None:
+        nonlocal streams
+        if group[0].kind != SAMPLE or streams:
+            ran.append([op.operation_id for op in group])
+            return None
+        streams += 1
+        return stream(group)
 
     def fail_group(group: list[QueuedOperation], exc: Exception) -> None:
         raise AssertionError(f"{[op.operation_id for op in group]} failed: {exc}")

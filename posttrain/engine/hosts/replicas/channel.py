@@ -1,21 +1,23 @@
-"""A resource's generator replica processes as replicas.py drives them: each replica's handle
-(`GeneratorReplica`, started through a Placement), and the `Channel` that carries the
-resource's staged changes to them in fence order on a sender thread of its own, an install's
-bytes in buckets (`in_buckets`) by broadcast (weights_broadcast.py), so the trainer's lane never
-waits for a replica busy sampling.
+"""A resource's generator replica processes as hosts/replicas/engine.py drives them: each
+replica's handle (`GeneratorReplica`, started through a Placement), and the `Channel` that
+carries the resource's staged changes (hosts/replicas/staged.py) to them in fence order on a
+sender thread of its own, an install's bytes in buckets (`in_buckets`) by broadcast
+(weights_broadcast.py), so the trainer's lane never waits for a replica busy sampling.
 
-Imports: engine.hosts (placement, replica_worker, weights_broadcast); torch.
+Imports: engine.hosts (placement; replicas: staged, weights_broadcast, worker); torch.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 from torch import Tensor
 
 from posttrain.engine.hosts.placement import Hosted, Placement
-from posttrain.engine.hosts.replicas.weights_broadcast import Change, Root
+from posttrain.engine.hosts.replicas.staged import Arrival, InstallBucket
+from posttrain.engine.hosts.replicas.weights_broadcast import Root
 from posttrain.engine.hosts.replicas.worker import ReplicaEngine
 
 
@@ -39,10 +41,6 @@ class GeneratorReplica:
         self.worker.stop()
 
 
-# A change on its way: the replicas it goes to, the change, an install bucket's bytes.
-_Outgoing = tuple[list[GeneratorReplica], Change, Tensor | None]
-
-
 class Channel:
     """The resource's staged changes on their way to its replicas: one thread sends them in
     fence order (hosts/replicas/weights_broadcast.py: an install's bytes by broadcast), so the
@@ -51,20 +49,28 @@ class Channel:
 
     def __init__(self, resource_id: str, root: Root) -> None:
         self.root = root
-        self._outbox: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
+        # Each a change's sending, to the replicas it was staged for.
+        self._outbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send, name=f"posttrain-stage-{resource_id}", daemon=True
         )
         self._sender.start()
 
-    def put(self, replicas: list[GeneratorReplica], change: Change, buffer: Tensor | None) -> None:
-        self._outbox.put((list(replicas), change, buffer))
+    def put(self, replicas: list[GeneratorReplica], change: Arrival) -> None:
+        to = list(replicas)
+        self._outbox.put(lambda: self.root.send(to, stage_on, change))
+
+    def put_bucket(
+        self, replicas: list[GeneratorReplica], change: InstallBucket, buffer: Tensor
+    ) -> None:
+        """An install's bucket, its bytes in `buffer`."""
+        to = list(replicas)
+        self._outbox.put(lambda: self.root.send_bucket(to, stage_on, is_alive, change, buffer))
 
     def _send(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            replicas, change, buffer = item
-            # A dead replica misses what is staged: it is rebuilt, not replayed.
-            self.root.send(replicas, stage_on, is_alive, change, buffer)
+        # A dead replica misses what is staged: it is rebuilt, not replayed.
+        while (send := self._outbox.get()) is not None:
+            send()
 
     def stop(self) -> None:
         self._outbox.put(None)

@@ -2,14 +2,14 @@
 replicas must serve crosses in one broadcast of a process group {this process (rank 0),
 replica 1..R}, not pickled once per replica down each replica's pipe.
 
-The pipe (or a Ray actor's `stage` call) still carries every staged change, in fence order:
-an install's bucket travels there as a `Bucket` whose `data` is None (its layout only), and
-its bytes follow as one gloo broadcast of a flat uint8 buffer once the header has gone to every
-replica. A replica's inbox thread (hosts/replicas/worker.py) takes the changes in order and,
-for such a header, joins the broadcast and keeps the tensors it received.
+The pipe (or a Ray actor's `stage` call) still carries every staged change, in fence order
+(hosts/replicas/staged.py): an install's bucket travels there as a `Bucket` whose `data` is None
+(its layout only), and its bytes follow as one gloo broadcast of a flat uint8 buffer once the
+header has gone to every replica. A replica's inbox thread (hosts/replicas/worker.py) takes the
+changes in order and, for such a header, joins the broadcast and keeps the tensors it received.
 
 The group forms lazily: when a bucket is sent, every replica is alive and the group is missing
-or was formed with other replicas, a "join" message with a fresh store prefix goes to each,
+or was formed with other replicas, a join message with a fresh store prefix goes to each,
 and all build their member of one ProcessGroupGloo on a TCPStore hosted here. A join that
 fails (a replica died meanwhile) is not retried for the same replicas.
 
@@ -33,7 +33,7 @@ import datetime
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -57,10 +57,10 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
 # (name, dtype, shape, offset, nbytes) of each tensor in a packed bucket.
 Entry = tuple[str, str, tuple[int, ...], int, int]
-# A staged change as it crosses to a replica (hosts/replicas/worker.py): (fence, what, args).
-Change = tuple[int, str, tuple[Any, ...]]
 # One replica, as the caller of Root.send knows it.
 Replica = TypeVar("Replica")
+# (host, port, store prefix, rank, size) -> the message that makes a replica join a group.
+Joining = Callable[[str, int, str, int, int], object]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,18 @@ def barrier(group: ProcessGroupGloo) -> None:
     group.barrier(options).wait()  # type: ignore[attr-defined]  # as in broadcast
 
 
+class Carrying(Protocol):
+    """A staged change that carries one bucket of an install (hosts/replicas/staged.py's
+    InstallBucket)."""
+
+    @property
+    def bucket(self) -> Bucket: ...
+
+    def carrying(self, bucket: Bucket) -> object:
+        """The same change with `bucket` instead."""
+        ...
+
+
 class Member:
     """A replica's end: its member of the current group, if any (used by one thread)."""
 
@@ -174,10 +186,12 @@ class Root:
     """Rank 0 of one resource's weights group: it sends each staged change to every replica,
     an install's bytes by broadcast where the group stands (called from one thread)."""
 
-    def __init__(self, host: str, *, broadcast: bool) -> None:
-        """`broadcast` False: every bucket goes down the pipes (`--weights-sync pipe`)."""
+    def __init__(self, host: str, *, broadcast: bool, join: Joining) -> None:
+        """`broadcast` False: every bucket goes down the pipes (`--weights-sync pipe`); `join`:
+        the message that makes a replica a member of a group."""
         self.host = host
         self._store = TCPStore(host, 0, None, True, wait_for_workers=False) if broadcast else None
+        self._join = join
         self._group: ProcessGroupGloo | None = None
         self._members: tuple[object, ...] = ()  # the replicas of the current group
         self._tried: tuple[object, ...] = ()  # the replicas a join last failed with
@@ -185,22 +199,26 @@ class Root:
         self.delivery = Delivery()
 
     def send(
+        self, replicas: Sequence[Replica], stage: Callable[[Replica, bytes], None], change: object
+    ) -> None:
+        """Deliver `change` to each replica with `stage(replica, data)`."""
+        data = pickle.dumps(change, protocol=pickle.HIGHEST_PROTOCOL)
+        for replica in replicas:
+            stage(replica, data)
+
+    def send_bucket(
         self,
         replicas: Sequence[Replica],
         stage: Callable[[Replica, bytes], None],
         alive: Callable[[Replica], bool],
-        change: Change,
-        buffer: Tensor | None,
+        change: Carrying,
+        buffer: Tensor,
     ) -> None:
-        """Deliver `change` to each replica with `stage(replica, data)`; an install's bucket
-        (args[2], its bytes in `buffer`) by broadcast when the group stands."""
-        fence, what, args = change
-        group = None if buffer is None else self._ready(replicas, stage, alive)
-        if buffer is not None and group is not None:
-            header = (fence, what, (*args[:2], args[2].header(), *args[3:]))
-            data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
-            for replica in replicas:
-                stage(replica, data)
+        """Deliver `change`, an install's bucket whose bytes are `buffer`, by broadcast when
+        the group stands, else down each replica's pipe with its bytes."""
+        group = self._ready(replicas, stage, alive)
+        if group is not None:
+            self.send(replicas, stage, change.carrying(change.bucket.header()))
             try:
                 broadcast(group, buffer)
                 barrier(group)
@@ -208,12 +226,8 @@ class Root:
                 return
             except RuntimeError:
                 self._drop()  # closes its connections: the live members stop waiting
-        if buffer is not None:
-            change = (fence, what, (*args[:2], with_data(args[2], buffer), *args[3:]))
-            self.delivery.piped += 1
-        data = pickle.dumps(change, protocol=pickle.HIGHEST_PROTOCOL)
-        for replica in replicas:
-            stage(replica, data)
+        self.delivery.piped += 1
+        self.send(replicas, stage, change.carrying(with_data(change.bucket, buffer)))
 
     def _ready(
         self,
@@ -234,7 +248,7 @@ class Root:
         prefix = f"weights{self._generation}"
         size = len(members) + 1
         for rank, replica in enumerate(members, start=1):
-            join = (0, "join", (self.host, self._store.port, prefix, rank, size))
+            join = self._join(self.host, self._store.port, prefix, rank, size)
             stage(replica, pickle.dumps(join, protocol=pickle.HIGHEST_PROTOCOL))
         try:
             group = ProcessGroupGloo(PrefixStore(prefix, self._store), 0, size, JOIN_TIMEOUT)

@@ -1,18 +1,16 @@
 """The engine inside a generator replica process (hosts/replicas/engine.py): every session's
-generator and nothing else, fed by staged changes.
+generator and nothing else, fed by staged changes (hosts/replicas/staged.py).
 
-A staged change is `(fence, what, args)`: "create" `(resource, session, lora)`, "drop"
-`(resource, session)`, or "install" `(resource, session, bucket, version, mid_generation, last)`,
-one bucket of what a session's generator serves (hosts/replicas/weights_broadcast.py), `last` on the
-final bucket. A "wake" (fence 0, no change) says a sample was handed to the lanes: a lane's
-stream running several blocks in one call stops at its next boundary (FencedStream.block).
-They arrive in fence order on the staging pipe (a thread here reads it) or by
-`receive` calls (a Ray actor's, hosts/ray/placement.py); an inbox thread takes them in that
-order, receives the bytes of a bucket that come by broadcast (and the group's "join"
-messages), and keeps each change until a sample's fence reaches it.
+What is staged arrives in fence order on the staging pipe (a thread here reads it) or by
+`receive` calls (a Ray actor's, hosts/ray/placement.py); an inbox thread takes each arrival in
+that order and runs its handler (`Arrival.arrive`): a change is kept until a sample's fence
+reaches it (an install's bucket once its bytes are here, by broadcast where they come so), a
+wake stops a lane's several-block stream call at its next boundary, a join forms the resource's
+weights group. A sample applies the changes kept up to its fence (`ReplicaChange.apply`), and
+PIPELINE installs land between its decode passes.
 
 Imports: config, types, engine (state, generate: generator, sample_stream; optim.optimizer;
-hosts: in_process, weights_broadcast).
+hosts: in_process, messages; replicas: staged, weights_broadcast).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -31,18 +29,16 @@ from posttrain.engine.generate.generator import generator_key
 from posttrain.engine.generate.sample_stream import JoinRoom, SessionSampleStream
 from posttrain.engine.hosts.in_process import LocalEngine
 from posttrain.engine.hosts.messages import HostedStream, ReplicaHosting
-from posttrain.engine.hosts.replicas.weights_broadcast import (
-    Bucket,
-    Change,
-    Member,
-    buffer_of,
-    unpack,
+from posttrain.engine.hosts.replicas.staged import (
+    Arrival,
+    InstallBucket,
+    JoinGroup,
+    ReplicaChange,
 )
+from posttrain.engine.hosts.replicas.weights_broadcast import Bucket, Member, buffer_of
 from posttrain.engine.optim.optimizer import SessionOptimizer
 from posttrain.engine.state import ResourceState, SessionState
 from posttrain.types import SampleRequest, SampleResult
-
-Staged = Change
 
 
 class ReplicaEngine(LocalEngine, ReplicaHosting):
@@ -54,14 +50,14 @@ class ReplicaEngine(LocalEngine, ReplicaHosting):
         """`staging`: the pipe its changes arrive on; None where they arrive by `receive`
         calls instead (a Ray actor's, hosts/ray/placement.py)."""
         super().__init__(config, model_paths)
-        self._staged: list[Staged] = []
+        self._staged: list[ReplicaChange] = []
         self._received = 0  # the highest fence received (or rebuilt up to)
         # session -> the tensors of an install not yet whole
         self._buckets: dict[str, dict[str, Tensor]] = {}
         self._arrived = threading.Condition()
-        self._inbox: queue.SimpleQueue[Staged] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self._member = Member()  # of the resource's weights group, once it forms
-        # Set by a "wake" (a sample was handed to the lanes): a stream's several-block call
+        # Set by a wake (a sample was handed to the lanes): a stream's several-block call
         # stops at its next boundary (FencedStream.block).
         self._woken = threading.Event()
         threading.Thread(target=self._take, daemon=True).start()
@@ -71,44 +67,41 @@ class ReplicaEngine(LocalEngine, ReplicaHosting):
     def _read(self, staging: Connection) -> None:
         while True:
             try:
-                change: Staged = pickle.loads(staging.recv_bytes())
+                arrival: Arrival = pickle.loads(staging.recv_bytes())
             except (EOFError, OSError):
                 return  # the API process is gone
-            self.receive(change)
+            self.receive(arrival)
 
-    def receive(self, change: Staged) -> None:
-        """A staged change (or a weights group message), for the inbox thread: never waits
-        (a Ray actor's `stage` call returns before the broadcast it announces)."""
-        self._inbox.put(change)
+    def receive(self, arrival: Arrival) -> None:
+        """A staged change (or a wake, or a weights group message), for the inbox thread:
+        never waits (a Ray actor's `stage` call returns before the broadcast it announces)."""
+        self._inbox.put(arrival)
 
     def _take(self) -> None:
         while True:
-            fence, what, args = self._inbox.get()
-            if what == "join":
-                self._member.join(*args)
-                continue
-            if what == "wake":
-                self._woken.set()
-                continue
-            if what == "install":
-                bucket: Bucket = args[2]
-                if bucket.data is None:  # its bytes come by broadcast
-                    buffer = self._member.receive(bucket)
-                    if buffer is None:
-                        continue  # the group broke: the root resends it down the pipe
-                else:
-                    buffer = buffer_of(bucket)
-                args = (*args[:2], unpack(bucket, buffer), *args[3:])
-            self._keep((fence, what, args))
+            self._inbox.get().arrive(self)
 
-    def _keep(self, change: Staged) -> None:
+    # ------------------------------------------------------------ the inbox (staged.Inbox)
+
+    def join_group(self, join: JoinGroup) -> None:
+        self._member.join(join.host, join.port, join.prefix, join.rank, join.size)
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def bucket_bytes(self, bucket: Bucket) -> Tensor | None:
+        if bucket.data is None:  # its bytes come by broadcast
+            return self._member.receive(bucket)  # None: the root resends it down the pipe
+        return buffer_of(bucket)
+
+    def keep(self, change: ReplicaChange) -> None:
         """Keep a staged change until a sample's fence reaches it; one received already (a
         resend after a broken broadcast, or one from before a rebuild) is dropped."""
         with self._arrived:
-            if change[0] <= self._received:
+            if change.fence <= self._received:
                 return
             self._staged.append(change)
-            self._received = change[0]
+            self._received = change.fence
             self._arrived.notify_all()
 
     def _create_full_weight_session(self, resource: ResourceState, session_id: str) -> None:
@@ -133,7 +126,7 @@ class ReplicaEngine(LocalEngine, ReplicaHosting):
         """A new replica was given the state as of `fence` directly: nothing before it is due."""
         with self._arrived:
             self._received = max(self._received, fence)
-            self._staged = [c for c in self._staged if c[0] > fence]
+            self._staged = [c for c in self._staged if c.fence > fence]
 
     def received(self, fence: int) -> None:
         """Return once every change up to `fence` is here (kept, not yet applied)."""
@@ -170,10 +163,10 @@ class ReplicaEngine(LocalEngine, ReplicaHosting):
         """Apply every change staged up to `fence` (waiting for those not received yet)."""
         self.received(fence)
         with self._arrived:
-            due = [c for c in self._staged if c[0] <= fence]
-            self._staged = [c for c in self._staged if c[0] > fence]
+            due = [c for c in self._staged if c.fence <= fence]
+            self._staged = [c for c in self._staged if c.fence > fence]
         for change in due:
-            self._apply(change)
+            change.apply(self)
 
     def _mid_generation(self) -> None:
         """Between decode passes: apply each session's staged PIPELINE installs that nothing
@@ -181,39 +174,42 @@ class ReplicaEngine(LocalEngine, ReplicaHosting):
         has arrived (a generation never runs on half-installed weights)."""
         with self._arrived:
             held: set[str] = set()
-            due: list[Staged] = []
-            run: dict[str, list[Staged]] = {}  # a session's buckets of an unfinished install
+            due: list[ReplicaChange] = []
+            run: dict[str, list[ReplicaChange]] = {}  # a session's buckets of an unfinished install
             for change in list(self._staged):
-                _, what, args = change
-                session_id = args[1]
+                session_id = change.session_id
                 if session_id in held:
                     continue
-                if what == "install" and args[4] and self.is_loaded(args[0]):
+                if (
+                    isinstance(change, InstallBucket)
+                    and change.mid_generation
+                    and self.is_loaded(change.resource_id)
+                ):
                     run.setdefault(session_id, []).append(change)
-                    if args[5]:  # its last bucket: the whole install is here
+                    if change.last:  # its last bucket: the whole install is here
                         due += run.pop(session_id)
                 else:
                     held.add(session_id)
             for change in due:
                 self._staged.remove(change)
         for change in due:
-            self._apply(change)
+            change.apply(self)
 
-    def _apply(self, change: Staged) -> None:
-        _, what, args = change
-        resource_id, session_id = args[0], args[1]
-        if what == "create":
-            self.drop_session(resource_id, session_id)  # a trainer rebuilt after its death
-            self.create_session(resource_id, session_id, args[2])
-        elif what == "drop":
-            self.drop_session(resource_id, session_id)
-        else:  # a bucket of an install; the last one installs them all
-            tensors, version, last = args[2], args[3], args[5]
-            parts = self._buckets.setdefault(session_id, {})
-            parts.update(tensors)
-            if last:
-                del self._buckets[session_id]
-                self.install_generator(resource_id, session_id, parts, version=version)
+    def install_bucket(
+        self,
+        resource_id: str,
+        session_id: str,
+        tensors: dict[str, Tensor],
+        *,
+        version: int,
+        last: bool,
+    ) -> None:
+        """A bucket of an install (staged.InstallBucket); the last one installs them all."""
+        parts = self._buckets.setdefault(session_id, {})
+        parts.update(tensors)
+        if last:
+            del self._buckets[session_id]
+            self.install_generator(resource_id, session_id, parts, version=version)
 
 
 class FencedStream(HostedStream):
@@ -235,9 +231,16 @@ class FencedStream(HostedStream):
         whose create is still staged (its fence is ahead of the stream's) is not here yet."""
         return True
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,
+        spare_bytes: int = 0,
+    ) -> list[int]:
         self.engine.advance(fence)
-        return self.stream.admit(items)
+        return self.stream.admit(items, row_limit=row_limit, spare_bytes=spare_bytes)
 
     def block(self, most: int = 1) -> None:
         """Up to `most` blocks, each after the PIPELINE installs due: fewer where a sequence
@@ -248,17 +251,17 @@ class FencedStream(HostedStream):
     def take_finished(self) -> list[tuple[int, list[SampleResult]]]:
         return self.stream.take_finished()
 
+    def follow(self, ids: Collection[int]) -> None:
+        self.stream.follow(ids)
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        return self.stream.take_progress()
+
     def running_rows(self) -> int:
         return self.stream.running_rows()
 
-    def reserve_rows(self, rows: int) -> None:
-        self.stream.reserve_rows(rows)
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.pool_row_bytes(items)
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return self.stream.join_reserve_bytes(items)
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
+        return self.stream.fits(items, spare_bytes)
 
     def room(self) -> JoinRoom:
         return self.stream.room()

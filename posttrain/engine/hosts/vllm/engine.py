@@ -8,8 +8,14 @@ goes to its server as it comes (vLLM batches its requests continuously), after t
 applied the changes staged up to the sample's fence, where none of them alters a session
 decoding there (the lanes' join rule, hosts/staged_changes.py).
 
-What each session's generator serves reaches the servers as staged changes, numbered by
-fence, exactly as for process replicas (hosts/replicas/engine.py): a change is written once, to
+The lanes themselves (fences, staging under the resource's lock, a dead server's restart, the
+join rule's record) are hosts/lanes.py's GeneratorLanes, which ReplicatedEngine shares; this
+module is what differs for vLLM servers: how a server starts and is reached, how a change's
+weights get there, and how a lane samples.
+
+What each session's generator serves reaches the servers as staged changes (hosts/vllm/replica.py's
+Install and Drop), numbered by fence, exactly as for process replicas
+(hosts/replicas/engine.py): a change is written once, to
 files in shared memory, the moment the trainer makes it; a sample applies every change up to its
 fence, and none after it, before it generates. So SYNCHRONOUS and BACKGROUND_PUBLISH land
 before the samples submitted after them, whichever server runs them.
@@ -30,8 +36,8 @@ A server that dies fails the sample running on it with GeneratorReplicaDied (INT
 naming it); the next sample on its lane starts a new server, given what every session's
 generator serves on the trainer. Servers stop with their resource.
 
-Imports: config, errors, types, engine (interface, model.loader; hosts: staged_changes,
-trainer_forwarding, vllm_replica, vllm_requests, vllm_scoring, vllm_server, vllm_stream).
+Imports: config, types, engine (interface, model.loader; hosts: lanes; vllm: replica, requests,
+scoring, server, stream).
 """
 
 from __future__ import annotations
@@ -43,21 +49,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
 from posttrain.config import EngineConfig
-from posttrain.engine.hosts.trainer_forwarding import TrainerForwarding
-from posttrain.engine.hosts.vllm.replica import Change, Replica, Resource, write_install
+from posttrain.engine.hosts.lanes import GeneratorLanes
+from posttrain.engine.hosts.vllm.replica import Drop, Install, Replica, Resource, write_install
 from posttrain.engine.hosts.vllm.requests import generate_body, result_of
 from posttrain.engine.hosts.vllm.scoring import scored
 from posttrain.engine.hosts.vllm.server import MAX_NUM_SEQS, SERVED_NAME, ServerSpec, VllmServer
 from posttrain.engine.hosts.vllm.stream import VllmStream
-from posttrain.engine.interface import DecodeStream, Engine, Headroom, LanedEngine, ModelInfo
-from posttrain.errors import NotFound
+from posttrain.engine.interface import Engine, Headroom, ModelInfo
 from posttrain.model.loader import resolve_device, resolve_dtype
 from posttrain.types import (
     LoraConfig,
-    MuonScaling,
     OperationKind,
     OperationRequest,
     SampleRequest,
@@ -73,114 +76,92 @@ REFUSED_ON_CPU = tuple(
     for name in ("prompt_logprobs", "topk_prompt_logprobs")
 )
 
-T = TypeVar("T")
 
-
-class VllmEngine(TrainerForwarding, LanedEngine):
+class VllmEngine(GeneratorLanes[Resource, Replica]):
     """A LanedEngine: the trainer engine for everything but sampling, vLLM servers for that."""
 
     def __init__(self, trainer: Engine, config: EngineConfig, model_paths: dict[str, Path]):
         assert config.vllm_python is not None, "EngineConfig checks --vllm-python"
-        self.trainer = trainer
         # Held around every call into the trainer: mismatch scoring runs on generator lanes.
-        self.trainer_lock = threading.RLock()
+        super().__init__(trainer, threading.RLock())
         self.config = config
         self.model_paths = model_paths
         self.device = resolve_device(config.device)
-        self._resources: dict[str, Resource] = {}
-        self._lock = threading.Lock()
         shm = Path("/dev/shm")  # installs are written to memory where the system has it
         root = tempfile.mkdtemp(prefix="posttrain-vllm-", dir=shm if shm.is_dir() else None)
         self._root = Path(root)
         # The servers' logs outlive them (a replica that died is read about afterwards).
         self._logs = Path(tempfile.gettempdir()) / "posttrain-vllm-logs"
 
-    # ------------------------------------------------------------ resources
+    # ------------------------------------------------------------ servers
 
-    def load_resource(
-        self,
-        resource_id: str,
-        base_model: str,
-        *,
-        muon_scaling: MuonScaling | None,
-        generator_replicas: int = 1,
-    ) -> None:
+    def _trainer_replicas(self, generator_replicas: int) -> int:
+        return 1  # the trainer's own generator is not a lane: the servers are
+
+    def _new_lanes(self, resource_id: str, base_model: str) -> Resource:
         with self.trainer_lock:
-            self.trainer.load_resource(
-                resource_id, base_model, muon_scaling=muon_scaling, generator_replicas=1
-            )
-        with self._lock:
-            if resource_id in self._resources:
-                return  # servers live on through a trainer's reload; dead ones restart lazily
-            with self.trainer_lock:
-                info = self.trainer.model_info(base_model)
-            dtype = str(resolve_dtype(self.config.dtype, self.device)).removeprefix("torch.")
-            spec = ServerSpec(
-                python=Path(self.config.vllm_python),  # type: ignore[arg-type]
-                model_path=self.model_paths[base_model],
-                dtype=dtype,
-                max_model_len=info.context_length,
-                max_loras=self.config.max_sessions_per_resource,
-                max_lora_rank=self.config.max_lora_rank,
-                log_path=self._logs / f"{resource_id}.log",  # one per replica: _server
-                gpu_memory_utilization=0.4 if self.device.type == "cuda" else None,
-            )
-            state = Resource(base_model, spec, self._root / resource_id)
-            self._resources[resource_id] = state
-        with state.lock:
-            started = [self._server(resource_id, state, i) for i in range(generator_replicas)]
-            try:
-                for server in started:  # started together: their loads overlap
-                    server.wait_ready()
-            except Exception:
-                for server in started:
-                    server.stop()
-                with self._lock:
-                    self._resources.pop(resource_id, None)
-                raise
-            state.replicas = [
-                Replica(server, state.files / f"served-{i}") for i, server in enumerate(started)
-            ]
+            info = self.trainer.model_info(base_model)
+        dtype = str(resolve_dtype(self.config.dtype, self.device)).removeprefix("torch.")
+        spec = ServerSpec(
+            python=Path(self.config.vllm_python),  # type: ignore[arg-type]
+            model_path=self.model_paths[base_model],
+            dtype=dtype,
+            max_model_len=info.context_length,
+            max_loras=self.config.max_sessions_per_resource,
+            max_lora_rank=self.config.max_lora_rank,
+            log_path=self._logs / f"{resource_id}.log",  # one per replica: _server
+            gpu_memory_utilization=0.4 if self.device.type == "cuda" else None,
+        )
+        return Resource(base_model, spec, self._root / resource_id)
+
+    def _start(self, resource_id: str, state: Resource, count: int) -> list[Replica]:
+        started = [self._server(resource_id, state, i) for i in range(count)]
+        try:
+            for server in started:  # started together: their loads overlap
+                server.wait_ready()
+        except Exception:
+            for server in started:
+                server.stop()
+            with self._lock:
+                self._resources.pop(resource_id, None)
+            raise
+        return [Replica(server, state.files / f"served-{i}") for i, server in enumerate(started)]
 
     def _server(self, resource_id: str, state: Resource, index: int) -> VllmServer:
         spec = replace(state.spec, log_path=self._logs / f"{resource_id}-{index}.log")
         return VllmServer(spec, f"generator replica {index} of model resource {resource_id}")
 
-    def unload_resource(self, resource_id: str) -> None:
-        with self._lock:
-            state = self._resources.pop(resource_id, None)
-        if state is not None:
-            for replica in state.replicas:
-                replica.server.stop()
-            shutil.rmtree(state.files, ignore_errors=True)
-        with self.trainer_lock:
-            self.trainer.unload_resource(resource_id)
+    def _rebuilt(self, resource_id: str, state: Resource, lane: int) -> Replica:
+        new = Replica(self._server(resource_id, state, lane), state.files / f"served-{lane}")
+        try:
+            new.server.wait_ready()
+            for session_id in state.sessions:
+                directory = state.files / f"rebuild-{lane}-{session_id}"
+                path, version = self._written(resource_id, state, session_id, directory)
+                lora = state.sessions[session_id] is not None
+                new.apply([Install(state.fence, session_id, lora, version, path)])
+            new.applied = state.fence
+        except Exception:
+            new.server.stop()
+            raise
+        return new
 
-    def close(self) -> None:
-        with self._lock:
-            states, self._resources = list(self._resources.values()), {}
-        for state in states:
-            for replica in state.replicas:
-                replica.server.stop()
+    def _stop_lanes(self, state: Resource) -> None:
+        for replica in state.replicas:
+            replica.server.stop()
+        shutil.rmtree(state.files, ignore_errors=True)
+
+    def _closed(self) -> None:
         shutil.rmtree(self._root, ignore_errors=True)
-        with self.trainer_lock:
-            self.trainer.close()
 
-    def replica_pids(self, resource_id: str) -> list[int]:
-        """The resource's vLLM server process ids (for operators and the fault tests)."""
-        state = self._state(resource_id)
-        return [] if state is None else [r.server.pid for r in state.replicas]
+    def _alive(self, replica: Replica) -> bool:
+        return replica.server.alive
 
-    def generator_lanes(self, resource_id: str) -> int:
-        state = self._state(resource_id)
-        return 0 if state is None else len(state.replicas)
+    def _stop(self, replica: Replica) -> None:
+        replica.server.stop()
 
-    def generator_fence(self, resource_id: str) -> int:
-        state = self._state(resource_id)
-        if state is None:
-            return 0
-        with state.lock:
-            return state.fence
+    def _pid(self, replica: Replica) -> int | None:
+        return replica.server.pid
 
     def model_info(self, base_model: str) -> ModelInfo:
         refused = REFUSED + (REFUSED_ON_CPU if self.device.type == "cpu" else ())
@@ -188,59 +169,31 @@ class VllmEngine(TrainerForwarding, LanedEngine):
             info = self.trainer.model_info(base_model)
         return replace(info, refused_sample_fields=refused)
 
-    # ------------------------------------------------------------ what generators serve
+    # ------------------------------------------------------------ staged changes
 
-    def create_session(self, resource_id: str, session_id: str, lora: LoraConfig | None) -> None:
-        state = self._required(resource_id)
-        with state.lock:
-            with self.trainer_lock:
-                self.trainer.create_session(resource_id, session_id, lora)
-            state.sessions[session_id] = lora
-            self._install(resource_id, state, session_id)
-
-    def drop_session(self, resource_id: str, session_id: str) -> None:
-        with self.trainer_lock:
-            self.trainer.drop_session(resource_id, session_id)
-        state = self._state(resource_id)
-        if state is None:
-            return
-        with state.lock:
-            if session_id in state.sessions:
-                lora = state.sessions.pop(session_id) is not None
-                self._stage(state, Change(state.fence + 1, "drop", session_id, lora))
-
-    def publish(
-        self, resource_id: str, session_id: str, *, version: int, mid_generation: bool = False
+    def _stage_create(
+        self, resource_id: str, state: Resource, session_id: str, lora: LoraConfig | None
     ) -> None:
-        """weights-sync: stage the trainer's weights for every server (before the samples
-        queued after this); PIPELINE: generating servers take them at their next token."""
-        state = self._required(resource_id)
-        with state.lock:
-            with self.trainer_lock:
-                self.trainer.publish(resource_id, session_id, version=version)
-            self._install(resource_id, state, session_id, mid_generation=mid_generation)
-            replicas = list(state.replicas)
-        if mid_generation:  # outside the staging lock: a server's lock comes first
-            for replica in replicas:
-                self._apply_mid_generation(state, replica)
+        self._stage_install(resource_id, state, session_id, mid_generation=False)
 
-    def _changing(self, resource_id: str, session_id: str, change: Callable[[], T]) -> T:
-        state = self._required(resource_id)
-        with state.lock:
-            result = change()
-            self._install(resource_id, state, session_id)
-        return result
-
-    def _install(
-        self, resource_id: str, state: Resource, session_id: str, *, mid_generation: bool = False
+    def _stage_drop(
+        self, resource_id: str, state: Resource, session_id: str, lora: LoraConfig | None
     ) -> None:
-        """Stage what the session's generator serves on the trainer now. Caller holds the lock."""
+        self._stage(state, Drop(state.fence + 1, session_id, lora is not None))
+
+    def _installed_mid_generation(self, state: Resource, replicas: list[Replica]) -> None:
+        """PIPELINE: generating servers take the install at their next token."""
+        for replica in replicas:
+            self._apply_mid_generation(state, replica)
+
+    def _stage_install(
+        self, resource_id: str, state: Resource, session_id: str, *, mid_generation: bool
+    ) -> None:
+        """Stage what the session's generator serves on the trainer now, as files."""
         fence = state.fence + 1
         path, version = self._written(resource_id, state, session_id, state.files / f"{fence}")
         lora = state.sessions[session_id] is not None
-        self._stage(
-            state, Change(fence, "install", session_id, lora, version, path, mid_generation)
-        )
+        self._stage(state, Install(fence, session_id, lora, version, path, mid_generation))
 
     def _written(
         self, resource_id: str, state: Resource, session_id: str, directory: Path
@@ -253,11 +206,10 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         write_install(directory, tensors, state.sessions[session_id], state.base_model)
         return directory, version
 
-    def _stage(self, state: Resource, change: Change) -> None:
-        state.fence = change.fence
+    def _stage(self, state: Resource, change: Install | Drop) -> None:
+        self._record(state, change)
         state.last_change[change.session_id] = change.fence
         state.changes.append(change)
-        state.staged.staged(change.fence, change.session_id, change.mid_generation)
 
     # ------------------------------------------------------------ applying, per server
 
@@ -288,7 +240,7 @@ class VllmEngine(TrainerForwarding, LanedEngine):
                 return
             with state.lock:
                 due = [c for c in state.changes if c.fence > replica.applied]
-            if due and all(c.mid_generation for c in due):
+            if due and all(c.pipeline for c in due):
                 replica.apply_between_tokens(due)
 
     def _collect(self, state: Resource) -> None:
@@ -300,7 +252,7 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         with state.lock:
             done = min((r.applied for r in state.replicas), default=state.fence)
             state.changes = [c for c in state.changes if c.fence > done]
-            in_use = {c.path for c in state.changes} | {
+            in_use = {c.path for c in state.changes if isinstance(c, Install)} | {
                 path for r in state.replicas for path in r.files.values()
             }
             for directory in state.written - in_use:
@@ -308,10 +260,6 @@ class VllmEngine(TrainerForwarding, LanedEngine):
             state.written &= in_use
 
     # ------------------------------------------------------------ sampling
-
-    def sample_stream(self, resource_id: str, session_id: str) -> DecodeStream | None:
-        """None: samples run on the servers' lanes (lane_stream), never on the trainer's."""
-        return None
 
     def lane_stream(
         self, resource_id: str, session_id: str, *, fence: int, lane: int
@@ -321,9 +269,7 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         server batches them continuously. Bound to that server: if it dies, the stream's
         operations fail with GeneratorReplicaDied, and the lane's next sample starts another."""
         state = self._required(resource_id)
-        replica = state.replicas[lane]
-        if not replica.server.alive:
-            replica = self._restart(resource_id, state, lane, replica)
+        replica = self._lane_replica(state, resource_id, lane)
 
         def closed() -> None:
             replica.generating = False
@@ -345,11 +291,6 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         with state.lock:
             state.streams.add(stream)
         return stream
-
-    def changed_sessions(self, resource_id: str, after: int, upto: int) -> frozenset[str] | None:
-        state = self._required(resource_id)
-        with state.lock:
-            return state.staged.sessions(after, upto)
 
     def wake_lanes(self, resource_id: str) -> None:
         state = self._state(resource_id)
@@ -428,27 +369,6 @@ class VllmEngine(TrainerForwarding, LanedEngine):
         fallback = replica.serving.get(session_id, 0)
         return result_of(reply, replica.version_of(session_id), fallback)
 
-    def _restart(self, resource_id: str, state: Resource, lane: int, dead: Replica) -> Replica:
-        """A dead server's successor, given what every session's generator serves now."""
-        with state.lock:
-            if state.replicas[lane] is not dead:
-                return state.replicas[lane]
-            dead.server.stop()
-            new = Replica(self._server(resource_id, state, lane), state.files / f"served-{lane}")
-            try:
-                new.server.wait_ready()
-                for session_id in state.sessions:
-                    directory = state.files / f"rebuild-{lane}-{session_id}"
-                    path, version = self._written(resource_id, state, session_id, directory)
-                    lora = state.sessions[session_id] is not None
-                    new.apply([Change(state.fence, "install", session_id, lora, version, path)])
-                new.applied = state.fence
-            except Exception:
-                new.server.stop()
-                raise
-            state.replicas[lane] = new
-            return new
-
     # ------------------------------------------------------------ memory
 
     def peak_bytes(
@@ -465,13 +385,3 @@ class VllmEngine(TrainerForwarding, LanedEngine):
             return Headroom(free_bytes=1 << 62, bound="the vLLM server's own KV cache")
         with self.trainer_lock:
             return self.trainer.headroom(resource_id, kind)
-
-    def _state(self, resource_id: str) -> Resource | None:
-        with self._lock:
-            return self._resources.get(resource_id)
-
-    def _required(self, resource_id: str) -> Resource:
-        state = self._state(resource_id)
-        if state is None:
-            raise NotFound(f"model resource {resource_id} is not loaded")
-        return state

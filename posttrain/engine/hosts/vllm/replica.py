@@ -2,7 +2,8 @@
 applied, what each session's generator serves on it, and the weight-version labels it gave
 those states; a resource's servers and staged changes (`Resource`), and an install's files.
 
-A change is an install (a session's served weights, as files) or a drop. The server's label
+A staged change (hosts/staged_changes.py) is an `Install` (a session's served weights, as files)
+or a `Drop`, each applied by its own handler on a `Replica`. The server's label
 moves on after each set of changes (vLLM attaches the label in force to every token it
 samples), and `labels` keeps what each session served under each label, so a choice's
 `weight_versions` spans become policy versions. vLLM keys its prefix cache by adapter name and
@@ -12,7 +13,8 @@ new cache salt (`salts`, sent with every request): no prompt KV of weights serve
 reaches a later request, and another session's change leaves a session's cached prompts in
 place (resetting the whole cache is refused while any request runs).
 
-Imports: types, engine (checkpoint.formats; hosts: staged_changes, vllm_server, vllm_stream).
+Imports: types, engine (checkpoint.formats; hosts: lanes, staged_changes, vllm.server,
+vllm.stream).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from posttrain.engine.checkpoint import formats
-from posttrain.engine.hosts.staged_changes import StagedChanges
+from posttrain.engine.hosts.lanes import Lanes
+from posttrain.engine.hosts.staged_changes import StagedChange
 from posttrain.engine.hosts.vllm.server import ServerSpec, VllmServer
 from posttrain.engine.hosts.vllm.stream import VllmStream
 from posttrain.types import LoraConfig
@@ -38,14 +41,34 @@ FULL_WEIGHTS_FILE = "model.safetensors"  # a full-weight install's one file in i
 
 
 @dataclass(frozen=True)
-class Change:
-    fence: int
-    what: str  # "install" | "drop"
-    session_id: str
+class Install(StagedChange["Replica"]):
+    """The session's served weights, written at `path`: the directory of its adapter (`lora`)
+    or of the model's one file, and their policy version."""
+
     lora: bool
-    version: int = 0
-    path: Path | None = None  # install: the directory of the adapter or the model file
-    mid_generation: bool = False
+    version: int
+    path: Path
+    mid_generation: bool = False  # PIPELINE: it may land between two tokens
+
+    @property
+    def pipeline(self) -> bool:
+        return self.mid_generation
+
+    def apply(self, generator: Replica) -> None:
+        generator.install(self)
+
+
+@dataclass(frozen=True)
+class Drop(StagedChange["Replica"]):
+    """The session's end (`lora`: its adapter is unloaded)."""
+
+    lora: bool
+
+    def apply(self, generator: Replica) -> None:
+        generator.drop(self)
+
+
+Change = Install | Drop
 
 
 @dataclass
@@ -85,28 +108,31 @@ class Replica:
             self.server.call("/resume")
 
     def _apply(self, change: Change) -> None:
-        server, session_id = self.server, change.session_id
-        if change.what == "drop":
-            if change.lora:
-                server.call("/v1/unload_lora_adapter", {"lora_name": session_id})
-                (self.links / session_id).unlink(missing_ok=True)
-            self.serving.pop(session_id, None)
-            self.files.pop(session_id, None)
-            self.salts.pop(session_id, None)
-            self.inplace.discard(session_id)
-        elif change.lora:
-            assert change.path is not None
+        change.apply(self)
+        self.applied = max(self.applied, change.fence)
+
+    def drop(self, change: Drop) -> None:
+        session_id = change.session_id
+        if change.lora:
+            self.server.call("/v1/unload_lora_adapter", {"lora_name": session_id})
+            (self.links / session_id).unlink(missing_ok=True)
+        self.serving.pop(session_id, None)
+        self.files.pop(session_id, None)
+        self.salts.pop(session_id, None)
+        self.inplace.discard(session_id)
+
+    def install(self, change: Install) -> None:
+        session_id = change.session_id
+        if change.lora:
             self._load(session_id, self._link(session_id, change.path), change.mid_generation)
             self.serving[session_id] = change.version
             self.files[session_id] = change.path
         else:  # the worker extension's reload (hosts/vllm/worker_extension.py)
-            assert change.path is not None
             reload = {"method": "posttrain_reload", "args": [str(change.path / FULL_WEIGHTS_FILE)]}
-            server.call("/collective_rpc", reload)
+            self.server.call("/collective_rpc", reload)
             self.serving[session_id] = change.version
-        if change.what == "install":  # unique on this server ('@' and '/' are refused)
-            self.salts[session_id] = f"install-{next(self.installs)}"
-        self.applied = max(self.applied, change.fence)
+        # Unique on this server ('@' and '/' are refused).
+        self.salts[session_id] = f"install-{next(self.installs)}"
 
     def _link(self, session_id: str, target: Path) -> Path:
         """The session's link, now to `target` (replaced atomically: a load through it reads
@@ -155,22 +181,17 @@ class Replica:
         return lambda label: self.labels.get(label, {}).get(session_id, 0)
 
 
-class Resource:
+class Resource(Lanes[Replica]):
     """A model resource's servers (hosts/vllm/engine.py) and what they must serve."""
 
     def __init__(self, base_model: str, spec: ServerSpec, files: Path) -> None:
-        self.base_model = base_model
+        super().__init__(base_model)
         self.spec = spec
         self.files = files  # where installs are written (shared memory where there is one)
-        self.replicas: list[Replica] = []
-        self.sessions: dict[str, LoraConfig | None] = {}
-        self.fence = 0
-        self.changes: list[Change] = []
+        self.changes: list[Change] = []  # staged, not yet applied by every server
         self.written: set[Path] = set()  # directories of installs not yet removed
         self.last_change: dict[str, int] = {}  # session -> the fence of its last change
-        self.staged = StagedChanges()  # the lanes' join rule (changed_sessions)
         self.streams: set[VllmStream] = set()  # the lanes' open streams (wake_lanes)
-        self.lock = threading.RLock()  # staging order; a restart reads no half-made change
 
 
 def write_install(

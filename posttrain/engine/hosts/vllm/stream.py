@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from posttrain.engine.hosts.vllm.requests import merged, parts
@@ -87,7 +87,14 @@ class VllmStream(DecodeStream):
     def can_join(self, session_id: str) -> bool:
         return True  # every session samples the server's one base model
 
-    def admit(self, items: list[tuple[str, SampleRequest]], fence: int = 0) -> list[int]:
+    def admit(
+        self,
+        items: list[tuple[str, SampleRequest]],
+        fence: int = 0,
+        *,
+        row_limit: int = 0,  # the server's KV cache is its own, sized when it started
+        spare_bytes: int = 0,
+    ) -> list[int]:
         busy = frozenset(op.session_id for op in self._open.values() if not op.done())
         applied = self._apply(fence, busy)
         ids = []
@@ -125,18 +132,22 @@ class VllmStream(DecodeStream):
             finished.append((stream_id, results))
         return finished
 
+    def follow(self, ids: Collection[int]) -> None:
+        """Nothing to follow: a generate request answers whole (take_progress)."""
+
+    def take_progress(self) -> list[tuple[int, list[list[int]]]]:
+        """Nothing: vLLM's generate requests answer whole, so an operation's tokens show only
+        once it finished (a streamed reply then carries its text in one piece)."""
+        return []
+
     def running_rows(self) -> int:
         """Rows of the operations not handed back yet (an answered one counts until then)."""
         return sum(op.rows for op in self._open.values())
 
-    def reserve_rows(self, rows: int) -> None:
-        pass  # the server's KV cache is its own, sized when it started
-
-    def pool_row_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return 0
-
-    def join_reserve_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
-        return 0
+    def fits(self, items: list[tuple[str, SampleRequest]], spare_bytes: int) -> bool:
+        """The server's KV cache is its own, sized when it started: a join allocates nothing
+        of posttrain's memory."""
+        return spare_bytes >= 0
 
     def close(self) -> None:
         """Requests still open (the pass failed) run to their end on the server unread."""

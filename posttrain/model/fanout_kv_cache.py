@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from posttrain.model.attention import SharedPrefixAttention
+from posttrain.model.attention_kinds.linear_attention import LinearAttentionCalls, RecurrentPass
 from posttrain.model.kv_cache import KVCache, fill_holes, power_of_two_at_least
-from posttrain.model.linear_attention import LinearAttentionCalls, RecurrentPass
 
 
 def _bias(visible_BQK: Tensor, width: int, *, check: bool = True) -> Tensor | None:

@@ -35,13 +35,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posttrain.model.kv_shape import KVShape
-from posttrain.model.linear_attention import (
+from posttrain.model.attention_kinds.linear_attention import (
     LinearAttentionCalls,
     RecurrentPass,
     RecurrentShape,
     RecurrentState,
 )
+from posttrain.model.kv_shape import KVShape
 
 
 def power_of_two_at_least(count: int, least: int = 1) -> int:
@@ -77,7 +77,7 @@ class KVCache(LinearAttentionCalls):
     ) -> None:
         """`pool_rows`: rows allocated at least, here and whenever the positions grow (rows
         past `num_rows` wait for add_rows). `recurrent`: the linear-attention layers' state
-        each row holds beside its KV (model/linear_attention.py)."""
+        each row holds beside its KV (model/attention_kinds/linear_attention.py)."""
         self.pool_rows = pool_rows
         self.num_rows = num_rows
         self.kv = self._allocate(

@@ -13,7 +13,7 @@ Every attention layer of a model posttrain serves has the same KV heads and head
 cache holds them in one tensor); the layer count is the number of attention layers, the
 modules that carry the `layer_idx` the cache protocol and model/attention.py index by. A
 hybrid's attention modules are numbered 0, 1, ... (linear_attention.install), its linear
-layers keep no KV and add a recurrent state per row instead (model/linear_attention.py).
+layers keep no KV and add a recurrent state per row instead (attention_kinds/linear_attention.py).
 
 Not here: the cache itself (kv_cache.py), the memory estimate (engine/memory/estimate.py).
 """
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from posttrain.model.linear_attention import (
+from posttrain.model.attention_kinds.linear_attention import (
     LINEAR_ATTENTION_CLASSES,
     RecurrentShape,
     recurrent_shape,
@@ -64,7 +64,7 @@ class _ProbeCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
-    # A hybrid's linear-attention layers (Gated DeltaNet, model/linear_attention.py) that run
+    # A hybrid's linear-attention layers (Gated DeltaNet, linear_attention.py) that run
     # before the first attention layer read and write recurrent state instead: none is kept.
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> None:
         return None

@@ -24,7 +24,8 @@ from transformers import (
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.errors import EngineFailure
-from posttrain.model import attention, families, latent_attention, linear_attention, routing
+from posttrain.model import attention, families, routing
+from posttrain.model.attention_kinds import latent_attention, linear_attention
 from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
 from posttrain.types import MoeShape

@@ -141,7 +141,7 @@ def forward_rows(
         assert num_new_B is not None, "a pass appends num_new_B[b] positions to row b"
         positions_BQ = cache.begin(num_new_B, uniform)
     # The attention layers' kinds, in the order their modules' layer_idx number them (a
-    # hybrid's linear layers have none: model/linear_attention.install).
+    # hybrid's linear layers have none: attention_kinds/linear_attention.install).
     kinds = [kind for kind in layer_types(config) if kind != "linear_attention"]
     masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
     # The model gets a placeholder 4-D mask, which every family's mask creation passes on
@@ -202,7 +202,7 @@ def extend_rows(
         counts = [min(len(t) - d, width_limit) for d, t in zip(done, tokens_B, strict=True)]
         if gm.kv.recurrent is not None:
             # Linear attention: every row that runs runs as many positions (the shortest's),
-            # so a row's recurrent state is the pass's final one (model/linear_attention.py
+            # so a row's recurrent state is the pass's final one (linear_attention.py
             # steps token by token from the shortest row's end otherwise).
             step = min(c for c in counts if c > 0)
             counts = [min(c, step) for c in counts]
@@ -259,7 +259,7 @@ PREFIX_CACHE_REFUSED_RECURRENT = "linear_attention_state"
 
 def prefix_cache_serves(gm: GeneratorModel) -> bool:
     """Whether prompts go through the prefix cache: enabled, and the model keeps no recurrent
-    state (linear-attention layers, model/linear_attention.py), which a span of positions
+    state (linear-attention layers, attention_kinds/linear_attention.py), which a span of positions
     cannot carry; such a model recomputes every prompt."""
     return gm.prefix_cache.enabled and gm.kv.recurrent is None
 

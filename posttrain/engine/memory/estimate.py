@@ -9,7 +9,7 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   residual adds' operands), 4 of the query width (projection, q-norm in and out, rotary output,
   attention output), 6 of the KV width (keys and values before and after k-norm and rotary,
   repeated for sdpa) and 6 of the FFN width (gate, up, SiLU in and out, their product, the
-  down projection's input). Multi-head latent attention (DeepSeek-V3, model/latent_attention.py)
+  down projection's input). Multi-head latent attention (DeepSeek-V3, latent_attention.py)
   caches a compressed latent but trains on full heads: its query width is heads x
   (qk_nope_head_dim + qk_rope_head_dim), its KV width the mean of the per-head keys' and values'
   (heads x qk_head_dim, heads x v_head_dim), and its q_a / kv_a latents add LATENT_COPIES of
@@ -43,7 +43,7 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   gathered copy: the sampler's peak_own_positions), per decode pass rows x vocab float32
   logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p sorts and masks), and
   per generated token the Python lists of its token and logprob and its share of the recorded
-  result. A hybrid's rows hold a recurrent state each besides (model/linear_attention.py: per
+  result. A hybrid's rows hold a recurrent state each besides (linear_attention.py: per
   linear layer the conv state and the float32 delta-rule state), whatever their length: one
   per prompt and two per sequence (the old and the new while rows grow).
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a

@@ -3,7 +3,7 @@ LINEAR_ATTENTION_FAMILIES) at engine level: the trainer's logprobs are plain tra
 samples of different lengths in one padded batch, LoRA adapts every projection of the linear
 attention layers as well as the gated attention and MLPs, the trainer's LoRA gradients equal
 autograd through plain transformers with the adapters merged into its weights, LoRA training
-lowers the loss; sampling with per-row recurrent states (model/linear_attention.py) gives the
+lowers the loss; sampling with per-row recurrent states (linear_attention.py) gives the
 trainer's logprobs for ragged prefills and forks; a row's state is the layers' fixed-size
 conv and delta-rule states; the memory estimate counts a linear layer's activations. The
 family tests (families.FAMILIES) cover the rest: greedy decode against a full recompute,

@@ -249,7 +249,7 @@ def _through_values(projection: nn.Module, out_BQHR: Tensor, nope: int) -> Tenso
     for rows, lora_A, lora_B, scale in adapters:
         out_rows = out if rows is None else out.index_select(0, rows)
         low = out_rows.to(lora_A.dtype) @ lora_A.t()
-        delta = (scale * torch.einsum("bqhk,hvk->bqhv", low, lora_B[:, nope:]))
+        delta = scale * torch.einsum("bqhk,hvk->bqhv", low, lora_B[:, nope:])
         delta = delta.to(values_BQHV.dtype)
         if rows is None:
             values_BQHV = values_BQHV + delta

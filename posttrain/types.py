@@ -382,6 +382,9 @@ class SampleResult:
     prompt_logprobs: list[float] | None = None
     topk_prompt_logprobs: list[TopkPromptLogprobs] | None = None
     logprob_mismatch: LogprobMismatch | None = None
+    # Why the prompt did not go through the enabled prefix cache (a model whose layers keep a
+    # recurrent state); None: it did, or the cache is off. Counted in /metrics.
+    prefix_cache_refused: str | None = None
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,12 @@ SERVED: frozenset[str] = frozenset(
         "qwen2",
         "qwen2_moe",
         "qwen3",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
         "qwen3_moe",
+        "qwen3_next",
         "sarvam_mla",
         "sarvam_moe",
         "seed_oss",
@@ -452,30 +457,4 @@ REFUSED: dict[str, str] = {
     ),
 }
 
-PENDING: dict[str, str] = {
-    "qwen3_5": (
-        "not verified yet: Gated DeltaNet and Qwen3-VL support is in progress; the walk "
-        "saw: posttrain fails on it (AttributeError: '_ProbeCache' object has no "
-        "attribute 'get_recurrent_state')"
-    ),
-    "qwen3_5_moe": (
-        "not verified yet: Gated DeltaNet and Qwen3-VL support is in progress; the walk "
-        "saw: posttrain fails on it (AttributeError: '_ProbeCache' object has no "
-        "attribute 'get_recurrent_state')"
-    ),
-    "qwen3_5_moe_text": (
-        "not verified yet: Gated DeltaNet and Qwen3-VL support is in progress; the walk "
-        "saw: posttrain fails on it (AttributeError: '_ProbeCache' object has no "
-        "attribute 'get_recurrent_state')"
-    ),
-    "qwen3_5_text": (
-        "not verified yet: Gated DeltaNet and Qwen3-VL support is in progress; the walk "
-        "saw: posttrain fails on it (AttributeError: '_ProbeCache' object has no "
-        "attribute 'get_recurrent_state')"
-    ),
-    "qwen3_next": (
-        "not verified yet: Gated DeltaNet and Qwen3-VL support is in progress; the walk "
-        "saw: posttrain fails on it (AttributeError: '_ProbeCache' object has no "
-        "attribute 'get_recurrent_state')"
-    ),
-}
+PENDING: dict[str, str] = {}

@@ -24,10 +24,13 @@ S = own columns, K = P + S.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from posttrain.model.attention import SharedPrefixAttention
+from posttrain.model.attention_kinds.linear_attention import LinearAttentionCalls, RecurrentPass
 from posttrain.model.kv_cache import KVCache, fill_holes, power_of_two_at_least
 
 
@@ -42,7 +45,7 @@ def _bias(visible_BQK: Tensor, width: int, *, check: bool = True) -> Tensor | No
     )
 
 
-class FanoutKVCache:
+class FanoutKVCache(LinearAttentionCalls):
     """Rows of `own` continuing the prefixes in rows of `prefix`."""
 
     def __init__(
@@ -61,6 +64,7 @@ class FanoutKVCache:
         self._full_prefix_bias: dict[int, Tensor | None] = {}
         self._uniform = False  # this pass: every row holds the same own length (see begin)
         self._ragged = False  # this pass: own lengths differ, the longest known (see begin)
+        self._linear: RecurrentPass | None = None  # this pass's recurrent states (hybrids)
 
     # ------------------------------------------------------------ sizes
 
@@ -110,7 +114,43 @@ class FanoutKVCache:
         own_positions_BQ = self.own.begin(num_new_B, uniform)
         self._uniform = uniform is not None and not ragged
         self._ragged = uniform is not None and ragged
+        if self.own.recurrent_pass is not None:
+            own_pass = self.own.recurrent_pass
+            self._linear = RecurrentPass(
+                own_pass.state,
+                num_new_B,
+                own_pass.width,
+                ragged=own_pass.keep > 0,
+                initial=self._recurrent_start(),
+            )
         return own_positions_BQ + self._group_layout()[2][:, None]
+
+    def _recurrent_start(self) -> Callable[[int], tuple[Tensor, Tensor]]:
+        """A pass's starting recurrent states: a row's own, or its prompt's (the prefix row's)
+        while its own part is empty, so a fork starts from the prompt's state."""
+        own, prefix = self.own.recurrent, self.prefix.recurrent
+        assert own is not None and prefix is not None, "both parts of a hybrid's cache"
+        rows = self.own.num_rows
+        device = self.own.kv.device
+        prefix_rows_B = torch.tensor([self.prefix_row[g] for g in self.group_ids_B], device=device)
+        fresh_B = self.own.lengths_B[:rows] == 0
+
+        def start(slot: int) -> tuple[Tensor, Tensor]:
+            conv = torch.where(
+                fresh_B[:, None, None], prefix.conv[slot, prefix_rows_B], own.conv[slot, :rows]
+            )
+            delta = torch.where(
+                fresh_B[:, None, None, None],
+                prefix.delta[slot, prefix_rows_B],
+                own.delta[slot, :rows],
+            )
+            return conv, delta
+
+        return start
+
+    def linear_pass(self) -> RecurrentPass:
+        assert self._linear is not None, "a linear-attention layer outside begin()"
+        return self._linear
 
     def _longest_prefix(self) -> int:
         if self._prefix_columns is None:
@@ -201,6 +241,7 @@ class FanoutKVCache:
 
     def commit(self) -> None:
         self.own.commit()
+        self._linear = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Hugging Face Cache protocol: the longest row, prefix included (models only ask when

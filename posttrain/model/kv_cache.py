@@ -35,6 +35,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from posttrain.model.attention_kinds.linear_attention import (
+    LinearAttentionCalls,
+    RecurrentPass,
+    RecurrentShape,
+    RecurrentState,
+)
 from posttrain.model.kv_shape import KVShape
 
 
@@ -53,7 +59,7 @@ def fill_holes(keep: list[int]) -> list[int]:
     return [i if i in staying else next(movers) for i in range(count)]
 
 
-class KVCache:
+class KVCache(LinearAttentionCalls):
     """Keys and values of `num_rows` sequences of up to `capacity` positions each."""
 
     def __init__(
@@ -67,9 +73,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         pool_rows: int = 0,
+        recurrent: RecurrentShape | None = None,
     ) -> None:
         """`pool_rows`: rows allocated at least, here and whenever the positions grow (rows
-        past `num_rows` wait for add_rows)."""
+        past `num_rows` wait for add_rows). `recurrent`: the linear-attention layers' state
+        each row holds beside its KV (model/attention_kinds/linear_attention.py)."""
         self.pool_rows = pool_rows
         self.num_rows = num_rows
         self.kv = self._allocate(
@@ -87,6 +95,12 @@ class KVCache:
         # number of cached ones (set by begin when it reads the lengths): attention may then
         # run as a CausalChunk (model/attention.py) instead of through a mask.
         self.same_start = False
+        self.recurrent = (
+            None
+            if recurrent is None
+            else RecurrentState(recurrent, max(num_rows, pool_rows), dtype, device)
+        )
+        self.recurrent_pass: RecurrentPass | None = None  # the current pass's, set by begin
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A KV tensor whose live rows (the first num_rows) are zeros: masked columns are
@@ -121,6 +135,7 @@ class KVCache:
             dtype=dtype,
             device=device,
             pool_rows=pool_rows,
+            recurrent=shape.recurrent,
         )
 
     @property
@@ -131,6 +146,12 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.kv.shape[4]
+
+    def recurrent_bytes(self) -> int:
+        """Bytes of the rows' recurrent states (0: no linear-attention layers)."""
+        if self.recurrent is None:
+            return 0
+        return self.recurrent.conv.nbytes + self.recurrent.delta.nbytes
 
     # ------------------------------------------------------------ one forward pass
 
@@ -168,6 +189,10 @@ class KVCache:
             self._rows_W = rows_BQ[valid_BQ]
             self._cols_W = positions_BQ[valid_BQ]
         self._num_new_B = num_new_B
+        if self.recurrent is not None:
+            self.recurrent_pass = RecurrentPass(
+                self.recurrent, num_new_B, width, ragged=not same_width
+            )
         # Padding positions may lie past the capacity; they are never stored, so the visible
         # columns end at the last real position.
         self._visible = longest
@@ -223,10 +248,16 @@ class KVCache:
         assert self._num_new_B is not None, "commit() without begin()"
         self.lengths_B[: self.num_rows] += self._num_new_B
         self._rows_W = self._cols_W = self._valid_BQ = self._num_new_B = None
+        self.recurrent_pass = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Hugging Face Cache protocol; models only ask when no position ids are given."""
         return int(self.lengths_B[: self.num_rows].max()) if self.num_rows else 0
+
+    def linear_pass(self) -> RecurrentPass:
+        """What a linear-attention layer reads and writes in this pass (a recurrent cache)."""
+        assert self.recurrent_pass is not None, "a linear-attention layer outside begin()"
+        return self.recurrent_pass
 
     # ------------------------------------------------------------ rows
 
@@ -243,6 +274,8 @@ class KVCache:
             # The right side is gathered into a new tensor before any write: overlap is safe.
             self.kv[:, :, destinations, :, :used] = self.kv[:, :, sources, :, :used]
             self.lengths_B[destinations] = self.lengths_B[sources]
+            if self.recurrent is not None:
+                self.recurrent.copy_rows(self.recurrent, sources, destinations)
         self.num_rows = count
 
     def grow(self, capacity: int) -> None:
@@ -259,6 +292,8 @@ class KVCache:
             kv[:, :, : self.num_rows, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
             lengths_B[: self.num_rows] = self.lengths_B[: self.num_rows]
         self.kv, self.lengths_B = kv, lengths_B
+        if self.recurrent is not None:
+            self.recurrent = self.recurrent.resized(rows, self.num_rows)
 
     def add_rows(
         self, count: int, source: KVCache | None = None, source_rows_R: Tensor | None = None
@@ -285,6 +320,10 @@ class KVCache:
                 kv[:, :, : self.num_rows, :, :used] = self.kv[:, :, : self.num_rows, :, :used]
                 lengths_B[: self.num_rows] = self.lengths_B[: self.num_rows]
             self.kv, self.lengths_B = kv, lengths_B
+            if self.recurrent is not None:
+                self.recurrent = self.recurrent.resized(rows, self.num_rows)
+        if self.recurrent is not None:
+            self.recurrent.zero(self.num_rows, needed)
         # A pool's row was never written: zeroed (finite, and hidden by every mask).
         self.kv[:, :, self.num_rows : needed] = 0
         self.lengths_B[self.num_rows : needed] = 0
@@ -304,10 +343,14 @@ class KVCache:
             self.kv.dtype
         )
         self.lengths_B[target_rows_R] = source.lengths_B[source_rows_R]
+        if self.recurrent is not None:
+            assert source.recurrent is not None, "a recurrent state comes from a cache with one"
+            self.recurrent.copy_rows(source.recurrent, source_rows_R, target_rows_R)
 
     def write_span(self, row: int, start: int, span_N2HPD: Tensor) -> None:
         """Store a span of positions start .. start + P - 1 into `row`; its length becomes the
-        span's end."""
+        span's end. Not for a cache with a recurrent state (a span carries no state)."""
+        assert self.recurrent is None, "a recurrent state exists only at a row's end"
         end = start + span_N2HPD.shape[3]
         self.kv[:, :, row, :, start:end] = span_N2HPD
         self.lengths_B[row] = end

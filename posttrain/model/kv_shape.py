@@ -11,7 +11,9 @@ nothing on a real one.
 
 Every attention layer of a model posttrain serves has the same KV heads and head dim (the KV
 cache holds them in one tensor); the layer count is the number of attention layers, the
-modules that carry the `layer_idx` the cache protocol and model/attention.py index by.
+modules that carry the `layer_idx` the cache protocol and model/attention.py index by. A
+hybrid's attention modules are numbered 0, 1, ... (linear_attention.install), its linear
+layers keep no KV and add a recurrent state per row instead (attention_kinds/linear_attention.py).
 
 Not here: the cache itself (kv_cache.py), the memory estimate (engine/memory/estimate.py).
 """
@@ -25,14 +27,22 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from posttrain.model.attention_kinds.linear_attention import (
+    LINEAR_ATTENTION_CLASSES,
+    RecurrentShape,
+    recurrent_shape,
+)
+
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one position of one row costs in a KV cache: num_layers x 2 x heads x head_dim."""
+    """What one position of one row costs in a KV cache: num_layers x 2 x heads x head_dim;
+    and what a row's recurrent state holds beside it (linear-attention layers; None: none)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    recurrent: RecurrentShape | None = None
 
 
 class _FirstUpdate(Exception):
@@ -53,6 +63,23 @@ class _ProbeCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+    # A hybrid's linear-attention layers (Gated DeltaNet, linear_attention.py) that run
+    # before the first attention layer read and write recurrent state instead: none is kept.
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def update_conv_state(self, states_BCQ: Tensor, *args: object, **kwargs: object) -> Tensor:
+        return states_BCQ
+
+    def get_recurrent_states_to_keep(self, layer_idx: int) -> int:
+        return 0
+
+    def update_recurrent_state(self, *args: object, **kwargs: object) -> None:
+        return None
 
 
 def kv_shape(model: PreTrainedModel) -> KVShape:
@@ -77,6 +104,16 @@ def kv_shape(model: PreTrainedModel) -> KVShape:
         raise AssertionError(f"{type(model).__name__}: a forward pass never updated its cache")
     # Attention modules carry their layer's index; a decoder layer that carries it too has the
     # same one, so the distinct indices count the attention layers.
-    layers = {index for m in model.modules() if isinstance(index := vars(m).get("layer_idx"), int)}
+    layers = {
+        index
+        for m in model.modules()
+        if isinstance(index := vars(m).get("layer_idx"), int)
+        and type(m).__name__ not in LINEAR_ATTENTION_CLASSES
+    }
     assert layers == set(range(len(layers))), f"attention layer indices {sorted(layers)}"
-    return KVShape(num_layers=len(layers), num_kv_heads=heads, head_dim=head_dim)
+    return KVShape(
+        num_layers=len(layers),
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        recurrent=recurrent_shape(model),
+    )

@@ -25,7 +25,8 @@ from transformers import (
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from posttrain.errors import EngineFailure
-from posttrain.model import attention, families, latent_attention, routing
+from posttrain.model import attention, families, routing
+from posttrain.model.attention_kinds import latent_attention, linear_attention
 from posttrain.model.context_length import context_length
 from posttrain.model.kv_shape import KVShape, kv_shape
 from posttrain.model.vision import (
@@ -100,6 +101,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         keep_tower_attention(model, towers)
     routing.install(model)  # routing capture and replay of MoE routers
     latent_attention.install(model)  # MLA: its compressed latents in posttrain's caches
+    linear_attention.install(model)  # hybrids: KV for the attention layers only
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -138,6 +140,7 @@ def path_kv_shape(path: Path) -> KVShape:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     model = _meta_model(config)
     latent_attention.install(model)  # what load_model caches, not the family's latents
+    linear_attention.install(model)
     return kv_shape(model)
 
 

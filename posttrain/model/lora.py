@@ -62,6 +62,10 @@ class LoraLinear(nn.Module):
         self.adapters: dict[str, AdapterWeights] = {}
         # (adapter key, row indices or None for every row); set only inside LoraModel.route.
         self.routing: list[tuple[str, Tensor | None]] = []
+        # In an MoE block that flattens its tokens to [N, H] before this layer (Qwen3-Next's
+        # shared expert and its gate): the experts' record of the pass's batch rows, to map
+        # routed rows to their tokens.
+        self.flat_rows_from: LoraExperts | None = None
 
     def adapts(self) -> bool:
         """Whether the current routing applies any adapter here (else the layer is its base)."""
@@ -69,10 +73,11 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.base(x)
-        for key, rows in self.routing:
+        for key, routed in self.routing:
             adapter = self.adapters.get(key)
             if adapter is None:  # e.g. the head of an adapter without train_unembed
                 continue
+            rows = routed if routed is None else self._token_rows(x, routed)
             x_rows = x if rows is None else x.index_select(0, rows)
             if x_rows.dtype != adapter.lora_A.dtype:  # a no-op `.to` still costs a dispatch
                 x_rows = x_rows.to(adapter.lora_A.dtype)
@@ -91,6 +96,16 @@ class LoraLinear(nn.Module):
             else:
                 out.index_add_(0, rows, delta, alpha=adapter.scale)
         return out
+
+    def _token_rows(self, x: Tensor, rows: Tensor) -> Tensor:
+        """`rows` as indices into x's first axis: the rows' tokens where the MoE block around
+        this layer flattened them (row-major, as its experts see them)."""
+        batch_rows = None if self.flat_rows_from is None else self.flat_rows_from.batch_rows
+        if x.ndim != 2 or not batch_rows:
+            return rows
+        per_row = x.shape[0] // batch_rows
+        positions = torch.arange(per_row, device=x.device)
+        return (rows.to(x.device)[:, None] * per_row + positions).flatten()
 
 
 class LoraModel:
@@ -118,6 +133,13 @@ class LoraModel:
                 parent.register_forward_pre_hook(experts.record_rows, with_kwargs=True)
                 for projection_name, projection in experts.projections.items():
                     self.layers[f"{name}.{projection_name}"] = projection
+        for block in model.modules():
+            block_experts = next((m for m in block.children() if isinstance(m, LoraExperts)), None)
+            if block_experts is None:
+                continue
+            for linear in block.modules():
+                if isinstance(linear, LoraLinear):
+                    linear.flat_rows_from = block_experts
 
     def add_adapter(self, key: str, spec: AdapterSpec) -> list[tuple[str, nn.Parameter]]:
         """Create adapter `key` on every target layer; returns its named trainable parameters."""

@@ -43,7 +43,14 @@ from torch.nn import functional as F
 from posttrain.types import MoeShape
 
 SOFTMAX_TOP_K_ROUTERS = frozenset(
-    {"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter"}
+    {
+        "Qwen3MoeTopKRouter",
+        "Qwen2MoeTopKRouter",
+        "MixtralTopKRouter",
+        "OlmoeTopKRouter",
+        "Qwen3NextTopKRouter",
+        "Qwen3_5MoeTopKRouter",
+    }
 )
 SIGMOID_TOP_K_ROUTERS = frozenset({"DeepseekV3TopkRouter"})
 # Routes travel as uint16 on the wire (api.md 5.2): no model served has more experts.

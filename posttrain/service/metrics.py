@@ -81,6 +81,8 @@ class OperationMetrics:
         self.mismatch_tokens = 0
         self.mismatch_sum = 0.0
         self.mismatch_max = 0.0
+        # Prompts that skipped the enabled prefix cache, by reason (SampleResult).
+        self.prefix_cache_refused: Counter[str] = Counter()
         # Shared passes: engine passes that served several sessions' operations at once.
         self.shared_passes = 0
         self.shared_pass_operations = 0
@@ -116,11 +118,19 @@ class OperationMetrics:
 
     def _count_mismatch(self, output: SampleOutput) -> None:
         for result in output.results:
+            if result.prefix_cache_refused is not None:
+                with self._lock:
+                    self.prefix_cache_refused[result.prefix_cache_refused] += 1
             if (mismatch := result.logprob_mismatch) is not None:
                 with self._lock:
                     self.mismatch_tokens += mismatch.tokens
                     self.mismatch_sum += mismatch.mean * mismatch.tokens
                     self.mismatch_max = max(self.mismatch_max, mismatch.max)
+
+    def prefix_cache_refusals(self) -> list[tuple[str, int]]:
+        """(reason, prompts) of the sampled prompts that skipped the prefix cache."""
+        with self._lock:
+            return sorted(self.prefix_cache_refused.items())
 
     def tokens_per_second(self) -> dict[str, float]:
         """Per kind, tokens of the operations finished in the last RATE_WINDOW_S seconds."""
@@ -287,6 +297,14 @@ class MetricsService:
                     ("tokens", ops.mismatch_tokens),
                 )
             ],
+        )
+        refused = ops.prefix_cache_refusals()
+        lines += _family(
+            "posttrain_prefix_cache_refused_total",
+            "counter",
+            "Sampled prompts that skipped the prefix cache, by reason (linear_attention_state:"
+            " the model's linear-attention layers keep a recurrent state, no KV span).",
+            (f"posttrain_prefix_cache_refused_total{_labels(reason=r)} {n}" for r, n in refused),
         )
         lines += _family(
             "posttrain_sessions",

@@ -76,6 +76,8 @@ def joins_in_pass(
         return False
     if batch is None or batch.wants_routes:
         return False  # routes are recorded per decode pass, [B, 1, L, K]
+    if gm.kv.recurrent is not None:
+        return False  # a packed pass's one row holds many sequences, a recurrent state one
     groups = [generation.groups[g] for g in group_ids]
     if any(g.wants_prompt_logprobs or g.wants_routes or g.images for g in groups):
         return False

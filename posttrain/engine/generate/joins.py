@@ -191,7 +191,13 @@ class Generation:
                 TopkPromptLogprobs(t.token_ids[:k], t.logprobs[:k])
                 for t in group.topk_prompt_logprobs
             ]
-        return SampleResult(sequences, self.segments[r], prompt_logprobs, topk)
+        return SampleResult(
+            sequences,
+            self.segments[r],
+            prompt_logprobs,
+            topk,
+            prefix_cache_refused=group.prefix_cache_refused,
+        )
 
     def rows_of(self, r: int) -> list[SampledRow]:
         """Request r's rows, in sample order (a request's rows are planned together)."""

@@ -81,6 +81,7 @@ class PromptGroup:
     # The prompt's images (placeholders in `prompt`): prefilled whole, in one pass, with the
     # vision embeddings (engine/images.py); the prefix cache keys them by their bytes.
     images: tuple[ImageInput, ...] = ()
+    prefix_cache_refused: str | None = None  # SampleResult's: why the prefix cache was skipped
 
 
 def routing_of(keys_B: Sequence[str], device: torch.device) -> list[tuple[str, Tensor | None]]:
@@ -147,9 +148,11 @@ def forward_rows(
     else:
         assert num_new_B is not None, "a pass appends num_new_B[b] positions to row b"
         positions_BQ = cache.begin(num_new_B, uniform)
-    kinds = layer_types(config)
+    # The attention layers' kinds, in the order their modules' layer_idx number them (a
+    # hybrid's linear layers have none: attention_kinds/linear_attention.install).
+    kinds = [kind for kind in layer_types(config) if kind != "linear_attention"]
     layouts: list[attention.Layout]
-    if _is_causal_chunk(gm, cache, kinds):
+    if gm.kv.recurrent is None and _is_causal_chunk(gm, cache, kinds):
         layouts = [attention.CausalChunk()] * len(kinds)
     else:
         masks = cache.attention_masks(positions_BQ, kinds, getattr(config, "sliding_window", None))
@@ -219,7 +222,8 @@ def extend_rows(
     keys_B: list[str],
     routes_out: list[Tensor] | None = None,
 ) -> Iterator[tuple[Tensor, list[int], list[int]]]:
-    """Append tokens_B[b] to row b in passes of at most PREFILL_TOKENS_PER_PASS positions.
+    """Append tokens_B[b] to row b in passes of at most PREFILL_TOKENS_PER_PASS positions
+    (a hybrid's: each pass as many positions for every row that runs).
 
     Yields (hidden [B, Q, H], start offset into tokens_B[b], count) per pass, so callers can
     read the hidden states of the positions they need; with `routes_out`, each pass's routes
@@ -229,6 +233,12 @@ def extend_rows(
     width_limit = max(1, PREFILL_TOKENS_PER_PASS // max(1, len(tokens_B)))
     while any(d < len(t) for d, t in zip(done, tokens_B, strict=True)):
         counts = [min(len(t) - d, width_limit) for d, t in zip(done, tokens_B, strict=True)]
+        if gm.kv.recurrent is not None:
+            # Linear attention: every row that runs runs as many positions (the shortest's),
+            # so a row's recurrent state is the pass's final one (linear_attention.py
+            # steps token by token from the shortest row's end otherwise).
+            step = min(c for c in counts if c > 0)
+            counts = [min(c, step) for c in counts]
         width = max(counts)
         batch_BQ = torch.zeros(len(tokens_B), width, dtype=torch.int64)
         for b, (tokens, start, count) in enumerate(zip(tokens_B, done, counts, strict=True)):
@@ -312,13 +322,26 @@ def _image_pass(
     return hidden_BQH, [0] * len(groups), counts
 
 
+# Why a hybrid's prompts skip the prefix cache (SampleResult.prefix_cache_refused, /metrics).
+PREFIX_CACHE_REFUSED_RECURRENT = "linear_attention_state"
+
+
+def prefix_cache_serves(gm: GeneratorModel) -> bool:
+    """Whether prompts go through the prefix cache: enabled, and the model keeps no recurrent
+    state (linear-attention layers, attention_kinds/linear_attention.py), which a span of positions
+    cannot carry; such a model recomputes every prompt."""
+    return gm.prefix_cache.enabled and gm.kv.recurrent is None
+
+
 def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
     """A cache of one row per group holding the longest prefix of its prompt the prefix cache
     has (group.cache_hit_tokens); the rest is what a prefill pass runs."""
     cache = new_cache(gm, len(groups), max(len(g.prompt) for g in groups))
     for row, group in enumerate(groups):
         group.cache_hit_tokens = 0
-        if group.wants_prompt_logprobs or group.wants_routes or not gm.prefix_cache.enabled:
+        if gm.prefix_cache.enabled and gm.kv.recurrent is not None:
+            group.prefix_cache_refused = PREFIX_CACHE_REFUSED_RECURRENT
+        if group.wants_prompt_logprobs or group.wants_routes or not prefix_cache_serves(gm):
             continue  # prompt logprobs and routes need every position to run
         namespace = (group.adapter_key, group.generation)
         # At most len - 1: the last prompt token must run to give the first logits.
@@ -335,6 +358,8 @@ def prompt_cache(gm: GeneratorModel, groups: list[PromptGroup]) -> KVCache:
 
 def keep_prompts(gm: GeneratorModel, groups: list[PromptGroup], cache: KVCache) -> None:
     """The prompts' KV (row g of `cache` is groups[g]'s, all computed) into the prefix cache."""
+    if not prefix_cache_serves(gm):
+        return
     for row, group in enumerate(groups):
         gm.prefix_cache.insert(
             (group.adapter_key, group.generation),

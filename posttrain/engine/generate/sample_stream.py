@@ -160,7 +160,7 @@ class SampleStream:
         cache = self.decoding.cache
         if cache is None or not self.running:
             return 0
-        return cache.own.kv.nbytes + cache.prefix.kv.nbytes
+        return sum(part.kv.nbytes + part.recurrent_bytes() for part in (cache.own, cache.prefix))
 
     @property
     def running(self) -> bool:
@@ -178,7 +178,11 @@ class SampleStream:
         """Bytes one pool row may hold when the stream starts with `items`."""
         longest = max(len(p) for _, request in items for p in request.prompts)
         tokens = max(max_tokens_of(request.sampling_params) for _, request in items)
-        return pool_row_bytes(self._kv_per_position(), longest, tokens)
+        # A hybrid's pool row holds a recurrent state in its prompt row and its own row.
+        recurrent = self.decoding.gm.kv.recurrent
+        element = self.decoding.gm.embedding.element_size()
+        states = 0 if recurrent is None else 2 * recurrent.bytes_per_row(element)
+        return pool_row_bytes(self._kv_per_position(), longest, tokens) + states
 
     def join_reserve_bytes(self, items: list[tuple[SessionState, SampleRequest]]) -> int:
         return self.room().reserve_bytes([request for _, request in items])

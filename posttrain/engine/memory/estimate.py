@@ -9,7 +9,7 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   residual adds' operands), 4 of the query width (projection, q-norm in and out, rotary output,
   attention output), 6 of the KV width (keys and values before and after k-norm and rotary,
   repeated for sdpa) and 6 of the FFN width (gate, up, SiLU in and out, their product, the
-  down projection's input). Multi-head latent attention (DeepSeek-V3, model/latent_attention.py)
+  down projection's input). Multi-head latent attention (DeepSeek-V3, latent_attention.py)
   caches a compressed latent but trains on full heads: its query width is heads x
   (qk_nope_head_dim + qk_rope_head_dim), its KV width the mean of the per-head keys' and values'
   (heads x qk_head_dim, heads x v_head_dim), and its q_a / kv_a latents add LATENT_COPIES of
@@ -30,6 +30,11 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   logits cost chunk x vocab x 4 bytes x LOGIT_COPIES (logits, log-softmax, their gradients in
   backward), plus the hidden-sized unit the frozen head keeps per token.
 - the gradients it accumulates: new gradients beside the earlier ones, then their sum.
+- a linear-attention (Gated DeltaNet) layer of a hybrid keeps, in place of attention's query
+  and KV activations, its mixer's float32 tensors (transformers' chunked delta rule): per value
+  head LINEAR_CHUNK_COPIES rows of the 64-wide chunk matrices and LINEAR_VECTOR_COPIES of its
+  key and value vectors, and LINEAR_CONV_COPIES of the convolution's channels (measured on
+  three shapes: 1.12x to 1.17x of the saved bytes with the rest of the layer's count).
 - sampling holds a KV cache of num_samples x (prompt + max_tokens) positions x layers x 2 x
   kv_heads x head_dim x dtype bytes (MLA: the latent's kv_lora_rank + qk_rope_head_dim numbers,
   padded to an even width, in place of 2 x kv_heads x head_dim; the prompt once per prompt,
@@ -39,7 +44,10 @@ Each estimate is an upper bound built from the tensors the pass creates, not a f
   logits in SAMPLE_LOGIT_COPIES (log-softmax, probabilities, top-k/top-p sorts and masks), and
   per generated token the Python lists of its token and logprob and its share of the recorded
   result. Prompts prefilled side by side attend through [Q, K] masks (bounded by the prefill
-  pass's positions times the longest prompt); a lone prompt's chunks build none.
+  pass's positions times the longest prompt); a lone prompt's chunks build none. A hybrid's
+  rows hold a recurrent state each besides (linear_attention.py: per linear layer the conv
+  state and the float32 delta-rule state), whatever their length: one per prompt and two per
+  sequence (the old and the new while rows grow).
 - a sample stream's pool (rows allocated at its start for operations joining later): per row a
   prompt row rounded up to the pool's width and the generated part as above; the stream sizes
   it itself (generate/sample_stream.py pool_rows, pool_row_bytes) from what is free.
@@ -83,6 +91,11 @@ HIDDEN_COPIES, QUERY_COPIES, KV_COPIES, FFN_COPIES = 6, 4, 6, 6
 # sdpa runs unfused.
 LATENT_COPIES, SCORE_COPIES = 3, 2
 LOGIT_COPIES = 4
+# A linear-attention (Gated DeltaNet) layer's mixer per token, float32 whatever the model's
+# dtype (transformers' chunked delta rule): per value head, [chunk]-wide rows of the chunk's
+# decay, UT-system and attention matrices, and copies of its key and value vectors; copies of
+# the convolution's channels (module docstring).
+LINEAR_CHUNK, LINEAR_CHUNK_COPIES, LINEAR_VECTOR_COPIES, LINEAR_CONV_COPIES = 64, 8, 6, 3
 # Checkpointed, the backward's peak holds one layer's recomputed activations and the gradients
 # its backward computes from them, about as many again: ACTIVATION_SAFETY's slack over every
 # layer's activations covered those when all were kept, and one layer's is too little for them
@@ -120,6 +133,11 @@ class ModelShape:
     # A vision-language model: bytes its vision tower's activations take per image placeholder
     # token (model/vision/images.py VisionInputs.token_activation_bytes); 0 for a text model.
     vision_token_bytes: int = 0
+    # Of `layers`, the linear-attention ones (hybrids), whose mixer keeps linear_token_bytes
+    # per token in place of attention's activations; and a row's recurrent state in bytes.
+    linear_layers: int = 0
+    linear_token_bytes: int = 0
+    recurrent_row_bytes: int = 0
 
     @property
     def cache_elements(self) -> int:
@@ -185,8 +203,17 @@ def model_shape(
         ffn = top_k * (expert + config.hidden_size) + shared
     attention = _attention_widths(config, kv)
     unfused = attention.unequal_kv and device is not None and device.type == "cpu"
+    recurrent = kv.recurrent
+    linear_token_bytes = 0
+    if recurrent is not None:
+        heads = recurrent.value_heads
+        linear_token_bytes = FLOAT32 * (
+            LINEAR_CHUNK_COPIES * heads * LINEAR_CHUNK
+            + LINEAR_VECTOR_COPIES * heads * (recurrent.key_dim + recurrent.value_dim)
+            + LINEAR_CONV_COPIES * recurrent.conv_channels
+        )
     return ModelShape(
-        layers=kv.num_layers,
+        layers=kv.num_layers + (0 if recurrent is None else len(recurrent.layers)),
         hidden=config.hidden_size,
         query_width=attention.query,
         kv_width=attention.kv,
@@ -196,6 +223,9 @@ def model_shape(
         latent_width=attention.latent,
         cache_width=2 * kv.num_kv_heads * kv.head_dim,
         score_heads=config.num_attention_heads if unfused else 0,
+        linear_layers=0 if recurrent is None else len(recurrent.layers),
+        linear_token_bytes=linear_token_bytes,
+        recurrent_row_bytes=0 if recurrent is None else recurrent.bytes_per_row(dtype_bytes),
     )
 
 
@@ -212,6 +242,20 @@ def _layer_elements(shape: ModelShape, longest: int = 0) -> int:
     )
 
 
+def _layer_bytes(shape: ModelShape, longest: int = 0) -> tuple[int, int]:
+    """Saved activation bytes per token of (all decoder layers, the largest one): a linear-
+    attention layer's mixer in place of attention's query, KV and score activations."""
+    full = _layer_elements(shape, longest) * shape.dtype_bytes
+    attention = (
+        QUERY_COPIES * shape.query_width
+        + KV_COPIES * shape.kv_width
+        + SCORE_COPIES * shape.score_heads * longest
+    ) * shape.dtype_bytes
+    linear = full - attention + shape.linear_token_bytes
+    every = (shape.layers - shape.linear_layers) * full + shape.linear_layers * linear
+    return every, max(full, linear) if shape.linear_layers else full
+
+
 def saved_activation_bytes(
     shape: ModelShape, tokens: int, *, checkpointed: bool = False, longest: int = 0
 ) -> int:
@@ -219,11 +263,11 @@ def saved_activation_bytes(
     every layer's saved tensors (`checkpointed`: every layer's input, and one layer's saved
     tensors while its backward recomputes them, with their gradients: RECOMPUTED_LAYERS), and
     the hidden-sized unit the frozen head keeps per token (train/logprobs.py)."""
-    per_token = _layer_elements(shape, longest) * shape.dtype_bytes
+    every, largest = _layer_bytes(shape, longest)
     if checkpointed:
-        layers = shape.layers * shape.hidden * shape.dtype_bytes + RECOMPUTED_LAYERS * per_token
+        layers = shape.layers * shape.hidden * shape.dtype_bytes + RECOMPUTED_LAYERS * largest
     else:
-        layers = shape.layers * per_token
+        layers = every
     return tokens * (layers + shape.hidden * FLOAT32)
 
 
@@ -251,7 +295,7 @@ def training_pass_bytes(
     `samples` packed into one batch."""
     rows, tokens = _padded_tokens(samples)
     longest = tokens // rows
-    per_token = _layer_elements(shape, longest) * shape.dtype_bytes
+    _, per_token = _layer_bytes(shape, longest)
     if is_forward_only:
         # No graph: one layer's tensors at a time, beside the hidden states in and out. The
         # per-layer count already holds more than a no-grad layer keeps at once (its FFN
@@ -323,7 +367,8 @@ def custom_forward_backward_bytes(
 
 def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_tokens: int) -> int:
     """Peak bytes of one generation over several sample operations (sampler.generate)."""
-    kv_per_position = shape.layers * shape.cache_elements * shape.dtype_bytes
+    kv_layers = shape.layers - shape.linear_layers
+    kv_per_position = kv_layers * shape.cache_elements * shape.dtype_bytes
     prompt_positions = sum(len(p) for request in requests for p in request.prompts)
     rows = sum(len(request.prompts) * request.num_samples for request in requests)
     own_positions = sum(
@@ -336,15 +381,19 @@ def sample_bytes(shape: ModelShape, requests: list[SampleRequest], *, chunk_toke
         len(request.prompts) * request.num_samples * max_tokens_of(request.sampling_params)
         for request in requests
     )
-    # The prompts' KV twice: the decode cache's copy and the prefix cache's.
+    # The prompts' KV twice: the decode cache's copy and the prefix cache's. A hybrid's
+    # recurrent state: one per prompt (its prefill row) and per sequence, that twice while
+    # the rows grow (the old and the new state side by side).
+    prompts = sum(len(request.prompts) for request in requests)
     cache = (2 * prompt_positions + own_positions) * kv_per_position
+    cache += (prompts + 2 * rows) * shape.recurrent_row_bytes
     # A prefill pass (at most PREFILL_TOKENS_PER_PASS positions, no graph) or a decode pass
     # over every row: one layer's tensors at a time, and the logits of the rows.
     # Unfused attention's scores (MLA on a CPU) over a prefill's prompt columns.
     pass_tokens = max(min(prompt_positions, PREFILL_TOKENS_PER_PASS), rows)
     longest = max((len(p) for request in requests for p in request.prompts), default=0)
-    layer = _layer_elements(shape, longest)
-    pass_bytes = pass_tokens * (layer + 2 * shape.hidden) * shape.dtype_bytes
+    _, layer = _layer_bytes(shape, longest)
+    pass_bytes = pass_tokens * (layer + 2 * shape.hidden * shape.dtype_bytes)
     # Prompts prefilled side by side attend through boolean [Q, K] masks over the cached
     # columns (one per layer type) and sdpa's copy of one in the model's dtype; a lone prompt
     # attends as a CausalChunk (model/attention.py) and builds none.

@@ -1,7 +1,8 @@
 """Every decoder family (tests/unit/model/families.py) and both built-in models at engine level:
 the trainer's logprobs are the model's own (log_softmax of plain transformers' logits), and
 sampling works: the sampler's logprobs equal a forward_only of the sampled sequence, greedy
-KV-cache decode equals full recompute, and a prefix-cache hit gives the same tokens. The same
+KV-cache decode equals full recompute, and a prefix-cache hit gives the same tokens (hybrids
+with linear attention keep no prefix cache). The same
 holds for a GPT-NeoX whose config.json carries fields the family ignores (IGNORED): the KV
 cache and the memory estimate take their shapes from its modules."""
 
@@ -127,7 +128,9 @@ def test_greedy_decode_equals_full_recompute_and_a_prefix_cache_hit_the_same(fam
         for sequence in result.sequences:
             cut = expected.index(eos) + 1 if eos in expected else len(expected)
             assert sequence.tokens == expected[:cut]
-    assert second.sequences[0].prompt_cache_hit_tokens > 0
+    hits = second.sequences[0].prompt_cache_hit_tokens
+    # A recurrent state exists only at a prompt's end: hybrids recompute every prompt.
+    assert hits == 0 if family in families.LINEAR_ATTENTION_FAMILIES else hits > 0
 
 
 def test_kv_shapes_come_from_the_modules_not_config_fields_the_family_ignores(family_dirs):

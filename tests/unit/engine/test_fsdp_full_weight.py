@@ -343,3 +343,13 @@ def test_a_tied_embedding_shards_in_the_root_and_trains_as_one_process_does(tmp_
 
     expected = _trains_as_one_process(tmp_path, tied, halves)
     assert not any("lm_head" in name for name in expected[0][2])  # one tensor, one name
+
+
+def test_a_gated_deltanet_hybrid_trains_on_fsdp2_ranks_as_one_process_does(tmp_path, uneven):
+    """Qwen3-Next (linear-attention and gated-attention layers, a shared-expert MoE): its
+    linear layers' parameters (conv, A_log, dt_bias, fused projections) shard like any other."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
+    import families
+
+    directory = families.build("qwen3_next", tmp_path / "qwen3_next")
+    _trains_as_one_process(tmp_path, directory)

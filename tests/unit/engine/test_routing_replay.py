@@ -45,7 +45,16 @@ def moe_dir(tmp_path_factory) -> Path:
     return families.build("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", *families.REPLAY_FAMILIES])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "qwen3_moe",
+        "deepseek_v3",
+        "qwen3_next",
+        "qwen3_5_moe_text",
+        *families.REPLAY_FAMILIES,
+    ],
+)
 def any_moe_dir(request, tmp_path_factory) -> Path:
     return families.build(request.param, tmp_path_factory.mktemp("moe") / request.param)
 

@@ -170,12 +170,14 @@ def test_a_request_joining_once_every_running_row_left_the_first_ones_behind(eng
         assert_same(ours, alone)
 
 
-@pytest.mark.parametrize("family", ["mistral", "olmoe"])
+@pytest.mark.parametrize("family", ["mistral", "olmoe", "qwen3_next", "qwen3_5_text"])
 def test_joins_on_sliding_windows_and_moe_routes_get_what_they_get_alone(
     tmp_path, monkeypatch, family
 ):
     """Sliding-window masks over rows of different own lengths (Mistral), expert routes of
-    joined rows (OLMoE: the prompt's from the joined prefill, then one per token)."""
+    joined rows (OLMoE: the prompt's from the joined prefill, then one per token), recurrent
+    states of joined rows beside running ones (the Gated DeltaNet hybrids, Qwen3-Next with
+    routes)."""
     monkeypatch.setattr(sampler, "CPU_BLOCK_STEPS", 2)
     engine = engine_for({"m": families.build(family, tmp_path / family)}, "m")
     first = request((1, 40, 41, 42, 50, 60), 2, SamplingParams(max_tokens=14, seed=1))
@@ -190,7 +192,7 @@ def test_joins_on_sliding_windows_and_moe_routes_get_what_they_get_alone(
     for ours, q in zip(results, [first, joined], strict=True):
         (alone,) = run(engine, [q])
         assert_same(ours, alone)
-    if family == "olmoe":
+    if family in ("olmoe", "qwen3_next"):
         assert all(s.routed_experts is not None for s in results[1].sequences)
 
 

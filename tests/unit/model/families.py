@@ -57,6 +57,7 @@ _COMMON = dict(
 )
 HEAD_DIM = object()  # a family setting that takes the size's head width
 MOE_WIDTH = object()  # a family setting that takes the size's expert width
+HYBRID_LAYERS = object()  # layer_types alternating linear and full attention, the size's depth
 
 # model_type -> config overrides beyond _COMMON.
 FAMILIES: dict[str, dict[str, object]] = {
@@ -118,11 +119,40 @@ IGNORED_FIELDS: dict[str, dict[str, object]] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+# Hybrids of Gated DeltaNet linear attention and gated full attention (Qwen3-Next, Qwen3.5 text,
+# dense and MoE): layers alternate linear and full, layer 0 linear; grouped linear heads (2
+# query/key heads, 4 value heads) and a short causal convolution.
+_LINEAR: dict[str, object] = {
+    "head_dim": HEAD_DIM,
+    "layer_types": HYBRID_LAYERS,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
+_LINEAR_MOE: dict[str, object] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": MOE_WIDTH,
+    "shared_expert_intermediate_size": MOE_WIDTH,
+}
+LINEAR_ATTENTION_FAMILIES: dict[str, dict[str, object]] = {
+    "qwen3_next": {**_LINEAR, **_LINEAR_MOE, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "qwen3_5_text": dict(_LINEAR),
+    "qwen3_5_moe_text": {**_LINEAR, **_LINEAR_MOE},
+}
+
+FAMILIES.update(LINEAR_ATTENTION_FAMILIES)
+
+
 def _sized(value: object, size: Size) -> object:
     if value is HEAD_DIM:
         return size.head_dim
     if value is MOE_WIDTH:
         return size.hidden_size // 2
+    if value is HYBRID_LAYERS:
+        return ["linear_attention", "full_attention"] * (size.num_hidden_layers // 2)
     return value
 
 
@@ -136,7 +166,7 @@ REPLAY_FAMILIES: dict[str, dict[str, object]] = {
 
 def config(family: str, size: Size = TESTS, extra: dict[str, object] | None = None):
     """The family's config; `extra` fields are set last (IGNORED_FIELDS)."""
-    overrides = FAMILIES[family] if family in FAMILIES else REPLAY_FAMILIES[family]
+    overrides = {**FAMILIES, **REPLAY_FAMILIES, **LINEAR_ATTENTION_FAMILIES}[family]
     settings = {**_COMMON, **size.settings(), **overrides, **(extra or {})}
     settings = {k: _sized(v, size) for k, v in settings.items() if v is not None}
     return AutoConfig.for_model(family, **settings)

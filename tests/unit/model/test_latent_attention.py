@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-head latent attention in posttrain's caches (model/latent_attention.py):
+"""DeepSeek-V3's multi-head latent attention in posttrain's caches (latent_attention.py):
 a position costs (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes, what the architecture
 promises, and decoding from the latent cache, with a trained LoRA adapter on every latent
 projection, gives at every step the logprob a full recompute (the trainer's forward) gives,
@@ -14,8 +14,8 @@ import pytest
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
-from posttrain.model import latent_attention
-from posttrain.model.latent_attention import latent_attention_modules
+from posttrain.model.attention_kinds import latent_attention
+from posttrain.model.attention_kinds.latent_attention import latent_attention_modules
 from posttrain.model.loader import path_kv_shape
 from posttrain.types import (
     AdamParams,

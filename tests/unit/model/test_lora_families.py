@@ -53,6 +53,39 @@ EXPECTED = {
         "up_proj",
         "down_proj",
     ),
+    # Gated DeltaNet hybrids: layer 0 is linear attention; MoE with a gated shared expert.
+    "qwen3_next": (
+        "in_proj_qkvz",
+        "in_proj_ba",
+        "out_proj",
+        "gate_up_proj",
+        "down_proj",
+        "gate_proj",
+        "up_proj",
+        "shared_expert_gate",
+    ),
+    "qwen3_5_text": (
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "out_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    "qwen3_5_moe_text": (
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "out_proj",
+        "gate_up_proj",
+        "down_proj",
+        "gate_proj",
+        "up_proj",
+        "shared_expert_gate",
+    ),
 }
 TOKENS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22]])
 

@@ -69,12 +69,15 @@ SERVED: frozenset[str] = frozenset(
         "falcon",
         "flex_olmo",
         "flint",
+        "fuyu",
         "gemma",
         "gemma2",
+        "gemma3",
         "gemma3_text",
         "glm",
         "glm4",
         "glm4_moe",
+        "got_ocr2",
         "gpt-sw3",
         "gpt2",
         "gpt_bigcode",
@@ -214,14 +217,6 @@ REFUSED: dict[str, str] = {
         "posttrain has no cache for its Mamba state-space layers (a convolution and an "
         "SSM state per sequence)"
     ),
-    "fuyu": (
-        "posttrain fails on it (AttributeError: 'FuyuConfig' object has no attribute "
-        "'eos_token_id')"
-    ),
-    "gemma3": (
-        "posttrain fails on it (AttributeError: 'Gemma3Config' object has no attribute "
-        "'eos_token_id')"
-    ),
     "gemma3n": (
         "not verified: transformers builds no tiny model from it (ImportError: "
         "TimmWrapperModel requires the timm library but it was not found in your "
@@ -232,8 +227,8 @@ REFUSED: dict[str, str] = {
         "its sampler logprobs differ from a forward pass's by 2.8e-01 (tolerance 0.0001)"
     ),
     "gemma4": (
-        "posttrain fails on it (AttributeError: 'Gemma4Config' object has no attribute "
-        "'eos_token_id')"
+        "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
+        "2, 512] cannot be broadcast to indexing result of shape [9, 2, 16])"
     ),
     "gemma4_assistant": (
         "not verified: its tiny config does not build in transformers "
@@ -246,8 +241,8 @@ REFUSED: dict[str, str] = {
         "2, 512] cannot be broadcast to indexing result of shape [9, 2, 16])"
     ),
     "gemma4_unified": (
-        "posttrain fails on it (AttributeError: 'Gemma4UnifiedConfig' object has no "
-        "attribute 'eos_token_id')"
+        "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
+        "2, 512] cannot be broadcast to indexing result of shape [9, 2, 16])"
     ),
     "gemma4_unified_assistant": (
         "not verified: transformers' own forward fails on a tiny one (ValueError: "
@@ -267,10 +262,6 @@ REFUSED: dict[str, str] = {
     ),
     "glm_moe_dsa": (
         "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')"
-    ),
-    "got_ocr2": (
-        "posttrain fails on it (AttributeError: 'GotOcr2Config' object has no attribute "
-        "'eos_token_id')"
     ),
     "gpt_neo": (
         "posttrain fails on it (IndexError: index 0 is out of bounds for dimension 0 with size 0)"
@@ -451,10 +442,7 @@ REFUSED: dict[str, str] = {
         "posttrain has no cache for its Mamba state-space layers (a convolution and an "
         "SSM state per sequence)"
     ),
-    "zaya": (
-        "posttrain fails on it (AttributeError: '_ProbeCache' object has no attribute "
-        "'get_conv_state')"
-    ),
+    "zaya": "posttrain fails on it (KeyError: 'hybrid')",
 }
 
 PENDING: dict[str, str] = {}

@@ -47,10 +47,17 @@ from posttrain.model import attention
 from posttrain.model.attention import CausalChunk, JoiningPassAttention, SharedPrefixAttention
 from posttrain.model.lora import LoraLinear
 
-# The attention classes whose forward this module replaces in cached passes; their modeling
-# files define `apply_rotary_pos_emb`, `apply_rotary_pos_emb_interleave` and
-# `eager_attention_forward`.
-LATENT_ATTENTION_CLASSES = frozenset({"DeepseekV3Attention"})
+# The attention classes whose forward this module replaces in cached passes: DeepSeek-V3's MLA
+# and the families whose attention is op for op the same (their modeling files define
+# `apply_rotary_pos_emb`, `eager_attention_forward` and, where the config has
+# `rope_interleave`, `apply_rotary_pos_emb_interleave`; DeepSeek-V2's rotates by complex
+# frequencies, `apply_rotary_emb`).
+LATENT_ATTENTION_CLASSES = frozenset(
+    {
+        *("DeepseekV3Attention", "DeepseekV2Attention", "Glm4MoeLiteAttention"),
+        *("MiniCPM3Attention", "YoutuAttention", "AXK1Attention"),
+    }
+)
 
 _Attend = Callable[..., tuple[Tensor, Tensor | None]]
 _SDPA = cast(_Attend, sdpa_attention_forward)
@@ -89,14 +96,21 @@ def latent_width(module: nn.Module) -> int:
 def _forward(
     module: nn.Module,
     hidden_states: Tensor,
-    position_embeddings: tuple[Tensor, Tensor],
+    position_embeddings: tuple[Tensor, Tensor] | Tensor,
     attention_mask: Tensor | None,
     cache: _Cache | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
-    own_forward = cast(_Attend, type(module).forward)
+    own_forward = cast(Callable[..., tuple[Tensor, Tensor | None]], type(module).forward)
     if cache is None:
-        return own_forward(module, hidden_states, position_embeddings, attention_mask, **kwargs)
+        # By keyword: the families order their forward's parameters differently.
+        return own_forward(
+            module,
+            hidden_states=hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
     m = cast(Any, module)  # the MLA module's own attributes (transformers is untyped)
     rows, width = hidden_states.shape[:-1]
     query_BHQD, latent_B1QW = _query_and_latent(module, hidden_states, position_embeddings)
@@ -125,7 +139,7 @@ def _forward(
 
 
 def _query_and_latent(
-    module: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]
+    module: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | Tensor
 ) -> tuple[Tensor, Tensor]:
     """The queries [B, H, Q, qk_head_dim] and the positions' latents [B, 1, Q, W], computed op
     for op as transformers' forward computes them."""
@@ -142,11 +156,13 @@ def _query_and_latent(
     kv_nope, k_rot = m.kv_a_proj_with_mqa(hidden_states).split([m.kv_lora_rank, rope], dim=-1)
     kv_nope = m.kv_a_layernorm(kv_nope).view(rows, 1, width, m.kv_lora_rank)
     k_rot = k_rot.view(rows, 1, width, rope)
-    cos, sin = position_embeddings
-    if m.config.rope_interleave:
-        q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    if isinstance(position_embeddings, Tensor):  # DeepSeek-V2: complex frequencies
+        frequencies = position_embeddings.to(q_rot.device)
+        q_rot, k_rot = modeling.apply_rotary_emb(q_rot, k_rot, frequencies)
+    elif getattr(m.config, "rope_interleave", False):
+        q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, *position_embeddings)
     else:
-        q_rot, k_rot = modeling.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+        q_rot, k_rot = modeling.apply_rotary_pos_emb(q_rot, k_rot, *position_embeddings)
     return torch.cat((q_pass, q_rot), dim=-1), torch.cat((kv_nope, k_rot), dim=-1)
 
 

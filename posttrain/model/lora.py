@@ -4,7 +4,7 @@ Every linear layer of attention and MLP in the decoder layers, whatever the fami
 (`q_proj`, fused `qkv_proj` / `gate_up_proj`, GPT-NeoX's `query_key_value`, ...), and the
 output head for adapters with train_unembed, is wrapped in a LoraLinear that holds any number
 of named adapters. Fused 3-D MoE expert weights get one pair per expert (model/lora_experts.py);
-embeddings and MoE routers are never adapted. Before a
+embeddings and MoE routers (and the Linears inside a router module) are never adapted. Before a
 forward pass the caller routes rows of the batch to adapters with `LoraModel.route`: each
 adapter's low-rank delta is added only to its rows. Base weights are shared and frozen.
 
@@ -67,6 +67,14 @@ class LoraLinear(nn.Module):
         # routed rows to their tokens.
         self.flat_rows_from: LoraExperts | None = None
 
+    @property
+    def weight(self) -> Tensor:
+        """The frozen base weight, for the families' code that reads a projection's dtype or
+        device through it (DeepSeek-V3.2's indexer, HunYuan's gate, ERGO's decoder layer).
+        Their code that computes with a weight directly is a router's (`_is_router`), never
+        wrapped, so no adapter is bypassed."""
+        return self.base.weight
+
     def adapts(self) -> bool:
         """Whether the current routing applies any adapter here (else the layer is its base)."""
         return any(key in self.adapters for key, _ in self.routing)
@@ -123,7 +131,7 @@ class LoraModel:
             parent = model.get_submodule(parent_name) if parent_name else model
             if name != self.head_name and ".layers." not in f".{name}":
                 continue
-            if isinstance(module, nn.Linear) and not _is_router(parent, child):
+            if isinstance(module, nn.Linear) and not _is_router(model, parent_name, child):
                 wrapper = LoraLinear(module)
                 setattr(parent, child, wrapper)
                 self.layers[name] = wrapper
@@ -227,8 +235,16 @@ def _set_routing(
     object.__setattr__(layer, "routing", routing)
 
 
-def _is_router(parent: nn.Module, child: str) -> bool:
-    return child in ROUTER_NAMES and hasattr(parent, "experts")
+def _is_router(model: nn.Module, parent_name: str, child: str) -> bool:
+    """Whether the Linear `child` of module `parent_name` is (inside) an MoE router: named
+    gate / router next to `experts`, or any Linear of a router module so named (HunYuan's
+    `gate.wg`, LongCat-Flash's `router.classifier`, whose forward computes with the weight
+    itself, ERGO's `gate.linear`, DBRX's `router.layer`)."""
+    parent = model.get_submodule(parent_name)
+    if child in ROUTER_NAMES and hasattr(parent, "experts"):
+        return True
+    grandparent_name, _, parent_child = parent_name.rpartition(".")
+    return bool(parent_name) and _is_router(model, grandparent_name, parent_child)
 
 
 def _weight(layer: LoraLinear | ExpertProjection) -> Tensor:

@@ -55,9 +55,11 @@ from posttrain.model.lora import LoraLinear
 LATENT_ATTENTION_CLASSES = frozenset(
     {
         *("DeepseekV3Attention", "DeepseekV2Attention", "Glm4MoeLiteAttention"),
-        *("MiniCPM3Attention", "YoutuAttention", "AXK1Attention"),
+        *("MiniCPM3Attention", "YoutuAttention", "AXK1Attention", "LongcatFlashMLA"),
     }
 )
+# Those whose rope is always interleaved (their configs have no `rope_interleave`).
+INTERLEAVED_ROPE_CLASSES = frozenset({"LongcatFlashMLA"})
 
 _Attend = Callable[..., tuple[Tensor, Tensor | None]]
 _SDPA = cast(_Attend, sdpa_attention_forward)
@@ -154,12 +156,16 @@ def _query_and_latent(
     q_BHQD = q_states.view(rows, width, -1, m.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = q_BHQD.split([nope, rope], dim=-1)
     kv_nope, k_rot = m.kv_a_proj_with_mqa(hidden_states).split([m.kv_lora_rank, rope], dim=-1)
-    kv_nope = m.kv_a_layernorm(kv_nope).view(rows, 1, width, m.kv_lora_rank)
+    kv_nope = m.kv_a_layernorm(kv_nope)
+    if hasattr(m, "mla_scale_q_lora"):  # LongCat-Flash scales the query and the latent
+        q_pass, q_rot = q_pass * m.mla_scale_q_lora, q_rot * m.mla_scale_q_lora
+        kv_nope = kv_nope * m.mla_scale_kv_lora
+    kv_nope = kv_nope.view(rows, 1, width, m.kv_lora_rank)
     k_rot = k_rot.view(rows, 1, width, rope)
     if isinstance(position_embeddings, Tensor):  # DeepSeek-V2: complex frequencies
         frequencies = position_embeddings.to(q_rot.device)
         q_rot, k_rot = modeling.apply_rotary_emb(q_rot, k_rot, frequencies)
-    elif getattr(m.config, "rope_interleave", False):
+    elif getattr(m.config, "rope_interleave", type(module).__name__ in INTERLEAVED_ROPE_CLASSES):
         q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, *position_embeddings)
     else:
         q_rot, k_rot = modeling.apply_rotary_pos_emb(q_rot, k_rot, *position_embeddings)

@@ -48,6 +48,7 @@ SERVED: frozenset[str] = frozenset(
         "apertus1p5_text",
         "arcee",
         "aria_text",
+        "axk1",
         "beam",
         "biogpt",
         "bitnet",
@@ -59,8 +60,10 @@ SERVED: frozenset[str] = frozenset(
         "ctrl",
         "cwm",
         "dbrx",
+        "deepseek_v2",
         "deepseek_v3",
         "dots1",
+        "ergo",
         "ernie4_5",
         "ernie4_5_moe",
         "exaone",
@@ -77,6 +80,7 @@ SERVED: frozenset[str] = frozenset(
         "glm",
         "glm4",
         "glm4_moe",
+        "glm4_moe_lite",
         "got_ocr2",
         "gpt-sw3",
         "gpt2",
@@ -91,6 +95,7 @@ SERVED: frozenset[str] = frozenset(
         "granitemoeshared",
         "helium",
         "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
         "hy_v3",
         "hyperclovax",
         "internlm3",
@@ -99,7 +104,9 @@ SERVED: frozenset[str] = frozenset(
         "kolibri1",
         "laguna",
         "llama",
+        "longcat_flash",
         "mellum",
+        "minicpm3",
         "minicpm5_moe",
         "minimax_m2",
         "minimax_m3_vl_text",
@@ -137,15 +144,12 @@ SERVED: frozenset[str] = frozenset(
         "stablelm",
         "starcoder2",
         "vaultgemma",
+        "youtu",
     }
 )
 
 REFUSED: dict[str, str] = {
-    "axk1": (
-        "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
-        "1, 8] cannot be broadcast to indexing result of shape [9, 1, 16])"
-    ),
-    "axk2": "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')",
+    "axk2": "posttrain fails on it (KeyError: 'indexed_attention')",
     "bailing_hybrid": (
         "posttrain has no cache for its delta-rule linear attention (a recurrent state "
         "per sequence)"
@@ -177,13 +181,7 @@ REFUSED: dict[str, str] = {
     "data2vec-text": (
         "a bidirectional encoder with an optional causal head: not a decoder-only causal LM"
     ),
-    "deepseek_v2": (
-        "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
-        "1, 8] cannot be broadcast to indexing result of shape [9, 1, 16])"
-    ),
-    "deepseek_v32": (
-        "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')"
-    ),
+    "deepseek_v32": "posttrain fails on it (KeyError: 'indexed_attention')",
     "deepseek_v4": (
         "posttrain fails on it (RuntimeError: The size of tensor a (1024) must match the "
         "size of tensor b (8192) at non-singleton dimension 3)"
@@ -207,7 +205,6 @@ REFUSED: dict[str, str] = {
     ),
     "electra": "a bidirectional encoder with an optional causal head: not a decoder-only causal LM",
     "emu3": "model_type 'emu3_text_model' is not a decoder-only causal LM",
-    "ergo": "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')",
     "ernie": "a bidirectional encoder with an optional causal head: not a decoder-only causal LM",
     "falcon_h1": (
         "posttrain has no cache for its state-space mixer layers (a convolution and an "
@@ -256,13 +253,7 @@ REFUSED: dict[str, str] = {
         "posttrain fails on it (RuntimeError: Expected size for first two dimensions of "
         "batch2 tensor to be: [8, 10] but got: [8, 1].)"
     ),
-    "glm4_moe_lite": (
-        "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
-        "1, 8] cannot be broadcast to indexing result of shape [9, 1, 16])"
-    ),
-    "glm_moe_dsa": (
-        "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')"
-    ),
+    "glm_moe_dsa": "posttrain fails on it (KeyError: 'indexed_attention')",
     "gpt_neo": (
         "posttrain fails on it (IndexError: index 0 is out of bounds for dimension 0 with size 0)"
     ),
@@ -278,12 +269,7 @@ REFUSED: dict[str, str] = {
         "posttrain fails on it (AttributeError: '_ProbeCache' object has no attribute "
         "'is_initialized')"
     ),
-    "hunyuan_v1_moe": (
-        "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')"
-    ),
-    "hy_v4": (
-        "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')"
-    ),
+    "hy_v4": "posttrain fails on it (KeyError: 'indexed_attention')",
     "inkling2_loop_text": (
         "posttrain has no cache for its short-convolution layers (a convolution state per sequence)"
     ),
@@ -323,9 +309,6 @@ REFUSED: dict[str, str] = {
         "posttrain fails on it (AttributeError: 'MoeCausalLMOutputWithPast' object has "
         "no attribute 'last_hidden_state')"
     ),
-    "longcat_flash": (
-        "posttrain fails on it (AttributeError: 'LoraLinear' object has no attribute 'weight')"
-    ),
     "mamba": (
         "posttrain has no cache for its Mamba state-space layers (a convolution and an "
         "SSM state per sequence)"
@@ -342,10 +325,6 @@ REFUSED: dict[str, str] = {
     "mimo_v2_flash": (
         "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
         "2, 12] cannot be broadcast to indexing result of shape [9, 2, 16])"
-    ),
-    "minicpm3": (
-        "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
-        "1, 8] cannot be broadcast to indexing result of shape [9, 1, 16])"
     ),
     "minimax": (
         "posttrain has no cache for its lightning linear attention (a recurrent state per sequence)"
@@ -430,10 +409,6 @@ REFUSED: dict[str, str] = {
     ),
     "xlstm": "posttrain has no cache for its xLSTM layers (a recurrent cell state per sequence)",
     "xmod": "a bidirectional encoder with an optional causal head: not a decoder-only causal LM",
-    "youtu": (
-        "posttrain fails on it (RuntimeError: shape mismatch: value tensor of shape [9, "
-        "1, 8] cannot be broadcast to indexing result of shape [9, 1, 16])"
-    ),
     "zamba": (
         "posttrain has no cache for its Mamba state-space layers (a convolution and an "
         "SSM state per sequence)"

@@ -58,6 +58,7 @@ _COMMON = dict(
 HEAD_DIM = object()  # a family setting that takes the size's head width
 MOE_WIDTH = object()  # a family setting that takes the size's expert width
 HYBRID_LAYERS = object()  # layer_types alternating linear and full attention, the size's depth
+NONE = object()  # a setting set to None (a None override leaves the family's default)
 
 # model_type -> config overrides beyond _COMMON.
 FAMILIES: dict[str, dict[str, object]] = {
@@ -151,6 +152,8 @@ def _sized(value: object, size: Size) -> object:
         return size.head_dim
     if value is MOE_WIDTH:
         return size.hidden_size // 2
+    if value is NONE:
+        return None
     if value is HYBRID_LAYERS:
         return ["linear_attention", "full_attention"] * (size.num_hidden_layers // 2)
     return value
@@ -164,9 +167,40 @@ REPLAY_FAMILIES: dict[str, dict[str, object]] = {
 }
 
 
+# The other families whose attention is DeepSeek-V3's multi-head latent attention, which only
+# the latent-attention tests build: latent widths unlike DeepSeek-V3's test build (an odd
+# latent, no query latent, values wider than keys), few experts.
+_MLA: dict[str, object] = {
+    "num_key_value_heads": NUM_HEADS,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "moe_intermediate_size": MOE_WIDTH,
+}
+_FEW_EXPERTS: dict[str, object] = {"n_routed_experts": 8, "num_experts_per_tok": 2}
+LATENT_ATTENTION_FAMILIES: dict[str, dict[str, object]] = {
+    # Complex-frequency rope; queries straight from q_proj.
+    "deepseek_v2": {**_MLA, **_FEW_EXPERTS, "q_lora_rank": NONE},
+    "glm4_moe_lite": {**_MLA, **_FEW_EXPERTS, "kv_lora_rank": 15},
+    "minicpm3": {**_MLA, "qk_rope_head_dim": 4, "v_head_dim": 24},
+    "youtu": dict(_MLA),
+    "axk1": {**_MLA, **_FEW_EXPERTS, "n_group": 4, "topk_group": 2},
+    # Latents scaled by sqrt(hidden / rank), two attention modules per decoder layer; its rotary
+    # width is `head_dim`.
+    "longcat_flash": {**_MLA, **_FEW_EXPERTS, "zero_expert_num": 4, "head_dim": 8},
+}
+
+
 def config(family: str, size: Size = TESTS, extra: dict[str, object] | None = None):
     """The family's config; `extra` fields are set last (IGNORED_FIELDS)."""
-    overrides = {**FAMILIES, **REPLAY_FAMILIES, **LINEAR_ATTENTION_FAMILIES}[family]
+    overrides = {
+        **FAMILIES,
+        **REPLAY_FAMILIES,
+        **LINEAR_ATTENTION_FAMILIES,
+        **LATENT_ATTENTION_FAMILIES,
+    }[family]
     settings = {**_COMMON, **size.settings(), **overrides, **(extra or {})}
     settings = {k: _sized(v, size) for k, v in settings.items() if v is not None}
     return AutoConfig.for_model(family, **settings)

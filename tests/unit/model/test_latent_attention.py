@@ -2,7 +2,10 @@
 a position costs (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes, what the architecture
 promises, and decoding from the latent cache, with a trained LoRA adapter on every latent
 projection, gives at every step the logprob a full recompute (the trainer's forward) gives,
-whether decode passes attend in latent space or over keys and values expanded per row."""
+whether decode passes attend in latent space or over keys and values expanded per row. The
+other families with the same attention (DeepSeek-V2's complex rope and query without a latent,
+GLM-4 MoE Lite, MiniCPM3, Youtu, AXK1, LongCat-Flash's scaled latents) cache their latents too,
+score as plain transformers does and decode as a full recompute scores."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from pathlib import Path
 
 import families
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from posttrain.config import EngineConfig
 from posttrain.engine.hosts.in_process import LocalEngine
@@ -98,15 +103,27 @@ def test_decode_from_the_latent_cache_equals_a_full_recompute_at_every_step(
     directory = families.build(FAMILY, tmp_path / FAMILY, extra={"kv_lora_rank": kv_lora_rank})
     engine = engine_for(directory)
     base = scored(engine, TOKENS)
-    for _ in range(3):
-        forward_backward(engine, "r", "s", ForwardBackwardRequest((ce_sample(TOKENS),), CE))
-        engine.optim_step("r", "s", OptimStepRequest(adam=AdamParams(learning_rate=2e-2)))
-    engine.publish("r", "s", version=1)
+    train(engine)
     names = [name for name, _ in engine._session("r", "s")[1].optimizer.named_params]
     for projection in LATENT_PROJECTIONS:
         assert any(f".self_attn.{projection}.lora_B" in name for name in names), projection
     assert max(abs(a - b) for a, b in zip(scored(engine, TOKENS), base, strict=True)) > 1e-2
 
+    worst = decoded_against_recomputed(engine)
+    print(f"latent-cache decode vs full recompute: max |logprob difference| {worst:.2e}")
+    assert worst <= 1e-5
+    assert bool(absorbed_passes) == absorbed
+
+
+def train(engine: LocalEngine, steps: int = 3) -> None:
+    for _ in range(steps):
+        forward_backward(engine, "r", "s", ForwardBackwardRequest((ce_sample(TOKENS),), CE))
+        engine.optim_step("r", "s", OptimStepRequest(adam=AdamParams(learning_rate=2e-2)))
+    engine.publish("r", "s", version=1)
+
+
+def decoded_against_recomputed(engine: LocalEngine) -> float:
+    """The largest |sampler logprob - full recompute's| over 3 samples of each prompt."""
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, stop_at_eos=False)
     results = sample(engine, "r", "s", SampleRequest(PROMPTS, 3, params))
     worst = 0.0
@@ -115,9 +132,36 @@ def test_decode_from_the_latent_cache_equals_a_full_recompute_at_every_step(
             recomputed = scored(engine, (*prompt, *sequence.tokens))[len(prompt) - 1 :]
             steps = zip(sequence.logprobs, recomputed, strict=True)
             worst = max(worst, *(abs(a - b) for a, b in steps))
-    print(f"latent-cache decode vs full recompute: max |logprob difference| {worst:.2e}")
+    return worst
+
+
+@pytest.mark.parametrize("family", families.LATENT_ATTENTION_FAMILIES)
+def test_the_other_latent_attention_families_are_exact_and_decode_from_their_latents(
+    tmp_path, family
+):
+    directory = families.build(family, tmp_path / family)
+    engine = engine_for(directory)
+    loaded = engine._resource("r").loaded
+    config = loaded.model.config
+    modules = latent_attention_modules(loaded.model)
+    assert modules and all("forward" in vars(m) for m in modules)
+    assert loaded.kv.num_kv_heads * 2 * loaded.kv.head_dim in {
+        config.kv_lora_rank + config.qk_rope_head_dim + pad for pad in (0, 1)
+    }
+    plain = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        logits = plain(input_ids=torch.tensor([TOKENS])).logits[0, :-1]
+    expected = torch.log_softmax(logits.double(), -1)[range(len(TOKENS) - 1), TOKENS[1:]]
+    step_0 = torch.tensor(scored(engine, TOKENS), dtype=torch.float64)
+    assert torch.allclose(step_0, expected, atol=1e-5, rtol=0)
+    train(engine)
+    names = [name for name, _ in engine._session("r", "s")[1].optimizer.named_params]
+    assert any(".kv_b_proj.lora_B" in name for name in names)
+    trained = torch.tensor(scored(engine, TOKENS), dtype=torch.float64)
+    assert (trained - step_0).abs().max() > 1e-2
+    worst = decoded_against_recomputed(engine)
+    print(f"{family}: latent-cache decode vs full recompute: max |difference| {worst:.2e}")
     assert worst <= 1e-5
-    assert bool(absorbed_passes) == absorbed
 
 
 def test_joins_in_a_decode_pass_get_what_they_get_alone_with_decode_rows_expanded(

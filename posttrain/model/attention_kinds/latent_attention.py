@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V3) through posttrain's caches, which hold the latent.
+"""Multi-head latent attention (DeepSeek-V3, and the families whose attention is its op for op:
+LATENT_ATTENTION_CLASSES) through posttrain's caches, which hold the latent.
 
 MLA projects each position to one compressed vector: `kv_a_proj_with_mqa` gives the key/value
 latent c (kv_lora_rank wide, normalised by `kv_a_layernorm`) and one rope key k_rot shared by

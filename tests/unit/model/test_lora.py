@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.config import BUILTIN_MODEL_DIR
-from posttrain.model.lora import AdapterSpec, LoraModel
+from posttrain.model.lora import AdapterSpec, LoraLinear, LoraModel
 
 SPEC = AdapterSpec(rank=4, alpha=8, dropout=0.0, seed=0, train_unembed=True)
 
@@ -87,3 +87,36 @@ def test_route_blocks_nest_and_adapts_reports_the_head():
             assert not head.adapts()  # b has no head adapter
         assert head.routing is outer and head.adapts()
     assert head.routing == [] and not head.adapts()
+
+
+def test_linears_inside_a_router_module_stay_frozen_and_a_wrapped_one_shows_its_base_weight():
+    """HunYuan's MoE router is a `gate` module holding a Linear `wg`, whose dtype its forward
+    reads through `wg.weight`: the router stays the base model's (never adapted), and a
+    wrapped projection's `weight` is its frozen base weight."""
+    config = AutoConfig.for_model(
+        "hunyuan_v1_moe",
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        moe_topk=2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        base = model(input_ids=tokens).logits
+    lora = LoraModel(model)
+    names = {name for name, _ in lora.add_adapter("a", SPEC)}
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.gate.wg) is torch.nn.Linear
+    assert not [name for name in names if ".gate." in name]
+    assert "model.layers.0.self_attn.o_proj.lora_A" in names
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, LoraLinear) and o_proj.weight is o_proj.base.weight
+    with torch.no_grad(), lora.route([("a", None)]):
+        torch.testing.assert_close(model(input_ids=tokens).logits, base, rtol=0, atol=0)

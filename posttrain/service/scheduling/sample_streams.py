@@ -254,16 +254,18 @@ class StreamPass:
             return False
         return not changed & (self._sessions() | {session_id for session_id, _ in joining})
 
+    def _spare_bytes(self, items: list[tuple[str, SampleRequest]]) -> int:
+        """What is free beside `items`' own estimated peak (negative: they do not fit)."""
+        engine = self.scheduler.engine
+        free = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
+        return free - engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, list(items))
+
     def _fits(self, members: list[Ready]) -> bool:
         """Whether operations split off by memory admission fit beside the running rows."""
-        engine = self.scheduler.engine
         items = _items(members)
-        spare = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
-        spare -= engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, list(items))
-        rows = sum(_rows(request) for _, _, request in members)
-        return self.stream.running_rows() + rows <= stream_rows(
-            self.scheduler.limits
-        ) and self.stream.fits(items, spare)
+        rows = self.stream.running_rows() + sum(_rows(request) for _, _, request in members)
+        limit = stream_rows(self.scheduler.limits)
+        return rows <= limit and self.stream.fits(items, self._spare_bytes(items))
 
     def _admit(self, members: list[Ready]) -> None:
         if not members:
@@ -273,10 +275,8 @@ class StreamPass:
         if not self.stream.running_rows():
             # A start: the stream allocates its pool for up to the row limit, as much as the
             # memory spare beside these operations' estimate lets it (sample_stream.pool_rows).
-            engine = self.scheduler.engine
             limit = stream_rows(self.scheduler.limits)
-            spare = engine.headroom(self.resource_id, OperationKind.SAMPLE).free_bytes
-            spare -= engine.peak_bytes(self.resource_id, OperationKind.SAMPLE, list(items))
+            spare = self._spare_bytes(items)
         if self.lane is not None:  # each operation's fence, the latest of them for all
             self.fence = max(self.fence, *(self._queued[op.id].fence for op, _, _ in members))
         ids = self.stream.admit(items, self.fence, row_limit=limit, spare_bytes=spare)
